@@ -1,0 +1,32 @@
+# The two commands: `make run` and `make test`. Each installs what is missing first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PDSERVE := $(VENV)/bin/pdserve
+
+.PHONY: setup run test lint protos check-protos unit e2e
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	@$(PDSERVE) up --model-path .cache/models/tiny
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+protos: setup
+	@bash scripts/gen_protos.sh
+
+# Regenerate the protobuf code and fail if it differs from what is committed.
+check-protos: setup
+	@bash scripts/gen_protos.sh --check
+
+unit: setup
+	$(PY) -m pytest -q -m "not e2e" tests
+
+e2e: setup
+	$(PY) -m pytest -q -m e2e tests
+
+test: setup lint check-protos
+	$(PY) -m pytest -q -ra tests

@@ -1,0 +1,7 @@
+"""Paged KV storage and the transfer backends that move KV pages between processes."""
+
+from libkv.allocator import OutOfPages, PageAllocator
+from libkv.layout import KVLayout, LayoutMismatch
+from libkv.pool import KVPool
+
+__all__ = ["KVLayout", "KVPool", "LayoutMismatch", "OutOfPages", "PageAllocator"]

@@ -1,0 +1,59 @@
+"""The `pdserve` console command.
+
+Each subcommand lives in the module that owns it; this file only maps names to modules so
+that `pdserve --help` and every command start without importing torch or grpc they do not need.
+A command module exposes `add_arguments(parser)` and `main(args) -> int | None`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Two-word names are subcommands of a group ("bench engine").
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny-model": ("engine.tiny_model", "write the built-in random-weight HF checkpoint"),
+    "generate": ("engine.cli_generate", "stream a generation from a local checkpoint in-process"),
+    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker"),
+    "bootstrap": ("services.bootstrap.main", "start the bootstrap registry"),
+    "launch-router": ("services.gateway.main", "start the OpenAI-compatible gateway"),
+    "up": ("services.up", "start registry, prefill, decode and gateway as local processes"),
+    "bench engine": ("engine.bench", "decode throughput of the engine against HF transformers"),
+    "bench transfer": ("libkv.bench", "KV page transfer bandwidth against memcpy"),
+    "bench gateway": ("services.gateway.bench", "latency the gateway adds over a direct worker call"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: pdserve COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _resolve(argv: list[str]) -> tuple[str, list[str]] | None:
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in COMMANDS:
+        return f"{argv[0]} {argv[1]}", argv[2:]
+    if argv and argv[0] in COMMANDS:
+        return argv[0], argv[1:]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    found = _resolve(argv)
+    if found is None:
+        print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    name, rest = found
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Every environment knob pdserve reads, declared once.
+
+Names mirror SGLang's `SGLANG_DISAGGREGATION_*` knobs with a `PDSERVE_` prefix where they mean
+the same thing. Code never calls `os.environ` for a PDSERVE_ variable anywhere else: it asks the
+declared `EnvVar` here (`envs.WAITING_TIMEOUT.get()`), and services copy the values into their
+frozen configs once at start-up. `pdserve.envs.describe()` renders the README table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T", int, float, str, bool)
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        kind = type(self.default)
+        try:
+            if kind is bool:
+                return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+            return kind(raw)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={raw!r} is not a valid {kind.__name__}") from exc
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+def _default_thread_pool_size() -> int:
+    # Same rule as SGLang's default: 3/4 of the cores divided by 8, kept within 4..12.
+    return min(max(int(0.75 * (os.cpu_count() or 1)) // 8, 4), 12)
+
+
+BOOTSTRAP_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0,
+    "Prefill: seconds a request may wait for its decode-side handshake (bootstrap queue).")
+WAITING_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT", 300.0,
+    "Decode: seconds a request may wait for its KV cache after pre-allocation (transfer queue).")
+HEARTBEAT_INTERVAL = EnvVar(
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0,
+    "Seconds between a worker's heartbeats to the bootstrap registry.")
+HEARTBEAT_MAX_FAILURE = EnvVar(
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2,
+    "Missed heartbeats after which the registry expires a worker's lease.")
+THREAD_POOL_SIZE = EnvVar(
+    "PDSERVE_DISAGGREGATION_THREAD_POOL_SIZE", _default_thread_pool_size(),
+    "Prefill: threads that issue KV transfers.")
+QUEUE_SIZE = EnvVar(
+    "PDSERVE_DISAGGREGATION_QUEUE_SIZE", 4,
+    "Prefill: parallel transfer queues; requests are sharded over them by room.")
+TRANSFER_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_TRANSFER_TIMEOUT", 30.0,
+    "Seconds one KV write may take before its peer is declared dead.")
+NIXL_BACKEND = EnvVar(
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND", "UCX",
+    "NIXL plugin used by the nixl transfer backend.")
+MOONCAKE_MAX_QUEUED_PER_PEER = EnvVar(
+    "PDSERVE_MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER", 65536,
+    "Mooncake TCP transport's per-peer queue limit (its default rejects large batches).")
+LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
+
+ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
+
+
+def describe() -> str:
+    """A Markdown table of every knob, for the README."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | `{v.default}` | {v.doc} |" for v in ALL]
+    return "\n".join(rows)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Generate Python (+ .pyi) for protos/v1/*.proto beside the sources, run from the repo root with
+# `-I .` so the code imports as `from protos.v1 import bootstrap_pb2` without patching.
+# With --check, regenerate into a temporary tree and fail if anything differs from what is committed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+shopt -s nullglob
+protos=(protos/v1/*.proto)
+[ ${#protos[@]} -gt 0 ] || { echo "no protos"; exit 0; }
+
+generate() {  # $1: output root
+  "$PY" -m grpc_tools.protoc -I . --python_out="$1" --pyi_out="$1" --grpc_python_out="$1" "${protos[@]}"
+}
+
+if [ "${1:-}" = "--check" ]; then
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  generate "$tmp"
+  status=0
+  for f in "$tmp"/protos/v1/*; do
+    name=$(basename "$f")
+    if ! cmp -s "$f" "protos/v1/$name"; then echo "protos/v1/$name is stale: run 'make protos'"; status=1; fi
+  done
+  exit $status
+fi
+generate .
+echo "generated: ${protos[*]}"

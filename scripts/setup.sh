@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: system packages, the venv, the project and the built-in models.
+# `make run` and `make test` both call this; a second call does almost nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+# Mooncake's non-CUDA wheel links against libibverbs even when it only uses TCP.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  echo "[setup] apt-get install libibverbs1"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+stamp="$VENV/.pdserve-installed"
+want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x "$VENV/bin/python" ] || { echo "[setup] creating $VENV"; $PY -m venv "$VENV"; }
+  echo "[setup] pip install (first time: a few minutes)"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev]"
+  # NIXL's package metadata asks for CUDA torch; the UCX backend needs none of it.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
+  echo "$want" > "$stamp"
+fi
+
+# The built-in checkpoints: written by code from a fixed seed, never downloaded.
+for preset in tiny small; do
+  dir=".cache/models/$preset"
+  if [ ! -f "$dir/model.safetensors" ]; then
+    echo "[setup] writing built-in model '$preset' to $dir"
+    "$VENV/bin/pdserve" make-tiny-model --preset "$preset" --out "$dir"
+  fi
+done

@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from libkv import KVLayout, KVPool, LayoutMismatch
+from libkv.runs import PageRun, coalesce
+
+
+def test_page_bytes_and_pool_views():
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=5, dtype="float32")
+    assert layout.page_nbytes == 3 * 2 * 5 * 2 * 4 * 4
+    assert layout.pages_for(11) == 3 and layout.pages_for(10) == 2
+    pool = KVPool(layout, num_pages=6)
+    assert pool.nbytes == 6 * layout.page_nbytes
+    pool.k_cache(1)[4].fill_(7.0)
+    # page-major: page 4 is one contiguous block and layer 1's K lies inside it
+    block = pool.as_bytes()[pool.page_offset(4): pool.page_offset(4) + layout.page_nbytes]
+    assert block.view(torch.float32).sum().item() == 7.0 * 5 * 2 * 4
+    assert pool.k_cache(1).shape == (6, 5, 2, 4)
+
+
+def test_mismatch_names_both_values():
+    a = KVLayout(4, 2, 64, 16, "float32")
+    b = KVLayout(4, 2, 64, 32, "bfloat16")
+    with pytest.raises(LayoutMismatch) as err:
+        a.check_compatible(b, mine="decode", theirs="prefill")
+    msg = str(err.value)
+    assert "page_size: 16 vs 32" in msg and "dtype: float32 vs bfloat16" in msg
+    assert KVLayout.from_dict(a.to_dict()) == a
+
+
+def test_coalesce_merges_runs_consecutive_on_both_sides():
+    runs = coalesce([3, 4, 5, 9, 10, 2], [7, 8, 9, 1, 3, 4])
+    assert runs == [PageRun(3, 7, 3), PageRun(9, 1, 1), PageRun(10, 3, 1), PageRun(2, 4, 1)]
+    with pytest.raises(ValueError):
+        coalesce([1], [])
