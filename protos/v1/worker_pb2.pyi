@@ -1,0 +1,84 @@
+from protos.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    prefill_address: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("outputs", "finish_reason", "usage")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenOutput]
+    finish_reason: _common_pb2.FinishReason
+    usage: Usage
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    def __init__(self, room: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst: _common_pb2.TransferEndpoint
+    decode_worker_id: str
+    model: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first_token: _common_pb2.TokenOutput
+    num_pages_written: int
+    bytes_transferred: int
+    transfer_seconds: float
+    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
