@@ -1,0 +1,65 @@
+"""ModelRunner: turns a SchedulerOutput into input tensors, runs the decoder, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.models.attention import AttentionMetadata, ExtendSpan, extend_mask
+from engine.models.decoder import DecoderModel
+from libkv.pool import KVPool
+
+
+class ModelRunner:
+    """Runs one step of the model over the KV pool; knows nothing about requests or sampling."""
+
+    def __init__(self, model: DecoderModel, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.page_size = pool.layout.page_size
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _slots(self, chunk: ScheduledChunk) -> list[int]:
+        size = self.page_size
+        pages = chunk.page_ids
+        return [pages[pos // size] * size + pos % size for pos in range(chunk.start_pos, chunk.end_pos)]
+
+    @torch.inference_mode()
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits [len(batch.sampled_chunks()), vocab], rows in that order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in batch.decodes:
+            input_ids.append(chunk.token_ids[0])
+            positions.append(chunk.start_pos)
+            slots.extend(self._slots(chunk))
+        page_table = seq_lens = None
+        if batch.decodes:
+            width = max(len(c.page_ids) for c in batch.decodes)
+            page_table = self._tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in batch.decodes])
+            seq_lens = self._tensor([c.end_pos for c in batch.decodes])
+
+        spans: list[ExtendSpan] = []
+        logit_rows = list(range(len(batch.decodes)))
+        for chunk in batch.extends:
+            start = len(input_ids)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.end_pos))
+            slots.extend(self._slots(chunk))
+            num_pages = -(-chunk.end_pos // self.page_size)
+            spans.append(ExtendSpan(start=start, length=len(chunk.token_ids), prefix_len=chunk.start_pos,
+                                    page_ids=self._tensor(chunk.page_ids[:num_pages]),
+                                    mask=extend_mask(chunk.start_pos, len(chunk.token_ids), self.device)))
+            if chunk.sample:
+                logit_rows.append(len(input_ids) - 1)
+
+        meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
+                                 decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
+        every_row = len(logit_rows) == len(input_ids)
+        return self.model.forward(
+            self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
+            None if every_row else self._tensor(logit_rows))

@@ -1,0 +1,78 @@
+"""Attention over the paged KV pool for one flattened batch of decode tokens and extend chunks.
+
+The batch's rows are laid out as: first `num_decode` decode tokens (one per sequence), then each
+extend span's new tokens back to back. Decode rows go through one batched
+`kernels.ops.paged_decode_attention`; each extend span attends to its cached prefix (gathered
+from its pages) plus causally over its own new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import ops
+
+
+@dataclass
+class ExtendSpan:
+    """`length` new tokens of one sequence at rows [start, start+length), after `prefix_len` cached ones.
+
+    `page_ids` covers prefix_len + length tokens. `mask` ([length, prefix_len + length] bool, True
+    = may attend) is None when there is no prefix (plain causal attention over the new tokens).
+    """
+
+    start: int
+    length: int
+    prefix_len: int
+    page_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer; built once by the model runner."""
+
+    slots: torch.Tensor  # [T] pool slot (page * page_size + offset) of each row's new K/V
+    num_decode: int
+    decode_page_table: torch.Tensor | None  # [num_decode, max_pages]
+    decode_seq_lens: torch.Tensor | None  # [num_decode], including the token being decoded
+    extends: list[ExtendSpan]
+
+
+def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """Row i (absolute position prefix_len + i) may see keys 0..prefix_len + i."""
+    if prefix_len == 0:
+        return None
+    keys = torch.arange(prefix_len + length, device=device)
+    queries = torch.arange(length, device=device) + prefix_len
+    return keys[None, :] <= queries[:, None]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
+                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], this step's k/v [T, Hkv, D] (already stored in the pool) -> [T, Hq, D]."""
+    num_decode = meta.num_decode
+    if num_decode and not meta.extends:
+        return ops.paged_decode_attention(q, buffer, layer, meta.decode_page_table,
+                                          meta.decode_seq_lens, scale)
+    out = torch.empty_like(q)
+    if num_decode:
+        out[:num_decode] = ops.paged_decode_attention(q[:num_decode], buffer, layer,
+                                                      meta.decode_page_table, meta.decode_seq_lens, scale)
+    for span in meta.extends:
+        rows = slice(span.start, span.start + span.length)
+        if span.prefix_len == 0:
+            # The chunk's own K/V are exactly what was just stored: skip the round trip via pages.
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = ops.gather_kv(buffer, layer, span.page_ids, span.prefix_len + span.length)
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True)
+        out[rows] = attended[0].transpose(0, 1)
+    return out

@@ -1,0 +1,162 @@
+"""ModelConfig: the decoder shape read from a Hugging Face config.json (Llama / Qwen2 / Qwen3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# architecture name -> (q/k/v bias default, per-head q/k RMSNorm)
+_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` is "default", "linear" or "llama3"."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the decoder needs to know about a checkpoint; built by `from_dir`.
+
+    One decoder serves the three families; the switches are `qkv_bias` (Qwen2), `qk_norm`
+    (Qwen3), `o_bias`/`mlp_bias` (Llama's attention_bias / mlp_bias) and `tie_word_embeddings`.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    torch_dtype: str  # the checkpoint's declared dtype, used by --dtype auto
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        return cls.from_dict(raw, _generation_eos(model_dir))
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
+        arch = _architecture(raw)
+        qkv_bias_default, qk_norm = _ARCHITECTURES[arch]
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
+        if raw.get("use_sliding_window", False):
+            raise ValueError("sliding-window attention is not implemented (use_sliding_window is true)")
+        num_heads = raw["num_attention_heads"]
+        attention_bias = bool(raw.get("attention_bias", False))
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
+        eos = generation_eos if generation_eos else _as_ids(raw.get("eos_token_id"))
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope=_rope(raw),
+            # Qwen2 always has q/k/v bias; Llama/Qwen3 only with attention_bias, which also adds o bias.
+            qkv_bias=qkv_bias_default or attention_bias,
+            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=dtype,
+            eos_token_ids=eos,
+        )
+
+
+def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
+    """`--dtype auto|float32|bfloat16|float16`; auto takes the checkpoint's declared dtype."""
+    name = config.torch_dtype if requested == "auto" else requested
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {requested!r}; expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _architecture(raw: dict) -> str:
+    for arch in raw.get("architectures") or []:
+        if arch in _ARCHITECTURES:
+            return arch
+    if raw.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[raw["model_type"]]
+    raise ValueError(f"unsupported model: architectures={raw.get('architectures')} "
+                     f"model_type={raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
+
+
+def _rope(raw: dict) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older checkpoints (e.g. Llama-3.1)
+    # have top-level `rope_theta` and an optional `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope type {rope_type!r}; implemented: default, linear, llama3")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not implemented")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or raw.get("max_position_embeddings", 8192)),
+    )
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return ()
+    return _as_ids(json.loads(path.read_text()).get("eos_token_id"))
