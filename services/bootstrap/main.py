@@ -1,0 +1,60 @@
+"""`pdserve bootstrap`: run the worker registry until SIGINT/SIGTERM.
+
+Prints `[time] bootstrap registry listening on HOST:PORT (metrics :MPORT)` once it accepts
+RPCs (launchers and tests read the bound port from it when started with --port 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc
+from services.bootstrap.config import BootstrapConfig
+from services.bootstrap.metrics import registry_metrics
+from services.bootstrap.registry import Registry
+from services.bootstrap.servicer import BootstrapServicer
+from services.common.config_flags import add_config_arguments, config_from_args
+from services.common.grpc_server import (
+    ServiceBinding,
+    service_name,
+    start_grpc_server,
+    wait_for_shutdown_signal,
+)
+from services.common.logging import setup_logging
+from services.common.metrics import start_metrics_server
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, BootstrapConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(BootstrapConfig, args)
+    setup_logging("bootstrap")
+    asyncio.run(serve(config))
+    return 0
+
+
+log = logging.getLogger("pdserve.bootstrap")
+
+
+async def serve(config: BootstrapConfig) -> None:
+    registry = Registry(config.heartbeat_interval, config.heartbeat_max_failure)
+    await registry.start()
+    metrics = start_metrics_server(registry_metrics(registry), config.metrics_port, config.host)
+    try:
+        server = await start_grpc_server(
+            [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
+                            bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],
+            config.host, config.port)
+        log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs", server.address,
+                 metrics.port, registry.ttl_s)
+        received = await wait_for_shutdown_signal()
+        log.info("bootstrap registry got %s: shutting down", received.name)
+        await registry.close()  # ends the Watch streams, which would otherwise hold the grace period
+        await server.stop(config.grace_period)
+    finally:
+        await registry.close()
+        metrics.stop()

@@ -1,0 +1,398 @@
+"""The registry's state: live workers, their leases, and the watchers told about changes.
+
+Pure asyncio, no gRPC: `servicer.py` maps RPCs onto these methods and the exceptions below onto
+status codes. The data model is the pdserve.v1 protobuf messages themselves (WorkerInfo,
+WorkerLoad, Lease, WorkerEvent): the registry stores what workers declare and hands the same
+messages to watchers, so there is no second copy of every field to keep in sync.
+
+Leases: a worker gets a lease at `register`; each `heartbeat` renews it for `ttl_s =
+heartbeat_interval_s * heartbeat_max_failure`. The expiry task removes workers whose lease ran
+out and tells watchers (LEFT, reason "lease expired"); the worker's next heartbeat then fails with
+LeaseNotFound and it registers again under a new worker id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.v1 import bootstrap_pb2, common_pb2
+
+log = logging.getLogger("pdserve.bootstrap")
+
+REASON_DEREGISTERED = "deregistered"
+REASON_EXPIRED = "lease expired"
+REASON_REPLACED = "replaced"
+
+# Labels of pdserve:bootstrap_registrations_refused_total
+REFUSED_INVALID = "invalid"
+REFUSED_LAYOUT = "layout_mismatch"
+REFUSED_BACKEND = "backend_mismatch"
+
+JOINED = bootstrap_pb2.WORKER_EVENT_TYPE_JOINED
+UPDATED = bootstrap_pb2.WORKER_EVENT_TYPE_UPDATED
+LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT
+SYNCED = bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
+
+_ROLE_PREFIX = {
+    common_pb2.WORKER_ROLE_PREFILL: "prefill",
+    common_pb2.WORKER_ROLE_DECODE: "decode",
+    common_pb2.WORKER_ROLE_COLOCATED: "colocated",
+}
+
+
+def role_name(role: int) -> str:
+    """WORKER_ROLE_PREFILL -> "prefill" (the label used in worker ids, logs and metrics)."""
+    return _ROLE_PREFIX.get(role, "unspecified")
+
+
+class InvalidWorker(ValueError):
+    """A registration lacks a field every worker must declare (INVALID_ARGUMENT)."""
+
+
+class RegistrationRefused(Exception):
+    """A worker disagrees with the workers of its model on KV layout or transfer backend
+    (FAILED_PRECONDITION); the message names both values. `kind` is the metrics label."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class LeaseNotFound(KeyError):
+    """The lease expired, was deregistered or was replaced (NOT_FOUND): register again."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "lease not found"
+
+
+class WatcherOverflow(Exception):
+    """The watcher fell more than its queue bound behind and was dropped (RESOURCE_EXHAUSTED)."""
+
+
+def layout_differences(new: common_pb2.KVLayout, registered: common_pb2.KVLayout) -> list[str]:
+    """Each differing KVLayout field as 'name: new vs registered' (torch-free twin of
+    libkv.KVLayout.differences, so the registry does not import torch)."""
+    return [f"{f.name}: {getattr(new, f.name)} vs {getattr(registered, f.name)}"
+            for f in common_pb2.KVLayout.DESCRIPTOR.fields
+            if getattr(new, f.name) != getattr(registered, f.name)]
+
+
+def describe_layout(layout: common_pb2.KVLayout) -> str:
+    return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
+            f"page_size={layout.page_size} dtype={layout.dtype}")
+
+
+@dataclass
+class _Entry:
+    info: bootstrap_pb2.WorkerInfo
+    lease_id: str
+    expires_at: float
+
+
+@dataclass
+class RegistryStats:
+    """Counters since start, read by the metrics collector."""
+
+    lease_expiries: int = 0
+    registrations_refused: Counter[str] = field(default_factory=Counter)
+    watchers_dropped: int = 0
+
+
+class Watcher:
+    """One subscriber's event queue: async-iterate it to receive WorkerEvents.
+
+    Starts with a JOINED event per matching worker and one SYNCED event, then gets every change.
+    Bounded: if more than `max_queued` live events wait unread, the watcher is dropped (iteration
+    raises WatcherOverflow) rather than slowing the registry or the other watchers.
+    Iteration ends (StopAsyncIteration) when the watcher or the registry is closed.
+    """
+
+    def __init__(self, registry: Registry, role: int, model: str, max_queued: int) -> None:
+        self._registry = registry
+        self.role = role
+        self.model = model
+        self.max_queued = max_queued
+        self._events: deque[bootstrap_pb2.WorkerEvent] = deque()
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self.overflowed = False
+
+    def matches(self, info: bootstrap_pb2.WorkerInfo) -> bool:
+        return _matches(info, self.role, self.model)
+
+    def _push(self, event: bootstrap_pb2.WorkerEvent, *, bounded: bool = True) -> bool:
+        """Queue an event; False (and the watcher marked overflowed) if it is too far behind."""
+        if self._closed or self.overflowed:
+            return True
+        if bounded and len(self._events) >= self.max_queued:
+            self.overflowed = True
+            self._events.clear()
+            self._wakeup.set()
+            return False
+        self._events.append(event)
+        self._wakeup.set()
+        return True
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._registry._remove_watcher(self)
+            self._wakeup.set()
+
+    def __aiter__(self) -> Watcher:
+        return self
+
+    async def __anext__(self) -> bootstrap_pb2.WorkerEvent:
+        while True:
+            if self.overflowed:
+                raise WatcherOverflow(f"watcher fell more than {self.max_queued} events behind")
+            if self._events:
+                return self._events.popleft()
+            if self._closed:
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+
+class Registry:
+    """Workers by id with heartbeat leases, a consistency check per model, and watchers.
+
+    Callers: the Bootstrap servicer (one call per RPC) and tests. All methods run on the event
+    loop thread; `start()` launches the expiry task, `close()` stops it and ends every watch.
+    """
+
+    def __init__(self, heartbeat_interval_s: float, heartbeat_max_failure: int, *,
+                 watcher_max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        if heartbeat_interval_s <= 0 or heartbeat_max_failure < 1:
+            raise ValueError(f"heartbeat interval must be > 0 and max failures >= 1, got "
+                             f"{heartbeat_interval_s} and {heartbeat_max_failure}")
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.ttl_s = heartbeat_interval_s * heartbeat_max_failure
+        self.watcher_max_queued = watcher_max_queued
+        self.stats = RegistryStats()
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}  # worker_id -> entry
+        self._by_lease: dict[str, str] = {}  # lease_id -> worker_id
+        self._watchers: set[Watcher] = set()
+        self._ids = itertools.count(1)
+        self._expiry_task: asyncio.Task | None = None
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._expiry_task = asyncio.create_task(self._expire_loop(), name="registry-expiry")
+
+    async def close(self) -> None:
+        """Stop expiring leases and end every watch; later watches end after their snapshot."""
+        self._closed = True
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            try:
+                await self._expiry_task
+            except asyncio.CancelledError:
+                pass
+            self._expiry_task = None
+        for watcher in list(self._watchers):
+            watcher.close()
+
+    async def _expire_loop(self) -> None:
+        # Sweep often enough that a lease is removed within ~10% of its TTL after it runs out.
+        period = min(max(self.ttl_s / 10, 0.01), 1.0)
+        while True:
+            await asyncio.sleep(period)
+            self.expire()
+
+    # -- worker calls --------------------------------------------------------------------------
+
+    def register(self, worker: bootstrap_pb2.WorkerInfo) -> tuple[str, bootstrap_pb2.Lease]:
+        """Add a worker; return its new worker id and lease.
+
+        Raises InvalidWorker or RegistrationRefused. A worker already registered at the same
+        grpc_address is replaced (it restarted): watchers get LEFT "replaced" then JOINED.
+        """
+        try:
+            self._validate(worker)
+            replaced = self._find_by_address(worker.grpc_address)
+            self._check_consistent(worker, ignore=replaced)
+        except InvalidWorker:
+            self.stats.registrations_refused[REFUSED_INVALID] += 1
+            raise
+        except RegistrationRefused as exc:
+            self.stats.registrations_refused[exc.kind] += 1
+            raise
+        if replaced is not None:
+            self._remove(replaced, REASON_REPLACED)
+        info = bootstrap_pb2.WorkerInfo()
+        info.CopyFrom(worker)
+        info.worker_id = f"{role_name(worker.role)}-{next(self._ids)}"
+        lease_id = uuid.uuid4().hex
+        self._entries[info.worker_id] = _Entry(info, lease_id, self._clock() + self.ttl_s)
+        self._by_lease[lease_id] = info.worker_id
+        log.info("worker %s joined: model=%r grpc=%s backend=%s layout [%s]", info.worker_id, info.model,
+                 info.grpc_address, info.transfer_endpoint.backend or "-", describe_layout(info.kv_layout))
+        self._publish(JOINED, info)
+        return info.worker_id, self._lease(lease_id)
+
+    def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None) -> bootstrap_pb2.Lease:
+        """Renew a lease and record the worker's load (watchers get UPDATED if it changed)."""
+        entry = self._entry_for_lease(lease_id)
+        entry.expires_at = self._clock() + self.ttl_s
+        if load is not None and load != entry.info.load:
+            entry.info.load.CopyFrom(load)
+            self._publish(UPDATED, entry.info)
+        return self._lease(lease_id)
+
+    def deregister(self, lease_id: str) -> str:
+        """Remove the worker holding `lease_id`; return its worker id."""
+        entry = self._entry_for_lease(lease_id)
+        self._remove(entry, REASON_DEREGISTERED)
+        return entry.info.worker_id
+
+    def expire(self) -> list[str]:
+        """Remove every worker whose lease has run out; return their ids (the expiry task calls
+        this periodically)."""
+        now = self._clock()
+        expired = [entry for entry in self._entries.values() if entry.expires_at <= now]
+        for entry in expired:
+            self.stats.lease_expiries += 1
+            self._remove(entry, REASON_EXPIRED)
+        return [entry.info.worker_id for entry in expired]
+
+    # -- gateway calls ---------------------------------------------------------------------------
+
+    def list(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = ""
+             ) -> list[bootstrap_pb2.WorkerInfo]:
+        """The workers registered now (copies), in registration order."""
+        return [_copy(entry.info) for entry in self._entries.values() if _matches(entry.info, role, model)]
+
+    def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
+        """Subscribe to changes. The snapshot is queued at once, so no change between the
+        snapshot and the first live event can be missed. Close the watcher when done."""
+        watcher = Watcher(self, role, model, self.watcher_max_queued)
+        for entry in self._entries.values():
+            if watcher.matches(entry.info):
+                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=entry.info), bounded=False)
+        watcher._push(bootstrap_pb2.WorkerEvent(type=SYNCED), bounded=False)
+        self._watchers.add(watcher)
+        if self._closed:
+            watcher.close()
+        return watcher
+
+    def count_by_role(self) -> dict[str, int]:
+        counts = dict.fromkeys(_ROLE_PREFIX.values(), 0)
+        for entry in list(self._entries.values()):  # list(): metrics scrapes run on another thread
+            counts[role_name(entry.info.role)] = counts.get(role_name(entry.info.role), 0) + 1
+        return counts
+
+    @property
+    def num_watchers(self) -> int:
+        return len(self._watchers)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _lease(self, lease_id: str) -> bootstrap_pb2.Lease:
+        return bootstrap_pb2.Lease(lease_id=lease_id, ttl_seconds=self.ttl_s,
+                                   heartbeat_interval_seconds=self.heartbeat_interval_s)
+
+    def _entry_for_lease(self, lease_id: str) -> _Entry:
+        worker_id = self._by_lease.get(lease_id)
+        if worker_id is None:
+            raise LeaseNotFound(f"lease {lease_id!r} not found (expired, deregistered or replaced): "
+                                f"register again")
+        return self._entries[worker_id]
+
+    def _find_by_address(self, grpc_address: str) -> _Entry | None:
+        return next((e for e in self._entries.values() if e.info.grpc_address == grpc_address), None)
+
+    @staticmethod
+    def _validate(worker: bootstrap_pb2.WorkerInfo) -> None:
+        problems = []
+        if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
+            problems.append("role is unspecified")
+        if not worker.model:
+            problems.append("model is empty")
+        host, _, port = worker.grpc_address.rpartition(":")
+        if not host or not port.isdigit():
+            problems.append(f"grpc_address {worker.grpc_address!r} is not host:port")
+        if not worker.HasField("kv_layout"):
+            problems.append("kv_layout is missing")
+        else:
+            layout = worker.kv_layout
+            for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+                if getattr(layout, name) <= 0:
+                    problems.append(f"kv_layout.{name} must be positive, got {getattr(layout, name)}")
+            if not layout.dtype:
+                problems.append("kv_layout.dtype is empty")
+        endpoint = worker.transfer_endpoint
+        if worker.HasField("transfer_endpoint"):
+            if not endpoint.backend:
+                problems.append("transfer_endpoint.backend is empty")
+            if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
+                problems.append("transfer_endpoint.layout differs from kv_layout: "
+                                + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
+        elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+            problems.append(f"a {role_name(worker.role)} worker needs a transfer_endpoint")
+        if problems:
+            raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
+
+    def _check_consistent(self, worker: bootstrap_pb2.WorkerInfo, ignore: _Entry | None) -> None:
+        """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
+        would fail at their first handshake; refuse the newcomer with both values named."""
+        peers = [e.info for e in self._entries.values() if e is not ignore and e.info.model == worker.model]
+        for peer in peers:
+            diffs = layout_differences(worker.kv_layout, peer.kv_layout)
+            if diffs:
+                raise RegistrationRefused(
+                    f"KV layout mismatch for model {worker.model!r}: {'; '.join(diffs)} "
+                    f"(new worker at {worker.grpc_address}: {describe_layout(worker.kv_layout)}; "
+                    f"registered worker {peer.worker_id} at {peer.grpc_address}: "
+                    f"{describe_layout(peer.kv_layout)})", REFUSED_LAYOUT)
+        mine = worker.transfer_endpoint.backend
+        for peer in peers:
+            theirs = peer.transfer_endpoint.backend
+            if mine and theirs and mine != theirs:
+                raise RegistrationRefused(
+                    f"transfer backend mismatch for model {worker.model!r}: {mine} vs {theirs} "
+                    f"(new worker at {worker.grpc_address} vs registered worker {peer.worker_id} "
+                    f"at {peer.grpc_address})", REFUSED_BACKEND)
+
+    def _remove(self, entry: _Entry, reason: str) -> None:
+        del self._entries[entry.info.worker_id]
+        del self._by_lease[entry.lease_id]
+        log.info("worker %s left: %s (grpc=%s)", entry.info.worker_id, reason, entry.info.grpc_address)
+        self._publish(LEFT, entry.info, reason)
+
+    def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
+        for watcher in list(self._watchers):
+            if watcher.matches(info) and not watcher._push(event):
+                self.stats.watchers_dropped += 1
+                self._watchers.discard(watcher)
+                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
+                            role_name(watcher.role), watcher.model, watcher.max_queued)
+
+    def _remove_watcher(self, watcher: Watcher) -> None:
+        self._watchers.discard(watcher)
+
+
+def _matches(info: bootstrap_pb2.WorkerInfo, role: int, model: str) -> bool:
+    """Whether a worker passes a (role, model) filter; UNSPECIFIED role and empty model match all."""
+    return ((role == common_pb2.WORKER_ROLE_UNSPECIFIED or info.role == role)
+            and (not model or info.model == model))
+
+
+def _copy(info: bootstrap_pb2.WorkerInfo) -> bootstrap_pb2.WorkerInfo:
+    out = bootstrap_pb2.WorkerInfo()
+    out.CopyFrom(info)
+    return out

@@ -1,0 +1,70 @@
+"""The Bootstrap gRPC servicer: maps pdserve.v1.Bootstrap RPCs onto the Registry.
+
+Errors become status codes with the registry's message: InvalidWorker -> INVALID_ARGUMENT,
+RegistrationRefused -> FAILED_PRECONDITION, LeaseNotFound -> NOT_FOUND, a watcher that fell
+behind -> RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc
+from services.bootstrap.registry import (
+    InvalidWorker,
+    LeaseNotFound,
+    RegistrationRefused,
+    Registry,
+    WatcherOverflow,
+)
+
+
+class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):
+    """Serves the registry to workers (Register/Heartbeat/Deregister) and gateways (List/Watch)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def Register(self, request: bootstrap_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> bootstrap_pb2.RegisterResponse:
+        try:
+            worker_id, lease = self._registry.register(request.worker)
+        except InvalidWorker as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RegistrationRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return bootstrap_pb2.RegisterResponse(worker_id=worker_id, lease=lease)
+
+    async def Heartbeat(self, request: bootstrap_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> bootstrap_pb2.HeartbeatResponse:
+        try:
+            lease = self._registry.heartbeat(request.lease_id,
+                                             request.load if request.HasField("load") else None)
+        except LeaseNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return bootstrap_pb2.HeartbeatResponse(lease=lease)
+
+    async def Deregister(self, request: bootstrap_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
+                         ) -> bootstrap_pb2.DeregisterResponse:
+        try:
+            self._registry.deregister(request.lease_id)
+        except LeaseNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return bootstrap_pb2.DeregisterResponse()
+
+    async def List(self, request: bootstrap_pb2.ListRequest, context: grpc.aio.ServicerContext
+                   ) -> bootstrap_pb2.ListResponse:
+        return bootstrap_pb2.ListResponse(workers=self._registry.list(request.role, request.model))
+
+    async def Watch(self, request: bootstrap_pb2.WatchRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
+        watcher = self._registry.watch(request.role, request.model)
+        try:
+            async for event in watcher:
+                yield event
+        except WatcherOverflow as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}: watch again")
+        finally:
+            watcher.close()

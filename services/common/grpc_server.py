@@ -1,0 +1,116 @@
+"""Start a gRPC service the standard way: health checking, reflection, port 0, graceful stop.
+
+A service main is then short (see services/bootstrap/main.py):
+
+    server = await start_grpc_server([ServiceBinding(name, servicer, add_fn)], host, port)
+    await wait_for_shutdown_signal()
+    await server.stop(grace_s)
+
+Every server answers `grpc.health.v1.Health/Check` ("" and each service name: SERVING until
+shutdown begins) and server reflection, so `grpcurl -plaintext HOST:PORT list` works without the
+.proto files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# SO_REUSEPORT (gRPC's default) would let a second server bind a port that is in use and silently
+# share its traffic; a port conflict must fail loudly instead.
+DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (("grpc.so_reuseport", 0),)
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One servicer for the server: its full service name and the generated `add_*_to_server`."""
+
+    name: str  # full name, e.g. "pdserve.v1.Bootstrap"
+    servicer: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+def service_name(pb2_module: ModuleType, short_name: str) -> str:
+    """Full name of a service declared in a generated *_pb2 module: (bootstrap_pb2, "Bootstrap")
+    -> "pdserve.v1.Bootstrap"."""
+    return pb2_module.DESCRIPTOR.services_by_name[short_name].full_name
+
+
+@dataclass
+class GrpcServer:
+    """A started `grpc.aio` server. `port` is the bound port (the real one when asked for 0)."""
+
+    server: grpc.aio.Server
+    host: str
+    port: int
+    service_names: tuple[str, ...]
+    health: health.aio.HealthServicer = field(repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Report NOT_SERVING (so balancers stop sending), then let in-flight RPCs finish for up to
+        `grace_s` seconds before cancelling them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_grpc_server(services: Sequence[ServiceBinding], host: str, port: int, *,
+                            options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS) -> GrpcServer:
+    """Build a `grpc.aio.server()` with `services`, health and reflection; bind host:port; start.
+
+    Raises OSError if the address cannot be bound.
+    """
+    server = grpc.aio.server(options=list(options))
+    for binding in services:
+        binding.add_to_server(binding.servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(binding.name for binding in services)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc raises RuntimeError when binding fails
+        raise OSError(f"cannot bind gRPC server to {host}:{port}: {exc}") from exc
+    if bound_port == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return GrpcServer(server=server, host=host, port=bound_port, service_names=names, health=health_servicer)
+
+
+async def wait_for_shutdown_signal(signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)
+                                   ) -> signal.Signals:
+    """Wait until the process gets one of `signals`; return it. Installs asyncio signal handlers
+    for the wait and removes them afterwards (a second Ctrl-C then kills the process the usual
+    way, which is what an operator expects when graceful shutdown hangs)."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received.done():
+            received.set_result(sig)
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await received
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
