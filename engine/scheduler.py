@@ -1,0 +1,179 @@
+"""Scheduler: continuous batching with chunked prefill, a page budget and retraction.
+
+Each step (`schedule`) builds one SchedulerOutput:
+1. every decode-ready running request contributes its last token; it first gets a page for it,
+   and when none is free the newest running request is retracted (pages freed, back to the front
+   of the waiting queue with prompt + generated tokens, recomputed later) until one is;
+2. running requests with prefill work left (chunked prompts, resumed retractions) get chunks
+   from a token budget of `chunked_prefill_size`, oldest first;
+3. waiting requests are admitted, oldest first, while the budget, `max_running_requests` and free
+   pages allow. Admission allocates pages for every known token at once, so a half-prefilled
+   request never waits for memory.
+Decodes and prefill chunks share the forward pass, so neither starves the other.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.page_manager import PageManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits. `max_seq_len` is the model's context length."""
+
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    max_seq_len: int = 4096
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; the engine thread is its only caller."""
+
+    def __init__(self, config: SchedulerConfig, pages: PageManager) -> None:
+        if config.chunked_prefill_size <= 0 or config.max_running_requests <= 0:
+            raise ValueError("chunked_prefill_size and max_running_requests must be positive")
+        self.config = config
+        self.pages = pages
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}
+        self.num_retractions = 0
+        self._admissions = 0
+
+    # ---- entry and exit -------------------------------------------------------------------------
+    def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
+        """Raise ValueError for a request that could never run with this context and page pool."""
+        if num_prompt <= 0:
+            raise ValueError("the prompt must contain at least one token")
+        if num_prompt >= self.config.max_seq_len:
+            raise ValueError(f"prompt of {num_prompt} tokens does not fit the context of "
+                             f"{self.config.max_seq_len} tokens")
+        capacity = self.pages.num_pages * self.pages.page_size
+        longest = min(num_prompt + max_new_tokens, self.config.max_seq_len)
+        if longest > capacity:
+            raise ValueError(f"a request of up to {longest} tokens cannot fit the KV pool "
+                             f"({self.pages.num_pages} pages of {self.pages.page_size} tokens)")
+
+    def add(self, request: Request) -> None:
+        """Queue a new request for admission."""
+        self._register(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Put a request whose prompt K/V is already in its pages straight into the running batch."""
+        self._register(request)
+        self._admit(request)
+
+    def _register(self, request: Request) -> None:
+        if request.room in self.requests:
+            raise ValueError(f"room {request.room!r} is already in use")
+        self.requests[request.room] = request
+
+    def _admit(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.admit_order = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out; a prefill-only request's pages are held under its room, others freed."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.room, None)
+        if request.prefill_only and reason != "abort":
+            self.pages.hold(request.room, request.page_ids)
+        else:
+            self.pages.free(request.page_ids)
+
+    def abort(self, room: str) -> Request | None:
+        """Finish a live request with "abort" (its pages freed); None if `room` is not live."""
+        request = self.requests.get(room)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def retract(self, request: Request) -> None:
+        """Free a running request's pages and queue it (first in line) to be recomputed."""
+        self.running.remove(request)
+        self.pages.free(request.page_ids)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        request.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(request)
+
+    @property
+    def num_retracted_waiting(self) -> int:
+        return sum(1 for r in self.waiting if r.num_retractions)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        batch = SchedulerOutput()
+        self._schedule_decodes(batch)
+        budget = self.config.chunked_prefill_size
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.num_computed < request.num_tokens - 1:
+                budget -= self._add_chunk(batch, request, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            # Keep one page of slack per running request so admitting this one does not force
+            # an immediate retraction at the next page boundary.
+            if not self.pages.grow(request.page_ids, request.num_tokens, keep_free=len(self.running)):
+                break
+            self.waiting.popleft()
+            self._admit(request)
+            budget -= self._add_chunk(batch, request, budget)
+        return batch
+
+    def _schedule_decodes(self, batch: SchedulerOutput) -> None:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or not request.decode_ready:
+                continue
+            while not self.pages.grow(request.page_ids, request.num_tokens):
+                victim = self._retraction_victim(request)
+                self.retract(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                batch.decodes.append(ScheduledChunk(
+                    room=request.room, token_ids=request.token_ids[-1:], start_pos=request.num_computed,
+                    page_ids=request.page_ids, sample=True))
+
+    def _retraction_victim(self, needy: Request) -> Request:
+        # The newest request loses least work. Requests iterate oldest first, so the victim is
+        # never one whose decode is already in this batch. Prefill-only requests are not retracted
+        # (their filled pages may already be on their way to a decode worker).
+        for request in reversed(self.running):
+            if not request.prefill_only:
+                return request
+        return needy
+
+    def _add_chunk(self, batch: SchedulerOutput, request: Request, budget: int) -> int:
+        end = min(request.num_tokens, request.num_computed + budget)
+        batch.extends.append(ScheduledChunk(
+            room=request.room, token_ids=request.token_ids[request.num_computed:end],
+            start_pos=request.num_computed, page_ids=request.page_ids, sample=end == request.num_tokens))
+        return end - request.num_computed
+
+    def advance(self, batch: SchedulerOutput) -> None:
+        """Record that the batch's K/V is now in the pages (called after the forward pass)."""
+        for chunk in batch.decodes:
+            self.requests[chunk.room].num_computed = chunk.end_pos
+        for chunk in batch.extends:
+            self.requests[chunk.room].num_computed = chunk.end_pos
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
