@@ -16,8 +16,9 @@ import triton.language as tl
 
 from kernels.triton_launch import check_launchable
 
-# tl.dot needs every dimension to be at least 16 on GPUs; smaller groups are padded with
-# masked-out rows (decode is memory-bound, the idle rows cost no memory traffic).
+# Each tl.dot dimension is padded to at least 16, the smallest tile every GPU generation's dot
+# lowering handles; padded query rows are masked out (decode is memory-bound, so idle rows cost
+# arithmetic, not memory traffic).
 _MIN_DOT = 16
 
 
