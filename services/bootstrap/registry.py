@@ -172,7 +172,8 @@ class Registry:
     """
 
     def __init__(self, heartbeat_interval_s: float, heartbeat_max_failure: int, *,
-                 watcher_max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+                 watcher_max_queued: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 instance: str | None = None) -> None:
         if heartbeat_interval_s <= 0 or heartbeat_max_failure < 1:
             raise ValueError(f"heartbeat interval must be > 0 and max failures >= 1, got "
                              f"{heartbeat_interval_s} and {heartbeat_max_failure}")
@@ -185,6 +186,9 @@ class Registry:
         self._by_lease: dict[str, str] = {}  # lease_id -> worker_id
         self._watchers: set[Watcher] = set()
         self._ids = itertools.count(1)
+        # Worker ids are "<role>-<instance>-<n>": readable, and never reused by a restarted registry
+        # (a gateway that watched the old one must not mistake a new worker for an old one).
+        self.instance = instance if instance is not None else uuid.uuid4().hex[:4]
         self._expiry_task: asyncio.Task | None = None
         self._closed = False
 
@@ -235,7 +239,7 @@ class Registry:
             self._remove(replaced, REASON_REPLACED)
         info = bootstrap_pb2.WorkerInfo()
         info.CopyFrom(worker)
-        info.worker_id = f"{role_name(worker.role)}-{next(self._ids)}"
+        info.worker_id = f"{role_name(worker.role)}-{self.instance}-{next(self._ids)}"
         lease_id = uuid.uuid4().hex
         self._entries[info.worker_id] = _Entry(info, lease_id, self._clock() + self.ttl_s)
         self._by_lease[lease_id] = info.worker_id

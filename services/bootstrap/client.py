@@ -1,0 +1,234 @@
+"""RegistryClient: how workers and the gateway talk to the bootstrap registry.
+
+Workers:
+    registry = RegistryClient("127.0.0.1:8998")
+    lease = await registry.register(worker_info)       # waits for the registry to come up
+    registry.start_heartbeat(load=current_load)        # renews the lease, reports load
+    ...
+    await registry.close()                             # stops heartbeats, deregisters
+
+If the registry forgets the worker (lease expired during a pause, registry restarted), the next
+heartbeat gets NOT_FOUND and the client registers again under a new worker id (`worker_id`
+changes; `on_registered` is called). If the registry is unreachable, heartbeats keep being tried
+every interval.
+
+Gateway:
+    async for event in registry.watch(): ...           # JOINED / UPDATED / LEFT, SYNCED
+
+`watch()` reconnects by itself and reconciles, so its consumer sees one consistent stream: after a
+reconnect it gets JOINED for new workers, UPDATED for changed ones and LEFT (reason "left while
+the registry was unreachable") for workers that vanished, then SYNCED again.
+
+This module imports neither torch nor libkv (the gateway must stay torch-free).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
+
+log = logging.getLogger("pdserve.registry_client")
+
+REASON_UNREACHABLE = "left while the registry was unreachable"
+
+_JOINED = bootstrap_pb2.WORKER_EVENT_TYPE_JOINED
+_UPDATED = bootstrap_pb2.WORKER_EVENT_TYPE_UPDATED
+_LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT
+_SYNCED = bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
+
+
+class RegistryClient:
+    """A client of pdserve.v1.Bootstrap for one worker (register/heartbeat/deregister) or one
+    gateway (list/watch). Create it inside the event loop that will use it."""
+
+    def __init__(self, address: str, *, rpc_timeout_s: float = 5.0,
+                 on_registered: Callable[[str], None] | None = None) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.on_registered = on_registered
+        self.worker_id: str | None = None
+        self.lease: bootstrap_pb2.Lease | None = None
+        self._worker: bootstrap_pb2.WorkerInfo | None = None
+        self._load: Callable[[], common_pb2.WorkerLoad] | None = None
+        self._heartbeat_task: asyncio.Task | None = None
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = bootstrap_pb2_grpc.BootstrapStub(self._channel)
+
+    async def __aenter__(self) -> RegistryClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    async def register(self, worker: bootstrap_pb2.WorkerInfo, *, wait_s: float = 30.0) -> bootstrap_pb2.Lease:
+        """Register `worker` (its worker_id is ignored) and return the lease. Waits up to `wait_s`
+        for the registry to become reachable. Raises grpc.aio.AioRpcError: INVALID_ARGUMENT or
+        FAILED_PRECONDITION (layout/backend mismatch) are the worker's to fix; not retried."""
+        self._worker = bootstrap_pb2.WorkerInfo()
+        self._worker.CopyFrom(worker)
+        self._worker.ClearField("worker_id")
+        return await self._register(wait_for_ready=True, timeout_s=wait_s)
+
+    async def _register(self, *, wait_for_ready: bool, timeout_s: float) -> bootstrap_pb2.Lease:
+        assert self._worker is not None
+        request = bootstrap_pb2.RegisterRequest(worker=self._worker)
+        if self._load is not None:
+            request.worker.load.CopyFrom(self._current_load())
+        response = await self._stub.Register(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        self.worker_id, self.lease = response.worker_id, response.lease
+        log.info("registered with %s as %s (heartbeat every %.1fs, lease %.1fs)", self.address,
+                 self.worker_id, self.lease.heartbeat_interval_seconds, self.lease.ttl_seconds)
+        if self.on_registered is not None:
+            self.on_registered(self.worker_id)
+        return self.lease
+
+    def start_heartbeat(self, load: Callable[[], common_pb2.WorkerLoad] | None = None) -> None:
+        """Renew the lease every heartbeat interval from a background task, sending `load()`
+        each time (called on the event loop; it must be cheap and not block)."""
+        if self.lease is None:
+            raise RuntimeError("register() before start_heartbeat()")
+        self._load = load
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="registry-heartbeat")
+
+    async def stop_heartbeat(self) -> None:
+        """Stop renewing the lease (it will expire unless deregistered)."""
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def heartbeat(self) -> bootstrap_pb2.Lease:
+        """Renew the lease once; if the registry no longer knows it (NOT_FOUND), register again."""
+        assert self.lease is not None
+        request = bootstrap_pb2.HeartbeatRequest(lease_id=self.lease.lease_id)
+        if self._load is not None:
+            request.load.CopyFrom(self._current_load())
+        try:
+            response = await self._stub.Heartbeat(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("registry %s forgot worker %s (%s): registering again", self.address,
+                        self.worker_id, exc.details())
+            return await self._register(wait_for_ready=False, timeout_s=self.rpc_timeout_s)
+        self.lease = response.lease
+        return self.lease
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            assert self.lease is not None
+            await asyncio.sleep(self.lease.heartbeat_interval_seconds)
+            try:
+                await self.heartbeat()
+            except grpc.aio.AioRpcError as exc:
+                # Keep trying: the registry may be restarting; a NOT_FOUND then re-registers.
+                log.warning("heartbeat to registry %s failed: %s %s", self.address, exc.code().name,
+                            exc.details())
+
+    def _current_load(self) -> common_pb2.WorkerLoad:
+        assert self._load is not None
+        try:
+            return self._load()
+        except Exception:  # a broken load probe must not cost the worker its lease
+            log.exception("load probe failed; heartbeat sent without load")
+            return common_pb2.WorkerLoad()
+
+    async def deregister(self) -> None:
+        """Leave the registry now (watchers see LEFT "deregistered"). Stops heartbeats first.
+        A lease the registry no longer knows is not an error here."""
+        await self.stop_heartbeat()
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        try:
+            await self._stub.Deregister(bootstrap_pb2.DeregisterRequest(lease_id=lease.lease_id),
+                                        timeout=self.rpc_timeout_s)
+            log.info("deregistered %s from %s", self.worker_id, self.address)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("deregister %s from %s failed: %s %s", self.worker_id, self.address,
+                        exc.code().name, exc.details())
+
+    async def close(self) -> None:
+        """Deregister if registered, then close the channel."""
+        await self.deregister()
+        await self._channel.close()
+
+    # -- gateway side --------------------------------------------------------------------------
+
+    async def list(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
+                   *, wait_for_ready: bool = False) -> list[bootstrap_pb2.WorkerInfo]:
+        response = await self._stub.List(bootstrap_pb2.ListRequest(role=role, model=model),
+                                         timeout=self.rpc_timeout_s, wait_for_ready=wait_for_ready)
+        return list(response.workers)
+
+    async def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "", *,
+                    reconnect: bool = True, min_backoff_s: float = 0.2, max_backoff_s: float = 5.0
+                    ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
+        """Worker events matching (role, model): the current workers as JOINED, one SYNCED, then
+        changes. With `reconnect`, a broken stream is re-opened (with backoff) and its fresh
+        snapshot reconciled against what was already reported (see the module docstring); without
+        it, the grpc error is raised. Ends when the consumer stops iterating (or, without
+        reconnect, when the registry shuts down)."""
+        known: dict[str, bootstrap_pb2.WorkerInfo] = {}
+        backoff_s = min_backoff_s
+        while True:
+            snapshot: dict[str, bootstrap_pb2.WorkerInfo] | None = {}  # None once SYNCED
+            call = self._stub.Watch(bootstrap_pb2.WatchRequest(role=role, model=model), wait_for_ready=True)
+            try:
+                async for event in call:
+                    if snapshot is not None and event.type != _SYNCED:
+                        _apply(snapshot, event)
+                        continue
+                    if snapshot is not None:
+                        for change in _reconcile(known, snapshot):
+                            yield change
+                        snapshot, backoff_s = None, min_backoff_s
+                        yield event
+                        continue
+                    _apply(known, event)
+                    yield event
+                if not reconnect:
+                    return
+                log.warning("registry %s ended the watch stream; watching again", self.address)
+            except grpc.aio.AioRpcError as exc:
+                if not reconnect:
+                    raise
+                log.warning("watch on registry %s failed: %s %s; retrying in %.1fs", self.address,
+                            exc.code().name, exc.details(), backoff_s)
+            finally:
+                call.cancel()
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, max_backoff_s)
+
+
+def _apply(workers: dict[str, bootstrap_pb2.WorkerInfo], event: bootstrap_pb2.WorkerEvent) -> None:
+    if event.type in (_JOINED, _UPDATED):
+        workers[event.worker.worker_id] = event.worker
+    elif event.type == _LEFT:
+        workers.pop(event.worker.worker_id, None)
+
+
+def _reconcile(known: dict[str, bootstrap_pb2.WorkerInfo], snapshot: dict[str, bootstrap_pb2.WorkerInfo]
+               ) -> list[bootstrap_pb2.WorkerEvent]:
+    """Events that turn `known` into `snapshot`; `known` is updated in place."""
+    changes = [bootstrap_pb2.WorkerEvent(type=_LEFT, worker=info, reason=REASON_UNREACHABLE)
+               for worker_id, info in known.items() if worker_id not in snapshot]
+    for worker_id, info in snapshot.items():
+        if worker_id not in known:
+            changes.append(bootstrap_pb2.WorkerEvent(type=_JOINED, worker=info))
+        elif known[worker_id] != info:
+            changes.append(bootstrap_pb2.WorkerEvent(type=_UPDATED, worker=info))
+    known.clear()
+    known.update(snapshot)
+    return changes
