@@ -1,0 +1,54 @@
+"""KV transfer backends: the data plane that moves KV pages between workers' pools.
+
+`create_backend(name, **options)` builds one by name; the engines are imported lazily so this
+package imports where an engine is missing. See libkv.transfer.base for the protocol.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from libkv.transfer.base import (
+    BackendMismatch,
+    EngineUnavailable,
+    PeerId,
+    PeerUnreachable,
+    TransferAborted,
+    TransferBackend,
+    TransferEndpoint,
+    TransferError,
+    TransferHandle,
+    TransferState,
+    TransferTimeout,
+)
+from libkv.transfer.process_exit import exit_process
+
+# name -> (module, class). Real engines first; `fake` moves nothing.
+BACKENDS: dict[str, tuple[str, str]] = {
+    "mooncake": ("libkv.transfer.mooncake", "MooncakeBackend"),
+    "nixl": ("libkv.transfer.nixl", "NixlBackend"),
+    "ucx": ("libkv.transfer.ucx", "UcxBackend"),
+    "fake": ("libkv.transfer.fake", "FakeBackend"),
+}
+REAL_BACKENDS = ("mooncake", "nixl", "ucx")
+
+
+def backend_class(name: str) -> type[TransferBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; expected one of {sorted(BACKENDS)}")
+    module_name, class_name = BACKENDS[name]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create_backend(name: str, **options) -> TransferBackend:
+    """Build a backend. Options are the backend's constructor arguments (timeout_s, host, ...);
+    services take their defaults from pdserve.envs. Raises EngineUnavailable naming the package
+    to install if the engine does not import."""
+    return backend_class(name)(**options)
+
+
+__all__ = [
+    "BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineUnavailable", "PeerId", "PeerUnreachable",
+    "TransferAborted", "TransferBackend", "TransferEndpoint", "TransferError", "TransferHandle",
+    "TransferState", "TransferTimeout", "backend_class", "create_backend", "exit_process",
+]

@@ -1,0 +1,456 @@
+"""The one interface every KV transfer backend implements, and the types it speaks.
+
+Lifecycle, per worker process (the receiver and the sender run the same steps):
+
+    backend = create_backend("nixl", timeout_s=30)      # libkv.transfer.create_backend
+    backend.register(pool)                               # once, before anything else
+    ep = backend.endpoint()                              # publish: registry / handshake carries it
+    peer = backend.connect(remote_ep)                    # sender side, once per remote worker
+    backend.expect(room, dst_pages)                      # receiver side, before the sender writes
+    handle = backend.write(peer, src_pages, dst_pages, key=room)   # sender, non-blocking
+    await backend.wait(handle)                           # or poll(handle) until not PENDING
+    backend.abort(handle)                                # sender: stop; returns once nothing lands
+    backend.release_expectation(room)                    # receiver: done with (or aborting) room
+    backend.close()
+
+Completion is known only to the sender: when wait() returns, the bytes are in the receiver's
+memory. The receiver learns it over the control plane (the PD services use gRPC) and must not
+read the pages before that message arrives.
+
+Receiver-side rule for one-sided engines (mooncake, nixl): a write in flight cannot be recalled,
+so after the receiver gives up on a key (release_expectation / abort), the destination pages may
+be reused only after the sender confirms its abort() returned, or the sender is declared dead
+(its process gone or its transfers timed out). For the two-sided `ucx` backend the receiver posts
+receives itself: data for an unknown or released key lands in scratch memory, never in the pool.
+
+Thread safety: write, poll, wait, wait_blocking and abort may be called from any thread (the
+PD services call them from an asyncio loop and from the engine thread). register, connect,
+expect, release_expectation and close are safe too, but are meant for the owning service.
+Raw engine addresses never leave a backend: the endpoint blob is opaque to everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from base64 import b64decode, b64encode
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NewType
+
+from libkv.layout import KVLayout
+from libkv.pool import KVPool
+from libkv.runs import PageRun, coalesce
+
+log = logging.getLogger(__name__)
+
+PeerId = NewType("PeerId", str)
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self is not TransferState.PENDING
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete; subclasses say why."""
+
+
+class PeerUnreachable(TransferError):
+    """The peer refused, dropped or never answered the connection or a write."""
+
+
+class TransferTimeout(TransferError):
+    """A write took longer than the backend's timeout_s; its peer is declared dead."""
+
+
+class TransferAborted(TransferError):
+    """The transfer was aborted by abort() (or the backend was closed under it)."""
+
+
+class BackendMismatch(ValueError):
+    """Two workers use different transfer backends; the message names both."""
+
+
+class EngineUnavailable(ImportError):
+    """The transfer engine's Python package (or a system library it needs) is not installed."""
+
+
+@dataclass(frozen=True)
+class TransferEndpoint:
+    """What a peer needs to write into this worker's pool.
+
+    `blob` is opaque outside the backend that made it (addresses, agent metadata, session ids);
+    the PD services carry it as protobuf `bytes` and the registry stores it untouched.
+    """
+
+    backend: str
+    layout: KVLayout
+    host: str
+    num_pages: int
+    blob: bytes
+
+    def to_json(self) -> str:
+        return json.dumps({"backend": self.backend, "layout": self.layout.to_dict(), "host": self.host,
+                           "num_pages": self.num_pages, "blob": b64encode(self.blob).decode()})
+
+    @classmethod
+    def from_json(cls, text: str) -> TransferEndpoint:
+        raw = json.loads(text)
+        return cls(raw["backend"], KVLayout.from_dict(raw["layout"]), raw["host"], int(raw["num_pages"]),
+                   b64decode(raw["blob"]))
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """Names one write. Opaque: pass it back to poll / wait / abort of the backend that made it."""
+
+    transfer_id: int
+    peer: PeerId
+    key: str
+    num_pages: int
+    num_runs: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A backend's record of one write. `engine` holds whatever the engine needs (request ids,
+    xfer handles); only the backend that created the record looks inside it."""
+
+    handle: TransferHandle
+    runs: list[PageRun]
+    deadline: float
+    state: TransferState = TransferState.PENDING
+    error: TransferError | None = None
+    engine: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class Peer:
+    """A connected remote worker. `engine` is backend-private (session id, agent name, endpoint)."""
+
+    peer_id: PeerId
+    endpoint: TransferEndpoint
+    engine: Any = None
+    dead: str = ""  # why the peer was declared dead; empty while it is usable
+
+
+_POLL_FIRST_S = 0.0002
+_POLL_MAX_S = 0.002
+
+
+class TransferBackend(ABC):
+    """Moves runs of KV pages from this worker's pool into a peer's pool.
+
+    Subclasses implement the `_engine_*` hooks; this class owns validation, page-run coalescing,
+    the table of transfers, timeouts, the waiting loops and the thread-safety of all of it.
+    """
+
+    name: ClassVar[str]
+    one_sided: ClassVar[bool] = True
+
+    def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.host = host
+        self.pool: KVPool | None = None
+        self._lock = threading.RLock()
+        self._transfers: dict[int, Transfer] = {}
+        self._peers: dict[PeerId, Peer] = {}
+        self._expected: dict[str, frozenset[int]] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def register(self, pool: KVPool) -> None:
+        """Register the pool's memory with the engine. Call once, before endpoint/connect/write."""
+        with self._lock:
+            if self.pool is not None:
+                raise RuntimeError(f"{self.name} backend already has a registered pool")
+            if pool.device.type != "cpu":
+                raise ValueError(f"{self.name} backend here supports host memory only, got {pool.device}")
+            self._engine_register(pool)
+            self.pool = pool
+
+    def endpoint(self) -> TransferEndpoint:
+        pool = self._require_pool()
+        return TransferEndpoint(self.name, pool.layout, self.host, pool.num_pages, self._engine_blob())
+
+    def connect(self, endpoint: TransferEndpoint) -> PeerId:
+        """Make a peer writable. Refuses a different backend or KV layout, naming both values."""
+        pool = self._require_pool()
+        if endpoint.backend != self.name:
+            raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
+                                  f"{endpoint.backend}")
+        pool.layout.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
+        with self._lock:
+            peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
+            peer = Peer(peer_id, endpoint)
+            peer.engine = self._engine_connect(endpoint)
+            self._peers[peer_id] = peer
+        return peer_id
+
+    def disconnect(self, peer_id: PeerId) -> None:
+        """Forget a peer (e.g. its lease expired). Its unfinished transfers are aborted."""
+        for record in [t for t in list(self._transfers.values()) if t.handle.peer == peer_id]:
+            self.abort(record.handle)
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is not None:
+            self._engine_disconnect(peer)
+
+    def close(self) -> None:
+        """Abort what is in flight, then release the engine. The backend is unusable afterwards."""
+        if self._closed:
+            return
+        for record in list(self._transfers.values()):
+            self.abort(record.handle)
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for peer in peers:
+            try:
+                self._engine_disconnect(peer)
+            except Exception:  # closing must not fail because one peer is already gone
+                log.exception("%s: disconnecting %s failed", self.name, peer.peer_id)
+        self._engine_close()
+
+    # ---- receiver side ---------------------------------------------------------------------
+
+    def expect(self, key: str, dst_pages: list[int]) -> None:
+        """Announce that the sender may write `dst_pages` under `key`. Required by two-sided
+        backends before the write starts; bookkeeping only for one-sided ones."""
+        pool = self._require_pool()
+        bad = [p for p in dst_pages if not 0 <= p < pool.num_pages]
+        if bad:
+            raise IndexError(f"expect({key!r}): pages {bad[:8]} outside pool of {pool.num_pages} pages")
+        with self._lock:
+            pages = frozenset(dst_pages) | self._expected.get(key, frozenset())
+            self._expected[key] = pages
+            self._engine_expect(key, pages)
+
+    def release_expectation(self, key: str) -> None:
+        """Stop accepting data for `key`. For two-sided backends, returns once no receive into
+        the key's pages is still posted (bounded by timeout_s); later data goes to scratch."""
+        with self._lock:
+            pages = self._expected.pop(key, None)
+        if pages is not None:
+            self._engine_release(key, pages)
+
+    def expected_pages(self, key: str) -> frozenset[int]:
+        with self._lock:
+            return self._expected.get(key, frozenset())
+
+    # ---- sender side -----------------------------------------------------------------------
+
+    def write(self, peer: PeerId, src_pages: list[int], dst_pages: list[int], *,
+              key: str = "") -> TransferHandle:
+        """Start writing local src_pages[i] into the peer's dst_pages[i]; returns at once.
+
+        Consecutive pages on both sides coalesce into one run, and each run is one engine write
+        (the pool is page-major, so a run is one contiguous region on each side). `key` names
+        the receiver's expectation (the request's room); two-sided backends need it.
+        """
+        pool = self._require_pool()
+        runs = coalesce(list(src_pages), list(dst_pages))
+        with self._lock:
+            if self._closed:
+                raise TransferAborted(f"{self.name} backend is closed")
+            target = self._peers.get(peer)
+            if target is None:
+                raise PeerUnreachable(f"unknown peer {peer!r}; connect() first")
+            if target.dead:
+                raise PeerUnreachable(f"peer {peer} ({target.endpoint.host}) is dead: {target.dead}")
+        _check_pages("source", src_pages, pool.num_pages)
+        _check_pages("destination", dst_pages, target.endpoint.num_pages)
+        page_nbytes = pool.layout.page_nbytes
+        handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(runs),
+                                len(src_pages) * page_nbytes)
+        record = Transfer(handle, runs, time.monotonic() + self.timeout_s)
+        with self._lock:
+            self._transfers[handle.transfer_id] = record
+        if not runs:
+            record.state = TransferState.DONE
+            return handle
+        try:
+            record.engine = self._engine_write(target, record)
+        except TransferError as exc:
+            self._finish(record, TransferState.FAILED, exc)
+        except Exception as exc:  # an engine refusing a request is a failed transfer, not a crash
+            self._finish(record, TransferState.FAILED, PeerUnreachable(f"{self.name} write failed: {exc}"))
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Advance and report a transfer. Non-blocking; past the deadline it becomes FAILED."""
+        record = self._record(handle)
+        if record.state.finished:
+            return record.state
+        with record.lock:
+            if record.state.finished:
+                return record.state
+            try:
+                progress = self._engine_progress(record)
+            except TransferError as exc:
+                self._fail_locked(record, exc)
+                return record.state
+            if progress is TransferState.DONE:
+                self._finish(record, TransferState.DONE, None)
+            elif progress is TransferState.FAILED:
+                self._fail_locked(record, record.error or PeerUnreachable(
+                    f"{self.name} write to {handle.peer} failed in the engine"))
+            elif time.monotonic() > record.deadline:
+                self._fail_locked(record, TransferTimeout(
+                    f"{self.name} write {handle.transfer_id} ({handle.nbytes} bytes) to {handle.peer} "
+                    f"not done after {self.timeout_s:g} s; peer declared dead"), timed_out=True)
+        return record.state
+
+    async def wait(self, handle: TransferHandle) -> None:
+        """Return when the bytes are in the peer's memory; raise a TransferError otherwise."""
+        delay = _POLL_FIRST_S
+        while not self.poll(handle).finished:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        self._raise_if_failed(handle)
+
+    def wait_blocking(self, handle: TransferHandle) -> None:
+        """wait() for threads without an event loop (the engine thread, benchmarks)."""
+        delay = _POLL_FIRST_S
+        while not self.poll(handle).finished:
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        self._raise_if_failed(handle)
+
+    def abort(self, handle: TransferHandle) -> TransferState:
+        """Stop a transfer. Returns only when no write of it can still land in the peer's memory
+        (engine operations finished or cancelled), bounded by timeout_s; returns the final state
+        (DONE if it had already completed)."""
+        record = self._record(handle)
+        with record.lock:
+            if record.state.finished:
+                return record.state
+            try:
+                self._engine_cancel(record, time.monotonic() + self.timeout_s)
+            except Exception:
+                log.exception("%s: cancelling transfer %d failed", self.name, handle.transfer_id)
+            self._finish(record, TransferState.ABORTED,
+                         TransferAborted(f"{self.name} write {handle.transfer_id} to {handle.peer} aborted"))
+        return record.state
+
+    def forget(self, handle: TransferHandle) -> None:
+        """Drop a finished transfer's record (the services call it after wait/abort)."""
+        with self._lock:
+            record = self._transfers.get(handle.transfer_id)
+            if record is not None and record.state.finished:
+                del self._transfers[handle.transfer_id]
+
+    def error(self, handle: TransferHandle) -> TransferError | None:
+        return self._record(handle).error
+
+    # ---- helpers for subclasses ------------------------------------------------------------
+
+    def _require_pool(self) -> KVPool:
+        if self.pool is None:
+            raise RuntimeError(f"{self.name} backend: register(pool) first")
+        return self.pool
+
+    def _record(self, handle: TransferHandle) -> Transfer:
+        with self._lock:
+            record = self._transfers.get(handle.transfer_id)
+        if record is None:
+            raise KeyError(f"unknown or forgotten transfer {handle.transfer_id}")
+        return record
+
+    def _raise_if_failed(self, handle: TransferHandle) -> None:
+        record = self._record(handle)
+        if record.state is not TransferState.DONE:
+            raise record.error or TransferError(f"transfer {handle.transfer_id} ended {record.state.value}")
+
+    def _finish(self, record: Transfer, state: TransferState, error: TransferError | None) -> None:
+        record.state, record.error = state, error
+        try:
+            self._engine_release_transfer(record)
+        except Exception:
+            log.exception("%s: releasing transfer %d failed", self.name, record.handle.transfer_id)
+
+    def _fail_locked(self, record: Transfer, error: TransferError, *, timed_out: bool = False) -> None:
+        """Fail a transfer whose lock is held: cancel what is still in flight, and on a timeout
+        declare the peer dead so later writes fail at once instead of waiting again."""
+        try:
+            self._engine_cancel(record, time.monotonic() + min(self.timeout_s, 5.0))
+        except Exception:
+            log.exception("%s: cancelling failed transfer %d", self.name, record.handle.transfer_id)
+        if timed_out:
+            with self._lock:
+                peer = self._peers.get(record.handle.peer)
+                if peer is not None:
+                    peer.dead = str(error)
+        self._finish(record, TransferState.FAILED, error)
+
+    def _run_bytes(self, run: PageRun) -> tuple[int, int, int]:
+        """(source byte offset, destination byte offset, byte length) of a run; both pools have
+        the same page size because connect() checked the layouts."""
+        page_nbytes = self._require_pool().layout.page_nbytes
+        return run.src_page * page_nbytes, run.dst_page * page_nbytes, run.length * page_nbytes
+
+    # ---- engine hooks ----------------------------------------------------------------------
+
+    @abstractmethod
+    def _engine_register(self, pool: KVPool) -> None: ...
+
+    @abstractmethod
+    def _engine_blob(self) -> bytes: ...
+
+    @abstractmethod
+    def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
+        """Return backend-private peer state; raise PeerUnreachable if the peer cannot be used."""
+
+    def _engine_disconnect(self, peer: Peer) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def _engine_write(self, peer: Peer, record: Transfer) -> Any:
+        """Start one engine write per run of record.runs; return backend-private state."""
+
+    @abstractmethod
+    def _engine_progress(self, record: Transfer) -> TransferState:
+        """PENDING, DONE or FAILED (set record.error to say why); never blocks."""
+
+    @abstractmethod
+    def _engine_cancel(self, record: Transfer, deadline: float) -> None:
+        """Make sure no byte of this transfer can still land remotely, trying until `deadline`."""
+
+    def _engine_release_transfer(self, record: Transfer) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _engine_expect(self, key: str, pages: frozenset[int]) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _engine_release(self, key: str, pages: frozenset[int]) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _engine_close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def _check_pages(side: str, pages: list[int], num_pages: int) -> None:
+    bad = [p for p in pages if not 0 <= p < num_pages]
+    if bad:
+        raise IndexError(f"{side} pages {bad[:8]} outside a pool of {num_pages} pages")
+    if side == "destination" and len(set(pages)) != len(pages):
+        raise ValueError("destination pages repeat: each page may be written once per transfer")

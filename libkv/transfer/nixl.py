@@ -1,0 +1,186 @@
+"""`nixl` backend: one-sided RDMA-style WRITEs through a NIXL agent (UCX plugin, host memory).
+
+Endpoint blob: the agent's metadata (NIXL's own serialization) plus the pool's base address and
+size, as JSON. connect() loads the peer's metadata into the local agent (add_remote_agent);
+a write is one NIXL transfer request whose descriptor list has one entry per page run.
+
+Process exit: a process that created a NIXL UCX agent segfaults at interpreter exit. Call
+close() and then libkv.transfer.exit_process(code). Never create an agent in a pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from base64 import b64decode, b64encode
+from dataclasses import dataclass
+from typing import Any
+
+from libkv.pool import KVPool
+from libkv.transfer.base import (
+    EngineUnavailable,
+    Peer,
+    PeerUnreachable,
+    Transfer,
+    TransferBackend,
+    TransferEndpoint,
+    TransferState,
+)
+
+
+def _import_nixl():
+    try:
+        import nixl_cu12 as nixl_api  # the CPU-usable wheel's import name
+    except ImportError:
+        try:
+            import nixl as nixl_api  # type: ignore[no-redef]
+        except ImportError as exc:
+            raise EngineUnavailable(
+                "the nixl backend needs NIXL: pip install --no-deps nixl-cu12==1.5.1 numpy") from exc
+    return nixl_api
+
+
+@dataclass
+class _NixlPeer:
+    agent_name: str
+    base_addr: int
+    nbytes: int
+
+
+class NixlBackend(TransferBackend):
+    """NIXL agent with one plugin (`nixl_backend`, default UCX), DRAM only.
+
+    Abort: releasing a transfer handle that is still in progress asks NIXL to cancel it; if the
+    plugin cannot cancel, release raises, and we poll until the request leaves PROC (bounded by
+    the deadline) so that abort() returns only when nothing more can land.
+    """
+
+    name = "nixl"
+
+    def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", nixl_backend: str = "UCX",
+                 agent_name: str = "") -> None:
+        super().__init__(timeout_s=timeout_s, host=host)
+        self._nixl = _import_nixl()
+        self.nixl_backend = nixl_backend
+        self.agent_name = agent_name or f"pdserve-{uuid.uuid4().hex[:12]}"
+        self._agent: Any = None
+        self._reg_descs: Any = None
+        # NIXL's agent is not thread-safe in its default sync mode; every agent call holds this.
+        self._agent_lock = self._lock
+
+    def _engine_register(self, pool: KVPool) -> None:
+        config = self._nixl.nixl_agent_config(backends=[self.nixl_backend])
+        self._agent = self._nixl.nixl_agent(self.agent_name, config)
+        if self.nixl_backend not in self._agent.backends:
+            raise EngineUnavailable(f"NIXL plugin {self.nixl_backend!r} is not available; "
+                                    f"plugins: {self._agent.plugin_list}")
+        self._reg_descs = self._agent.register_memory(pool.as_bytes())
+        if self._reg_descs is None:
+            raise RuntimeError("NIXL refused to register the KV pool")
+
+    def _engine_blob(self) -> bytes:
+        pool = self._require_pool()
+        with self._agent_lock:
+            metadata = self._agent.get_agent_metadata()
+        return json.dumps({"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
+                           "base": pool.data_ptr(), "nbytes": pool.nbytes}).encode()
+
+    def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
+        try:
+            raw = json.loads(endpoint.blob)
+            with self._agent_lock:
+                name = self._agent.add_remote_agent(b64decode(raw["metadata"]))
+                if isinstance(name, bytes):
+                    name = name.decode()
+        except (ValueError, KeyError) as exc:
+            raise PeerUnreachable(f"bad nixl endpoint from {endpoint.host}: {exc}") from exc
+        except Exception as exc:
+            raise PeerUnreachable(f"nixl could not load agent metadata of {endpoint.host}: {exc}") from exc
+        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]))
+
+    def _engine_disconnect(self, peer: Peer) -> None:
+        state: _NixlPeer = peer.engine
+        if state is None or self._agent is None:
+            return
+        if any(p.engine is not None and p.engine.agent_name == state.agent_name
+               for p in self._peers.values() if p is not peer):
+            return  # another PeerId still talks to the same agent
+        with self._agent_lock:
+            self._agent.remove_remote_agent(state.agent_name)
+
+    def _engine_write(self, peer: Peer, record: Transfer) -> Any:
+        state: _NixlPeer = peer.engine
+        base = self._require_pool().data_ptr()
+        local, remote = [], []
+        for run in record.runs:
+            src, dst, nbytes = self._run_bytes(run)
+            local.append((base + src, nbytes, 0))
+            remote.append((state.base_addr + dst, nbytes, 0))
+        with self._agent_lock:
+            local_descs = self._agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            xfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, state.agent_name)
+            status = self._agent.transfer(xfer)
+        if status == "ERR":
+            self._release_quietly(xfer)
+            raise PeerUnreachable(f"nixl refused to post a write to {peer.endpoint.host}")
+        return xfer
+
+    def _engine_progress(self, record: Transfer) -> TransferState:
+        with self._agent_lock:
+            status = self._agent.check_xfer_state(record.engine)
+        if status == "DONE":
+            return TransferState.DONE
+        if status == "ERR":
+            record.error = PeerUnreachable(f"nixl write {record.handle.transfer_id} to "
+                                           f"{record.handle.peer} failed (peer gone?)")
+            return TransferState.FAILED
+        return TransferState.PENDING
+
+    def _engine_cancel(self, record: Transfer, deadline: float) -> None:
+        xfer = record.engine
+        if xfer is None:
+            return
+        while True:
+            with self._agent_lock:
+                try:
+                    xfer.release()  # cancels the request if it is still in progress
+                    record.engine = None
+                    return
+                except Exception:
+                    status = self._agent.check_xfer_state(xfer)
+            if status != "PROC":
+                self._release_quietly(xfer)
+                record.engine = None
+                return
+            if time.monotonic() > deadline:
+                # The plugin cannot cancel and the request never finished: the peer is
+                # unresponsive. Keep the handle alive (NIXL frees it at agent teardown).
+                record.engine = None
+                return
+            time.sleep(0.001)
+
+    def _engine_release_transfer(self, record: Transfer) -> None:
+        if record.engine is not None:
+            self._release_quietly(record.engine)
+            record.engine = None
+
+    def _release_quietly(self, xfer: Any) -> None:
+        with self._agent_lock:
+            try:
+                xfer.release()
+            except Exception:
+                pass
+
+    def _engine_close(self) -> None:
+        if self._agent is None:
+            return
+        with self._agent_lock:
+            if self._reg_descs is not None:
+                try:
+                    self._agent.deregister_memory(self._reg_descs)
+                except Exception:
+                    pass
+            self._reg_descs = None
+            self._agent = None

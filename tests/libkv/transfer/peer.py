@@ -1,0 +1,123 @@
+"""A worker process hosting one transfer backend, driven by JSON lines (tests and benchmarks).
+
+Run: python -m tests.libkv.transfer.peer. Commands arrive on stdin, one JSON object a line:
+{"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Each reply is one line
+on stdout starting with REPLY_PREFIX; engines print their own warnings on stdout too, and the
+driver skips every line without the prefix. An engine error in a command is a reply with
+"error" and "error_type", never a crash. The process ends with close() + exit_process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+from libkv import KVLayout, KVPool
+from libkv.transfer import TransferEndpoint, TransferError, create_backend, exit_process
+
+REPLY_PREFIX = "@@reply "
+
+
+class PeerWorker:
+    """Holds one backend and one pool; every handler returns the reply's fields."""
+
+    def __init__(self) -> None:
+        self.backend = None
+        self.pool: KVPool | None = None
+        self.handles: dict[int, object] = {}
+
+    def op_init(self, backend: str, layout: dict, num_pages: int, timeout_s: float,
+                options: dict | None = None) -> dict:
+        torch.set_num_threads(1)
+        self.pool = KVPool(KVLayout.from_dict(layout), num_pages)
+        self.backend = create_backend(backend, timeout_s=timeout_s, **(options or {}))
+        self.backend.register(self.pool)
+        return {"endpoint": self.backend.endpoint().to_json()}
+
+    def op_fill(self, seed: int) -> dict:
+        """Fill the pool with seeded random bytes (byte-level, so any dtype works)."""
+        gen = torch.Generator().manual_seed(seed)
+        flat = self.pool.as_bytes()
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        return {}
+
+    def op_hashes(self, pages: list[int] | None = None) -> dict:
+        nbytes = self.pool.layout.page_nbytes
+        flat = self.pool.as_bytes()
+        pages = list(range(self.pool.num_pages)) if pages is None else pages
+        return {"hashes": {str(p): hashlib.sha256(flat[p * nbytes:(p + 1) * nbytes].numpy().tobytes())
+                           .hexdigest() for p in pages}}
+
+    def op_connect(self, endpoint: str) -> dict:
+        return {"peer": self.backend.connect(TransferEndpoint.from_json(endpoint))}
+
+    def op_expect(self, key: str, pages: list[int]) -> dict:
+        self.backend.expect(key, pages)
+        return {}
+
+    def op_release(self, key: str) -> dict:
+        self.backend.release_expectation(key)
+        return {}
+
+    def op_write(self, peer: str, src: list[int], dst: list[int], key: str = "", wait: bool = True,
+                 abort: bool = False) -> dict:
+        start = time.perf_counter()
+        handle = self.backend.write(peer, src, dst, key=key)
+        self.handles[handle.transfer_id] = handle
+        reply = {"transfer_id": handle.transfer_id, "runs": handle.num_runs}
+        if abort:
+            reply["state"] = self.backend.abort(handle).value
+        elif wait:
+            self.backend.wait_blocking(handle)
+            reply["state"] = "done"
+        reply["seconds"] = time.perf_counter() - start
+        return reply
+
+    def op_wait(self, transfer_id: int) -> dict:
+        self.backend.wait_blocking(self.handles[transfer_id])
+        return {"state": "done"}
+
+    def op_write_until_error(self, peer: str, src: list[int], dst: list[int], key: str,
+                             max_seconds: float) -> dict:
+        """Write the same pages again and again until a write fails (the peer was killed)."""
+        start = time.perf_counter()
+        writes = 0
+        while time.perf_counter() - start < max_seconds:
+            handle = self.backend.write(peer, src, dst, key=key)
+            self.backend.wait_blocking(handle)
+            self.backend.forget(handle)
+            writes += 1
+        return {"writes": writes, "state": "no error"}
+
+    def op_close(self) -> dict:
+        if self.backend is not None:
+            self.backend.close()
+        return {}
+
+
+def main() -> None:
+    worker = PeerWorker()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        op = command.pop("op")
+        try:
+            reply = getattr(worker, f"op_{op}")(**command)
+        except TransferError as exc:
+            reply = {"error": str(exc), "error_type": type(exc).__name__}
+        except Exception as exc:  # reported to the driver, which decides whether it was expected
+            reply = {"error": f"{exc}\n{traceback.format_exc()}", "error_type": type(exc).__name__}
+        print(REPLY_PREFIX + json.dumps(reply), flush=True)
+        if op == "close":
+            break
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()
