@@ -1,0 +1,203 @@
+"""Sampling parameters and the batched sampler.
+
+The sampler turns one row of fp32 logits per request into one token id per request.
+
+Order of the filters (the order vLLM and HF use): temperature, then top_k, then top_p, then
+min_p. top_p keeps the smallest set of most likely tokens whose probability (after temperature
+and top_k) reaches top_p; min_p then drops tokens whose probability is below min_p times the most
+likely token's. Greedy rows (temperature 0, or top_k 1) take argmax of the raw logits, ties to
+the lowest id as torch.argmax does.
+
+Drawing: an exponential race, argmax(p / E) with E ~ Exp(1) per token, which picks token i with
+probability p_i. Rows without a seed share one vectorized draw; a row with a seed draws its noise
+from the request's own torch.Generator (see `make_generator`), one full-vocabulary draw per step,
+so its tokens are the same whatever else is in the batch.
+
+Logprobs are "raw": log_softmax of the logits before temperature and filters (what the OpenAI
+API and vLLM's default report), so they describe the model, not the sampling settings. The
+chosen token's logprob is reported even when the filters would have given it another value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy. top_k -1 means off. `stop` strings end generation when they
+    appear in the output text (excluded from it); `stop_token_ids` end it when sampled (the token
+    is not shown as text). `ignore_eos` keeps generating past the model's end-of-sequence tokens.
+    Lists passed for `stop`/`stop_token_ids` are stored as tuples, so params stay immutable.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first out-of-range field; return self when all are valid."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {list(self.stop_token_ids)}")
+        return self
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator for a seeded request (None for unseeded ones); create it once per
+    request and pass it to every `sample` call of that request."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Tokens of one sampling step, row i for request i.
+
+    `logprobs` [B] and `top_ids`/`top_logprobs` [B, N] (N = the largest top_logprobs asked for in
+    the batch) are None when no row asked for logprobs; use `logprobs_of(i, params)` for one
+    request's view (its own N, None when it asked for none).
+    """
+
+    token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None = None  # float32 [B]
+    top_ids: torch.Tensor | None = None  # int64 [B, N]
+    top_logprobs: torch.Tensor | None = None  # float32 [B, N]
+
+    def logprobs_of(self, row: int, params: SamplingParams) -> tuple[float | None, list[tuple[int, float]]]:
+        if not params.logprobs or self.logprobs is None:
+            return None, []
+        chosen = float(self.logprobs[row])
+        if params.top_logprobs == 0 or self.top_ids is None or self.top_logprobs is None:
+            return chosen, []
+        ids = self.top_ids[row, : params.top_logprobs].tolist()
+        values = self.top_logprobs[row, : params.top_logprobs].tolist()
+        return chosen, list(zip(ids, values, strict=True))
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top_k and top_p sets (k = vocab size means off)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(logits.shape[-1], device=logits.device)
+    remove = positions.unsqueeze(0) >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token if the tokens ranked above it have not yet reached top_p; the first always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    mask = torch.zeros_like(remove).scatter_(1, sorted_ids, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_race(probs: torch.Tensor, rows_generators: list[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(rows_generators) if g is None]
+    if len(unseeded) == len(rows_generators):
+        noise.exponential_()
+    else:
+        if unseeded:
+            index = torch.tensor(unseeded, device=probs.device)
+            noise[index] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+        for i, generator in enumerate(rows_generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+    # A zero draw would make 0/0 = nan for a filtered-out token, and argmax prefers nan.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from: softmax after temperature, top_k, top_p, min_p.
+
+    Rows must not be greedy (temperature > 0). Filtered-out tokens have probability exactly 0.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+        logits = _filter_min_p(logits, min_p)
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None] | None = None) -> SampleResult:
+    """Pick one token per row of `logits` [B, V] (fp32) following each row's params.
+
+    `generators[i]` is request i's own generator from `make_generator` (None when unseeded);
+    omit the list when no request is seeded.
+    """
+    batch = logits.shape[0]
+    if len(params) != batch:
+        raise ValueError(f"{batch} rows of logits but {len(params)} sampling params")
+    generators = list(generators) if generators is not None else [None] * batch
+    if len(generators) != batch:
+        raise ValueError(f"{batch} rows of logits but {len(generators)} generators")
+    logits = logits.float()
+
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(random_rows) == batch:
+        token_ids = _exponential_race(sampling_probs(logits, params), generators)
+    elif random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        probs = sampling_probs(logits[index], [params[i] for i in random_rows])
+        token_ids[index] = _exponential_race(probs, [generators[i] for i in random_rows])
+
+    if not any(p.logprobs for p in params):
+        return SampleResult(token_ids=token_ids)
+    raw_logprobs = logits.log_softmax(dim=-1)
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_n = max(p.top_logprobs for p in params if p.logprobs)
+    if top_n == 0:
+        return SampleResult(token_ids=token_ids, logprobs=chosen)
+    top = raw_logprobs.topk(top_n, dim=-1)
+    return SampleResult(token_ids=token_ids, logprobs=chosen, top_ids=top.indices, top_logprobs=top.values)
