@@ -1,7 +1,7 @@
 """`pdserve bootstrap`: run the worker registry until SIGINT/SIGTERM.
 
-Prints `[time] bootstrap registry listening on HOST:PORT (metrics :MPORT)` once it accepts
-RPCs (launchers and tests read the bound port from it when started with --port 0).
+Logs `[time] bootstrap registry listening on HOST:PORT (metrics :MPORT), ...` once it accepts
+RPCs (launchers and tests read the bound ports from it when started with --port 0).
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from services.bootstrap.metrics import registry_metrics
 from services.bootstrap.registry import Registry
 from services.bootstrap.servicer import BootstrapServicer
 from services.common.config_flags import add_config_arguments, config_from_args
-from services.common.grpc_server import (
-    ServiceBinding,
-    service_name,
-    start_grpc_server,
-    wait_for_shutdown_signal,
-)
+from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.common.metrics import start_metrics_server
+
+log = logging.getLogger("pdserve.bootstrap")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,28 +30,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(BootstrapConfig, args)
     setup_logging("bootstrap")
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:  # port in use, bad host
+        log.error("bootstrap registry failed to start: %s", exc)
+        return 1
     return 0
-
-
-log = logging.getLogger("pdserve.bootstrap")
 
 
 async def serve(config: BootstrapConfig) -> None:
     registry = Registry(config.heartbeat_interval, config.heartbeat_max_failure)
     await registry.start()
-    metrics = start_metrics_server(registry_metrics(registry), config.metrics_port, config.host)
+    shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
+    metrics = None
     try:
+        metrics = start_metrics_server(registry_metrics(registry), config.metrics_port, config.host)
         server = await start_grpc_server(
             [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
                             bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],
             config.host, config.port)
         log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs", server.address,
                  metrics.port, registry.ttl_s)
-        received = await wait_for_shutdown_signal()
+        received = await shutdown.wait()
         log.info("bootstrap registry got %s: shutting down", received.name)
         await registry.close()  # ends the Watch streams, which would otherwise hold the grace period
         await server.stop(config.grace_period)
     finally:
+        shutdown.remove()
         await registry.close()
-        metrics.stop()
+        if metrics is not None:
+            metrics.stop()

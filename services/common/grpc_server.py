@@ -2,8 +2,10 @@
 
 A service main is then short (see services/bootstrap/main.py):
 
+    shutdown = ShutdownSignals()
     server = await start_grpc_server([ServiceBinding(name, servicer, add_fn)], host, port)
-    await wait_for_shutdown_signal()
+    log.info("... listening on %s", server.address)
+    await shutdown.wait()
     await server.stop(grace_s)
 
 Every server answers `grpc.health.v1.Health/Check` ("" and each service name: SERVING until
@@ -95,22 +97,30 @@ async def start_grpc_server(services: Sequence[ServiceBinding], host: str, port:
     return GrpcServer(server=server, host=host, port=bound_port, service_names=names, health=health_servicer)
 
 
-async def wait_for_shutdown_signal(signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)
-                                   ) -> signal.Signals:
-    """Wait until the process gets one of `signals`; return it. Installs asyncio signal handlers
-    for the wait and removes them afterwards (a second Ctrl-C then kills the process the usual
-    way, which is what an operator expects when graceful shutdown hangs)."""
-    loop = asyncio.get_running_loop()
-    received: asyncio.Future[signal.Signals] = loop.create_future()
+class ShutdownSignals:
+    """Catches SIGINT/SIGTERM from the moment it is created (inside the running loop): create it
+    BEFORE announcing readiness, so a launcher that signals right after the ready line is handled
+    gracefully instead of killing the process. `await wait()` returns the signal received; the
+    handlers are then removed, so a second Ctrl-C kills the process the usual way (what an
+    operator expects when a graceful shutdown hangs)."""
 
-    def on_signal(sig: signal.Signals) -> None:
-        if not received.done():
-            received.set_result(sig)
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._signals = tuple(signals)
+        self._received: asyncio.Future[signal.Signals] = self._loop.create_future()
+        for sig in self._signals:
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
 
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        return await received
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if not self._received.done():
+            self._received.set_result(sig)
+
+    async def wait(self) -> signal.Signals:
+        try:
+            return await self._received
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        for sig in self._signals:
+            self._loop.remove_signal_handler(sig)
