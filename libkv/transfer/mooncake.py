@@ -1,0 +1,158 @@
+"""`mooncake` backend: one-sided writes through Mooncake's TransferEngine, P2P handshake.
+
+No metadata server: the engine is initialized with "P2PHANDSHAKE" and peers address each other
+by session id `host:rpc_port`, carried (with the pool's base address and size) in the endpoint
+blob. Protocol "tcp" here; "rdma" where `ib_device` names an RDMA device (with no RDMA card
+Mooncake silently falls back to TCP). Each page run is one asynchronous engine write
+(transfer_submit_write) polled with transfer_check_status; this engine version acknowledges a
+TCP write only after the receiver applied it, so DONE means the bytes are in remote memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from libkv.pool import KVPool
+from libkv.transfer.base import (
+    EngineUnavailable,
+    Peer,
+    PeerUnreachable,
+    Transfer,
+    TransferBackend,
+    TransferEndpoint,
+    TransferState,
+)
+
+# transfer_check_status results (Mooncake's Python binding)
+_MC_DONE, _MC_PENDING, _MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
+
+
+def _import_engine():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise EngineUnavailable(
+            "the mooncake backend needs pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
+            "and apt-get install -y libibverbs1 (the CUDA wheel does not import without a driver)"
+        ) from exc
+    return TransferEngine
+
+
+@dataclass
+class _MooncakePeer:
+    session: str
+    base_addr: int
+    nbytes: int
+
+
+@dataclass
+class _MooncakeWrite:
+    pending: list[int] = field(default_factory=list)  # batch ids submitted and not yet finished
+    failed: int = 0
+
+
+class MooncakeBackend(TransferBackend):
+    """Mooncake TransferEngine over TCP (or RDMA with `ib_device`).
+
+    `max_queued_per_peer` sets MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER in this process's
+    environment before the engine starts: it is the engine's own knob (read only from the
+    environment), and its default rejects the many 64 KiB slices of one large transfer. This is
+    the one place pdserve writes an environment variable, and only for the engine's sake.
+    Abort: Mooncake cannot cancel a submitted write, so abort() waits (bounded) until every
+    submitted run has finished or failed.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", protocol: str = "",
+                 ib_device: str = "", max_queued_per_peer: int = 65536) -> None:
+        super().__init__(timeout_s=timeout_s, host=host)
+        self.protocol = protocol or ("rdma" if ib_device else "tcp")
+        self.ib_device = ib_device
+        self.max_queued_per_peer = max_queued_per_peer
+        self._engine_cls = _import_engine()
+        self._engine: Any = None
+        self._session = ""
+
+    def _engine_register(self, pool: KVPool) -> None:
+        os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(self.max_queued_per_peer)
+        engine = self._engine_cls()
+        if engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device) != 0:
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, "
+                               f"{self.protocol!r}, {self.ib_device!r}) failed")
+        if engine.register_memory(pool.data_ptr(), pool.nbytes) != 0:
+            raise RuntimeError(f"Mooncake could not register the KV pool ({pool.nbytes} bytes)")
+        self._engine = engine
+        self._session = f"{self.host}:{engine.get_rpc_port()}"
+
+    def _engine_blob(self) -> bytes:
+        pool = self._require_pool()
+        return json.dumps({"session": self._session, "base": pool.data_ptr(), "nbytes": pool.nbytes}).encode()
+
+    def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
+        try:
+            raw = json.loads(endpoint.blob)
+            peer = _MooncakePeer(str(raw["session"]), int(raw["base"]), int(raw["nbytes"]))
+        except (ValueError, KeyError) as exc:
+            raise PeerUnreachable(f"bad mooncake endpoint from {endpoint.host}: {exc}") from exc
+        # The handshake (segment descriptor exchange) happens on the first write; a probe
+        # fails fast here instead if nobody answers at that session.
+        probe = getattr(self._engine, "send_probe", None)
+        if probe is not None and probe(peer.session) != 0:
+            raise PeerUnreachable(f"mooncake peer {peer.session} does not answer")
+        return peer
+
+    def _engine_write(self, peer: Peer, record: Transfer) -> Any:
+        state: _MooncakePeer = peer.engine
+        base = self._require_pool().data_ptr()
+        write = _MooncakeWrite()
+        for run in record.runs:
+            src, dst, nbytes = self._run_bytes(run)
+            batch = self._engine.transfer_submit_write(state.session, base + src, state.base_addr + dst, nbytes)
+            if batch < 0:
+                write.failed += 1
+                break
+            write.pending.append(batch)
+        if write.failed:
+            record.engine = write
+            self._engine_cancel(record, time.monotonic() + self.timeout_s)
+            raise PeerUnreachable(f"mooncake refused a write to {state.session}")
+        return write
+
+    def _check(self, write: _MooncakeWrite) -> None:
+        still = []
+        for batch in write.pending:
+            status = self._engine.transfer_check_status(batch)
+            if status == _MC_PENDING:
+                still.append(batch)
+            elif status != _MC_DONE:
+                write.failed += 1
+        write.pending = still
+
+    def _engine_progress(self, record: Transfer) -> TransferState:
+        write: _MooncakeWrite = record.engine
+        self._check(write)
+        if write.failed:
+            record.error = PeerUnreachable(f"mooncake write {record.handle.transfer_id} to "
+                                           f"{record.handle.peer}: {write.failed} run(s) failed")
+            return TransferState.FAILED
+        return TransferState.DONE if not write.pending else TransferState.PENDING
+
+    def _engine_cancel(self, record: Transfer, deadline: float) -> None:
+        write: _MooncakeWrite | None = record.engine
+        while write is not None and write.pending and time.monotonic() < deadline:
+            self._check(write)
+            if write.pending:
+                time.sleep(0.001)
+
+    def _engine_close(self) -> None:
+        if self._engine is not None and self.pool is not None:
+            try:
+                self._engine.unregister_memory(self.pool.data_ptr())
+            except Exception:
+                pass
+        self._engine = None
