@@ -90,3 +90,14 @@ def test_scatter_pages_rejects_wrong_shape():
     case = make_case([4])
     with pytest.raises(ValueError):
         ops.scatter_pages(case.buffer, [0, 1], torch.zeros(2, 1, 2, 4, 2, 16))
+
+
+def test_decode_attention_accepts_strided_q_from_a_fused_projection():
+    case = make_case([3, 10], num_q_heads=4)
+    fused = torch.zeros(2, 4 + 2 + 2, 16)
+    q = fused[:, :4]
+    q.copy_(case.q)
+    assert not q.is_contiguous()
+    out = ops.paged_decode_attention(q, case.buffer, 0, case.page_table, case.seq_lens, 0.25)
+    want = dense_decode_attention(case.q, case.dense_k[0], case.dense_v[0], 0.25)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
