@@ -179,6 +179,20 @@ def _ragged_pages_sdpa(q, buffer, layer, page_table, seq_lens, scale):
     return out
 
 
+def _ragged_pages_matmul(q, buffer, layer, page_table, seq_lens, scale):
+    """The shipped algorithm, but selecting pages from the strided layer view (the slower copy)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = buffer.shape[4]
+    k, v, starts, lens = _ragged_pages(buffer, layer, page_table, seq_lens)
+    out = torch.empty_like(q)
+    qg = q.view(batch, num_kv_heads, -1, head_dim) * scale
+    for b, (start, length) in enumerate(zip(starts, lens, strict=True)):
+        span = slice(start, start + length)
+        probs = torch.softmax(torch.matmul(qg[b], k[span].permute(1, 2, 0)), -1)
+        out[b] = torch.matmul(probs, v[span].transpose(0, 1)).view(num_q_heads, head_dim)
+    return out
+
+
 VARIANTS: dict[str, Callable] = {
     "shipped: ragged pages + loop matmul": paged_decode_attention_torch,
     "pages gather + transpose + matmul": _pages_gather_transpose,
@@ -189,6 +203,7 @@ VARIANTS: dict[str, Callable] = {
     "ragged rows gather + loop SDPA": _ragged_rows_sdpa,
     "ragged rows gather + loop matmul": _ragged_rows_matmul,
     "ragged pages gather + loop SDPA": _ragged_pages_sdpa,
+    "ragged pages (strided select) + matmul": _ragged_pages_matmul,
 }
 
 

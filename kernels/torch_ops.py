@@ -14,16 +14,41 @@ def _page_size(buffer: torch.Tensor) -> int:
     return buffer.shape[3]
 
 
+def _token_rows(buffer: torch.Tensor) -> torch.Tensor:
+    """The pool as rows of one token's Hkv * D values: row r starts at element r * Hkv * D."""
+    return buffer.view(-1, buffer.shape[4] * buffer.shape[5])
+
+
+def _select_blocks(buffer: torch.Tensor, page_ids: torch.Tensor, layer: int, k_or_v: int) -> torch.Tensor:
+    """K (k_or_v=0) or V (1) of `layer` in pages `page_ids`: a contiguous [n, P, Hkv, D] copy.
+
+    Selecting rows of a 2-d view in which each (page, layer, k_or_v) block is one row is several
+    times faster on CPU than index_select on the strided [num_pages, P, Hkv, D] layer view.
+    """
+    page_size, num_kv_heads, head_dim = buffer.shape[3:]
+    blocks = buffer.view(-1, page_size * num_kv_heads * head_dim)
+    block_ids = page_ids * (buffer.stride(0) // buffer.stride(2)) + (2 * layer + k_or_v)
+    return blocks.index_select(0, block_ids).view(-1, page_size, num_kv_heads, head_dim)
+
+
 def store_kv_torch(buffer: torch.Tensor, layer: int, slots: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write K/V of T tokens ([T, Hkv, D] each) into `slots` ([T]) of `layer`."""
+    """Write K/V of T tokens ([T, Hkv, D] each) into `slots` ([T]) of `layer`.
+
+    Each token's K (and V) is one contiguous row of the pool, so the write is an index_copy_ of
+    rows into a flat view. (index_put_ with (page, offset) on the strided per-layer view is
+    100-1000x slower on CPU: it walks the whole view.)
+    """
     page_size = _page_size(buffer)
+    rows_per_page = buffer.stride(0) // buffer.stride(3)
+    rows_per_layer = buffer.stride(1) // buffer.stride(3)
+    rows_k_to_v = buffer.stride(2) // buffer.stride(3)
     slots = slots.to(device=buffer.device, dtype=torch.long)
     pages = torch.div(slots, page_size, rounding_mode="floor")
-    offsets = slots - pages * page_size
-    # Index the [num_pages, page_size, Hkv, D] views with (page, offset) pairs: one index_put each.
-    buffer[:, layer, 0].index_put_((pages, offsets), k.to(buffer.dtype))
-    buffer[:, layer, 1].index_put_((pages, offsets), v.to(buffer.dtype))
+    k_rows = pages * rows_per_page + (slots - pages * page_size) + layer * rows_per_layer
+    flat = _token_rows(buffer)
+    flat.index_copy_(0, k_rows, k.reshape(len(slots), -1).to(buffer.dtype))
+    flat.index_copy_(0, k_rows + rows_k_to_v, v.reshape(len(slots), -1).to(buffer.dtype))
 
 
 def gather_kv_torch(buffer: torch.Tensor, layer: int, page_ids: torch.Tensor,
@@ -34,16 +59,18 @@ def gather_kv_torch(buffer: torch.Tensor, layer: int, page_ids: torch.Tensor,
     if num_pages > len(page_ids):
         raise ValueError(f"{num_tokens} tokens need {num_pages} pages, got {len(page_ids)} page ids")
     ids = page_ids[:num_pages].to(device=buffer.device, dtype=torch.long)
-    # index_select on the strided layer view returns a fresh contiguous tensor; slicing its leading
-    # dimension keeps it contiguous.
-    k = buffer[:, layer, 0].index_select(0, ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
-    v = buffer[:, layer, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
+    # The selected blocks are a fresh contiguous tensor; slicing its leading dimension keeps it so.
+    k = _select_blocks(buffer, ids, layer, 0).view(-1, num_kv_heads, head_dim)[:num_tokens]
+    v = _select_blocks(buffer, ids, layer, 1).view(-1, num_kv_heads, head_dim)[:num_tokens]
     return k, v
 
 
 def gather_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """A contiguous copy [n, L, 2, P, Hkv, D] of whole pages `page_ids`, in that order."""
-    return buffer.index_select(0, page_ids.to(device=buffer.device, dtype=torch.long))
+    ids = page_ids.to(device=buffer.device, dtype=torch.long)
+    # index_select on a 2-d [num_pages, page_elems] view copies whole pages as plain memcpys; on the
+    # 6-d tensor it is several times slower on CPU.
+    return buffer.view(buffer.shape[0], -1).index_select(0, ids).view(len(ids), *buffer.shape[1:])
 
 
 def scatter_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,7 +79,8 @@ def scatter_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor, src: torch
     if src.shape != (len(ids), *buffer.shape[1:]):
         raise ValueError(f"src shape {tuple(src.shape)} does not match {len(ids)} pages of "
                          f"{tuple(buffer.shape[1:])}")
-    buffer.index_copy_(0, ids, src.to(device=buffer.device, dtype=buffer.dtype))
+    pages = buffer.view(buffer.shape[0], -1)
+    pages.index_copy_(0, ids, src.to(device=buffer.device, dtype=buffer.dtype).reshape(len(ids), -1))
 
 
 def paged_decode_attention_torch(q: torch.Tensor, buffer: torch.Tensor, layer: int,
@@ -82,8 +110,8 @@ def paged_decode_attention_torch(q: torch.Tensor, buffer: torch.Tensor, layer: i
     max_pages = int(pages_used.max()) if batch else 0
     in_use = torch.arange(max_pages, device=buffer.device)[None, :] < pages_used[:, None]
     ids = page_table[:, :max_pages].to(device=buffer.device, dtype=torch.long)[in_use]
-    k = buffer[:, layer, 0].index_select(0, ids).view(-1, num_kv_heads, head_dim).to(compute_dtype)
-    v = buffer[:, layer, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim).to(compute_dtype)
+    k = _select_blocks(buffer, ids, layer, 0).view(-1, num_kv_heads, head_dim).to(compute_dtype)
+    v = _select_blocks(buffer, ids, layer, 1).view(-1, num_kv_heads, head_dim).to(compute_dtype)
     row_starts = ((torch.cumsum(pages_used, 0) - pages_used) * page_size).tolist()
 
     q_scaled = (q.to(compute_dtype) * scale).reshape(batch, num_kv_heads, group, head_dim)
