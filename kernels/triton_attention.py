@@ -83,6 +83,9 @@ def paged_decode_attention_triton(q: torch.Tensor, buffer: torch.Tensor, layer: 
     if num_q_heads % num_kv_heads or head_dim != buffer.shape[5]:
         raise ValueError(f"q heads {num_q_heads} x dim {head_dim} do not fit KV heads {num_kv_heads} "
                          f"x dim {buffer.shape[5]}")
+    # Metadata built on the host moves once here; a no-op when it already lives on the GPU.
+    page_table = page_table.to(buffer.device, non_blocking=True)
+    seq_lens = seq_lens.to(buffer.device, non_blocking=True)
     check_launchable(q, buffer, page_table, seq_lens)
     group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)

@@ -101,3 +101,12 @@ def test_decode_attention_accepts_strided_q_from_a_fused_projection():
     out = ops.paged_decode_attention(q, case.buffer, 0, case.page_table, case.seq_lens, 0.25)
     want = dense_decode_attention(case.q, case.dense_k[0], case.dense_v[0], 0.25)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_model_sized_heads_and_pages():
+    # 12 query / 4 KV heads, head_dim 64, 16-token pages, as in the 100M benchmark model
+    case = make_case([1, 16, 17, 95], num_layers=1, page_size=16, num_kv_heads=4, num_q_heads=12,
+                     head_dim=64, seed=11)
+    out = ops.paged_decode_attention(case.q, case.buffer, 0, case.page_table, case.seq_lens, 0.125)
+    want = dense_decode_attention(case.q, case.dense_k[0], case.dense_v[0], 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
