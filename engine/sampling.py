@@ -9,7 +9,7 @@ likely token's. Greedy rows (temperature 0, or top_k 1) take argmax of the raw l
 the lowest id as torch.argmax does.
 
 Drawing: an exponential race, argmax(p / E) with E ~ Exp(1) per token, which picks token i with
-probability p_i. Rows without a seed share one vectorized draw; a row with a seed draws its noise
+probability p_i (the Gumbel-max trick in another form). Rows without a seed share one vectorized draw; a row with a seed draws its noise
 from the request's own torch.Generator (see `make_generator`), one full-vocabulary draw per step,
 so its tokens are the same whatever else is in the batch.
 
@@ -112,17 +112,61 @@ class SampleResult:
         return chosen, list(zip(ids, values, strict=True))
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf the logits outside each row's top_k and top_p sets (k = vocab size means off)."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(logits.shape[-1], device=logits.device)
+# top_k/top_p look among this many most likely tokens first (a topk costs a fraction of a sort:
+# 16 x 32000 fp32 on one core, topk 256: 1.7 ms, topk 4096: 7 ms, full sort: 36 ms).
+_CANDIDATES = (256, 4096)
+
+
+def _cut(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         log_normalizer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the descending `sorted_logits` top_k then top_p remove, and the kept mass.
+
+    `log_normalizer` is the logsumexp the probabilities are taken against when the columns are
+    only a row's leading candidates (None: the columns are the whole top_k-filtered row).
+    """
+    positions = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
     remove = positions.unsqueeze(0) >= top_k.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    if log_normalizer is None:
+        log_normalizer = sorted_logits.logsumexp(dim=-1)
+    probs = (sorted_logits - log_normalizer.unsqueeze(1)).exp()
     # Keep a token if the tokens ranked above it have not yet reached top_p; the first always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= top_p.unsqueeze(1)
+    cumulative = probs.cumsum(dim=-1)
+    # (top_p 1 keeps all: in fp32 the running mass can round to 1 before the tail ends)
+    remove |= ((cumulative - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     remove[:, 0] = False
+    return remove, cumulative[:, -1]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top_k set, then outside its top_p set
+    (top_k = vocab size means no top_k, top_p = 1 no top_p).
+
+    Fast path: take each row's `width` most likely tokens, width covering every top_k below the
+    vocabulary size and at least one of _CANDIDATES. A row limited by top_k keeps only
+    candidates; a row limited by top_p alone does too when the candidates' mass reaches top_p.
+    If some row's nucleus is wider, try the next width; past the last, sort the full rows.
+    """
+    vocab = logits.shape[-1]
+    limited = top_k < vocab
+    untouched = ~limited & (top_p >= 1)
+    widest_top_k = int(top_k[limited].max()) if bool(limited.any()) else 0
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    full_normalizer = logits.logsumexp(dim=-1)
+    for width in sorted({max(candidates, widest_top_k) for candidates in _CANDIDATES}):
+        if width >= vocab:
+            break
+        values, ids = logits.topk(width, dim=-1)
+        top_k_normalizer = values.masked_fill(positions[:, :width] >= top_k.unsqueeze(1),
+                                              float("-inf")).logsumexp(dim=-1)
+        normalizer = torch.where(limited, top_k_normalizer, full_normalizer)
+        remove, kept_mass = _cut(values, top_k, top_p, normalizer)
+        if bool((limited | untouched | (kept_mass >= top_p)).all()):
+            filtered = torch.full_like(logits, float("-inf"))
+            filtered.scatter_(1, ids, values.masked_fill(remove, float("-inf")))
+            return torch.where(untouched.unsqueeze(1), logits, filtered)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    remove, _ = _cut(sorted_logits, top_k, top_p, None)
     mask = torch.zeros_like(remove).scatter_(1, sorted_ids, remove)
     return logits.masked_fill(mask, float("-inf"))
 
@@ -134,20 +178,23 @@ def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _exponential_race(probs: torch.Tensor, rows_generators: list[torch.Generator | None]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
+    """argmax(p / E), E = -log(U) ~ Exp(1): token i wins with probability p_i.
+
+    U is in [0, 1), so E is in (0, inf]: no division by zero, and a filtered token (p = 0) never
+    wins. -log(rand) is several times faster on CPU than Tensor.exponential_.
+    """
+    uniform = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(rows_generators) if g is None]
     if len(unseeded) == len(rows_generators):
-        noise.exponential_()
+        uniform.uniform_()
     else:
         if unseeded:
             index = torch.tensor(unseeded, device=probs.device)
-            noise[index] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+            uniform[index] = torch.rand((len(unseeded), probs.shape[1]), device=probs.device)
         for i, generator in enumerate(rows_generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
-    # A zero draw would make 0/0 = nan for a filtered-out token, and argmax prefers nan.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+                uniform[i].uniform_(generator=generator)
+    return (probs / uniform.log_().neg_()).argmax(dim=-1)
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

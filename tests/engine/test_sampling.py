@@ -197,3 +197,32 @@ def test_validate_accepts_edges():
 def test_batch_size_mismatch_is_an_error():
     with pytest.raises(ValueError, match="sampling params"):
         sample(_random_logits(2), [GREEDY])
+
+
+def _reference_kept(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Tokens top_k then top_p keep, by the definition: sort everything, in float64."""
+    probs = (logits.double() / params.temperature).softmax(dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    if params.top_k > 0:
+        order = order[:params.top_k]
+    kept_probs = probs[order] / probs[order].sum()
+    kept, mass = set(), 0.0
+    for token, p in zip(order, kept_probs.tolist(), strict=True):
+        if kept and params.top_p < 1 and mass >= params.top_p:
+            break
+        kept.add(token)
+        mass += p
+    return kept
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 8.0])  # wide nucleus (full sort) .. narrow (topk 256)
+def test_top_k_top_p_match_the_definition_on_a_large_vocab(scale):
+    vocab = 6000
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=300, top_p=0.5),
+              SamplingParams(), SamplingParams(top_p=0.99, temperature=0.7), SamplingParams(top_k=5000),
+              SamplingParams(top_p=0.2, top_k=1000)]
+    logits = _random_logits(len(params), vocab, seed=int(scale * 10)) / 3 * scale
+    probs = sampling_probs(logits, params)
+    for row, p in enumerate(params):
+        assert set(torch.nonzero(probs[row]).flatten().tolist()) == _reference_kept(logits[row], p), p
+    assert probs.sum(dim=-1).tolist() == pytest.approx([1.0] * len(params))
