@@ -1,6 +1,6 @@
 """Real engines between two processes on 127.0.0.1: exact bytes, abort, a killed peer, refusal.
 
-Every engine runs in a child process (tests.libkv.transfer.peer), never in pytest itself: NIXL
+Every engine runs in a child process (libkv.transfer.peer_worker), never in pytest itself: NIXL
 and UCX crash at interpreter exit, and a killed receiver must be a real process.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from libkv.transfer import REAL_BACKENDS
-from tests.libkv.transfer.harness import PeerError, PeerProcess
+from libkv.transfer.peer_client import PeerError, PeerProcess
 
 pytestmark = pytest.mark.e2e
 

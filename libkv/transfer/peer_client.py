@@ -1,4 +1,4 @@
-"""Drives peer processes (tests.libkv.transfer.peer) from the test process over pipes."""
+"""Drives peer worker processes (libkv.transfer.peer_worker) over pipes, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import threading
 from pathlib import Path
 
-from tests.libkv.transfer.peer import REPLY_PREFIX
+from libkv.transfer.peer_worker import REPLY_PREFIX
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class PeerError(RuntimeError):
@@ -28,10 +28,10 @@ class PeerProcess:
     command failed); send()/reply() split that for commands that run while the test acts."""
 
     def __init__(self, name: str = "peer") -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), UCX_WARN_UNUSED_ENV_VARS="n",
-                   OMP_NUM_THREADS="1")
+        python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=python_path, UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1")
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.libkv.transfer.peer"], cwd=REPO_ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "libkv.transfer.peer_worker"], cwd=REPO_ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1)
         self.replies: queue.Queue[dict] = queue.Queue()

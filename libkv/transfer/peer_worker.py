@@ -1,6 +1,8 @@
 """A worker process hosting one transfer backend, driven by JSON lines (tests and benchmarks).
 
-Run: python -m tests.libkv.transfer.peer. Commands arrive on stdin, one JSON object a line:
+Engines live in their own processes because a transfer needs two, and because NIXL and UCX
+crash at interpreter exit (so never inside pytest). Run: python -m libkv.transfer.peer_worker
+(libkv.transfer.peer_client.PeerProcess does it for you). Commands arrive on stdin, one JSON object a line:
 {"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Each reply is one line
 on stdout starting with REPLY_PREFIX; engines print their own warnings on stdout too, and the
 driver skips every line without the prefix. An engine error in a command is a reply with
@@ -93,6 +95,17 @@ class PeerWorker:
             self.backend.forget(handle)
             writes += 1
         return {"writes": writes, "state": "no error"}
+
+    def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int) -> dict:
+        """Seconds of each of `repeats` write + wait of the same pages."""
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            handle = self.backend.write(peer, src, dst, key=key)
+            self.backend.wait_blocking(handle)
+            seconds.append(time.perf_counter() - start)
+            self.backend.forget(handle)
+        return {"seconds": seconds, "runs": handle.num_runs}
 
     def op_close(self) -> dict:
         if self.backend is not None:
