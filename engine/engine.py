@@ -1,0 +1,413 @@
+"""Engine: the in-process async API over the scheduler, model runner and sampler.
+
+Threading protocol. The forward loop runs in ONE background thread (`start()`); torch releases
+the GIL during the heavy ops, so an asyncio server keeps serving while it runs. Callers on any
+asyncio loop submit work through a thread-safe inbox of commands; the engine thread applies
+them only between steps, so a request is never freed while a forward pass uses its pages.
+Results go back with `loop.call_soon_threadsafe`, batched once per step and loop.
+`reserve` and `release` act on the page manager directly (it has its own lock): they touch only
+pages that no forward pass uses.
+
+PD hooks: the prefill side calls `prefill` (pages held after it returns until `release`); the
+decode side calls `reserve`, lets the transfer fill the pages, then `generate_prefilled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.batch import SchedulerOutput
+from engine.config import EngineConfig
+from engine.detokenizer import TextStream
+from engine.memory import kv_pages
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig, resolve_dtype
+from engine.models.decoder import DecoderModel
+from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
+from engine.page_manager import PageManager
+from engine.request import Request
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from libkv.layout import KVLayout
+from libkv.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+# ---- inbox commands (caller thread -> engine thread) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True)
+class _AddPrefilled:
+    request: Request
+    first_token: FirstToken
+
+
+@dataclass(frozen=True)
+class _Abort:
+    room: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Pages were released elsewhere: waiting requests may fit now."""
+
+
+_Command = _Add | _AddPrefilled | _Abort | _Wake
+
+
+def step_seed(seed: int, index: int) -> int:
+    """Seed of the generator that samples a request's `index`-th token.
+
+    Seeding by (request seed, token index) instead of keeping one generator running makes a
+    seeded request's tokens independent of how it was run: retracted and recomputed, or
+    prefilled on one worker and decoded on another, it samples the same tokens.
+    """
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + 1) % (2**63 - 1)
+
+
+class Engine:
+    """A model, its KV pool and a scheduler behind an asyncio API (see the module docstring).
+
+    Build with `Engine.load(config)`, then `start()`; `shutdown()` aborts what is left.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: DecoderModel,
+                 tokenizer, pool: KVPool, pages: PageManager) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.pages = pages
+        self.kv_layout: KVLayout = pool.layout
+        self.runner = ModelRunner(model, pool)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_seq_len=model_config.max_position_embeddings), pages)
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._live_rooms: set[str] = set()
+        self._rooms_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = defaultdict(list)
+        self._generated_tokens = 0
+        self._steps = 0
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        """Load weights and tokenizer from `config.model_path` and size the KV pool."""
+        from transformers import AutoTokenizer
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        model_config = ModelConfig.from_dir(config.model_path)
+        dtype = resolve_dtype(config.dtype, model_config)
+        model = DecoderModel.load(config.model_path, model_config, dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
+        layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                          head_dim=model_config.head_dim, page_size=config.page_size,
+                          dtype=str(dtype).removeprefix("torch."))
+        num_pages = kv_pages(config, layout, device)
+        pool = KVPool(layout, num_pages, device)
+        return cls(config, model_config, model, tokenizer, pool, PageManager(num_pages, config.page_size))
+
+    @property
+    def allocator(self):
+        return self.pages.allocator
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after its current step; abort every live request."""
+        self._stopping.set()
+        self._inbox.put(_Wake())
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._apply_inbox(block=False)
+        for room in list(self.scheduler.requests):
+            self._abort(room)
+        self._deliver()
+
+    # ---- caller API -----------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       room: str) -> AsyncIterator[TokenOutput]:
+        """Stream the tokens of one request. Leaving the iteration early aborts the request."""
+        params.validate()
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        request = self._new_request(room, list(prompt_ids), params)
+        async for output in self._stream(request, _Add(request)):
+            yield output
+
+    async def generate_prefilled(self, room: str, prompt_ids: list[int], first_token: FirstToken,
+                                 params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        """Decode a request whose prompt K/V is already in the pages reserved under `room`.
+
+        The first token (sampled by the prefill worker) is emitted first, then decoding continues
+        in the running batch. The reservation becomes the request's pages (no `release` needed).
+        """
+        params.validate()
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        pages = self.pages.take_reserved(room)
+        if len(pages) < self.pages.pages_for(len(prompt_ids)):
+            self.pages.free(pages)
+            raise ValueError(f"room {room!r}: {len(pages)} reserved pages cannot hold a prompt "
+                             f"of {len(prompt_ids)} tokens")
+        request = self._new_request(room, list(prompt_ids) + [first_token.token_id], params)
+        request.num_prompt = len(prompt_ids)
+        request.page_ids = pages
+        request.num_computed = len(prompt_ids)
+        async for output in self._stream(request, _AddPrefilled(request, first_token)):
+            yield output
+
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, room: str,
+                      on_pages_filled: Callable[[list[int], int], None] | None = None) -> PrefillResult:
+        """Run a prompt and sample its first token; its pages stay held until `release(room)`.
+
+        `on_pages_filled(page_ids, num_tokens_done)` is called from the engine thread after each
+        chunk with the pages completely filled so far (in order), and once at the end with all
+        the prompt's pages (the last one possibly partial). Raises RequestAborted if aborted.
+        """
+        params.validate()
+        self.scheduler.check_fits(len(prompt_ids), 1)
+        request = self._new_request(room, list(prompt_ids), params)
+        request.prefill_only = True
+        request.on_pages_filled = on_pages_filled
+        result = None
+        async for item in self._stream(request, _Add(request)):
+            result = item
+        if not isinstance(result, PrefillResult):
+            raise RequestAborted(f"prefill of room {room!r} was aborted")
+        return result
+
+    def abort(self, room: str) -> None:
+        """Finish the request with "abort" and free its pages (also a prefill's held pages)."""
+        self._inbox.put(_Abort(room))
+
+    def reserve(self, room: str, num_tokens: int) -> list[int] | None:
+        """Pre-allocate pages for a prompt of `num_tokens` whose K/V will arrive by transfer."""
+        return self.pages.reserve(room, num_tokens)
+
+    def release(self, room: str) -> bool:
+        """Free the pages reserved or held under `room`; False if it has none."""
+        released = self.pages.release(room)
+        if released:
+            self._inbox.put(_Wake())
+        return released
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            waiting=len(scheduler.waiting), running=len(scheduler.running),
+            retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
+            used_pages=self.pages.used_pages, total_pages=self.pages.num_pages,
+            held_rooms=self.pages.num_rooms, generated_tokens=self._generated_tokens, steps=self._steps)
+
+    # ---- caller-side plumbing -------------------------------------------------------------------
+    def _new_request(self, room: str, token_ids: list[int], params: SamplingParams) -> Request:
+        request = Request(room=room, token_ids=token_ids, num_prompt=len(token_ids), params=params)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.pool.device)
+        request.text_stream = TextStream(self.tokenizer, params, prompt_ids=token_ids,
+                                         eos_token_ids=self.model_config.eos_token_ids)
+        return request
+
+    async def _stream(self, request: Request, command: _Command) -> AsyncIterator:
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        with self._rooms_lock:
+            if request.room in self._live_rooms:
+                raise ValueError(f"room {request.room!r} is already in use")
+            self._live_rooms.add(request.room)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request.emit = lambda item: self._deliveries[loop].append((outputs.put_nowait, item))
+        self._inbox.put(command)
+        done = False
+        try:
+            while True:
+                item = await outputs.get()
+                done = _is_last(item)
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(request.room)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)  # the intra-op pool size is per thread
+        while not self._stopping.is_set():
+            self._apply_inbox(block=not self.scheduler.has_work())
+            try:
+                busy = self.step()
+            except Exception:
+                log.exception("engine step failed; aborting every live request")
+                for room in list(self.scheduler.requests):
+                    self._abort(room)
+                busy = False
+            self._deliver()
+            if not busy and not self._stopping.is_set():
+                self._apply_inbox(block=True)
+
+    def _apply_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(command, _Add):
+                self.scheduler.add(command.request)
+            elif isinstance(command, _AddPrefilled):
+                self.scheduler.add_running(command.request)
+                first = command.first_token
+                self._emit_token(command.request, first.logprob, first.top_logprobs)
+            elif isinstance(command, _Abort):
+                self._abort(command.room)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Schedule and run one forward pass, then sample and emit. False when there was nothing to do."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return False
+        logits = self.runner.forward(batch)
+        self.scheduler.advance(batch)
+        self._steps += 1
+        self._report_filled_pages(batch)
+        chunks = batch.sampled_chunks()
+        if not chunks:
+            return True
+        requests = [self.scheduler.requests[c.room] for c in chunks]
+        generators = []
+        for request in requests:
+            if request.generator is not None:
+                request.generator.manual_seed(step_seed(request.params.seed, request.num_generated))
+            generators.append(request.generator)
+        result = sample(logits, [r.params for r in requests], generators)
+        token_ids = result.token_ids.tolist()
+        for row, request in enumerate(requests):
+            logprob, top = result.logprobs_of(row, request.params)
+            if request.prefill_only:
+                self._finish_prefill(request, FirstToken(token_ids[row], logprob, top))
+            else:
+                request.token_ids.append(token_ids[row])
+                self._emit_token(request, logprob, top)
+        return True
+
+    def _emit_token(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
+        """Emit the request's newest token and finish the request if it ends here."""
+        params = request.params
+        token = request.token_ids[-1]
+        self._generated_tokens += 1
+        # The text stream owns every "stop" condition: stop strings, stop_token_ids and eos.
+        text, stopped = request.text_stream.push(token)
+        reason = None
+        if stopped:
+            reason = "stop"
+        elif request.num_generated >= params.max_new_tokens or \
+                request.num_tokens >= self.scheduler.config.max_seq_len:
+            reason = "length"
+        if reason is not None and not stopped:
+            text += request.text_stream.flush()
+        request.emit(TokenOutput(token_id=token, text=text, logprob=logprob, top_logprobs=top,
+                                 finish_reason=reason, prompt_tokens=request.num_prompt,
+                                 completion_tokens=request.num_generated))
+        if reason is not None:
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        with self._rooms_lock:
+            self._live_rooms.discard(request.room)
+
+    def _finish_prefill(self, request: Request, first: FirstToken) -> None:
+        self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
+                                request.num_prompt)
+        if request.room not in self.scheduler.requests:  # the hook aborted it
+            return
+        result = PrefillResult(room=request.room, first_token=first, page_ids=list(request.page_ids),
+                               prompt_tokens=request.num_prompt)
+        self._finish(request, "stop")
+        request.emit(result)
+
+    def _report_filled_pages(self, batch: SchedulerOutput) -> None:
+        if self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()  # K/V written before a transfer reads
+        for chunk in batch.extends:
+            request = self.scheduler.requests.get(chunk.room)
+            if request is None or not request.prefill_only or chunk.sample:
+                continue  # the final chunk reports in _finish_prefill, with its partial page
+            full = request.num_computed // self.pages.page_size
+            if full > request.pages_reported:
+                self._call_pages_filled(request, request.page_ids[:full], request.num_computed)
+
+    def _call_pages_filled(self, request: Request, page_ids: list[int], num_tokens: int) -> None:
+        request.pages_reported = len(page_ids)
+        if request.on_pages_filled is None:
+            return
+        try:
+            request.on_pages_filled(list(page_ids), num_tokens)
+        except Exception:
+            log.exception("room %s: on_pages_filled failed; aborting the prefill", request.room)
+            self._abort(request.room)
+
+    def _abort(self, room: str) -> None:
+        request = self.scheduler.abort(room)
+        self.pages.release(room)  # a finished prefill's held pages, or an unused reservation
+        if request is None:
+            return
+        with self._rooms_lock:
+            self._live_rooms.discard(room)
+        if request.prefill_only:
+            request.emit(None)  # ends the prefill's stream without a result
+        else:
+            request.emit(TokenOutput(token_id=-1, text="", logprob=None, top_logprobs=[],
+                                     finish_reason="abort", prompt_tokens=request.num_prompt,
+                                     completion_tokens=request.num_generated))
+
+    def _deliver(self) -> None:
+        deliveries, self._deliveries = self._deliveries, defaultdict(list)
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody is listening any more
+
+
+def _deliver_all(items: list[tuple[Callable, object]]) -> None:
+    for put, item in items:
+        put(item)
+
+
+def _is_last(item: object) -> bool:
+    if isinstance(item, TokenOutput):
+        return item.finish_reason is not None
+    return True  # a PrefillResult, or None for an aborted prefill

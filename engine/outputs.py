@@ -1,0 +1,63 @@
+"""What the engine hands back to its callers: token outputs, prefill results, stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token of a request as it streams out.
+
+    `text` is the newly completed text (may be empty while a UTF-8 character or a possible stop
+    string is held back). `logprob`/`top_logprobs` are filled when the request asked for them.
+    The last output of a request has `finish_reason` set ("stop", "length" or "abort"); an abort
+    output carries token_id -1 and no text.
+    """
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token sampled at the end of a prefill, with its logprob data (the PD aux data)."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished prefill: its first token and the pages holding the prompt's K/V (held until
+    `Engine.release(room)`)."""
+
+    room: str
+    first_token: FirstToken
+    page_ids: list[int]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and log lines."""
+
+    waiting: int  # requests queued for admission, retracted ones included
+    running: int
+    retracted: int  # of the waiting ones, how many were retracted
+    total_retractions: int
+    used_pages: int
+    total_pages: int
+    held_rooms: int  # PD reservations and finished prefills not yet released
+    generated_tokens: int
+    steps: int
+
+
+class RequestAborted(Exception):
+    """Raised by `Engine.prefill` when its request was aborted before it finished."""
