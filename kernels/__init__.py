@@ -1,0 +1,9 @@
+"""KV-cache kernels over the page-major pool of libkv.pool.
+
+- `kernels.ops`: the entry points (store_kv, paged_decode_attention, gather_kv, gather_pages,
+  scatter_pages); CUDA tensors run Triton kernels, anything else the torch implementations.
+- `kernels.torch_ops`: vectorized torch implementations (the CPU path and the references).
+- `kernels.triton_kv`, `kernels.triton_attention`: the Triton kernels, tested on CPU under
+  TRITON_INTERPRET=1 (tests/kernels/triton_checks.py) and compiled for sm_80/sm_90 in tests.
+- `kernels.bench_decode_attention`: timing of the CPU decode-attention variants considered.
+"""
