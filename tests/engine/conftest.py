@@ -1,0 +1,46 @@
+"""Checkpoints and engines shared by the engine tests (built once per session, on local disk)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.tiny_model import write_tiny_model
+
+# A Llama checkpoint unlike the Qwen3 preset on every switch the decoder has: head_dim 48 with
+# hidden 256 / 4 heads (so head_dim != hidden / heads), GQA ratio 4 (one KV head), untied
+# embeddings, Llama-3.1 rope scaling, no q/k norm.
+LLAMA_OVERRIDES = dict(
+    head_dim=48, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256},
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "qwen3", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "llama", preset="tiny", seed=1, arch="llama",
+                            **LLAMA_OVERRIDES)
+
+
+def start_engine(model_dir: Path, **overrides) -> Engine:
+    """A started engine on `model_dir`; the caller shuts it down."""
+    engine = Engine.load(EngineConfig(model_path=str(model_dir), **{"num_pages": 256, **overrides}))
+    engine.start()
+    return engine
+
+
+def random_prompts(lengths: list[int], seed: int, vocab: int = 4000) -> list[list[int]]:
+    # Ids from 10 up avoid the tokenizer's special tokens at the low end.
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=generator).tolist() for n in lengths]
