@@ -30,10 +30,11 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def test_same_flags_same_bytes_across_processes(tiny_dir, tmp_path):
-    # The second copy is written by the CLI in a fresh process: Rust hash maps inside the tokenizer
-    # trainer are seeded per process, so this also checks that training does not depend on them.
+    # The second copy is written by the CLI in a fresh process with one tokenizer thread: Rust hash
+    # maps in the trainer are seeded per process and its work is split over threads, so this also
+    # checks that training depends on neither (a machine with more cores gets the same tokenizer).
     other = tmp_path / "again"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAYON_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--out", str(other), "--seed", "0"],
                    cwd=REPO, env=env, check=True, capture_output=True, timeout=120)
     expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
