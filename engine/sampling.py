@@ -9,9 +9,10 @@ likely token's. Greedy rows (temperature 0, or top_k 1) take argmax of the raw l
 the lowest id as torch.argmax does.
 
 Drawing: an exponential race, argmax(p / E) with E ~ Exp(1) per token, which picks token i with
-probability p_i (the Gumbel-max trick in another form). Rows without a seed share one vectorized draw; a row with a seed draws its noise
-from the request's own torch.Generator (see `make_generator`), one full-vocabulary draw per step,
-so its tokens are the same whatever else is in the batch.
+probability p_i (the Gumbel-max trick in another form). Rows without a seed share one vectorized
+draw; a row with a seed draws its noise from the request's own torch.Generator (see
+`make_generator`), one full-vocabulary draw per step, so its tokens are the same whatever else
+is in the batch.
 
 Logprobs are "raw": log_softmax of the logits before temperature and filters (what the OpenAI
 API and vLLM's default report), so they describe the model, not the sampling settings. The
@@ -230,11 +231,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"{batch} rows of logits but {len(generators)} generators")
     logits = logits.float()
 
-    token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(random_rows) == batch:
         token_ids = _exponential_race(sampling_probs(logits, params), generators)
-    elif random_rows:
+    else:
+        token_ids = logits.argmax(dim=-1)
+    if 0 < len(random_rows) < batch:
         index = torch.tensor(random_rows, device=logits.device)
         probs = sampling_probs(logits[index], [params[i] for i in random_rows])
         token_ids[index] = _exponential_race(probs, [generators[i] for i in random_rows])
