@@ -1,0 +1,115 @@
+"""The decode worker: pdserve.v1.Worker driving a remote prefill (`--disaggregation-mode decode`).
+
+One request, as ARCHITECTURE.md draws it:
+  prealloc  wait (FIFO) until the engine can reserve pages for the prompt
+  transfer  call Prefill(room, prompt, dst pages, our endpoint) on the prefill worker the gateway
+            chose; it runs the prompt and writes the KV into the reserved pages, then replies with
+            the first token. The reply is the completion signal: pages are never read before it.
+  waiting   the engine takes the reserved pages and the first token...
+  running   ...and the request decodes in the running batch; tokens stream back.
+
+Failure: if the Prefill call fails, is cancelled or times out, decode first makes sure no write
+can still land (Prefill.Abort, which returns only when the prefill side has stopped writing, or
+the prefill process is gone), then frees the reserved pages and reports UNAVAILABLE, which the
+gateway may retry on another pair. Cancelling Generate (client gone) takes the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.outputs import FirstToken
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.convert import endpoint_to_proto
+from services.decode.prealloc import PreallocQueue, PreallocTimeout
+from services.decode.prefill_client import PrefillClients, PrefillFailed
+from services.worker.relay import relay_tokens
+from services.worker.requests import BadRequest, parse_request
+from services.worker.runtime import WorkerRuntime
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeServicer(worker_pb2_grpc.WorkerServicer):
+    """pdserve.v1.Worker for a decode worker. Called by the gateway; calls prefill workers."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        assert runtime.backend is not None
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.config = runtime.config
+        self.queues = runtime.queues
+        self.prealloc = PreallocQueue(self.engine)
+        self.prefills = PrefillClients(abort_timeout_s=self.config.transfer_timeout)
+        self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.perf_counter()
+        model = self.engine.model_config
+        try:
+            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
+                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
+            self.engine.scheduler.check_fits(len(parsed.prompt_ids), parsed.params.max_new_tokens)
+            if not request.HasField("prefill_address") or not request.prefill_address:
+                raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on")
+        except ValueError as exc:
+            await context.abort(BadRequest.code, str(exc))
+        room, prompt, params = parsed.room, parsed.prompt_ids, parsed.params
+        self._tasks[room] = asyncio.current_task()
+        try:
+            first = await self._prefill_remotely(room, prompt, params, request.prefill_address, context)
+            self.queues.move(room, "waiting")
+            outputs = self.engine.generate_prefilled(room, prompt, first, params)
+            self.queues.leave(room)  # the engine's own waiting/running queues take over
+            async for response in relay_tokens(outputs, self.runtime.metrics, arrival):
+                yield response
+        finally:
+            self.queues.leave(room)
+            self._tasks.pop(room, None)
+
+    async def _prefill_remotely(self, room: str, prompt: list[int], params, prefill_address: str,
+                                context: grpc.aio.ServicerContext) -> FirstToken:
+        """prealloc + transfer. Returns the first token with the prompt's KV in the reserved pages."""
+        self.queues.move(room, "prealloc")
+        try:
+            pages = await self.prealloc.reserve(room, len(prompt), self.config.waiting_timeout)
+        except PreallocTimeout as exc:
+            self.runtime.metrics.failure("prealloc")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}")
+        self.queues.move(room, "transfer")
+        released = False
+        try:
+            return await self.prefills.prefill(
+                prefill_address, room=room, prompt=prompt, params=params, dst_page_ids=pages,
+                dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
+                model=self.config.model_name, timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout)
+        except PrefillFailed as exc:
+            self.runtime.metrics.failure(exc.stage)
+            await self._release_after_abort(room, prefill_address)
+            released = True
+            log.warning("room %s: %s", room, exc)
+            await context.abort(exc.code, f"room {room}: {exc}")
+        except BaseException:  # cancelled (client gone, shutdown): stop prefill before freeing pages
+            if not released:
+                await asyncio.shield(self._release_after_abort(room, prefill_address))
+            raise
+
+    async def _release_after_abort(self, room: str, prefill_address: str) -> None:
+        await self.prefills.abort(prefill_address, room)
+        self.engine.release(room)
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        task = self._tasks.get(request.room)
+        if task is not None:
+            task.cancel()
+        found = task is not None or self.engine.is_live(request.room)
+        self.engine.abort(request.room)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> common_pb2.WorkerLoad:
+        return self.runtime.load()

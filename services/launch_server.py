@@ -1,0 +1,99 @@
+"""`pdserve launch-server`: one prefill, decode or colocated worker, until SIGINT/SIGTERM.
+
+Logs `[time] <role> worker listening on HOST:PORT (metrics :MPORT), ...` once it serves RPCs
+(launchers and tests read the bound ports from it when started with --port 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from protos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.config_flags import add_config_arguments, config_from_args
+from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
+from services.common.logging import setup_logging
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
+
+log = logging.getLogger("pdserve.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, WorkerConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("worker")
+    try:
+        config = config_from_args(WorkerConfig, args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
+    try:
+        asyncio.run(serve(runtime))
+    except OSError as exc:
+        log.error("%s worker failed to start: %s", config.role, exc)
+        return 1
+    finally:
+        if runtime.backend is not None:
+            # NIXL agents crash at interpreter exit: the backend is closed; leave without the teardown.
+            from libkv.transfer import exit_process
+            logging.shutdown()
+            exit_process(0)
+    return 0
+
+
+def _binding(runtime: WorkerRuntime) -> ServiceBinding:
+    if runtime.config.role == "prefill":
+        from services.prefill.servicer import PrefillServicer
+        return ServiceBinding(service_name(worker_pb2, "Prefill"), PrefillServicer(runtime),
+                              worker_pb2_grpc.add_PrefillServicer_to_server)
+    if runtime.config.role == "decode":
+        from services.decode.servicer import DecodeServicer
+        servicer = DecodeServicer(runtime)
+    else:
+        from services.worker.colocated import ColocatedServicer
+        servicer = ColocatedServicer(runtime)
+    return ServiceBinding(service_name(worker_pb2, "Worker"), servicer,
+                          worker_pb2_grpc.add_WorkerServicer_to_server)
+
+
+async def serve(runtime: WorkerRuntime) -> None:
+    config = runtime.config
+    shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
+    runtime.engine.start()
+    try:
+        runtime.start_metrics()
+        server = await start_grpc_server([_binding(runtime)], config.host, config.port)
+        await runtime.register(server.address)
+        reporter = asyncio.create_task(_log_loop(runtime)) if config.role == "decode" else None
+        layout = runtime.engine.kv_layout
+        log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens, "
+                 "transfer backend %s", config.role, server.address, runtime.metrics_server.port,
+                 config.model_name, runtime.engine.stats().total_pages, layout.page_size,
+                 config.disaggregation_transfer_backend if runtime.backend else "none")
+        received = await shutdown.wait()
+        log.info("%s worker got %s: shutting down", config.role, received.name)
+        if reporter is not None:
+            reporter.cancel()
+        await server.stop(config.grace_period)
+    finally:
+        shutdown.remove()
+        await runtime.close()
+
+
+async def _log_loop(runtime: WorkerRuntime) -> None:
+    from services.decode.log_line import DecodeLogLine
+
+    line = DecodeLogLine(runtime)
+    interval = runtime.config.decode_log_interval
+    if interval <= 0:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        text = line.next()
+        if text:
+            log.info("%s", text)

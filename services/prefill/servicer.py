@@ -1,0 +1,154 @@
+"""The prefill worker: pdserve.v1.Prefill (`--disaggregation-mode prefill`), called by decode workers.
+
+One request moves through ARCHITECTURE.md's prefill queues:
+  bootstrap  connect to the decode worker's transfer endpoint (cached per peer); refuse a different
+             model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION)
+  waiting    the engine runs the prompt in chunks; after each chunk its completed pages are written
+             straight into decode's reserved pages, so the transfer overlaps the compute
+  inflight   after the last chunk (and its partial page), wait until every write has landed,
+             then reply with the first token: that reply is decode's completion signal.
+The engine holds the prompt's pages until the writes are finished or aborted, then frees them.
+
+Abort (decode gone, client gone, decode's explicit Abort RPC): stop the engine work, abort every
+write and wait until none can land, then free. `Abort` answers only after that, and remembers the
+room so a Prefill that arrives after its own Abort is refused rather than writing into pages
+decode has already reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+import grpc
+
+from libkv.layout import LayoutMismatch
+from libkv.transfer import BackendMismatch, TransferError
+from protos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.convert import endpoint_from_proto, token_to_proto
+from services.prefill.room import PrefillRoom
+from services.worker.requests import BadRequest, parse_request
+from services.worker.runtime import WorkerRuntime
+
+log = logging.getLogger("pdserve.prefill")
+
+_TOMBSTONES = 4096  # recently aborted rooms remembered
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    """pdserve.v1.Prefill over the engine's prefill hook and the transfer backend."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        assert runtime.backend is not None
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.backend = runtime.backend
+        self.config = runtime.config
+        self.queues = runtime.queues
+        self.metrics = runtime.metrics
+        self._rooms: dict[str, PrefillRoom] = {}
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        arrival = time.perf_counter()
+        model = self.engine.model_config
+        try:
+            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
+                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
+            if not request.room:
+                raise BadRequest("room is required")
+            if request.model != self.config.model_name:
+                raise _Refused(f"model mismatch (prefill vs decode): {self.config.model_name!r} vs "
+                               f"{request.model!r}")
+            needed = self.engine.pages.pages_for(len(parsed.prompt_ids))
+            if len(request.dst_page_ids) != needed:
+                raise BadRequest(f"{len(request.dst_page_ids)} destination pages for a prompt of "
+                                 f"{len(parsed.prompt_ids)} tokens; expected {needed}")
+        except _Refused as exc:
+            self.metrics.failure("bootstrap")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        room = request.room
+        if room in self._aborted or room in self._rooms:
+            await context.abort(grpc.StatusCode.ABORTED, f"room {room} was aborted or is already running")
+        # Registered before the handshake, so an Abort that arrives during it finds the room.
+        state = PrefillRoom(room, self.backend, list(request.dst_page_ids), task=asyncio.current_task())
+        self._rooms[room] = state
+        try:
+            self.queues.move(room, "bootstrap")
+            state.peer = await self._connect(request, context)
+            self.queues.move(room, "waiting")
+            result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
+            self.queues.move(room, "inflight")
+            await asyncio.wait_for(state.wait_all(), timeout=self.config.transfer_timeout)
+        except (TransferError, TimeoutError) as exc:
+            self.metrics.failure("transfer")
+            await self._cleanup(state, aborted=True)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room}: KV transfer to decode failed: {exc}")
+        except BaseException:  # aborted, cancelled (decode gone), refused handshake, engine error
+            await self._cleanup(state, aborted=True)
+            raise
+        await self._cleanup(state, aborted=False)
+        elapsed = time.perf_counter() - (state.first_write_at or arrival)
+        self.metrics.prompt_tokens.inc(result.prompt_tokens)
+        self.metrics.ttft.observe(time.perf_counter() - arrival)
+        self.metrics.transfer_latency.observe(elapsed)
+        self.metrics.transfer_bytes.inc(state.bytes_pushed)
+        if elapsed > 0:
+            self.metrics.transfer_speed.observe(state.bytes_pushed / elapsed / 1e9)
+        first = result.first_token
+        return worker_pb2.PrefillResponse(
+            first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
+            num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
+            transfer_seconds=elapsed)
+
+    async def _connect(self, request: worker_pb2.PrefillRequest, context):
+        try:
+            endpoint = endpoint_from_proto(request.dst)
+            return await asyncio.to_thread(self.backend.connect, endpoint)
+        except (LayoutMismatch, BackendMismatch) as exc:
+            self.metrics.failure("bootstrap")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"room {request.room}: decode worker {request.decode_worker_id or '?'} "
+                                f"cannot take our KV: {exc}")
+        except (ValueError, TransferError) as exc:
+            self.metrics.failure("bootstrap")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"room {request.room}: cannot reach decode's transfer endpoint: {exc}")
+
+    async def _cleanup(self, state: PrefillRoom, *, aborted: bool) -> None:
+        """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.
+
+        On abort the engine frees the pages itself, between steps, so a forward pass still using
+        them is never raced; after success the held pages are released here.
+        """
+        try:
+            if aborted:
+                await asyncio.shield(asyncio.to_thread(state.abort_all))
+                self.engine.abort(state.room)
+            else:
+                self.engine.release(state.room)
+        finally:
+            self.queues.leave(state.room)
+            self._rooms.pop(state.room, None)
+            state.done.set()
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        room = request.room
+        self._aborted[room] = None
+        while len(self._aborted) > _TOMBSTONES:
+            self._aborted.popitem(last=False)
+        state = self._rooms.get(room)
+        if state is None:
+            return worker_pb2.AbortResponse(found=False)
+        if state.task is not None:
+            state.task.cancel()
+        await asyncio.shield(state.done.wait())
+        return worker_pb2.AbortResponse(found=True)
+
+
+class _Refused(ValueError):
+    """The decode side and this prefill disagree on something fixed (model, layout, backend)."""

@@ -1,0 +1,45 @@
+"""The colocated worker: one process runs the prompt and the decode loop (`--disaggregation-mode null`).
+
+It serves the same pdserve.v1.Worker contract as a decode worker, so the gateway routes to either,
+and it is the baseline every PD output and measurement is compared against.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.relay import relay_tokens
+from services.worker.requests import BadRequest, parse_request
+from services.worker.runtime import WorkerRuntime
+
+
+class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
+    """pdserve.v1.Worker over an engine that does both phases. Called by the gateway."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.perf_counter()
+        model = self.engine.model_config
+        try:
+            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
+                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
+            self.engine.scheduler.check_fits(len(parsed.prompt_ids), parsed.params.max_new_tokens)
+        except ValueError as exc:  # BadRequest included
+            await context.abort(BadRequest.code, str(exc))
+        outputs = self.engine.generate(parsed.prompt_ids, parsed.params, parsed.room)
+        async for response in relay_tokens(outputs, self.runtime.metrics, arrival):
+            yield response
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        found = self.engine.is_live(request.room)
+        self.engine.abort(request.room)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> common_pb2.WorkerLoad:
+        return self.runtime.load()

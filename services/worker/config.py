@@ -1,0 +1,101 @@
+"""WorkerConfig: everything a prefill, decode or colocated worker is started with.
+
+Flags are generated from these fields (services.common.config_flags), spelled as in SGLang's
+`launch_server` wherever they mean the same thing (`--model-path`, `--disaggregation-mode`,
+`--disaggregation-transfer-backend`, `--mem-fraction-static`, ...). PD timeouts default from the
+PDSERVE_DISAGGREGATION_* environment knobs (pdserve.envs), read once when the parser is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+from pdserve import envs
+
+MODES = ("prefill", "decode", "null")
+BACKENDS = ("mooncake", "nixl", "ucx", "fake")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Flags of `pdserve launch-server`. `engine_config()` derives the engine's own config."""
+
+    model_path: str = field(default="", metadata=_help("HF-format checkpoint folder (local path)"))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "model name clients use; default: the checkpoint folder's name"))
+    disaggregation_mode: str = field(default="null", metadata=_help(
+        "prefill | decode | null (null = colocated: one worker runs both phases)"))
+    disaggregation_transfer_backend: str = field(default="mooncake", metadata=_help(
+        "KV transfer engine: mooncake | nixl | ucx | fake (fake moves nothing: control-plane tests)"))
+    disaggregation_ib_device: str | None = field(default=None, metadata=_help(
+        "RDMA device(s) for mooncake, comma-separated; unset = TCP"))
+    host: str = field(default="127.0.0.1", metadata=_help("address the gRPC server and transfer engine bind"))
+    port: int = field(default=30000, metadata=_help("gRPC port; 0 picks a free port"))
+    metrics_port: int = field(default=0, metadata=_help("Prometheus /metrics port; 0 picks a free port"))
+    bootstrap: str | None = field(default=None, metadata=_help(
+        "HOST:PORT of the bootstrap registry; unset = do not register"))
+    tp_size: int = field(default=1, metadata=_help("tensor parallel size (only 1 is supported)"))
+    base_gpu_id: int = field(default=0, metadata=_help("first GPU index this worker uses (CUDA only)"))
+    device: str = field(default="auto", metadata=_help("auto | cpu | cuda"))
+    dtype: str = field(default="auto", metadata=_help("auto | float32 | bfloat16 | float16"))
+    page_size: int = field(default=16, metadata=_help("tokens per KV page"))
+    num_pages: int | None = field(default=None, metadata=_help("KV pages; unset = --mem-fraction-static"))
+    mem_fraction_static: float = field(default=0.8, metadata=_help(
+        "fraction of free memory given to the KV pool when --num-pages is unset"))
+    max_running_requests: int = field(default=64, metadata=_help("largest decode batch"))
+    chunked_prefill_size: int = field(default=512, metadata=_help("prompt tokens per forward pass"))
+    num_threads: int | None = field(default=None, metadata=_help("torch CPU threads; unset = torch default"))
+    bootstrap_timeout: float = field(default_factory=envs.BOOTSTRAP_TIMEOUT.get, metadata=_help(
+        "prefill: seconds a request may wait for its decode-side handshake"))
+    waiting_timeout: float = field(default_factory=envs.WAITING_TIMEOUT.get, metadata=_help(
+        "decode: seconds a request may wait for free pages and then for its KV"))
+    transfer_timeout: float = field(default_factory=envs.TRANSFER_TIMEOUT.get, metadata=_help(
+        "seconds one KV write may take before the peer is declared dead"))
+    heartbeat_interval: float = field(default_factory=envs.HEARTBEAT_INTERVAL.get, metadata=_help(
+        "seconds between heartbeats to the registry"))
+    decode_log_interval: float = field(default=5.0, metadata=_help(
+        "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
+    grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("--model-path is required")
+        if not Path(self.model_path, "config.json").is_file():
+            raise ValueError(f"--model-path {self.model_path!r} has no config.json")
+        if self.disaggregation_mode not in MODES:
+            raise ValueError(f"--disaggregation-mode must be one of {MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
+                             f"got {self.disaggregation_transfer_backend!r}")
+        if self.tp_size != 1:
+            raise ValueError(f"--tp-size {self.tp_size} is not supported yet: pdserve runs one device per "
+                             "worker (tensor parallelism is not implemented); start more workers instead")
+
+    @property
+    def role(self) -> str:
+        return {"prefill": "prefill", "decode": "decode", "null": "colocated"}[self.disaggregation_mode]
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).resolve().name
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return f"cuda:{self.base_gpu_id}" if torch.cuda.is_available() else "cpu"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_path=self.model_path, dtype=self.dtype, device=self.resolved_device(),
+            page_size=self.page_size, num_pages=self.num_pages,
+            mem_fraction_static=self.mem_fraction_static,
+            max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size, num_threads=self.num_threads)

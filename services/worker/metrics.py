@@ -1,0 +1,65 @@
+"""Prometheus metrics of a prefill, decode or colocated worker (names in the `pdserve:` style).
+
+Counters and histograms are updated by the servicers; gauges (queues, pages, running requests)
+are read from the engine and the queue tracker at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics import metric_name as m
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class WorkerMetrics:
+    """Every metric of one worker, in its own CollectorRegistry."""
+
+    def __init__(self, role: str, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "model": model}
+        self._labels = labels
+        r = self.registry
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time from request arrival to its first token", _LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds",
+                                   "Time between consecutive tokens of a request", _ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "Time from request arrival to its end", _LATENCY_BUCKETS)
+        self._finished = Counter(m("request_success_total"), "Finished requests by finish reason",
+                                 labelnames=[*labels, "finish_reason"], registry=r)
+        self.prompt_tokens = Counter(m("prompt_tokens_total"), "Prompt tokens processed",
+                                     labelnames=list(labels), registry=r).labels(**labels)
+        self.generation_tokens = Counter(m("generation_tokens_total"), "Tokens generated",
+                                         labelnames=list(labels), registry=r).labels(**labels)
+        self.transfer_latency = self._histogram(
+            "kv_transfer_latency_seconds", "Time from a request's first KV write to its last completing",
+            _LATENCY_BUCKETS)
+        self.transfer_bytes = Counter(m("kv_transfer_bytes_total"), "KV bytes written to decode workers",
+                                      labelnames=list(labels), registry=r).labels(**labels)
+        self.transfer_speed = self._histogram("kv_transfer_speed_gb_s", "KV transfer speed per request (GB/s)",
+                                              (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        self._failures = Counter(m("pd_failures_total"), "PD failures by stage (bootstrap, transfer, prefill)",
+                                 labelnames=[*labels, "stage"], registry=r)
+        self._gauges: dict[str, Gauge] = {}
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        return Histogram(m(name), doc, labelnames=list(self._labels), buckets=buckets,
+                         registry=self.registry).labels(**self._labels)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(**self._labels, finish_reason=reason).inc()
+
+    def failure(self, stage: str) -> None:
+        self._failures.labels(**self._labels, stage=stage).inc()
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float], **extra_labels: str) -> None:
+        """A gauge whose value is read at scrape time."""
+        if name not in self._gauges:
+            self._gauges[name] = Gauge(m(name), doc, labelnames=[*self._labels, *extra_labels],
+                                       registry=self.registry)
+        self._gauges[name].labels(**self._labels, **extra_labels).set_function(read)

@@ -1,0 +1,123 @@
+"""WorkerRuntime: what one worker process owns besides its servicer.
+
+The engine (model, KV pool, scheduler thread), the transfer backend registered on the engine's
+pool (prefill and decode only), the metrics endpoint, the PD queue tracker and the registry lease.
+`services.launch_server` builds one, hands it to the role's servicer, and closes it on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from libkv.transfer import TransferBackend, create_backend
+from pdserve import envs
+from protos.v1 import bootstrap_pb2, common_pb2
+from services.bootstrap.client import RegistryClient
+from services.common.convert import endpoint_to_proto, layout_to_proto
+from services.common.metrics import MetricsServer, start_metrics_server
+from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
+from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
+
+log = logging.getLogger("pdserve.worker")
+
+_ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
+          "colocated": common_pb2.WORKER_ROLE_COLOCATED}
+
+
+def _backend_options(config: WorkerConfig) -> dict:
+    options: dict = {"timeout_s": config.transfer_timeout, "host": config.host}
+    if config.disaggregation_transfer_backend == "mooncake":
+        options["ib_device"] = config.disaggregation_ib_device or ""
+        options["max_queued_per_peer"] = envs.MOONCAKE_MAX_QUEUED_PER_PEER.get()
+    elif config.disaggregation_transfer_backend == "nixl":
+        options["nixl_backend"] = envs.NIXL_BACKEND.get()
+    return options
+
+
+@dataclass
+class WorkerRuntime:
+    """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
+
+    config: WorkerConfig
+    engine: Engine
+    backend: TransferBackend | None
+    metrics: WorkerMetrics
+    queues: RoomQueues
+    metrics_server: MetricsServer | None = None
+    registry: RegistryClient | None = None
+
+    @classmethod
+    def create(cls, config: WorkerConfig) -> WorkerRuntime:
+        engine = Engine.load(config.engine_config())
+        backend = None
+        if config.role != "colocated":
+            backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
+            backend.register(engine.pool)
+        queues = RoomQueues(PREFILL_QUEUES if config.role == "prefill" else DECODE_QUEUES)
+        runtime = cls(config=config, engine=engine, backend=backend,
+                      metrics=WorkerMetrics(config.role, config.model_name), queues=queues)
+        runtime._add_gauges()
+        return runtime
+
+    def _add_gauges(self) -> None:
+        engine, metrics = self.engine, self.metrics
+        metrics.gauge("kv_pages_used", "KV pages in use (held by requests or reserved)",
+                      lambda: engine.stats().used_pages)
+        metrics.gauge("kv_pages_total", "KV pages in the pool", lambda: engine.stats().total_pages)
+        metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
+        metrics.gauge("retractions_total", "Requests retracted under memory pressure since start",
+                      lambda: engine.stats().total_retractions)
+        for name in self.queues.names:
+            if name in ("waiting", "running") and self.config.role != "prefill":
+                continue  # the engine's own queues, below
+            metrics.gauge("queue_requests", "Requests in each PD queue",
+                          lambda name=name: self.queues.counts()[name], queue=name)
+        if self.config.role != "prefill":
+            metrics.gauge("queue_requests", "Requests in each PD queue", lambda: engine.stats().waiting,
+                          queue="waiting")
+            metrics.gauge("queue_requests", "Requests in each PD queue", lambda: engine.stats().running,
+                          queue="running")
+
+    def load(self) -> common_pb2.WorkerLoad:
+        stats = self.engine.stats()
+        counts = self.queues.counts()
+        return common_pb2.WorkerLoad(
+            bootstrap=counts.get("bootstrap", 0), inflight=counts.get("inflight", 0),
+            prealloc=counts.get("prealloc", 0), transfer=counts.get("transfer", 0),
+            waiting=counts.get("waiting", 0) if self.config.role == "prefill" else stats.waiting,
+            running=stats.running, retracted=stats.retracted,
+            free_pages=stats.total_pages - stats.used_pages, total_pages=stats.total_pages)
+
+    def start_metrics(self) -> None:
+        self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port,
+                                                   self.config.host)
+
+    async def register(self, grpc_address: str) -> None:
+        """Register with the bootstrap registry (if configured) and keep the lease alive."""
+        if not self.config.bootstrap:
+            return
+        worker = bootstrap_pb2.WorkerInfo(
+            role=_ROLES[self.config.role], model=self.config.model_name,
+            kv_layout=layout_to_proto(self.engine.kv_layout), grpc_address=grpc_address,
+            metrics_address=self.metrics_server.address if self.metrics_server else "",
+            load=self.load())
+        if self.backend is not None:
+            worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
+        self.registry = RegistryClient(self.config.bootstrap)
+        lease = await self.registry.register(worker)
+        self.registry.start_heartbeat(load=self.load)
+        log.info("registered with %s as %s (lease ttl %.1fs)", self.config.bootstrap,
+                 self.registry.worker_id, lease.ttl_seconds)
+
+    async def close(self) -> None:
+        """Deregister, stop the engine, close the transfer backend and the metrics endpoint."""
+        if self.registry is not None:
+            await self.registry.close()
+        self.engine.shutdown()
+        if self.backend is not None:
+            self.backend.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
