@@ -22,8 +22,8 @@ def _token_rows(buffer: torch.Tensor) -> torch.Tensor:
 def _select_blocks(buffer: torch.Tensor, page_ids: torch.Tensor, layer: int, k_or_v: int) -> torch.Tensor:
     """K (k_or_v=0) or V (1) of `layer` in pages `page_ids`: a contiguous [n, P, Hkv, D] copy.
 
-    Selecting rows of a 2-d view in which each (page, layer, k_or_v) block is one row is several
-    times faster on CPU than index_select on the strided [num_pages, P, Hkv, D] layer view.
+    Selecting rows of a 2-d view in which each (page, layer, k_or_v) block is one row took about
+    half the time of index_select on the strided [num_pages, P, Hkv, D] layer view (2 CPU threads).
     """
     page_size, num_kv_heads, head_dim = buffer.shape[3:]
     blocks = buffer.view(-1, page_size * num_kv_heads * head_dim)
@@ -36,8 +36,10 @@ def store_kv_torch(buffer: torch.Tensor, layer: int, slots: torch.Tensor,
     """Write K/V of T tokens ([T, Hkv, D] each) into `slots` ([T]) of `layer`.
 
     Each token's K (and V) is one contiguous row of the pool, so the write is an index_copy_ of
-    rows into a flat view. (index_put_ with (page, offset) on the strided per-layer view is
-    100-1000x slower on CPU: it walks the whole view.)
+    rows into a flat view. Same cost as index_put_ with (page, offset) pairs on one thread, but
+    index_copy_ of a decode batch's few rows stays on the calling thread, while index_put_ always
+    opens a parallel region: with several processes sharing 2 cores, waking the second OpenMP
+    thread cost 4-25 ms per call in measurements here.
     """
     page_size = _page_size(buffer)
     rows_per_page = buffer.stride(0) // buffer.stride(3)
@@ -67,10 +69,7 @@ def gather_kv_torch(buffer: torch.Tensor, layer: int, page_ids: torch.Tensor,
 
 def gather_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """A contiguous copy [n, L, 2, P, Hkv, D] of whole pages `page_ids`, in that order."""
-    ids = page_ids.to(device=buffer.device, dtype=torch.long)
-    # index_select on a 2-d [num_pages, page_elems] view copies whole pages as plain memcpys; on the
-    # 6-d tensor it is several times slower on CPU.
-    return buffer.view(buffer.shape[0], -1).index_select(0, ids).view(len(ids), *buffer.shape[1:])
+    return buffer.index_select(0, page_ids.to(device=buffer.device, dtype=torch.long))
 
 
 def scatter_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor) -> None:
@@ -79,8 +78,7 @@ def scatter_pages_torch(buffer: torch.Tensor, page_ids: torch.Tensor, src: torch
     if src.shape != (len(ids), *buffer.shape[1:]):
         raise ValueError(f"src shape {tuple(src.shape)} does not match {len(ids)} pages of "
                          f"{tuple(buffer.shape[1:])}")
-    pages = buffer.view(buffer.shape[0], -1)
-    pages.index_copy_(0, ids, src.to(device=buffer.device, dtype=buffer.dtype).reshape(len(ids), -1))
+    buffer.index_copy_(0, ids, src.to(device=buffer.device, dtype=buffer.dtype))
 
 
 def paged_decode_attention_torch(q: torch.Tensor, buffer: torch.Tensor, layer: int,
