@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (median)")
     parser.add_argument("--timeout-s", type=float, default=envs.TRANSFER_TIMEOUT.get())
     parser.add_argument("--nixl-backend", default=envs.NIXL_BACKEND.get())
+    parser.add_argument("--nixl-threads", type=int, default=0, help="NIXL UCX plugin threads (0: default)")
     parser.add_argument("--mooncake-max-queued", type=int, default=envs.MOONCAKE_MAX_QUEUED_PER_PEER.get())
 
 
@@ -112,7 +113,7 @@ class _Pair:
     """A sender and a receiver process connected over one backend."""
 
     def __init__(self, backend: str, layout: KVLayout, num_pages: int, args: argparse.Namespace) -> None:
-        options = {"nixl": {"nixl_backend": args.nixl_backend},
+        options = {"nixl": {"nixl_backend": args.nixl_backend, "num_threads": args.nixl_threads},
                    "mooncake": {"max_queued_per_peer": args.mooncake_max_queued}}.get(backend, {})
         self.sender, self.receiver = PeerProcess("bench-sender"), PeerProcess("bench-receiver")
         for proc in (self.sender, self.receiver):

@@ -136,6 +136,9 @@ class Transfer:
     error: TransferError | None = None
     engine: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set by backends whose engine calls back on completion, so blocking waiters wake at once
+    # instead of at their next poll.
+    wakeup: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -330,9 +333,10 @@ class TransferBackend(ABC):
 
     def wait_blocking(self, handle: TransferHandle) -> None:
         """wait() for threads without an event loop (the engine thread, benchmarks)."""
+        record = self._record(handle)
         delay = _POLL_FIRST_S
         while not self.poll(handle).finished:
-            time.sleep(delay)
+            record.wakeup.wait(delay)
             delay = min(delay * 2, _POLL_MAX_S)
         self._raise_if_failed(handle)
 
@@ -391,8 +395,11 @@ class TransferBackend(ABC):
     def _fail_locked(self, record: Transfer, error: TransferError, *, timed_out: bool = False) -> None:
         """Fail a transfer whose lock is held: cancel what is still in flight, and on a timeout
         declare the peer dead so later writes fail at once instead of waiting again."""
+        # A timed-out peer is presumed dead: give in-flight operations a short grace, not another
+        # full timeout.
+        grace = 1.0 if timed_out else min(self.timeout_s, 5.0)
         try:
-            self._engine_cancel(record, time.monotonic() + min(self.timeout_s, 5.0))
+            self._engine_cancel(record, time.monotonic() + grace)
         except Exception:
             log.exception("%s: cancelling failed transfer %d", self.name, record.handle.transfer_id)
         if timed_out:

@@ -59,18 +59,19 @@ class NixlBackend(TransferBackend):
     name = "nixl"
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", nixl_backend: str = "UCX",
-                 agent_name: str = "") -> None:
+                 agent_name: str = "", num_threads: int = 0) -> None:
         super().__init__(timeout_s=timeout_s, host=host)
         self._nixl = _import_nixl()
         self.nixl_backend = nixl_backend
         self.agent_name = agent_name or f"pdserve-{uuid.uuid4().hex[:12]}"
+        self.num_threads = num_threads  # UCX plugin worker threads; 0 = the plugin's default
         self._agent: Any = None
         self._reg_descs: Any = None
         # NIXL's agent is not thread-safe in its default sync mode; every agent call holds this.
         self._agent_lock = self._lock
 
     def _engine_register(self, pool: KVPool) -> None:
-        config = self._nixl.nixl_agent_config(backends=[self.nixl_backend])
+        config = self._nixl.nixl_agent_config(backends=[self.nixl_backend], num_threads=self.num_threads)
         self._agent = self._nixl.nixl_agent(self.agent_name, config)
         if self.nixl_backend not in self._agent.backends:
             raise EngineUnavailable(f"NIXL plugin {self.nixl_backend!r} is not available; "

@@ -182,6 +182,7 @@ class UcxBackend(TransferBackend):
         write = _UcxWrite(future=Future())
         write.future = asyncio.run_coroutine_threadsafe(
             self._send(state.endpoint, write, record.handle.transfer_id, header, runs), self._loop)
+        write.future.add_done_callback(lambda _: record.wakeup.set())
         return write
 
     async def _send(self, ep: Any, write: _UcxWrite, transfer_id: int, header: bytes,
@@ -190,22 +191,35 @@ class UcxBackend(TransferBackend):
         ack = bytearray(_ACK.size)
         # Post the ack receive first so the ack can never arrive unmatched.
         ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, transfer_id)))
+        sends: list[asyncio.Task] = []
+
+        def post(buffer) -> None:
+            # Each send is posted to UCX when its task first runs, and tasks run in creation
+            # order, so messages leave in this order without waiting for one another.
+            sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
+
         try:
             await ep.send(bytearray(_CTRL.pack(_BEGIN, self.uid, transfer_id, len(header))),
                           tag=CTRL_TAG, force_tag=True)
-            await ep.send(bytearray(header), tag=tag, force_tag=True)
+            post(bytearray(header))
             aborted = 0
             for index, (src, _dst, nbytes) in enumerate(runs):
                 if write.abort_requested:
                     aborted = 1
                     break
-                await ep.send(bytearray(_MARKER.pack(_RUN, index, nbytes)), tag=tag, force_tag=True)
-                await ep.send(self._pool_bytes[src:src + nbytes], tag=tag, force_tag=True)
-            await ep.send(bytearray(_MARKER.pack(_END, aborted, 0)), tag=tag, force_tag=True)
+                post(bytearray(_MARKER.pack(_RUN, index, nbytes)))
+                post(self._pool_bytes[src:src + nbytes])
+                # Keep at most two runs in flight: enough to overlap, few enough that an abort
+                # stops the rest of a long transfer.
+                while len(sends) > 4:
+                    await sends.pop(0)
+            post(bytearray(_MARKER.pack(_END, aborted, 0)))
+            await asyncio.gather(*sends)
             await ack_recv
         finally:
-            if not ack_recv.done():
-                ack_recv.cancel()
+            for task in [*sends, ack_recv]:
+                if not task.done():
+                    task.cancel()
         status, _, _ = _ACK.unpack(ack)
         return status
 

@@ -98,14 +98,17 @@ def test_scattered_pages_arrive_exactly(pair: Pair):
 
 
 def test_abort_mid_transfer_leaves_both_sides_usable(pair: Pair):
-    big_src, big_dst = list(range(0, 1024)), list(range(40, 1064))  # 64 MiB (fp32) in one run
+    # 56 MiB (fp32) in 56 runs of 16 pages, one-page gaps between runs on the destination side
+    big_src = list(range(0, 896))
+    big_dst = [40 + run * 17 + i for run in range(56) for i in range(16)]
     before = page_hashes(pair.receiver)
     pair.receiver.call("expect", key="room-abort", pages=big_dst)
     reply = pair.sender.call("write", peer=pair.peer, src=big_src, dst=big_dst, key="room-abort", abort=True)
+    assert reply["runs"] == 56
     assert reply["state"] in ("aborted", "done")  # done only if it finished before abort() ran
     pair.receiver.call("release", key="room-abort")  # safe: the sender's abort() has returned
     after = page_hashes(pair.receiver)
-    outside = set(range(NUM_PAGES)) - set(big_dst)
+    outside = set(range(NUM_PAGES)) - set(big_dst)  # includes the gaps between runs
     assert all(after[p] == before[p] for p in outside)
 
     src, dst = [1, 2, 3, 500], [1070, 1071, 1072, 5]
