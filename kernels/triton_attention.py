@@ -26,7 +26,7 @@ _MIN_DOT = 16
 def _paged_decode_kernel(q_ptr, buffer_ptr, page_table_ptr, seq_lens_ptr, out_ptr,
                          scale, layer_offset,
                          stride_qb, stride_qh, stride_qd, stride_ob, stride_oh,
-                         stride_table, stride_page, stride_kv, stride_slot, stride_head,
+                         stride_table, stride_table_col, stride_page, stride_kv, stride_slot, stride_head,
                          GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
@@ -50,7 +50,8 @@ def _paged_decode_kernel(q_ptr, buffer_ptr, page_table_ptr, seq_lens_ptr, out_pt
     for start in range(0, seq_len, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_ok = tokens < seq_len
-        pages = tl.load(table_row + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
+        pages = tl.load(table_row + (tokens // PAGE_SIZE) * stride_table_col, mask=token_ok,
+                        other=0).to(tl.int64)
         row_base = pages * stride_page + (tokens % PAGE_SIZE) * stride_slot + head_offset
         kv_mask = token_ok[:, None] & dim_ok[None, :]
         k_ptrs = buffer_ptr + row_base[:, None] + dims[None, :]
@@ -85,7 +86,7 @@ def paged_decode_attention_triton(q: torch.Tensor, buffer: torch.Tensor, layer: 
                          f"x dim {buffer.shape[5]}")
     # Metadata built on the host moves once here; a no-op when it already lives on the GPU.
     page_table = page_table.to(buffer.device, non_blocking=True)
-    seq_lens = seq_lens.to(buffer.device, non_blocking=True)
+    seq_lens = seq_lens.to(buffer.device, non_blocking=True).contiguous()
     check_launchable(q, buffer, page_table, seq_lens)
     group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -94,7 +95,7 @@ def paged_decode_attention_triton(q: torch.Tensor, buffer: torch.Tensor, layer: 
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, buffer, page_table, seq_lens, out, float(scale), layer * buffer.stride(1),
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
-        page_table.stride(0), buffer.stride(0), buffer.stride(2), buffer.stride(3), buffer.stride(4),
+        page_table.stride(0), page_table.stride(1), buffer.stride(0), buffer.stride(2), buffer.stride(3), buffer.stride(4),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),

@@ -80,7 +80,7 @@ def store_kv_triton(buffer: torch.Tensor, layer: int, slots: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
     """Triton version of kernels.torch_ops.store_kv_torch."""
     _check_pool(buffer)
-    slots = slots.to(device=buffer.device, dtype=torch.long)
+    slots = slots.to(device=buffer.device, dtype=torch.long).contiguous()
     check_launchable(buffer, slots, k, v)
     num_tokens = slots.numel()
     if num_tokens == 0:
@@ -104,7 +104,7 @@ def gather_kv_triton(buffer: torch.Tensor, layer: int, page_ids: torch.Tensor,
     if -(-num_tokens // page_size) > len(page_ids):
         raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // page_size)} pages, "
                          f"got {len(page_ids)} page ids")
-    page_ids = page_ids.to(device=buffer.device, dtype=torch.long)
+    page_ids = page_ids.to(device=buffer.device, dtype=torch.long).contiguous()
     check_launchable(buffer, page_ids)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=buffer.dtype, device=buffer.device)
     v = torch.empty_like(k)
@@ -132,7 +132,7 @@ def _launch_copy_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Ten
 def gather_pages_triton(buffer: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """Triton version of kernels.torch_ops.gather_pages_torch."""
     _check_pool(buffer)
-    page_ids = page_ids.to(device=buffer.device, dtype=torch.long)
+    page_ids = page_ids.to(device=buffer.device, dtype=torch.long).contiguous()
     check_launchable(buffer, page_ids)
     out = torch.empty((page_ids.numel(), *buffer.shape[1:]), dtype=buffer.dtype, device=buffer.device)
     _launch_copy_pages(buffer, out, page_ids, gather=True)
@@ -142,7 +142,7 @@ def gather_pages_triton(buffer: torch.Tensor, page_ids: torch.Tensor) -> torch.T
 def scatter_pages_triton(buffer: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Triton version of kernels.torch_ops.scatter_pages_torch (src must be on the pool's device)."""
     _check_pool(buffer)
-    page_ids = page_ids.to(device=buffer.device, dtype=torch.long)
+    page_ids = page_ids.to(device=buffer.device, dtype=torch.long).contiguous()
     if src.shape != (page_ids.numel(), *buffer.shape[1:]):
         raise ValueError(f"src shape {tuple(src.shape)} does not match {page_ids.numel()} pages of "
                          f"{tuple(buffer.shape[1:])}")

@@ -83,6 +83,20 @@ def attention_strided_q_and_zero_length():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@case
+def attention_strided_page_table_and_lens():
+    c = make_case([7, 12, 2], num_q_heads=4, filler=-1)
+    wide = torch.full((3, 2 * c.page_table.shape[1]), -7, dtype=torch.int64)
+    wide[:, ::2] = c.page_table
+    table = wide[:, ::2]  # column stride 2: every other entry of a wider table
+    lens = torch.tensor([[7, 0], [12, 0], [2, 0]], dtype=torch.int32)[:, 0]  # stride 2 as well
+    got = ops.paged_decode_attention_triton(c.q, c.buffer, 1, table, lens, 0.25, block_n=16)
+    ref = ops.paged_decode_attention_torch(c.q, c.buffer, 1, table, lens, 0.25)
+    dense = dense_decode_attention(c.q, c.dense_k[1], c.dense_v[1], 0.25)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), dense, rtol=1e-5, atol=1e-5)
+
+
 def _check_store(dtype):
     c = make_case([7, 10], dtype=dtype)
     gen = torch.Generator().manual_seed(5)
