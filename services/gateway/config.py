@@ -1,0 +1,126 @@
+"""GatewayConfig: everything `pdserve launch-router` is started with, defaults in one place.
+
+Scalar flags are generated from GatewayConfig's fields (services.common.config_flags). The worker
+lists of the seeds' router (`--prefill URL [BOOTSTRAP_PORT]`, `--decode URL`, `--worker URL`,
+repeatable) are parsed into StaticWorker entries by `static_workers_from_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.gateway.addresses import grpc_address
+
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+ROLES = ("prefill", "decode", "colocated")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class StaticWorker:
+    """A worker named on the command line (not discovered): its role and gRPC `host:port`."""
+
+    role: str
+    address: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Flags of `pdserve launch-router` (the scalar ones; worker lists are StaticWorker)."""
+
+    model_path: str = field(default="", metadata=_help(
+        "checkpoint folder the workers serve: the gateway reads its tokenizer.json, chat template and "
+        "config.json (context length) from it"))
+    model_name: str | None = field(default=None, metadata=_help(
+        "served model name; default: the checkpoint folder's name (what workers default to)"))
+    host: str = field(default="127.0.0.1", metadata=_help("HTTP address to bind"))
+    port: int = field(default=8000, metadata=_help("HTTP port; 0 picks a free port"))
+    bootstrap: str | None = field(default=None, metadata=_help(
+        "HOST:PORT of the bootstrap registry to discover workers from (joins and leaves apply live)"))
+    pd_disaggregation: bool = field(default=False, metadata=_help(
+        "accepted for compatibility with the seeds' router; PD routing is on whenever prefill and "
+        "decode workers are known"))
+    policy: str = field(default="cache_aware", metadata=_help(f"routing policy: {' | '.join(POLICIES)}"))
+    prefill_policy: str | None = field(default=None, metadata=_help("policy for prefill workers; default --policy"))
+    decode_policy: str | None = field(default=None, metadata=_help(
+        "policy for decode and colocated workers; default --policy"))
+    max_attempts: int = field(default=3, metadata=_help(
+        "tries per request on retryable failures before any token reached the client"))
+    retry_backoff: float = field(default=0.05, metadata=_help("seconds before the first retry; doubles each time"))
+    first_token_timeout: float = field(default=300.0, metadata=_help(
+        "seconds to wait for a request's first token before trying another pair"))
+    breaker_failures: int = field(default=3, metadata=_help(
+        "consecutive failures that open a worker's circuit (it gets no traffic)"))
+    breaker_cooldown: float = field(default=5.0, metadata=_help(
+        "seconds an open circuit waits before a health probe or trial request may close it"))
+    cache_threshold: float = field(default=0.5, metadata=_help(
+        "cache_aware: least fraction of the prompt cached on the best worker for prefix routing"))
+    balance_abs_threshold: int = field(default=32, metadata=_help(
+        "cache_aware: in-flight spread (max - min) above which load wins over cache"))
+    balance_rel_threshold: float = field(default=1.5, metadata=_help(
+        "cache_aware: and max > this x min, for load to win over cache"))
+    max_tree_tokens: int = field(default=1 << 20, metadata=_help(
+        "cache_aware: prefix-tree nodes (tokens) kept per worker; least recently used prompts go first"))
+    abort_timeout: float = field(default=2.0, metadata=_help("seconds an explicit Worker.Abort may take"))
+    graceful_shutdown: float = field(default=5.0, metadata=_help(
+        "seconds open requests get on SIGINT/SIGTERM"))
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("--model-path is required: the gateway tokenizes with the checkpoint's tokenizer")
+        if not Path(self.model_path, "tokenizer.json").is_file():
+            raise ValueError(f"--model-path {self.model_path!r} has no tokenizer.json")
+        for flag, value in (("--policy", self.policy), ("--prefill-policy", self.prefill_policy),
+                            ("--decode-policy", self.decode_policy)):
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{flag} must be one of {POLICIES}, got {value!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+        if self.breaker_failures < 1:
+            raise ValueError(f"--breaker-failures must be >= 1, got {self.breaker_failures}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.model_path).resolve().name
+
+    @property
+    def prefill_policy_name(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def decode_policy_name(self) -> str:
+        return self.decode_policy or self.policy
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The seeds' repeatable worker flags."""
+    parser.add_argument("--prefill", action="append", nargs="+", default=[], metavar="URL [BOOTSTRAP_PORT]",
+                        help="a prefill worker's address (http://H:P, grpc://H:P or H:P); the optional "
+                             "bootstrap port of the seeds' router is accepted and ignored (decode reaches "
+                             "prefill at its gRPC address)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker's address")
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="a colocated worker's address (it runs both phases)")
+
+
+def static_workers_from_args(args: argparse.Namespace) -> tuple[StaticWorker, ...]:
+    """StaticWorker entries from --prefill/--decode/--worker. Raises ValueError on a bad address."""
+    workers = []
+    for values in args.prefill:
+        if len(values) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {values}")
+        if len(values) == 2 and not values[1].isdigit() and values[1].lower() != "none":
+            raise ValueError(f"--prefill {values[0]}: bootstrap port must be a number, got {values[1]!r}")
+        workers.append(StaticWorker("prefill", grpc_address(values[0])))
+    workers += [StaticWorker("decode", grpc_address(url)) for url in args.decode]
+    workers += [StaticWorker("colocated", grpc_address(url)) for url in args.worker]
+    return tuple(workers)

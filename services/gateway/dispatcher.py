@@ -1,0 +1,243 @@
+"""Run one generation on the workers: route, call Worker.Generate, relay tokens, retry, abort.
+
+`Dispatcher.generate(...)` is an async iterator of GenerationChunk for ONE choice. Its protocol:
+
+- Each attempt picks a route (router.py) and opens decode's (or a colocated worker's)
+  Generate stream with the prefill address the router chose.
+- A retryable failure before any token was yielded (UNAVAILABLE, RESOURCE_EXHAUSTED,
+  DEADLINE_EXCEEDED, a first-token timeout, a stream that ends without a finish) is retried on
+  another route, at most `max_attempts` attempts, with doubling backoff. The worker to blame is
+  charged on its circuit breaker and not tried again by this request: the prefill worker when
+  decode's error names it (decode reports "prefill ADDRESS failed ..."), else the decode worker.
+- After the first token a failure cannot be hidden: GenerationFailed(after_first_token=True).
+- If the consumer stops early (client disconnected: the task is cancelled or the iterator
+  closed), the gRPC call is cancelled at once and Worker.Abort(room) is sent to decode in the
+  background, so both workers free the request's pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from protos.v1 import common_pb2, worker_pb2
+from services.gateway.errors import GatewayError, status_for_grpc
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import NoWorkersError, Route, Router
+from services.gateway.sampling import Sampling
+from services.gateway.workers import WorkerHandle
+
+log = logging.getLogger("pdserve.gateway")
+
+_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                   common_pb2.FINISH_REASON_ABORT: "abort"}
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Not the worker's fault: retry elsewhere, but do not count against its circuit.
+_NOT_A_HEALTH_SIGNAL = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One sampled token as the worker sent it: id, the text it completed, logprobs if asked."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Tokens of one worker message; the last chunk has `finish_reason` and the usage counts."""
+
+    tokens: tuple[GeneratedToken, ...]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(token.text for token in self.tokens)
+
+
+class GenerationFailed(GatewayError):
+    """A generation that could not be completed; `after_first_token` says whether the client
+    already got part of it (then the stream ends with an error event instead of a status)."""
+
+    def __init__(self, status: int, message: str, code: str, *, after_first_token: bool) -> None:
+        super().__init__(status, message, code=code)
+        self.after_first_token = after_first_token
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    max_attempts: int = 3
+    retry_backoff_s: float = 0.05
+    first_token_timeout_s: float = 300.0
+    abort_timeout_s: float = 2.0
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, message: str, blame: WorkerHandle | None, status: tuple[int, str]) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.blame = blame
+        self.status = status
+
+
+def chunk_from_proto(response: worker_pb2.GenerateResponse, want_logprobs: bool) -> GenerationChunk:
+    tokens = tuple(
+        GeneratedToken(token_id=out.token_id, text=out.text,
+                       logprob=out.logprob if want_logprobs else None,
+                       top_logprobs=tuple((t.token_id, t.logprob) for t in out.top_logprobs))
+        for out in response.outputs)
+    finish = _FINISH_REASONS.get(response.finish_reason)
+    return GenerationChunk(tokens=tokens, finish_reason=finish, prompt_tokens=response.usage.prompt_tokens,
+                           completion_tokens=response.usage.completion_tokens)
+
+
+class Dispatcher:
+    """Generations with retries over a Router. One per gateway."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics, settings: DispatchSettings) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.settings = settings
+        self._background: set[asyncio.Task] = set()
+
+    async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
+                       sampling: Sampling) -> AsyncIterator[GenerationChunk]:
+        exclude: set[str] = set()
+        backoff_s = self.settings.retry_backoff_s
+        last_failure: _Retryable | None = None
+        for attempt in range(1, self.settings.max_attempts + 1):
+            try:
+                route = self.router.pick(model, prompt_token_ids, exclude)
+            except NoWorkersError as exc:
+                if last_failure is None:
+                    raise
+                status, code = last_failure.status
+                raise GenerationFailed(status, f"{exc.message}; last failure: {last_failure.message}", code,
+                                       after_first_token=False) from None
+            attempt_room = room if attempt == 1 else f"{room}.{attempt}"
+            try:
+                async for chunk in self._attempt(attempt_room, route, prompt_token_ids, sampling):
+                    yield chunk
+                return
+            except _Retryable as failure:
+                last_failure = failure
+                log.warning("room %s: attempt %d on %s failed: %s", attempt_room, attempt, route.describe(),
+                            failure.message)
+                if failure.blame is not None:
+                    exclude.add(failure.blame.key)
+                else:
+                    exclude.update(worker.key for worker in route.workers if worker.role != "prefill")
+                if attempt == self.settings.max_attempts:
+                    status, code = failure.status
+                    raise GenerationFailed(status, f"request failed after {attempt} attempts: {failure.message}",
+                                           code, after_first_token=False) from None
+                self.metrics.retries.labels(reason=failure.reason).inc()
+                await asyncio.sleep(backoff_s)
+                backoff_s *= 2
+
+    async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
+                       sampling: Sampling) -> AsyncIterator[GenerationChunk]:
+        """One attempt on `route`. Raises _Retryable for a failure before the first token."""
+        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
+                                             sampling=sampling.to_proto())
+        if route.prefill is not None:
+            request.prefill_address = route.prefill.address
+        want_logprobs = sampling.logprobs or sampling.top_logprobs > 0
+        call = route.decode.worker_stub().Generate(request)
+        delivered = finished = client_gone = False
+        blame: list[WorkerHandle] = []
+        try:
+            while True:
+                if delivered:
+                    response = await call.read()
+                else:
+                    response = await asyncio.wait_for(call.read(), self.settings.first_token_timeout_s)
+                if response is grpc.aio.EOF:
+                    break
+                chunk = chunk_from_proto(response, want_logprobs)
+                if chunk.finish_reason == "abort" and not delivered:
+                    # the worker gave up on it before producing anything (draining, shutting down)
+                    raise _Retryable("worker_abort", f"{route.decode.address} aborted room {room}", None,
+                                     (503, "worker_unavailable"))
+                if chunk.tokens or chunk.finish_reason is not None:
+                    delivered = True
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+                if finished:
+                    break
+            if not finished:
+                if delivered:
+                    blame = [route.decode]
+                    raise GenerationFailed(502, f"{route.decode.address} ended the stream without finishing",
+                                           "worker_error", after_first_token=True)
+                blame = [route.decode]
+                raise _Retryable("truncated", f"{route.decode.address} ended the stream without a token",
+                                 route.decode, (502, "worker_error"))
+            route.finish(succeeded=True)
+        except (asyncio.CancelledError, GeneratorExit):
+            client_gone = True
+            raise
+        except asyncio.TimeoutError:
+            target = route.prefill or route.decode
+            blame = [target]
+            raise _Retryable("first_token_timeout",
+                             f"no first token within {self.settings.first_token_timeout_s:g}s", target,
+                             (504, "timeout")) from None
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            target = route.prefill if route.prefill is not None and route.prefill.address in details else route.decode
+            if code not in _NOT_A_HEALTH_SIGNAL and (code in _RETRYABLE or code == grpc.StatusCode.UNKNOWN):
+                blame = [target]
+            if delivered:
+                status, error_code = status_for_grpc(code)
+                raise GenerationFailed(status, f"{route.describe()} failed mid-stream: {code.name}: {details}",
+                                       error_code, after_first_token=True) from None
+            if code in _RETRYABLE:
+                reason = "prefill_failed" if target is route.prefill else code.name.lower()
+                raise _Retryable(reason, f"{code.name}: {details}", target, status_for_grpc(code)) from None
+            status, error_code = status_for_grpc(code)
+            raise GenerationFailed(status, details or code.name, error_code, after_first_token=False) from None
+        finally:
+            if not finished:
+                call.cancel()
+                if client_gone:
+                    self._abort_in_background(route.decode, room)
+            route.finish(failed=blame)
+
+    def _abort_in_background(self, decode: WorkerHandle, room: str) -> None:
+        """Tell decode to drop `room` explicitly (the cancelled call already does; this also covers a
+        request still queued behind the cancellation). Runs as its own task: the caller may be in a
+        cancelled scope where it cannot await."""
+
+        async def abort() -> None:
+            try:
+                await decode.worker_stub().Abort(worker_pb2.AbortRequest(room=room),
+                                                 timeout=self.settings.abort_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.info("room %s: Abort on %s failed: %s %s", room, decode.address, exc.code().name, exc.details())
+            except Exception:  # never let a background abort crash the loop
+                log.exception("room %s: Abort on %s failed", room, decode.address)
+
+        try:
+            task = asyncio.get_running_loop().create_task(abort())
+        except RuntimeError:  # loop closing: nothing left to tell
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        self.metrics.aborts.inc()
+
+    async def drain(self) -> None:
+        """Wait for background aborts (shutdown)."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.settings.abort_timeout_s)

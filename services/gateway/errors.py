@@ -1,0 +1,112 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Client mistakes are 4xx, never 500: FastAPI's 422 for a body that fails validation becomes 400,
+malformed JSON is 400, an unknown route 404. Worker-side gRPC statuses map through
+`status_for_grpc`: INVALID_ARGUMENT (the worker rejected the request) is the client's 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("pdserve.gateway")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
+
+
+@dataclass
+class GatewayError(Exception):
+    """An error answered to the client as an OpenAI error body."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code, type_=self.type)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict[str, Any]:
+    error_type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+# Worker gRPC status -> (HTTP status, error code) once retries are exhausted or not allowed.
+_GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_argument"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_argument"),
+    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "worker_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (503, "cancelled"),
+}
+
+
+def status_for_grpc(code: grpc.StatusCode) -> tuple[int, str]:
+    return _GRPC_TO_HTTP.get(code, (500, "worker_error"))
+
+
+def _location(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = _location(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid value")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error from `app` as an OpenAI error body."""
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)

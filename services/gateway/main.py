@@ -1,0 +1,103 @@
+"""`pdserve launch-router`: run the gateway (HTTP on uvicorn + uvloop) until SIGINT/SIGTERM.
+
+Logs `[time] gateway listening on http://HOST:PORT (model M, ...)` once it accepts requests
+(launchers and tests read the bound port from it when started with --port 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator, Sequence
+
+import uvicorn
+import uvloop
+
+from services.common.config_flags import add_config_arguments, config_from_args
+from services.common.grpc_server import ShutdownSignals
+from services.common.logging import setup_logging
+from services.gateway.app import create_app
+from services.gateway.config import (
+    GatewayConfig,
+    StaticWorker,
+    add_worker_arguments,
+    static_workers_from_args,
+)
+from services.gateway.state import build_state
+
+log = logging.getLogger("pdserve.gateway")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, GatewayConfig)
+    add_worker_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("gateway")
+    try:
+        config = config_from_args(GatewayConfig, args)
+        workers = static_workers_from_args(args)
+    except ValueError as exc:
+        log.error("gateway: %s", exc)
+        return 2
+    try:
+        uvloop.run(serve(config, workers))
+    except OSError as exc:  # port in use, bad host
+        log.error("gateway failed to start: %s", exc)
+        return 1
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handling: ShutdownSignals owns SIGINT/SIGTERM (uvicorn
+    would re-raise the signal after a graceful stop, so the process would not exit 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before uvicorn starts so port 0 gives us the real port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind HTTP server to {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> None:
+    shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
+    sock = bind_socket(config.host, config.port)
+    state = build_state(config, workers)
+    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=config.graceful_shutdown, loop="none"))
+    server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    signal_task = asyncio.create_task(shutdown.wait())
+    try:
+        while not server.started and not server_task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            host, port = sock.getsockname()[:2]
+            sources = [f"{len(workers)} static worker(s)"] + ([f"registry {config.bootstrap}"] if config.bootstrap else [])
+            log.info("gateway listening on http://%s:%d (model %s, %s; policy prefill=%s decode=%s)", host, port,
+                     state.model_name, ", ".join(sources), config.prefill_policy_name, config.decode_policy_name)
+        done, _ = await asyncio.wait({server_task, signal_task}, return_when=asyncio.FIRST_COMPLETED)
+        if signal_task in done:
+            log.info("gateway got %s: shutting down", signal_task.result().name)
+            server.should_exit = True
+        await server_task
+    finally:
+        signal_task.cancel()
+        shutdown.remove()
+        sock.close()

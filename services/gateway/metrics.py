@@ -1,0 +1,103 @@
+"""The gateway's Prometheus metrics (`pdserve:gateway_*`), served at GET /metrics on its HTTP port.
+
+Latencies are measured as the client sees them: from the moment the request arrived at the
+gateway (tokenization, routing, retries included) to the moment a token was handed to the HTTP
+response. Per-worker in-flight counts and circuit states are read from the WorkerPool at scrape
+time, so a worker that left simply disappears from the next scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.common.metrics import metric_name
+from services.gateway.workers import WorkerPool
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                2.5, 5.0)
+
+
+class _PoolCollector(Collector):
+    """Per-worker gauges computed from the pool when Prometheus scrapes."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily(metric_name("gateway_worker_inflight_requests"),
+                                     "Requests this gateway has open on each worker",
+                                     labels=["worker", "role"])
+        circuit = GaugeMetricFamily(metric_name("gateway_worker_circuit_state"),
+                                    "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open",
+                                    labels=["worker", "role"])
+        workers = GaugeMetricFamily(metric_name("gateway_workers"), "Known workers by role", labels=["role"])
+        counts: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
+        for worker in self.pool.all():
+            inflight.add_metric([worker.address, worker.role], worker.inflight)
+            circuit.add_metric([worker.address, worker.role], worker.breaker.state.gauge_value)
+            counts[worker.role] = counts.get(worker.role, 0) + 1
+        for role, count in counts.items():
+            workers.add_metric([role], count)
+        yield inflight
+        yield circuit
+        yield workers
+
+
+class GatewayMetrics:
+    """All gateway metrics in their own CollectorRegistry (several gateways can share a process)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(metric_name("gateway_requests"), "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram(metric_name("gateway_time_to_first_token_seconds"),
+                              "Arrival at the gateway to the first token handed to the client",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(metric_name("gateway_inter_token_latency_seconds"),
+                             "Time between tokens handed to the client (per token)",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(metric_name("gateway_e2e_request_latency_seconds"),
+                             "Arrival at the gateway to the last token handed to the client",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.retries = Counter(metric_name("gateway_retries"), "Attempts retried on another worker, by reason",
+                               ["reason"], registry=self.registry)
+        self.aborts = Counter(metric_name("gateway_aborts"),
+                              "Requests the client left early (Generate cancelled, Worker.Abort sent)",
+                              registry=self.registry)
+        self.registry.register(_PoolCollector(pool))
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Client-side latencies of one choice: call `tokens(n)` as n tokens reach the client and
+    `done()` at the end (TTFT once, ITL per token after the first, e2e at done)."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float | None = None) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self._last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            count -= 1
+        elif count > 0:
+            gap = (now - self._last) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self._last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)

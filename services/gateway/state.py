@@ -1,0 +1,75 @@
+"""GatewayState: the objects one gateway is made of, built once from its config."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.gateway.circuit_breaker import CircuitBreaker
+from services.gateway.config import GatewayConfig, StaticWorker
+from services.gateway.discovery import HealthProber, RegistryDiscovery, add_static_workers
+from services.gateway.dispatcher import Dispatcher, DispatchSettings
+from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_files import ModelFiles
+from services.gateway.policies import make_policy
+from services.gateway.router import Router
+from services.gateway.workers import WorkerPool
+
+
+@dataclass
+class GatewayState:
+    """Everything a request handler needs; `start()`/`close()` run discovery and probes."""
+
+    config: GatewayConfig
+    model_name: str
+    model_files: ModelFiles
+    pool: WorkerPool
+    router: Router
+    dispatcher: Dispatcher
+    metrics: GatewayMetrics
+    discovery: RegistryDiscovery | None = None
+    prober: HealthProber | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    async def start(self) -> None:
+        if self.discovery is not None:
+            self.discovery.start()
+        if self.prober is not None:
+            self.prober.start()
+
+    async def close(self) -> None:
+        if self.prober is not None:
+            await self.prober.close()
+        if self.discovery is not None:
+            await self.discovery.close()
+        await self.dispatcher.drain()
+        self.pool.close()
+
+    def check_model(self, requested: str | None) -> str:
+        """The served model name if `requested` names it (or is omitted where that is allowed)."""
+        if requested is None or requested == self.model_name:
+            return self.model_name
+        raise GatewayError(404, f"The model `{requested}` does not exist (this gateway serves "
+                                f"`{self.model_name}`).", param="model", code="model_not_found")
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = ()) -> GatewayState:
+    model_name = config.served_model_name
+    pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown))
+    add_static_workers(pool, static_workers, model_name)
+    router = Router(pool, make_policy(config.prefill_policy_name, config), make_policy(config.decode_policy_name, config))
+    metrics = GatewayMetrics(pool)
+    dispatcher = Dispatcher(router, metrics, DispatchSettings(
+        max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff,
+        first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout))
+    discovery = RegistryDiscovery(pool, config.bootstrap, model_name) if config.bootstrap else None
+    prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
+    return GatewayState(config=config, model_name=model_name, model_files=ModelFiles(config.model_path), pool=pool,
+                        router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery, prober=prober)
