@@ -136,8 +136,7 @@ class _Pair:
         self.receiver.close()
 
 
-def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int],
-                    memcpy: dict[int, float]) -> BackendResult:
+def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]) -> BackendResult:
     layout, run = SMALL_PRESET, args.run_pages
     page_counts = {mib: -(-mib * MIB // layout.page_nbytes) for mib in sizes_mib}
     prompt_pages = layout.pages_for(PROMPT_TOKENS)
@@ -147,10 +146,12 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
     try:
         for mib, pages in page_counts.items():
             src, dst = run_pages(pages, run)
-            seconds, runs = pair.time_write(src, dst, args.repeats)
             nbytes = pages * layout.page_nbytes
+            # memcpy right before the transfer: the machine's load changes over a run
+            memcpy = memcpy_gbps(nbytes, args.repeats)
+            seconds, runs = pair.time_write(src, dst, args.repeats)
             gbps = nbytes / seconds / 1e9
-            sizes.append(SizeResult(mib, nbytes, pages, runs, seconds, gbps, memcpy[mib], gbps / memcpy[mib]))
+            sizes.append(SizeResult(mib, nbytes, pages, runs, seconds, gbps, memcpy, gbps / memcpy))
         src, dst = run_pages(prompt_pages, run)
         page_major_s, page_major_runs = pair.time_write(src, dst, args.repeats)
     finally:
@@ -197,12 +198,10 @@ def main(args: argparse.Namespace) -> int:
     sizes_mib = [int(s) for s in args.sizes_mib.split(",") if s]
     backends = list(REAL_BACKENDS) if args.backend == "all" else [args.backend]
     layout = SMALL_PRESET
-    memcpy = {mib: memcpy_gbps(-(-mib * MIB // layout.page_nbytes) * layout.page_nbytes, args.repeats)
-              for mib in sizes_mib}
     results = []
     for backend in backends:
         try:
-            results.append(measure_backend(backend, args, sizes_mib, memcpy))
+            results.append(measure_backend(backend, args, sizes_mib))
         except (PeerError, TimeoutError, ImportError) as exc:
             results.append(BackendResult(backend, [], None, error=str(exc).splitlines()[0]))
     if args.json:

@@ -11,6 +11,7 @@ driver skips every line without the prefix. An engine error in a command is a re
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import sys
@@ -75,7 +76,7 @@ class PeerWorker:
         if abort:
             reply["state"] = self.backend.abort(handle).value
         elif wait:
-            self.backend.wait_blocking(handle)
+            asyncio.run(self.backend.wait(handle))  # the services' path: awaited on an event loop
             reply["state"] = "done"
         reply["seconds"] = time.perf_counter() - start
         return reply

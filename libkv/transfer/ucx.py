@@ -307,7 +307,7 @@ class UcxBackend(TransferBackend):
             if kind == _END:
                 status = ACK_ABORTED if index else (ACK_OK if accepted else ACK_REJECTED)
                 break
-            offset, run_nbytes, pages = runs[index]
+            offset, run_nbytes, pages = runs[index] if index < len(runs) else (0, -1, range(0))
             target = None
             with self._lock:
                 allowed = self._expected.get(key)

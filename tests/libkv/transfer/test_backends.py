@@ -119,6 +119,19 @@ def test_abort_mid_transfer_leaves_both_sides_usable(pair: Pair):
     assert [src_hashes[p] for p in src] == [dst_hashes[p] for p in dst]
 
 
+def test_two_sided_receiver_drops_data_it_did_not_expect(pair: Pair):
+    if pair.backend != "ucx":
+        pytest.skip("only a two-sided backend can refuse data; one-sided receivers rely on the rule")
+    before = page_hashes(pair.receiver)
+    pair.receiver.call("expect", key="room-narrow", pages=[100, 101])
+    for key, dst in (("room-unknown", [100, 101]), ("room-narrow", [101, 102])):
+        with pytest.raises(PeerError) as err:
+            pair.sender.call("write", peer=pair.peer, src=[3, 4], dst=dst, key=key)
+        assert "rejected" in err.value.message
+    pair.receiver.call("release", key="room-narrow")
+    assert page_hashes(pair.receiver) == before
+
+
 def test_layout_or_backend_mismatch_is_refused_naming_both(pair: Pair):
     raw = json.loads(pair.receiver_endpoint)
     other_dtype = "float16" if pair.dtype != "float16" else "float32"
