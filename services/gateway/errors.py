@@ -72,6 +72,16 @@ def _location(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _common_prefix(locations: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    prefix = list(locations[0])
+    for location in locations[1:]:
+        same = 0
+        while same < min(len(prefix), len(location)) and prefix[same] == location[same]:
+            same += 1
+        del prefix[same:]
+    return tuple(prefix)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -79,7 +89,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    param = _location(tuple(first.get("loc", ())))
+    # A value failing every member of a union (prompt: str | list[str] | ...) gives one error per
+    # member, located under the member's type name: the parameter is their common location.
+    first_location = tuple(first.get("loc", ()))
+    same_field = [tuple(e.get("loc", ())) for e in errors if tuple(e.get("loc", ()))[:2] == first_location[:2]]
+    param = _location(_common_prefix(same_field))
     message = first.get("msg", "invalid value")
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]

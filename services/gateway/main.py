@@ -1,6 +1,7 @@
 """`pdserve launch-router`: run the gateway (HTTP on uvicorn + uvloop) until SIGINT/SIGTERM.
 
-Logs `[time] gateway listening on http://HOST:PORT (model M, ...)` once it accepts requests
+Logs `[time] gateway listening on HOST:PORT (metrics :PORT), http://HOST:PORT, model M, ...` once it
+accepts requests
 (launchers and tests read the bound port from it when started with --port 0).
 """
 
@@ -90,8 +91,10 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
         if server.started:
             host, port = sock.getsockname()[:2]
             sources = [f"{len(workers)} static worker(s)"] + ([f"registry {config.bootstrap}"] if config.bootstrap else [])
-            log.info("gateway listening on http://%s:%d (model %s, %s; policy prefill=%s decode=%s)", host, port,
-                     state.model_name, ", ".join(sources), config.prefill_policy_name, config.decode_policy_name)
+            # same shape as the other services' ready line; /metrics is on the HTTP port itself
+            log.info("gateway listening on %s:%d (metrics :%d), http://%s:%d, model %s, %s, policy prefill=%s "
+                     "decode=%s", host, port, port, host, port, state.model_name, ", ".join(sources),
+                     config.prefill_policy_name, config.decode_policy_name)
         done, _ = await asyncio.wait({server_task, signal_task}, return_when=asyncio.FIRST_COMPLETED)
         if signal_task in done:
             log.info("gateway got %s: shutting down", signal_task.result().name)

@@ -1,0 +1,70 @@
+"""Worker addresses in the seeds' forms and the launch-router flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from services.gateway.addresses import grpc_address
+from services.gateway.config import (
+    GatewayConfig,
+    StaticWorker,
+    add_worker_arguments,
+    static_workers_from_args,
+)
+from services.gateway.main import add_arguments
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:30000", "127.0.0.1:30000"),
+    ("http://127.0.0.1:30000/", "127.0.0.1:30000"),
+    ("grpc://worker-1:8001", "worker-1:8001"),
+    ("https://h:1", "h:1"),
+    ("10.0.0.2:9000", "10.0.0.2:9000"),
+    ("[::1]:30000", "[::1]:30000"),
+])
+def test_grpc_address_forms(url: str, expected: str) -> None:
+    assert grpc_address(url) == expected
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1", "expected host:port"),
+    ("ftp://h:1", "scheme must be one of"),
+    ("http://h:1/v1", "no path"),
+    ("h:notaport", "worker address"),
+])
+def test_grpc_address_rejects(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        grpc_address(url)
+
+
+def test_seed_router_command_line(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--prefill", "http://127.0.0.1:30001",
+        "--decode", "http://127.0.0.1:30002", "--worker", "127.0.0.1:30003", "--policy", "cache_aware",
+        "--decode-policy", "round_robin", "--host", "0.0.0.0", "--port", "8000", "--model-path", str(tmp_path)])
+    assert static_workers_from_args(args) == (
+        StaticWorker("prefill", "127.0.0.1:30000"), StaticWorker("prefill", "127.0.0.1:30001"),
+        StaticWorker("decode", "127.0.0.1:30002"), StaticWorker("colocated", "127.0.0.1:30003"))
+    config = GatewayConfig(**{k: getattr(args, k) for k in GatewayConfig.__dataclass_fields__})
+    assert (config.prefill_policy_name, config.decode_policy_name) == ("cache_aware", "round_robin")
+    assert config.served_model_name == tmp_path.name and config.port == 8000 and config.pd_disaggregation
+
+
+def test_bad_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    with pytest.raises(ValueError, match="bootstrap port must be a number"):
+        static_workers_from_args(parser.parse_args(["--prefill", "h:1", "x"]))
+    with pytest.raises(ValueError, match="--model-path is required"):
+        GatewayConfig()
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        GatewayConfig(model_path=str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="--policy must be one of"):
+        GatewayConfig(model_path=str(tmp_path), policy="fastest")
