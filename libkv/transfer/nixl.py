@@ -51,9 +51,9 @@ class _NixlPeer:
 class NixlBackend(TransferBackend):
     """NIXL agent with one plugin (`nixl_backend`, default UCX), DRAM only.
 
-    Abort: releasing a transfer handle that is still in progress asks NIXL to cancel it; if the
-    plugin cannot cancel, release raises, and we poll until the request leaves PROC (bounded by
-    the deadline) so that abort() returns only when nothing more can land.
+    Abort waits (bounded by timeout_s) until the request is no longer in progress and then
+    releases it: only then can nothing more land. Releasing a request still in progress (after
+    the deadline, peer unresponsive) asks NIXL to cancel it.
     """
 
     name = "nixl"
@@ -140,27 +140,20 @@ class NixlBackend(TransferBackend):
         return TransferState.PENDING
 
     def _engine_cancel(self, record: Transfer, deadline: float) -> None:
+        # Let the request leave PROC first: a put the NIC or kernel already started may still
+        # land after a cancel, so releasing a finished request is the only sure stop. Past the
+        # deadline the peer is unresponsive; releasing then asks NIXL to cancel what is left.
         xfer = record.engine
         if xfer is None:
             return
-        while True:
+        while time.monotonic() < deadline:
             with self._agent_lock:
-                try:
-                    xfer.release()  # cancels the request if it is still in progress
-                    record.engine = None
-                    return
-                except Exception:
-                    status = self._agent.check_xfer_state(xfer)
+                status = self._agent.check_xfer_state(xfer)
             if status != "PROC":
-                self._release_quietly(xfer)
-                record.engine = None
-                return
-            if time.monotonic() > deadline:
-                # The plugin cannot cancel and the request never finished: the peer is
-                # unresponsive. Keep the handle alive (NIXL frees it at agent teardown).
-                record.engine = None
-                return
-            time.sleep(0.001)
+                break
+            time.sleep(0.0005)
+        self._release_quietly(xfer)
+        record.engine = None
 
     def _engine_release_transfer(self, record: Transfer) -> None:
         if record.engine is not None:
