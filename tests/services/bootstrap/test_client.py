@@ -16,6 +16,8 @@ from services.bootstrap.servicer import BootstrapServicer
 from services.common.grpc_server import GrpcServer, ServiceBinding, service_name, start_grpc_server
 from tests.services.bootstrap.workers import worker_info
 
+pytestmark = pytest.mark.timeout(60)
+
 JOINED = bootstrap_pb2.WORKER_EVENT_TYPE_JOINED
 UPDATED = bootstrap_pb2.WORKER_EVENT_TYPE_UPDATED
 LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT

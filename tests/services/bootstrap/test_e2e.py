@@ -18,7 +18,7 @@ from services.bootstrap.client import RegistryClient
 from tests.services.bootstrap.process import BootstrapProcess, start_bootstrap
 from tests.services.bootstrap.workers import worker_info
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def grpcurl_binary() -> str:

@@ -16,6 +16,8 @@ from services.bootstrap.registry import (
 )
 from tests.services.bootstrap.workers import worker_info
 
+pytestmark = pytest.mark.timeout(60)
+
 JOINED = bootstrap_pb2.WORKER_EVENT_TYPE_JOINED
 UPDATED = bootstrap_pb2.WORKER_EVENT_TYPE_UPDATED
 LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT
