@@ -44,16 +44,18 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TransferEndpoint(_message.Message):
-    __slots__ = ("backend", "host", "layout", "descriptor")
+    __slots__ = ("backend", "host", "layout", "descriptor", "num_pages")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     host: str
     layout: KVLayout
     descriptor: bytes
-    def __init__(self, backend: _Optional[str] = ..., host: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+    num_pages: int
+    def __init__(self, backend: _Optional[str] = ..., host: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., descriptor: _Optional[bytes] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")

@@ -1,12 +1,15 @@
 """Protobuf <-> engine/libkv dataclass conversion, in one place (libkv and engine never import protos).
 
-Imports libkv (and so torch): used by the prefill, decode and colocated workers, never by the
+KV layout, transfer endpoint, sampling params, finish reasons, token outputs. Imports libkv and
+engine (and so torch): used by the prefill, decode and colocated workers, never by the
 gateway or the registry.
 """
 
 from __future__ import annotations
 
+from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
+from libkv.transfer.base import TransferEndpoint
 from protos.v1 import common_pb2
 
 
@@ -52,3 +55,46 @@ def token_to_proto(token_id: int, text: str, logprob: float | None,
     return common_pb2.TokenOutput(
         token_id=token_id, text=text, logprob=logprob if logprob is not None else 0.0,
         top_logprobs=[common_pb2.TokenLogprob(token_id=tid, logprob=lp) for tid, lp in top_logprobs])
+
+
+def endpoint_to_proto(endpoint: TransferEndpoint) -> common_pb2.TransferEndpoint:
+    return common_pb2.TransferEndpoint(backend=endpoint.backend, host=endpoint.host,
+                                       layout=layout_to_proto(endpoint.layout), descriptor=endpoint.blob,
+                                       num_pages=endpoint.num_pages)
+
+
+def endpoint_from_proto(message: common_pb2.TransferEndpoint) -> TransferEndpoint:
+    """Raises ValueError if the endpoint or its layout is missing."""
+    if not message.backend:
+        raise ValueError("transfer endpoint has no backend")
+    return TransferEndpoint(backend=message.backend, layout=layout_from_proto(message.layout),
+                            host=message.host, num_pages=message.num_pages, blob=message.descriptor)
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Fields left unset in the message take engine.sampling.SamplingParams' defaults (so a default
+    lives in one place). top_k 0 (proto3's unset) means off, as -1 does. Not validated: callers
+    call `.validate()` and answer INVALID_ARGUMENT with its message."""
+    values: dict = {
+        "top_k": message.top_k if message.top_k > 0 else -1,
+        "min_p": message.min_p,
+        "stop": tuple(message.stop),
+        "stop_token_ids": tuple(message.stop_token_ids),
+        "ignore_eos": message.ignore_eos,
+        "logprobs": message.logprobs,
+        "top_logprobs": message.top_logprobs,
+    }
+    for name in ("temperature", "top_p", "seed", "max_new_tokens"):
+        if message.HasField(name):
+            values[name] = getattr(message, name)
+    return SamplingParams(**values)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), min_p=params.min_p,
+        max_new_tokens=params.max_new_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+    if params.seed is not None:
+        message.seed = params.seed
+    return message

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
+from libkv.transfer.base import TransferEndpoint
 from protos.v1 import common_pb2
 from services.common.convert import (
+    endpoint_from_proto,
+    endpoint_to_proto,
     finish_reason_from_proto,
     finish_reason_to_proto,
     layout_from_proto,
     layout_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
     token_to_proto,
 )
 
@@ -40,3 +46,38 @@ def test_token_to_proto() -> None:
     assert (message.token_id, message.text, message.logprob) == (17, "ab", -0.5)
     assert [(t.token_id, t.logprob) for t in message.top_logprobs] == [(17, -0.5), (3, -1.25)]
     assert token_to_proto(1, "", None, []).logprob == 0.0
+
+
+def test_endpoint_round_trip() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    endpoint = TransferEndpoint(backend="mooncake", layout=layout, host="10.0.0.2", num_pages=128,
+                                blob=b"\x00\xffsession")
+    message = endpoint_to_proto(endpoint)
+    assert (message.backend, message.descriptor, message.num_pages) == ("mooncake", b"\x00\xffsession", 128)
+    wire = common_pb2.TransferEndpoint.FromString(message.SerializeToString())
+    assert endpoint_from_proto(wire) == endpoint
+    with pytest.raises(ValueError, match="no backend"):
+        endpoint_from_proto(common_pb2.TransferEndpoint())
+
+
+def test_sampling_unset_fields_take_engine_defaults() -> None:
+    params = sampling_from_proto(common_pb2.SamplingParams())
+    assert params == SamplingParams() and params.validate() is params  # top_k 0 on the wire = off
+    greedy = sampling_from_proto(common_pb2.SamplingParams(temperature=0.0, max_new_tokens=5, seed=0))
+    assert (greedy.temperature, greedy.max_new_tokens, greedy.seed) == (0.0, 5, 0)
+
+
+def test_sampling_round_trip() -> None:
+    params = SamplingParams(temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=1234,
+                            max_new_tokens=64, stop=("\n\n", "END"), stop_token_ids=(7, 9),
+                            ignore_eos=True, logprobs=True, top_logprobs=5)
+    wire = common_pb2.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())
+    assert sampling_from_proto(wire) == params
+    off = SamplingParams(top_k=-1)
+    assert sampling_from_proto(sampling_to_proto(off)).top_k == -1
+
+
+def test_out_of_range_sampling_is_left_to_validate() -> None:
+    params = sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        params.validate()
