@@ -126,6 +126,8 @@ class Dispatcher:
                 raise GenerationFailed(status, f"{exc.message}; last failure: {last_failure.message}", code,
                                        after_first_token=False) from None
             attempt_room = room if attempt == 1 else f"{room}.{attempt}"
+            for worker in route.workers:
+                self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
                 async for chunk in self._attempt(attempt_room, route, prompt_token_ids, sampling):
                     yield chunk

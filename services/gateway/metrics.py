@@ -68,6 +68,9 @@ class GatewayMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.retries = Counter(metric_name("gateway_retries"), "Attempts retried on another worker, by reason",
                                ["reason"], registry=self.registry)
+        self.routed = Counter(metric_name("gateway_worker_requests"),
+                              "Attempts routed to each worker (a retried request counts once per attempt)",
+                              ["worker", "role"], registry=self.registry)
         self.aborts = Counter(metric_name("gateway_aborts"),
                               "Requests the client left early (Generate cancelled, Worker.Abort sent)",
                               registry=self.registry)
