@@ -55,16 +55,19 @@ async def next_event(events: AsyncIterator[bootstrap_pb2.WorkerEvent], timeout: 
     return await asyncio.wait_for(events.__anext__(), timeout)
 
 
-async def test_register_heartbeat_deregister(running: RunningRegistry) -> None:
+async def test_register_heartbeat_deregister() -> None:
+    running = await start_registry(interval_s=0.1, max_failure=5)  # 5 missed beats of slack on a busy box
     async with RegistryClient(running.server.address) as client:
         lease = await client.register(worker_info())
         assert client.worker_id == "prefill-r-1"
         assert lease.heartbeat_interval_seconds == pytest.approx(0.1)
+        assert lease.ttl_seconds == pytest.approx(0.5)
         client.start_heartbeat(load=lambda: common_pb2.WorkerLoad(running=4, total_pages=10))
-        await asyncio.sleep(0.5)  # > ttl (0.3 s): alive only because heartbeats run
+        await asyncio.sleep(1.5)  # 3 lease lifetimes: alive only because heartbeats run
         [listed] = await client.list()
         assert (listed.worker_id, listed.load.running) == ("prefill-r-1", 4)
     assert running.registry.list() == []  # close() deregistered
+    await running.stop()
 
 
 async def test_status_codes(running: RunningRegistry) -> None:
@@ -91,8 +94,8 @@ async def test_heartbeat_reregisters_after_expiry(running: RunningRegistry) -> N
     registered: list[str] = []
     async with RegistryClient(running.server.address, on_registered=registered.append) as client:
         await client.register(worker_info())
-        await asyncio.sleep(0.6)  # no heartbeats: the lease (0.3 s) expires
-        assert running.registry.list() == []
+        while running.registry.list():  # no heartbeats: the lease (0.3 s) expires
+            await asyncio.sleep(0.05)
         await client.heartbeat()  # NOT_FOUND -> registers again
         assert registered == ["prefill-r-1", "prefill-r-2"]
         assert [w.worker_id for w in running.registry.list()] == ["prefill-r-2"]

@@ -135,16 +135,16 @@ async def test_watch_filters_by_role_and_model(registry: Registry) -> None:
 
 
 async def test_expiry_task_sends_left_to_watchers() -> None:
-    """Real time, tiny TTL (0.1 s x 2): a worker that stops heartbeating is expired by the task."""
-    registry = Registry(heartbeat_interval_s=0.1, heartbeat_max_failure=2, instance="r")
+    """Real time, tiny TTL (0.1 s x 5): a worker that stops heartbeating is expired by the task."""
+    registry = Registry(heartbeat_interval_s=0.1, heartbeat_max_failure=5, instance="r")
     await registry.start()
     try:
         _, lease = registry.register(worker_info())
         watcher = registry.watch()
         assert (await next_event(watcher)).type == JOINED
         assert (await next_event(watcher)).type == SYNCED
-        for _ in range(4):  # heartbeats keep it alive well past one TTL
-            await asyncio.sleep(0.08)
+        for _ in range(10):  # heartbeats keep it alive well past one TTL
+            await asyncio.sleep(0.1)
             registry.heartbeat(lease.lease_id)
         assert [w.worker_id for w in registry.list()] == ["prefill-r-1"]
         event = await next_event(watcher, timeout=5.0)  # then it stops heartbeating
