@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import MISSING, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,33 @@ class EngineConfig:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+
+
+_HELP = {
+    "model_path": "HF checkpoint folder (config.json, *.safetensors, tokenizer)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: the checkpoint's dtype)",
+    "device": "cpu, cuda or cuda:N",
+    "page_size": "tokens per KV page",
+    "num_pages": "KV pages (default: sized from free memory)",
+    "max_total_tokens": "KV capacity in tokens (instead of num_pages)",
+    "mem_fraction_static": "fraction of free memory for KV pages when no size is given",
+    "cpu_kv_cap_gib": "upper bound of the CPU KV pool when sized from free memory",
+    "max_running_requests": "most requests in the running batch",
+    "chunked_prefill_size": "prompt tokens per step (a longer prompt spans several steps)",
+    "num_threads": "torch intra-op threads",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field, defaults taken from the dataclass (one source of truth)."""
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is MISSING:
+            parser.add_argument(flag, required=True, help=_HELP[f.name])
+            continue
+        kind = int if f.default is None else type(f.default)  # every optional field is a count
+        parser.add_argument(flag, type=kind, default=f.default, help=f"{_HELP[f.name]} (default: {f.default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -38,6 +38,22 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+# Decode-sized products on CPU (measured on the small preset, 2 threads, batch 16, whole-step
+# timings interleaved with the alternatives): computing (weight @ x.T).T instead of x @ weight.T
+# cut a decode step by about 15%, and splitting the LM head into row blocks another 10%; for
+# prefill-sized inputs the plain F.linear is as fast or faster.
+SMALL_ROWS = 32
+LM_HEAD_BLOCK = 2048
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight.T [in, out] (+ bias) -> [T, out], contiguous."""
+    if x.shape[0] > SMALL_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out + bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalize in fp32, cast back, then scale by the weight."""
     if x.dtype == torch.float32:
@@ -124,7 +140,7 @@ class DecoderModel:
         hidden = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -136,11 +152,22 @@ class DecoderModel:
             k = apply_rotary(k, cos, sin)
             ops.store_kv(kv_buffer, index, meta.slots, k, v)
             attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale)
-            hidden = hidden + F.linear(attended.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_bias)
+            hidden = hidden + linear(attended.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_bias)
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down, layer.down_bias)
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
         hidden = rms_norm(hidden, self.final_norm, eps)
-        return F.linear(hidden, self.lm_head).float()
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
+        if hidden.shape[0] > SMALL_ROWS or hidden.device.type != "cpu":
+            return F.linear(hidden, self.lm_head).float()
+        vocab = self.lm_head.shape[0]
+        out = torch.empty(vocab, hidden.shape[0], dtype=hidden.dtype)
+        rows = hidden.t()
+        for start in range(0, vocab, LM_HEAD_BLOCK):
+            torch.mm(self.lm_head[start:start + LM_HEAD_BLOCK], rows, out=out[start:start + LM_HEAD_BLOCK])
+        return out.t().float().contiguous()
