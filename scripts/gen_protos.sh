@@ -21,6 +21,9 @@ if [ "${1:-}" = "--check" ]; then
     name=$(basename "$f")
     if ! cmp -s "$f" "protos/v1/$name"; then echo "protos/v1/$name is stale: run 'make protos'"; status=1; fi
   done
+  for f in protos/v1/*_pb2*.py protos/v1/*_pb2*.pyi; do  # generated code whose .proto is gone
+    [ -e "$tmp/$f" ] || { echo "$f has no .proto any more: delete it"; status=1; }
+  done
   exit $status
 fi
 generate .
