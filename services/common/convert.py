@@ -76,7 +76,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     lives in one place). top_k 0 (proto3's unset) means off, as -1 does. Not validated: callers
     call `.validate()` and answer INVALID_ARGUMENT with its message."""
     values: dict = {
-        "top_k": message.top_k if message.top_k > 0 else -1,
+        "top_k": message.top_k if message.top_k != 0 else -1,  # other negatives fail validate()
         "min_p": message.min_p,
         "stop": tuple(message.stop),
         "stop_token_ids": tuple(message.stop_token_ids),
@@ -92,7 +92,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     message = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), min_p=params.min_p,
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         max_new_tokens=params.max_new_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs)
     if params.seed is not None:

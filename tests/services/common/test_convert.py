@@ -78,6 +78,7 @@ def test_sampling_round_trip() -> None:
 
 
 def test_out_of_range_sampling_is_left_to_validate() -> None:
-    params = sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
     with pytest.raises(ValueError, match="top_p must be in"):
-        params.validate()
+        sampling_from_proto(common_pb2.SamplingParams(top_p=1.5)).validate()
+    with pytest.raises(ValueError, match="top_k must be -1"):
+        sampling_from_proto(common_pb2.SamplingParams(top_k=-5)).validate()
