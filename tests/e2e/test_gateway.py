@@ -291,21 +291,24 @@ def test_worker_started_later_gets_traffic(system: System) -> None:
 
 def test_killing_a_prefill_under_load_is_invisible_to_clients(system: System) -> None:
     client = system.client()
-    reference = {p: system.client(system.reference).completions.create(
-        model=system.model, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in PROMPTS}
+    # long prompts (slow prefills), so requests are still queued on the victim when it dies
+    prompts = [[3 + (i * 37 + k) % 4000 for k in range(1200)] for i in range(16)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        reference = list(pool.map(lambda prompt: system.client(system.reference).completions.create(
+            model=system.model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text, prompts))
     retries = system.gateway.metric("pdserve:gateway_retries_total")
     victim = system.prefills[0]
 
-    def ask(index: int) -> str:
-        prompt = PROMPTS[index % len(PROMPTS)]
-        return prompt, client.completions.create(model=system.model, prompt=prompt, max_tokens=8,
-                                                 temperature=0).choices[0].text
+    def ask(index: int) -> tuple[int, str]:
+        return index, client.completions.create(model=system.model, prompt=prompts[index], max_tokens=6,
+                                                temperature=0).choices[0].text
 
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        futures = [pool.submit(ask, i) for i in range(12)]
-        time.sleep(0.2)
-        victim.kill(signal.SIGKILL)  # requests are queued on it now
-        futures += [pool.submit(ask, i) for i in range(12)]  # and it is still registered for a while
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(ask, i) for i in range(16)]
+        wait_until(lambda: victim.metric("pdserve:prompt_tokens_total") > 0 or any(f.done() for f in futures), 30,
+                   "the victim to start prefilling")
+        victim.kill(signal.SIGKILL)
+        futures += [pool.submit(ask, i) for i in range(8)]  # it is still registered for a moment
         answers = [future.result() for future in futures]  # any client-visible error raises here
-    assert all(text == reference[prompt] for prompt, text in answers)
+    assert all(text == reference[index] for index, text in answers)
     assert system.gateway.metric("pdserve:gateway_retries_total") > retries
