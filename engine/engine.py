@@ -222,7 +222,16 @@ class Engine:
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
             used_pages=self.pages.used_pages, total_pages=self.pages.num_pages,
-            held_rooms=self.pages.num_rooms, generated_tokens=self._generated_tokens, steps=self._steps)
+            held_rooms=self.pages.num_rooms, reserved_pages=self.pages.reserved_pages,
+            running_tokens=sum(r.num_tokens for r in list(scheduler.running)),
+            generated_tokens=self._generated_tokens, steps=self._steps)
+
+    def is_live(self, room: str) -> bool:
+        """Whether `room` is a request the engine is still working on (or holds pages for)."""
+        with self._rooms_lock:
+            if room in self._live_rooms:
+                return True
+        return self.pages.has_room(room)
 
     # ---- caller-side plumbing -------------------------------------------------------------------
     def _new_request(self, room: str, token_ids: list[int], params: SamplingParams) -> Request:

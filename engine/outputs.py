@@ -55,6 +55,8 @@ class EngineStats:
     used_pages: int
     total_pages: int
     held_rooms: int  # PD reservations and finished prefills not yet released
+    reserved_pages: int  # pages of those reservations and holds
+    running_tokens: int  # tokens (prompt + generated) of the running requests
     generated_tokens: int
     steps: int
 

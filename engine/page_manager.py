@@ -101,3 +101,9 @@ class PageManager:
     @property
     def num_rooms(self) -> int:
         return len(self._by_room)
+
+    @property
+    def reserved_pages(self) -> int:
+        """Pages set aside by reservations and holds (PD), not owned by a running request."""
+        with self._lock:
+            return sum(len(pages) for pages in self._by_room.values())

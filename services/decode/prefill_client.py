@@ -9,7 +9,7 @@ import grpc
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.requests import sampling_to_proto
+from services.common.convert import sampling_to_proto
 
 log = logging.getLogger("pdserve.decode")
 

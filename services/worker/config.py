@@ -57,8 +57,6 @@ class WorkerConfig:
         "decode: seconds a request may wait for free pages and then for its KV"))
     transfer_timeout: float = field(default_factory=envs.TRANSFER_TIMEOUT.get, metadata=_help(
         "seconds one KV write may take before the peer is declared dead"))
-    heartbeat_interval: float = field(default_factory=envs.HEARTBEAT_INTERVAL.get, metadata=_help(
-        "seconds between heartbeats to the registry"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))

@@ -13,6 +13,7 @@ import grpc
 
 from engine.sampling import SamplingParams
 from protos.v1 import common_pb2
+from services.common.convert import sampling_from_proto
 
 
 class BadRequest(ValueError):
@@ -21,34 +22,12 @@ class BadRequest(ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto SamplingParams -> engine SamplingParams (unset optionals keep the engine defaults)."""
-    defaults = SamplingParams()
-    params = SamplingParams(
-        temperature=message.temperature if message.HasField("temperature") else defaults.temperature,
-        top_p=message.top_p if message.HasField("top_p") else defaults.top_p,
-        top_k=message.top_k if message.top_k not in (0,) else defaults.top_k,
-        min_p=message.min_p,
-        seed=message.seed if message.HasField("seed") else None,
-        max_new_tokens=message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens,
-        stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos, logprobs=message.logprobs, top_logprobs=message.top_logprobs)
+def parse_sampling(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto SamplingParams -> validated engine SamplingParams; BadRequest names what is wrong."""
     try:
-        params.validate()
+        return sampling_from_proto(message).validate()
     except ValueError as exc:
         raise BadRequest(f"invalid sampling params: {exc}") from None
-    return params
-
-
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        max_new_tokens=params.max_new_tokens, stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs, top_logprobs=params.top_logprobs)
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
 
 
 @dataclass(frozen=True)
@@ -70,5 +49,5 @@ def parse_request(room: str, prompt_token_ids, sampling: common_pb2.SamplingPara
     if len(prompt) >= context_len:
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                          f"{context_len} tokens")
-    params = sampling_from_proto(sampling)
+    params = parse_sampling(sampling)
     return EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt, params=params)

@@ -107,10 +107,8 @@ class WorkerRuntime:
         if self.backend is not None:
             worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
         self.registry = RegistryClient(self.config.bootstrap)
-        lease = await self.registry.register(worker)
+        await self.registry.register(worker)  # logs the worker id and lease
         self.registry.start_heartbeat(load=self.load)
-        log.info("registered with %s as %s (lease ttl %.1fs)", self.config.bootstrap,
-                 self.registry.worker_id, lease.ttl_seconds)
 
     async def close(self) -> None:
         """Deregister, stop the engine, close the transfer backend and the metrics endpoint."""
