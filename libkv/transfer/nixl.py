@@ -11,6 +11,7 @@ close() and then libkv.transfer.exit_process(code). Never create an agent in a p
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from base64 import b64decode, b64encode
@@ -27,6 +28,8 @@ from libkv.transfer.base import (
     TransferEndpoint,
     TransferState,
 )
+
+_GENTLE_PROGRESS_S = 0.001
 
 
 def _import_nixl():
@@ -59,19 +62,27 @@ class NixlBackend(TransferBackend):
     name = "nixl"
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", nixl_backend: str = "UCX",
-                 agent_name: str = "", num_threads: int = 0) -> None:
+                 agent_name: str = "", num_threads: int = 0, progress_thread: bool = False) -> None:
         super().__init__(timeout_s=timeout_s, host=host)
         self._nixl = _import_nixl()
         self.nixl_backend = nixl_backend
         self.agent_name = agent_name or f"pdserve-{uuid.uuid4().hex[:12]}"
         self.num_threads = num_threads  # UCX plugin worker threads; 0 = the plugin's default
+        # NIXL's progress thread spins a whole core even when idle (measured: 98% CPU per
+        # process here). Without it, polling a transfer progresses it; host-memory puts over
+        # shared memory need nothing from the target. Turn it on for transports that need
+        # target-side progress (e.g. UCX over TCP between hosts).
+        self.progress_thread = progress_thread
         self._agent: Any = None
         self._reg_descs: Any = None
+        self._stop_progress = threading.Event()
+        self._progress: threading.Thread | None = None
         # NIXL's agent is not thread-safe in its default sync mode; every agent call holds this.
         self._agent_lock = self._lock
 
     def _engine_register(self, pool: KVPool) -> None:
-        config = self._nixl.nixl_agent_config(backends=[self.nixl_backend], num_threads=self.num_threads)
+        config = self._nixl.nixl_agent_config(enable_prog_thread=self.progress_thread,
+                                              backends=[self.nixl_backend], num_threads=self.num_threads)
         self._agent = self._nixl.nixl_agent(self.agent_name, config)
         if self.nixl_backend not in self._agent.backends:
             raise EngineUnavailable(f"NIXL plugin {self.nixl_backend!r} is not available; "
@@ -79,6 +90,19 @@ class NixlBackend(TransferBackend):
         self._reg_descs = self._agent.register_memory(pool.as_bytes())
         if self._reg_descs is None:
             raise RuntimeError("NIXL refused to register the KV pool")
+        if not self.progress_thread:
+            self._progress = threading.Thread(target=self._progress_gently, name="pdserve-nixl-progress",
+                                              daemon=True)
+            self._progress.start()
+
+    def _progress_gently(self) -> None:
+        """Progress the agent's UCX worker about once a millisecond: the target side of a
+        connection must answer UCX's wire-up, and NIXL's own thread would spin a core for it."""
+        while not self._stop_progress.wait(_GENTLE_PROGRESS_S):
+            with self._agent_lock:
+                if self._agent is None:
+                    return
+                self._agent.get_new_notifs()
 
     def _engine_blob(self) -> bytes:
         pool = self._require_pool()
@@ -168,6 +192,9 @@ class NixlBackend(TransferBackend):
                 pass
 
     def _engine_close(self) -> None:
+        self._stop_progress.set()
+        if self._progress is not None:
+            self._progress.join(timeout=5)
         if self._agent is None:
             return
         with self._agent_lock:

@@ -140,6 +140,11 @@ class UcxBackend(TransferBackend):
         self._address = self._run(self._start(), timeout=60)
 
     async def _start(self) -> bytes:
+        # Python futures: a notifier thread completes requests. Without them every awaited
+        # request is polled from the loop with sleep(0), which spins a core even when idle
+        # (73% CPU measured here, versus 1.5%, and lower bandwidth under contention).
+        if self._ucxx.core._ctx is None:
+            self._ucxx.init(progress_mode="thread", enable_python_future=True)
         self._ucxx.continuous_ucx_progress(event_loop=asyncio.get_running_loop())
         address = bytes(self._ucxx.get_worker_address())
         self._control_task = asyncio.ensure_future(self._serve_control())
