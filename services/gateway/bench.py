@@ -146,9 +146,10 @@ def main(args: argparse.Namespace) -> int:
         children.append(gateway)
         gateway.wait_ready(120)
         model = args.model_path.resolve().name
-        ways = Ways(worker.address, f"http://{gateway.address}", model, files, args.max_tokens)
 
         async def run() -> dict:
+            # gRPC and httpx clients belong to the loop they are made in
+            ways = Ways(worker.address, f"http://{gateway.address}", model, files, args.max_tokens)
             try:
                 return await measure(ways, args.requests, args.concurrency)
             finally:

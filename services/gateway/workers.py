@@ -26,12 +26,12 @@ ROLE_FROM_PROTO = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_RO
                    common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
 
 # Channel options: fail fast when a worker is down (the router retries elsewhere) instead of
-# waiting out gRPC's reconnect backoff; keepalive notices a dead peer mid-stream.
+# waiting out gRPC's reconnect backoff. No client keepalive: gRPC servers by default answer pings
+# more frequent than every 5 minutes on a call without data (a long prefill) with GOAWAY, which
+# would fail healthy requests; a dead worker process resets its connections anyway.
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
 )
 
 

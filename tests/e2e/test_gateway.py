@@ -235,12 +235,13 @@ def test_disconnect_mid_stream_frees_pages_on_both_workers(system: System) -> No
     assert system.gateway.metric("pdserve:gateway_aborts_total") >= 1
 
 
-def test_disconnect_during_prefill_frees_pages_on_both_workers(system: System) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_during_prefill_frees_pages_on_both_workers(system: System, stream: bool) -> None:
     workers = [*system.prefills, system.decode]
     baseline = {w.name: pages_in_use(w) for w in workers}
     aborts = system.gateway.metric("pdserve:gateway_aborts_total")
     # a long prompt (slow prefill) and a client that hangs up before any byte of the answer
-    body = json.dumps({"model": system.model, "prompt": [7] * 3500, "max_tokens": 200, "stream": True}).encode()
+    body = json.dumps({"model": system.model, "prompt": [7] * 3500, "max_tokens": 200, "stream": stream}).encode()
     host, port = system.gateway.address.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
