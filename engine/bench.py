@@ -2,7 +2,8 @@
 
 Both systems get the same checkpoint, the same equal-length random prompts (so HF's batch needs
 no padding), greedy decoding with eos disabled, and the same torch thread count. Each runs in its
-own child process, so peak RSS is per system and one cannot warm the other's caches.
+own child process (peak RSS per system); their rounds alternate so load changes on a shared
+machine hit both alike.
 
 Decode tokens/s excludes prefill. pdserve: tokens emitted after the moment every request has its
 first token, divided by the time from that moment to the last token (all those steps are pure
@@ -45,76 +46,120 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-async def _pdserve_round(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
-    from engine.sampling import SamplingParams
+class PdserveSystem:
+    """The engine, loaded once; each round generates for every prompt at once."""
 
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    stamps: list[list[float]] = [[] for _ in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int) -> None:
+        from engine.config import EngineConfig
+        from engine.engine import Engine
 
-    async def one(index: int) -> None:
-        async for output in engine.generate(prompts[index], params, room=f"{tag}-{index}"):
-            stamps[index].append(time.perf_counter())
-            tokens[index].append(output.token_id)
+        torch.set_num_threads(threads)
+        self.prompts, self.new_tokens = prompts, new_tokens
+        page_size = 16
+        pages_per_request = -(-(len(prompts[0]) + new_tokens) // page_size) + 1
+        self.engine = Engine.load(EngineConfig(
+            model_path=model, num_threads=threads, page_size=page_size,
+            num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
+            chunked_prefill_size=512))
+        self.engine.start()
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    all_first = max(s[0] for s in stamps)
-    last = max(s[-1] for s in stamps)
-    decoded = sum(1 for s in stamps for t in s if t > all_first)
-    return {"prefill_s": all_first - started, "decode_s": last - all_first,
-            "decode_tokens": decoded, "decode_tokens_per_s": decoded / (last - all_first),
-            "tokens": tokens}
+    def round(self, index: int) -> dict:
+        return asyncio.run(self._round(f"r{index}"))
+
+    async def _round(self, tag: str) -> dict:
+        from engine.sampling import SamplingParams
+
+        params = SamplingParams(temperature=0, max_new_tokens=self.new_tokens, ignore_eos=True)
+        stamps: list[list[float]] = [[] for _ in self.prompts]
+        tokens: list[list[int]] = [[] for _ in self.prompts]
+
+        async def one(index: int) -> None:
+            async for output in self.engine.generate(self.prompts[index], params, room=f"{tag}-{index}"):
+                stamps[index].append(time.perf_counter())
+                tokens[index].append(output.token_id)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(self.prompts))))
+        all_first = max(s[0] for s in stamps)
+        last = max(s[-1] for s in stamps)
+        decoded = sum(1 for s in stamps for t in s if t > all_first)
+        return {"prefill_s": all_first - started, "decode_s": last - all_first, "decode_tokens": decoded,
+                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens}
+
+    def close(self) -> None:
+        self.engine.shutdown()
 
 
-def run_pdserve(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+class HfSystem:
+    """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
 
-    torch.set_num_threads(threads)
-    batch, prompt_len = len(prompts), len(prompts[0])
-    page_size = 16
-    pages_per_request = -(-(prompt_len + new_tokens) // page_size) + 1
-    engine = Engine.load(EngineConfig(
-        model_path=model, num_threads=threads, page_size=page_size,
-        num_pages=batch * pages_per_request + 8, max_running_requests=max(batch, 1),
-        chunked_prefill_size=512))
-    engine.start()
-    try:
-        rounds = [asyncio.run(_pdserve_round(engine, prompts, new_tokens, f"r{i}")) for i in range(repeats + 1)]
-    finally:
-        engine.shutdown()
-    return _summary(rounds[1:], _peak_rss_mib())
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.model.generation_config.eos_token_id = None  # same as the engine's ignore_eos
+        self.ids = torch.tensor(prompts)
+        self.new_tokens = new_tokens
+
+    def _generate(self, n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+                                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    def round(self, index: int) -> dict:
+        t0 = time.perf_counter()
+        self._generate(1)
+        t1 = time.perf_counter()
+        out = self._generate(self.new_tokens)
+        t2 = time.perf_counter()
+        prefill, total = t1 - t0, t2 - t1
+        decoded = self.ids.shape[0] * (self.new_tokens - 1)
+        return {"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
+                "decode_tokens_per_s": decoded / (total - prefill),
+                "tokens": out[:, self.ids.shape[1]:].tolist()}
+
+    def close(self) -> None:
+        pass
 
 
-def run_hf(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def _serve(system_cls, args, conn) -> None:
+    """Child process: load a system, then run one round per request until told to stop."""
+    system = system_cls(*args)
+    conn.send("ready")
+    while True:
+        index = conn.recv()
+        if index is None:
+            system.close()
+            conn.send({"peak_rss_mib": _peak_rss_mib()})
+            return
+        conn.send(system.round(index))
 
-    torch.set_num_threads(threads)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.generation_config.eos_token_id = None  # same as the engine's ignore_eos
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
 
-    def generate(n: int) -> torch.Tensor:
-        return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+class _Child:
+    def __init__(self, system_cls, args) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve, args=(system_cls, args, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.name = system_cls.__name__
 
-    rounds = []
-    with torch.inference_mode():
-        generate(2)  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            generate(1)
-            t1 = time.perf_counter()
-            out = generate(new_tokens)
-            t2 = time.perf_counter()
-            prefill, total = t1 - t0, t2 - t1
-            decoded = len(prompts) * (new_tokens - 1)
-            rounds.append({"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
-                           "decode_tokens_per_s": decoded / (total - prefill),
-                           "tokens": out[:, ids.shape[1]:].tolist()})
-    return _summary(rounds, _peak_rss_mib())
+    def call(self, message):
+        self.conn.send(message)
+        try:
+            return self.conn.recv()
+        except EOFError as exc:
+            raise RuntimeError(f"{self.name} child process died") from exc
+
+    def wait_ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{self.name} did not start")
+
+    def stop(self) -> float:
+        peak = self.call(None)["peak_rss_mib"]
+        self.process.join(timeout=60)
+        return peak
 
 
 def _summary(rounds: list[dict], peak_rss_mib: float) -> dict:
@@ -129,24 +174,25 @@ def _summary(rounds: list[dict], peak_rss_mib: float) -> dict:
     }
 
 
-def _child(target, args, conn) -> None:
-    conn.send(target(*args))
-    conn.close()
-
-
-def _in_child(target, *args) -> dict:
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(target, args, child))
-    process.start()
-    child.close()
+def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
+        with_hf: bool) -> dict[str, dict]:
+    """Rounds alternate between the systems (one child process each, only one busy at a time), so
+    a change of load on a shared machine hits both alike. One warm-up round each is discarded."""
+    systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
+    children = {}
+    for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads))
+        children[name].wait_ready()
+    rounds: dict[str, list[dict]] = {name: [] for name in children}
     try:
-        result = parent.recv()
-    except EOFError as exc:
-        raise RuntimeError(f"{target.__name__} failed in its child process") from exc
+        for index in range(repeats + 1):
+            for name, child in children.items():
+                result = child.call(index)
+                if index > 0:
+                    rounds[name].append(result)
     finally:
-        process.join()
-    return result
+        peaks = {name: child.stop() for name, child in children.items()}
+    return {name: _summary(rounds[name], peaks[name]) for name in children}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,14 +200,13 @@ def main(args: argparse.Namespace) -> int:
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
-    common = (args.model, prompts, args.new_tokens, args.threads, args.repeats)
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats}
-    pdserve = _in_child(run_pdserve, *common)
-    report["pdserve"] = pdserve
-    if not args.skip_hf:
-        hf = _in_child(run_hf, *common)
-        report["hf"] = hf
+    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf)
+    report.update(results)
+    pdserve = results["pdserve"]
+    if "hf" in results:
+        hf = results["hf"]
         report["ratio"] = pdserve["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
         same = sum(a == b for a, b in zip(pdserve["tokens"], hf["tokens"], strict=True))
         report["greedy_outputs_equal"] = f"{same}/{len(prompts)}"
