@@ -279,6 +279,24 @@ def test_bad_input_statuses_and_bodies(system: System) -> None:
     assert [m.id for m in models.data] == [system.model]
 
 
+def test_dead_static_worker_is_retried_around_and_its_circuit_opens(system: System) -> None:
+    with socket.socket() as sock:  # a port nobody listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    (gateway,) = start_parallel(system.cluster, [("gateway-static", [
+        "launch-router", "--model-path", str(system.model_dir), "--port", "0", "--policy", "round_robin",
+        "--breaker-failures", "2", "--breaker-cooldown", "60",
+        "--worker", f"http://{system.colocated.address}", "--worker", dead])])
+    client = system.client(gateway)
+    for prompt in PROMPTS * 2:
+        assert client.completions.create(model=system.model, prompt=prompt, max_tokens=4, temperature=0).choices
+    assert gateway.metric("pdserve:gateway_retries_total") == 2  # the breaker opened after 2 failures
+    assert gateway.metric("pdserve:gateway_worker_circuit_state", worker=dead) == 2  # open
+    assert gateway.metric("pdserve:gateway_worker_circuit_state", worker=system.colocated.address) == 0
+    gateway.kill(signal.SIGTERM)
+    assert gateway.popen.returncode == 0
+
+
 def test_worker_started_later_gets_traffic(system: System) -> None:
     (late,) = start_parallel(system.cluster, [("prefill-2", worker_args(system.model_dir, "prefill", system.bootstrap))])
     system.prefills.append(late)

@@ -1,0 +1,40 @@
+"""The typed pieces around Worker.Generate: sampling -> proto, proto chunk -> GenerationChunk."""
+
+from __future__ import annotations
+
+from protos.v1 import common_pb2, worker_pb2
+from services.gateway.dispatcher import GeneratedToken, chunk_from_proto
+from services.gateway.sampling import Sampling, sampling_from_fields
+
+
+def test_unset_sampling_fields_stay_unset_in_the_proto() -> None:
+    params = Sampling().to_proto()
+    assert not params.HasField("temperature") and not params.HasField("top_p")
+    assert not params.HasField("seed") and not params.HasField("max_new_tokens")
+    explicit = sampling_from_fields(temperature=0.0, top_p=0.5, top_k=-1, min_p=None, seed=3, max_new_tokens=7,
+                                    stop=["\n"], stop_token_ids=[2], ignore_eos=True, top_logprobs=2).to_proto()
+    assert explicit.HasField("temperature") and explicit.temperature == 0.0
+    assert (explicit.top_p, explicit.top_k, explicit.min_p, explicit.seed, explicit.max_new_tokens) == (0.5, 0, 0, 3, 7)
+    assert list(explicit.stop) == ["\n"] and list(explicit.stop_token_ids) == [2] and explicit.ignore_eos
+    assert explicit.logprobs and explicit.top_logprobs == 2  # top logprobs imply logprobs
+
+
+def test_choices_get_distinct_seeds() -> None:
+    seeded = Sampling(seed=10)
+    assert [seeded.for_choice(i).seed for i in range(3)] == [10, 11, 12]
+    assert Sampling().for_choice(2).seed is None
+
+
+def test_chunk_from_proto() -> None:
+    response = worker_pb2.GenerateResponse(
+        outputs=[common_pb2.TokenOutput(token_id=5, text="he", logprob=-0.5,
+                                        top_logprobs=[common_pb2.TokenLogprob(token_id=5, logprob=-0.5)]),
+                 common_pb2.TokenOutput(token_id=6, text="llo", logprob=-1.0)],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=worker_pb2.Usage(prompt_tokens=3, completion_tokens=2))
+    chunk = chunk_from_proto(response, want_logprobs=True)
+    assert chunk.tokens == (GeneratedToken(5, "he", -0.5, ((5, -0.5),)), GeneratedToken(6, "llo", -1.0, ()))
+    assert (chunk.text, chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens) == ("hello", "length", 3, 2)
+    middle = chunk_from_proto(worker_pb2.GenerateResponse(outputs=[common_pb2.TokenOutput(token_id=1, text="x")]),
+                              want_logprobs=False)
+    assert middle.finish_reason is None and middle.tokens[0].logprob is None
