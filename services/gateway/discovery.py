@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.v1 import bootstrap_pb2
 from services.bootstrap.client import RegistryClient
 from services.gateway.config import StaticWorker
-from services.gateway.workers import ROLE_FROM_PROTO, ReportedLoad, WorkerPool
+from services.gateway.workers import ROLE_FROM_PROTO, ReportedLoad, WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -121,7 +121,7 @@ class HealthProber:
             if due:
                 await asyncio.gather(*(self.probe(worker) for worker in due))
 
-    async def probe(self, worker) -> bool:
+    async def probe(self, worker: WorkerHandle) -> bool:
         """One health check of `worker`; updates its breaker and returns whether it is SERVING."""
         worker.breaker.acquire()  # the probe is the half-open trial: no request races it
         try:
