@@ -67,15 +67,18 @@ class PrefillClients:
         return FirstToken(token_id=first.token_id, logprob=first.logprob if params.logprobs else None,
                           top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs])
 
-    async def abort(self, address: str, room: str) -> None:
-        """Returns once prefill guarantees no more writes for `room` (or is gone, and so cannot write)."""
+    async def abort(self, address: str, room: str) -> bool:
+        """Ask prefill to stop `room`. True once it guarantees no more writes for it (or is gone, and
+        so cannot write); False if it did not answer in time."""
         try:
             await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
+            return True
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return  # the process is gone: nothing of it can write any more
-            log.error("room %s: prefill %s did not confirm the abort (%s: %s); freeing its pages anyway "
-                      "after the transfer timeout", room, address, exc.code().name, exc.details())
+                return True  # the process is gone: nothing of it can write any more
+            log.error("room %s: prefill %s did not confirm the abort (%s: %s); its pages stay "
+                      "quarantined for one transfer timeout", room, address, exc.code().name, exc.details())
+            return False
 
     async def close(self) -> None:
         for channel in self._channels.values():

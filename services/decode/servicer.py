@@ -41,6 +41,7 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         assert runtime.backend is not None
         self.runtime = runtime
         self.engine = runtime.engine
+        self.backend = runtime.backend
         self.config = runtime.config
         self.queues = runtime.queues
         self.prealloc = PreallocQueue(self.engine)
@@ -82,26 +83,37 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self.runtime.metrics.failure("prealloc")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}")
         self.queues.move(room, "transfer")
-        released = False
+        # Declares which pages this room may write (two-sided engines post receives into them).
+        self.backend.expect(room, pages)
         try:
-            return await self.prefills.prefill(
+            first = await self.prefills.prefill(
                 prefill_address, room=room, prompt=prompt, params=params, dst_page_ids=pages,
                 dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
                 model=self.config.model_name, timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout)
         except PrefillFailed as exc:
             self.runtime.metrics.failure(exc.stage)
             await self._release_after_abort(room, prefill_address)
-            released = True
             log.warning("room %s: %s", room, exc)
             await context.abort(exc.code, f"room {room}: {exc}")
         except BaseException:  # cancelled (client gone, shutdown): stop prefill before freeing pages
-            if not released:
-                await asyncio.shield(self._release_after_abort(room, prefill_address))
+            await asyncio.shield(self._release_after_abort(room, prefill_address))
             raise
+        self.backend.release_expectation(room)
+        return first
 
     async def _release_after_abort(self, room: str, prefill_address: str) -> None:
-        await self.prefills.abort(prefill_address, room)
-        self.engine.release(room)
+        """Free a room's reserved pages once no write for it can land any more.
+
+        If the prefill confirms its abort (or is gone), that is now. If it cannot confirm (alive
+        but unresponsive), the pages stay quarantined for one transfer timeout: every write the
+        prefill issued is bounded by it, after which its backend has given the write up.
+        """
+        confirmed = await self.prefills.abort(prefill_address, room)
+        self.backend.release_expectation(room)
+        if confirmed:
+            self.engine.release(room)
+        else:
+            asyncio.get_running_loop().call_later(self.config.transfer_timeout, self.engine.release, room)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         task = self._tasks.get(request.room)

@@ -62,10 +62,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             if request.model != self.config.model_name:
                 raise _Refused(f"model mismatch (prefill vs decode): {self.config.model_name!r} vs "
                                f"{request.model!r}")
-            needed = self.engine.pages.pages_for(len(parsed.prompt_ids))
-            if len(request.dst_page_ids) != needed:
-                raise BadRequest(f"{len(request.dst_page_ids)} destination pages for a prompt of "
-                                 f"{len(parsed.prompt_ids)} tokens; expected {needed}")
         except _Refused as exc:
             self.metrics.failure("bootstrap")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -79,7 +75,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self._rooms[room] = state
         try:
             self.queues.move(room, "bootstrap")
-            state.peer = await self._connect(request, context)
+            state.peer = await self._connect(request, context)  # refuses another layout or backend
+            needed = self.engine.pages.pages_for(len(parsed.prompt_ids))
+            if len(request.dst_page_ids) != needed:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{len(request.dst_page_ids)} destination pages for a prompt of "
+                                    f"{len(parsed.prompt_ids)} tokens; expected {needed}")
             self.queues.move(room, "waiting")
             result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
             self.queues.move(room, "inflight")

