@@ -1,0 +1,31 @@
+"""`pdserve generate` and `pdserve bench engine` run as commands on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pdserve(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=True)
+
+
+def test_generate_streams_text(qwen3_ckpt):
+    result = pdserve("generate", "--model-path", str(qwen3_ckpt), "--prompt", "Hello there",
+                     "--chat", "--max-new-tokens", "8", "--ignore-eos", "--num-pages", "64")
+    assert result.stdout.strip()
+    assert "[finish: length]" in result.stderr
+
+
+def test_bench_engine_json(qwen3_ckpt):
+    result = pdserve("bench", "engine", "--model", str(qwen3_ckpt), "--batch", "2", "--prompt-len", "8",
+                     "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--json", timeout=300)
+    report = json.loads(result.stdout)
+    assert report["pdserve"]["decode_tokens_per_s"] > 0 and report["hf"]["decode_tokens_per_s"] > 0
+    assert report["ratio"] > 0 and report["pdserve"]["peak_rss_mib"] > 0
+    assert report["greedy_outputs_equal"] == "2/2"
