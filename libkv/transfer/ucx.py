@@ -11,14 +11,18 @@ makes sends hang instead of fail, so the backend's timeout is what detects it. P
 Wire protocol (all tags forced, 64-bit; see the *_tag functions):
   connect:   sender -> receiver  CTRL   HELLO(sender uid, address length)
              sender -> receiver  ADDR   sender's worker address (the receiver's route for acks)
-  write:     sender -> receiver  CTRL   BEGIN(sender uid, transfer id, header length)
-             sender -> receiver  DATA   header JSON {key, runs: [[dst_page, length], ...]}
-             per run, in order:  DATA   marker RUN(i, nbytes), then the run's bytes
-             finally             DATA   marker END(aborted?)
+  write:     sender -> receiver  CTRL   BEGIN(sender uid, transfer id, header length) followed
+                                        in the same message by the header JSON
+                                        {key, runs: [[dst_page, length], ...]}; a header too big
+                                        for CTRL_NBYTES goes separately on DATA (BEGIN_LONG)
+             per run, in order:  DATA   the run's bytes, or an empty message once aborted
+             finally             DATA   END(aborted?)
              receiver -> sender  ACK    (status, transfer id): OK, REJECTED or ABORTED
-UCX matches messages of one tag from one endpoint in send order, so the receiver posts each
-run's receive only after its RUN marker arrived: a sender that aborts sends END instead, and
-no receive is ever left posted into pool pages waiting for bytes that will not come.
+UCX matches messages of one tag from one endpoint in send order, so after the header the
+receiver posts every run's receive at once (into pool pages if the key expects them, else into
+scratch) and then one for END. A sender that aborts still sends one message per run, empty,
+which completes the posted receive without writing a byte: no receive stays posted into pool
+pages waiting for data that will not come (unless the sender dies; then nothing can match it).
 
 ucxx keeps one UCX context per process, driven from an asyncio loop; the backend runs its own
 loop in a thread so callers on any thread (or loop) can use it. One UcxBackend per process.
@@ -55,10 +59,11 @@ log = logging.getLogger(__name__)
 
 CTRL_TAG = 0x5044_C7C7_0000_0001
 _CTRL = struct.Struct("<IIQQ")  # kind, sender uid, transfer id, length
-_MARKER = struct.Struct("<IIQ")  # kind, run index or aborted flag, nbytes
+_END = struct.Struct("<IIQ")  # END kind, aborted flag, runs sent with data
 _ACK = struct.Struct("<IIQ")  # status, unused, transfer id
-_HELLO, _BEGIN = 1, 2
-_RUN, _END = 1, 2
+_HELLO, _BEGIN, _BEGIN_LONG = 1, 2, 3
+CTRL_NBYTES = 4096  # receive buffer of control messages (a smaller message fits): ~300 runs
+_END_KIND = 0x454E44
 ACK_OK, ACK_REJECTED, ACK_ABORTED = 0, 1, 2
 
 _instance_lock = threading.Lock()
@@ -204,21 +209,26 @@ class UcxBackend(TransferBackend):
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            await ep.send(bytearray(_CTRL.pack(_BEGIN, self.uid, transfer_id, len(header))),
-                          tag=CTRL_TAG, force_tag=True)
-            post(bytearray(header))
-            aborted = 0
-            for index, (src, _dst, nbytes) in enumerate(runs):
+            if _CTRL.size + len(header) <= CTRL_NBYTES:
+                begin = _CTRL.pack(_BEGIN, self.uid, transfer_id, len(header)) + header
+                sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+            else:
+                begin = _CTRL.pack(_BEGIN_LONG, self.uid, transfer_id, len(header))
+                sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+                post(bytearray(header))
+            aborted, sent = 0, 0
+            for src, _dst, nbytes in runs:
                 if write.abort_requested:
                     aborted = 1
-                    break
-                post(bytearray(_MARKER.pack(_RUN, index, nbytes)))
+                    post(bytearray(0))  # completes the receiver's posted receive, writes nothing
+                    continue
                 post(self._pool_bytes[src:src + nbytes])
-                # Keep at most two runs in flight: enough to overlap, few enough that an abort
-                # stops the rest of a long transfer.
-                while len(sends) > 4:
+                sent += 1
+                # Keep a few runs in flight: enough to overlap, few enough that an abort stops
+                # the rest of a long transfer.
+                while len(sends) > 3:
                     await sends.pop(0)
-            post(bytearray(_MARKER.pack(_END, aborted, 0)))
+            post(bytearray(_END.pack(_END_KIND, aborted, sent)))
             await asyncio.gather(*sends)
             await ack_recv
         finally:
@@ -270,10 +280,10 @@ class UcxBackend(TransferBackend):
     # ---- receiver --------------------------------------------------------------------------
 
     async def _serve_control(self) -> None:
-        message = bytearray(_CTRL.size)
+        message = bytearray(CTRL_NBYTES)
         while True:
             await self._ucxx.recv(message, tag=CTRL_TAG)
-            kind, sender, transfer_id, length = _CTRL.unpack(message)
+            kind, sender, transfer_id, length = _CTRL.unpack_from(message)
             if kind == _HELLO:
                 # Handled inline: the sender sends HELLO before any BEGIN, so acks find the route.
                 try:
@@ -281,6 +291,9 @@ class UcxBackend(TransferBackend):
                 except Exception:
                     log.exception("ucx: HELLO from sender %x failed", sender)
             elif kind == _BEGIN:
+                header = bytes(message[_CTRL.size:_CTRL.size + length])  # the buffer is reused
+                asyncio.ensure_future(self._receive(sender, transfer_id, header))
+            elif kind == _BEGIN_LONG:
                 asyncio.ensure_future(self._receive(sender, transfer_id, length))
             else:
                 log.warning("ucx: unknown control message kind %d from %x", kind, sender)
@@ -296,41 +309,39 @@ class UcxBackend(TransferBackend):
             _abort_endpoint(old)
         self._senders[sender] = ep
 
-    async def _receive(self, sender: int, transfer_id: int, header_len: int) -> None:
+    async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
+        """Receive one transfer; `header` is the header itself, or its length if it follows."""
         tag = data_tag(sender, transfer_id)
-        header = bytearray(header_len)
-        await self._ucxx.recv(header, tag=tag)
+        if isinstance(header, int):
+            buffer = bytearray(header)
+            await self._ucxx.recv(buffer, tag=tag)
+            header = bytes(buffer)
         spec = json.loads(header)
         key = spec["key"]
         page_nbytes = self._require_pool().layout.page_nbytes
-        runs = [(dst * page_nbytes, length * page_nbytes, range(dst, dst + length)) for dst, length in spec["runs"]]
-        accepted = True
-        marker = bytearray(_MARKER.size)
-        while True:
-            await self._ucxx.recv(marker, tag=tag)
-            kind, index, nbytes = _MARKER.unpack(marker)
-            if kind == _END:
-                status = ACK_ABORTED if index else (ACK_OK if accepted else ACK_REJECTED)
-                break
-            offset, run_nbytes, pages = runs[index] if index < len(runs) else (0, -1, range(0))
-            target = None
-            with self._lock:
-                allowed = self._expected.get(key)
-                if allowed is not None and run_nbytes == nbytes and all(p in allowed for p in pages):
-                    target = self._pool_bytes[offset:offset + nbytes]
-                    self._inflight[key] = self._inflight.get(key, 0) + 1
-            if target is None:
-                accepted = False
-                await self._ucxx.recv(self._np.empty(nbytes, dtype=self._np.uint8), tag=tag)  # dropped
-                continue
-            try:
-                await self._ucxx.recv(target, tag=tag)
-            finally:
-                with self._inflight_done:
-                    self._inflight[key] -= 1
-                    if not self._inflight[key]:
-                        del self._inflight[key]
-                    self._inflight_done.notify_all()
+        targets, scratch_nbytes, in_pool = [], 0, 0
+        with self._lock:
+            allowed = self._expected.get(key, frozenset())
+            for dst, length in spec["runs"]:
+                if all(p in allowed for p in range(dst, dst + length)):
+                    targets.append(self._pool_bytes[dst * page_nbytes:(dst + length) * page_nbytes])
+                    in_pool += 1
+                else:
+                    targets.append(None)
+                    scratch_nbytes = max(scratch_nbytes, length * page_nbytes)
+            if in_pool:
+                self._inflight[key] = self._inflight.get(key, 0) + in_pool
+        # Rejected runs all land in one scratch buffer: their bytes are dropped anyway.
+        scratch = self._np.empty(scratch_nbytes, dtype=self._np.uint8) if scratch_nbytes else None
+        end = bytearray(_END.size)
+        receives = [asyncio.ensure_future(self._receive_run(key, target, scratch, tag)) for target in targets]
+        end_receive = asyncio.ensure_future(self._ucxx.recv(end, tag=tag))
+        await asyncio.gather(*receives, return_exceptions=True)
+        await end_receive
+        kind, aborted, _ = _END.unpack(end)
+        if kind != _END_KIND:
+            log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
+        status = ACK_ABORTED if aborted else (ACK_OK if in_pool == len(targets) else ACK_REJECTED)
         ep = self._senders.get(sender)
         if ep is None:
             log.warning("ucx: no route back to sender %x for transfer %d", sender, transfer_id)
@@ -341,9 +352,23 @@ class UcxBackend(TransferBackend):
         except Exception:
             log.warning("ucx: ack of transfer %d to sender %x failed", transfer_id, sender)
 
+    async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:
+        if target is None:
+            await self._ucxx.recv(scratch, tag=tag)
+            return
+        try:
+            await self._ucxx.recv(target, tag=tag)
+        finally:
+            with self._inflight_done:
+                self._inflight[key] -= 1
+                if not self._inflight[key]:
+                    del self._inflight[key]
+                self._inflight_done.notify_all()
+
     def _engine_release(self, key: str, pages: frozenset[int]) -> None:
-        # Receives already posted into this key's pages were announced by a RUN marker, so their
-        # bytes are on the way: wait for them (bounded) so that nothing lands after we return.
+        # Receives already posted into this key's pages complete with the sender's bytes or with
+        # an empty message if it aborts: wait for them (bounded, in case the sender died) so
+        # that nothing lands after we return.
         deadline = time.monotonic() + self.timeout_s
         with self._inflight_done:
             while self._inflight.get(key) and time.monotonic() < deadline:

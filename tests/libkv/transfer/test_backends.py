@@ -97,6 +97,18 @@ def test_scattered_pages_arrive_exactly(pair: Pair):
     assert all(after[p] == before[p] for p in untouched)
 
 
+def test_many_single_page_runs_arrive_exactly(pair: Pair):
+    # 500 runs: one engine write each (and, for ucx, a header too big to travel inline)
+    src, dst = [2 * i for i in range(500)], [2 * i + 1 for i in range(500)]
+    src_hashes = page_hashes(pair.sender, src)
+    pair.receiver.call("expect", key="room-many", pages=dst)
+    reply = pair.sender.call("write", peer=pair.peer, src=src, dst=dst, key="room-many")
+    pair.receiver.call("release", key="room-many")
+    assert reply["runs"] == 500
+    dst_hashes = page_hashes(pair.receiver, dst)
+    assert [src_hashes[p] for p in src] == [dst_hashes[p] for p in dst]
+
+
 def test_abort_mid_transfer_leaves_both_sides_usable(pair: Pair):
     # 56 MiB (fp32) in 56 runs of 16 pages, one-page gaps between runs on the destination side
     big_src = list(range(0, 896))
