@@ -122,3 +122,20 @@ def test_importing_backends_loads_no_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "[]"
+
+
+def test_writes_from_many_threads_get_distinct_handles():
+    from concurrent.futures import ThreadPoolExecutor
+
+    sender, receiver = make(), make()
+    peer = sender.connect(receiver.endpoint())
+
+    def write_and_wait(i: int) -> int:
+        handle = sender.write(peer, [i % 16], [(i * 7) % 16], key=f"room-{i}")
+        sender.wait_blocking(handle)
+        assert sender.abort(handle) is TransferState.DONE
+        return handle.transfer_id
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = list(pool.map(write_and_wait, range(400)))
+    assert len(set(ids)) == 400 and sender.writes == 400
