@@ -67,9 +67,14 @@ async def serve(runtime: WorkerRuntime) -> None:
     runtime.engine.start()
     try:
         runtime.start_metrics()
-        server = await start_grpc_server([_binding(runtime)], config.host, config.port)
+        binding = _binding(runtime)
+        server = await start_grpc_server([binding], config.host, config.port)
         await runtime.register(server.address)
-        reporter = asyncio.create_task(_log_loop(runtime)) if config.role == "decode" else None
+        background = []
+        if config.role == "decode":
+            background.append(asyncio.create_task(_log_loop(runtime)))
+            if runtime.registry is not None:
+                background.append(asyncio.create_task(binding.servicer.watch_prefills(runtime.registry)))
         layout = runtime.engine.kv_layout
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens, "
                  "transfer backend %s", config.role, server.address, runtime.metrics_server.port,
@@ -77,8 +82,8 @@ async def serve(runtime: WorkerRuntime) -> None:
                  config.disaggregation_transfer_backend if runtime.backend else "none")
         received = await shutdown.wait()
         log.info("%s worker got %s: shutting down", config.role, received.name)
-        if reporter is not None:
-            reporter.cancel()
+        for task in background:
+            task.cancel()
         await server.stop(config.grace_period)
     finally:
         shutdown.remove()

@@ -23,7 +23,8 @@ import time
 import grpc
 
 from engine.outputs import FirstToken
-from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from services.bootstrap.client import RegistryClient
 from services.common.convert import endpoint_to_proto
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
@@ -48,6 +49,8 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         self.prefills = PrefillClients(abort_timeout_s=self.config.transfer_timeout)
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._tasks: dict[str, asyncio.Task] = {}
+        self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
+        self._lost: dict[str, str] = {}  # room -> why its prefill was given up on
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
@@ -85,19 +88,29 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         self.queues.move(room, "transfer")
         # Declares which pages this room may write (two-sided engines post receives into them).
         self.backend.expect(room, pages)
+        call = asyncio.ensure_future(self.prefills.prefill(
+            prefill_address, room=room, prompt=prompt, params=params, dst_page_ids=pages,
+            dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
+            model=self.config.model_name, timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
+        self._calls[room] = (prefill_address, call)
         try:
-            first = await self.prefills.prefill(
-                prefill_address, room=room, prompt=prompt, params=params, dst_page_ids=pages,
-                dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
-                model=self.config.model_name, timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout)
+            await asyncio.wait({call})  # not `await call`: a watcher cancelling the call is a failure, not ours
+            if call.cancelled():
+                raise PrefillFailed(f"prefill {prefill_address} {self._lost.pop(room, 'was lost')}",
+                                    grpc.StatusCode.UNAVAILABLE, "prefill")
+            first = call.result()
         except PrefillFailed as exc:
             self.runtime.metrics.failure(exc.stage)
             await self._release_after_abort(room, prefill_address)
             log.warning("room %s: %s", room, exc)
             await context.abort(exc.code, f"room {room}: {exc}")
         except BaseException:  # cancelled (client gone, shutdown): stop prefill before freeing pages
+            call.cancel()
             await asyncio.shield(self._release_after_abort(room, prefill_address))
             raise
+        finally:
+            self._calls.pop(room, None)
+            self._lost.pop(room, None)
         self.backend.release_expectation(room)
         return first
 
@@ -114,6 +127,18 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.release(room)
         else:
             asyncio.get_running_loop().call_later(self.config.transfer_timeout, self.engine.release, room)
+
+    async def watch_prefills(self, registry: RegistryClient) -> None:
+        """Fail the Prefill calls of a prefill whose registry lease expired (it stopped heartbeating:
+        hung or partitioned), instead of waiting for their deadline. Other departures (deregistered,
+        replaced, registry unreachable) leave calls alone: the connection itself tells if it is dead."""
+        async for event in registry.watch(role=common_pb2.WORKER_ROLE_PREFILL):
+            if event.type == bootstrap_pb2.WORKER_EVENT_TYPE_LEFT and event.reason == "lease expired":
+                address = event.worker.grpc_address
+                for room, (prefill_address, call) in list(self._calls.items()):
+                    if prefill_address == address and not call.done():
+                        self._lost[room] = f"stopped heartbeating (registry lease of {event.worker.worker_id} expired)"
+                        call.cancel()
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         task = self._tasks.get(request.room)
