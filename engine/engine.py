@@ -156,6 +156,7 @@ class Engine:
         """Stream the tokens of one request. Leaving the iteration early aborts the request."""
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        self._claim_room(room)
         request = self._new_request(room, list(prompt_ids), params)
         async for output in self._stream(request, _Add(request)):
             yield output
@@ -169,13 +170,19 @@ class Engine:
         """
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
-        pages = self.pages.take_reserved(room)
+        self._claim_room(room)
+        try:
+            pages = self.pages.take_reserved(room)
+        except KeyError:
+            self._release_room(room)
+            raise
         if len(pages) < self.pages.pages_for(len(prompt_ids)):
             self.pages.free(pages)
+            self._release_room(room)
             raise ValueError(f"room {room!r}: {len(pages)} reserved pages cannot hold a prompt "
                              f"of {len(prompt_ids)} tokens")
-        request = self._new_request(room, list(prompt_ids) + [first_token.token_id], params)
-        request.num_prompt = len(prompt_ids)
+        request = self._new_request(room, list(prompt_ids), params)
+        request.token_ids.append(first_token.token_id)
         request.page_ids = pages
         request.num_computed = len(prompt_ids)
         async for output in self._stream(request, _AddPrefilled(request, first_token)):
@@ -191,6 +198,7 @@ class Engine:
         """
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), 1)
+        self._claim_room(room)
         request = self._new_request(room, list(prompt_ids), params)
         request.prefill_only = True
         request.on_pages_filled = on_pages_filled
@@ -234,21 +242,29 @@ class Engine:
         return self.pages.has_room(room)
 
     # ---- caller-side plumbing -------------------------------------------------------------------
-    def _new_request(self, room: str, token_ids: list[int], params: SamplingParams) -> Request:
-        request = Request(room=room, token_ids=token_ids, num_prompt=len(token_ids), params=params)
+    def _claim_room(self, room: str) -> None:
+        """Mark `room` live (until its request finishes); a room names one request at a time."""
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        with self._rooms_lock:
+            if room in self._live_rooms:
+                raise ValueError(f"room {room!r} is already in use")
+            self._live_rooms.add(room)
+
+    def _release_room(self, room: str) -> None:
+        with self._rooms_lock:
+            self._live_rooms.discard(room)
+
+    def _new_request(self, room: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        request = Request(room=room, token_ids=list(prompt_ids), num_prompt=len(prompt_ids), params=params)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.pool.device)
-        request.text_stream = TextStream(self.tokenizer, params, prompt_ids=token_ids,
+        request.text_stream = TextStream(self.tokenizer, params, prompt_ids=prompt_ids,
                                          eos_token_ids=self.model_config.eos_token_ids)
         return request
 
     async def _stream(self, request: Request, command: _Command) -> AsyncIterator:
-        if self._thread is None:
-            raise RuntimeError("engine not started")
-        with self._rooms_lock:
-            if request.room in self._live_rooms:
-                raise ValueError(f"room {request.room!r} is already in use")
-            self._live_rooms.add(request.room)
+        """Submit `command` for a request whose room is claimed; yield what the engine emits."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request.emit = lambda item: self._deliveries[loop].append((outputs.put_nowait, item))
@@ -354,8 +370,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
-        with self._rooms_lock:
-            self._live_rooms.discard(request.room)
+        self._release_room(request.room)
 
     def _finish_prefill(self, request: Request, first: FirstToken) -> None:
         self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
@@ -393,8 +408,7 @@ class Engine:
         self.pages.release(room)  # a finished prefill's held pages, or an unused reservation
         if request is None:
             return
-        with self._rooms_lock:
-            self._live_rooms.discard(room)
+        self._release_room(room)
         if request.prefill_only:
             request.emit(None)  # ends the prefill's stream without a result
         else:
