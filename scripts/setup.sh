@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 # The built-in checkpoints: written by code from a fixed seed, never downloaded.
-for preset in tiny small; do
+for preset in tiny; do  # `--preset small` (about 125M) is for benchmarks: see README
   dir=".cache/models/$preset"
   if [ ! -f "$dir/model.safetensors" ]; then
     echo "[setup] writing built-in model '$preset' to $dir"

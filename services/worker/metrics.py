@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name as m
 
@@ -57,9 +59,23 @@ class WorkerMetrics:
     def failure(self, stage: str) -> None:
         self._failures.labels(**self._labels, stage=stage).inc()
 
+    def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A counter whose running total is kept elsewhere (the engine) and read at scrape time."""
+        self.registry.register(_ReadCounter(m(name), doc, self._labels, read))
+
     def gauge(self, name: str, doc: str, read: Callable[[], float], **extra_labels: str) -> None:
         """A gauge whose value is read at scrape time."""
         if name not in self._gauges:
             self._gauges[name] = Gauge(m(name), doc, labelnames=[*self._labels, *extra_labels],
                                        registry=self.registry)
         self._gauges[name].labels(**self._labels, **extra_labels).set_function(read)
+
+
+class _ReadCounter(Collector):
+    def __init__(self, name: str, doc: str, labels: dict[str, str], read: Callable[[], float]) -> None:
+        self._name, self._doc, self._labels, self._read = name.removesuffix("_total"), doc, labels, read
+
+    def collect(self):
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._read())
+        yield family

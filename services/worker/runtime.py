@@ -68,8 +68,8 @@ class WorkerRuntime:
                       lambda: engine.stats().used_pages)
         metrics.gauge("kv_pages_total", "KV pages in the pool", lambda: engine.stats().total_pages)
         metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
-        metrics.gauge("retractions_total", "Requests retracted under memory pressure since start",
-                      lambda: engine.stats().total_retractions)
+        metrics.counter_from("retractions_total", "Requests retracted under memory pressure",
+                             lambda: engine.stats().total_retractions)
         for name in self.queues.names:
             if name in ("waiting", "running") and self.config.role != "prefill":
                 continue  # the engine's own queues, below

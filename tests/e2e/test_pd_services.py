@@ -92,7 +92,8 @@ def test_one_prefill_one_decode_matches_colocated_and_hf(backend, cluster: Clust
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend=backend, bootstrap=bootstrap, extra=CHUNK)),
-        ("decode", worker_args(tiny_model, "decode", backend=backend, bootstrap=bootstrap, extra=CHUNK)),
+        ("decode", worker_args(tiny_model, "decode", backend=backend, bootstrap=bootstrap,
+                               extra=(*CHUNK, "--decode-log-interval", "0.2"))),
     ])
     roles = sorted(w.role for w in list_workers(bootstrap))
     assert roles == [common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE]
@@ -101,6 +102,8 @@ def test_one_prefill_one_decode_matches_colocated_and_hf(backend, cluster: Clust
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
     check_against_reference(got, reference)
     assert prefill.metric("pdserve:kv_transfer_bytes_total") > 0
+    assert decode.metric("pdserve:request_success_total", finish_reason="length") == len(prompts)
+    assert "Decode batch, #running-req: " in decode.log() and "gen throughput (token/s): " in decode.log()
     assert_pages_idle(prefill, decode)
 
 
