@@ -114,7 +114,11 @@ class TransferEndpoint:
 
 @dataclass(frozen=True)
 class TransferHandle:
-    """Names one write. Opaque: pass it back to poll / wait / abort of the backend that made it."""
+    """Names one write. Opaque: pass it back to poll / wait / abort of the backend that made it.
+
+    The handle keeps the backend's record of the write alive, so a finished write costs the
+    backend nothing once its handles are dropped (no forget() needed).
+    """
 
     transfer_id: int
     peer: PeerId
@@ -122,6 +126,7 @@ class TransferHandle:
     num_pages: int
     num_runs: int
     nbytes: int
+    record: Transfer | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(eq=False)
@@ -129,9 +134,10 @@ class Transfer:
     """A backend's record of one write. `engine` holds whatever the engine needs (request ids,
     xfer handles); only the backend that created the record looks inside it."""
 
-    handle: TransferHandle
+    handle: TransferHandle | None  # set right after the handle is made (they refer to each other)
     runs: list[PageRun]
     deadline: float
+    owner: int = 0  # id() of the backend that made it
     state: TransferState = TransferState.PENDING
     error: TransferError | None = None
     engine: Any = None
@@ -172,7 +178,7 @@ class TransferBackend(ABC):
         self.host = host
         self.pool: KVPool | None = None
         self._lock = threading.RLock()
-        self._transfers: dict[int, Transfer] = {}
+        self._transfers: dict[int, Transfer] = {}  # unfinished writes, for close() / disconnect()
         self._peers: dict[PeerId, Peer] = {}
         self._expected: dict[str, frozenset[int]] = {}
         self._ids = itertools.count(1)
@@ -283,14 +289,15 @@ class TransferBackend(ABC):
         _check_pages("source", src_pages, pool.num_pages)
         _check_pages("destination", dst_pages, target.endpoint.num_pages)
         page_nbytes = pool.layout.page_nbytes
+        record = Transfer(None, runs, time.monotonic() + self.timeout_s, owner=id(self))
         handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(runs),
-                                len(src_pages) * page_nbytes)
-        record = Transfer(handle, runs, time.monotonic() + self.timeout_s)
-        with self._lock:
-            self._transfers[handle.transfer_id] = record
+                                len(src_pages) * page_nbytes, record)
+        record.handle = handle
         if not runs:
             record.state = TransferState.DONE
             return handle
+        with self._lock:
+            self._transfers[handle.transfer_id] = record
         try:
             record.engine = self._engine_write(target, record)
         except TransferError as exc:
@@ -356,13 +363,6 @@ class TransferBackend(ABC):
                          TransferAborted(f"{self.name} write {handle.transfer_id} to {handle.peer} aborted"))
         return record.state
 
-    def forget(self, handle: TransferHandle) -> None:
-        """Drop a finished transfer's record (the services call it after wait/abort)."""
-        with self._lock:
-            record = self._transfers.get(handle.transfer_id)
-            if record is not None and record.state.finished:
-                del self._transfers[handle.transfer_id]
-
     def error(self, handle: TransferHandle) -> TransferError | None:
         return self._record(handle).error
 
@@ -374,11 +374,9 @@ class TransferBackend(ABC):
         return self.pool
 
     def _record(self, handle: TransferHandle) -> Transfer:
-        with self._lock:
-            record = self._transfers.get(handle.transfer_id)
-        if record is None:
-            raise KeyError(f"unknown or forgotten transfer {handle.transfer_id}")
-        return record
+        if handle.record is None or handle.record.owner != id(self):
+            raise KeyError(f"transfer {handle.transfer_id} was not made by a write() of this backend")
+        return handle.record
 
     def _raise_if_failed(self, handle: TransferHandle) -> None:
         record = self._record(handle)
@@ -387,6 +385,8 @@ class TransferBackend(ABC):
 
     def _finish(self, record: Transfer, state: TransferState, error: TransferError | None) -> None:
         record.state, record.error = state, error
+        with self._lock:
+            self._transfers.pop(record.handle.transfer_id, None)
         try:
             self._engine_release_transfer(record)
         except Exception:

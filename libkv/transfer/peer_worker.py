@@ -93,7 +93,6 @@ class PeerWorker:
         while time.perf_counter() - start < max_seconds:
             handle = self.backend.write(peer, src, dst, key=key)
             self.backend.wait_blocking(handle)
-            self.backend.forget(handle)
             writes += 1
         return {"writes": writes, "state": "no error"}
 
@@ -105,7 +104,6 @@ class PeerWorker:
             handle = self.backend.write(peer, src, dst, key=key)
             self.backend.wait_blocking(handle)
             seconds.append(time.perf_counter() - start)
-            self.backend.forget(handle)
         return {"seconds": seconds, "runs": handle.num_runs}
 
     def op_close(self) -> dict:

@@ -42,9 +42,10 @@ async def test_write_is_done_and_coalesces_runs():
     sender.wait_blocking(handle)
     assert sender.abort(handle) is TransferState.DONE  # already finished: abort changes nothing
     assert (sender.writes, sender.runs_written) == (1, 3)
-    sender.forget(handle)
+    assert sender._transfers == {}  # finished writes leave the table; the handle keeps its record
+    other = make()
     with pytest.raises(KeyError):
-        sender.poll(handle)
+        other.poll(handle)
 
 
 def test_pages_are_checked_against_both_pools():
