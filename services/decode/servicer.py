@@ -54,11 +54,8 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
-        model = self.engine.model_config
         try:
-            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
-                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
-            self.engine.scheduler.check_fits(len(parsed.prompt_ids), parsed.params.max_new_tokens)
+            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
             if not request.HasField("prefill_address") or not request.prefill_address:
                 raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on")
         except ValueError as exc:

@@ -53,10 +53,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
-        model = self.engine.model_config
         try:
-            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
-                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
+            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling, prompt_only=True)
             if not request.room:
                 raise BadRequest("room is required")
             if request.model != self.config.model_name:

@@ -25,11 +25,8 @@ class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
-        model = self.engine.model_config
         try:
-            parsed = parse_request(request.room, request.prompt_token_ids, request.sampling,
-                                   vocab_size=model.vocab_size, context_len=model.max_position_embeddings)
-            self.engine.scheduler.check_fits(len(parsed.prompt_ids), parsed.params.max_new_tokens)
+            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
         outputs = self.engine.generate(parsed.prompt_ids, parsed.params, parsed.room)

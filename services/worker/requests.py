@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.engine import Engine
 from engine.sampling import SamplingParams
 from protos.v1 import common_pb2
 from services.common.convert import sampling_from_proto
@@ -37,17 +38,23 @@ class EngineRequest:
     params: SamplingParams
 
 
-def parse_request(room: str, prompt_token_ids, sampling: common_pb2.SamplingParams, *,
-                  vocab_size: int, context_len: int) -> EngineRequest:
-    """Validate ids and lengths; a missing room gets a fresh id."""
+def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_pb2.SamplingParams, *,
+                  prompt_only: bool = False) -> EngineRequest:
+    """Validate ids, lengths and sampling against `engine`'s model and KV pool; a missing room
+    gets a fresh id. `prompt_only` (prefill) checks that the prompt fits, not the whole request."""
+    model = engine.model_config
     prompt = list(prompt_token_ids)
     if not prompt:
         raise BadRequest("prompt_token_ids is empty: a prompt needs at least one token")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt) >= context_len:
+        raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    if len(prompt) >= model.max_position_embeddings:
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
-                         f"{context_len} tokens")
+                         f"{model.max_position_embeddings} tokens")
     params = parse_sampling(sampling)
+    try:
+        engine.scheduler.check_fits(len(prompt), 1 if prompt_only else params.max_new_tokens)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     return EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt, params=params)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,3 +142,13 @@ def worker_args(model: str, mode: str, *, backend: str = "fake", bootstrap: Proc
     if bootstrap is not None:
         args += ["--bootstrap", bootstrap.address]
     return args
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` every 0.1 s; fail the test naming `what` if it is not true within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

@@ -22,8 +22,7 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.launcher import start_child
-from tests.e2e.cluster import Cluster, Proc
+from tests.e2e.cluster import Cluster, Proc, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -53,24 +52,9 @@ class System:
         return f"http://{(gateway or self.gateway).address}{path}"
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
 def start_parallel(cluster: Cluster, specs: list[tuple[str, list[str]]], timeout_s: float = 180) -> list[Proc]:
     """Start several services at once (model loading overlaps), then wait for each ready line."""
-    children = [start_child(name, args, cluster.workdir, env={"PDSERVE_LOG_LEVEL": "INFO"}) for name, args in specs]
-    procs = [Proc(child.name, child.popen, child.log_path) for child in children]
-    cluster.procs.extend(procs)
-    for child, proc in zip(children, procs, strict=True):
-        child.wait_ready(timeout_s)
-        proc.address, proc.metrics_port = child.address, child.metrics_port
-    return procs
+    return cluster.start_many(specs, timeout_s)
 
 
 def worker_args(model: Path, mode: str, bootstrap: Proc | None) -> list[str]:

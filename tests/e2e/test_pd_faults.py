@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc, worker_args
-from tests.e2e.test_pd_services import assert_pages_idle, prompts_of, wait_until
+from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
+from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

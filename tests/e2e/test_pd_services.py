@@ -9,8 +9,6 @@ at zero.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -18,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
-from tests.e2e.cluster import Cluster, Proc, worker_args
+from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.worker_client import run_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -32,15 +30,6 @@ LOGPROB_TOLERANCE = 1e-3
 def prompts_of(lengths: list[int], seed: int = 11) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(10, 4000, (n,), generator=generator).tolist() for n in lengths]
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def pages_in_use(proc: Proc) -> float:
