@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and activations of both systems")
     parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -49,7 +51,8 @@ def _peak_rss_mib() -> float:
 class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
-    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int) -> None:
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
@@ -58,7 +61,7 @@ class PdserveSystem:
         page_size = 16
         pages_per_request = -(-(len(prompts[0]) + new_tokens) // page_size) + 1
         self.engine = Engine.load(EngineConfig(
-            model_path=model, num_threads=threads, page_size=page_size,
+            model_path=model, dtype=dtype, num_threads=threads, page_size=page_size,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
             chunked_prefill_size=512))
         self.engine.start()
@@ -93,11 +96,12 @@ class PdserveSystem:
 class HfSystem:
     """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
 
-    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int) -> None:
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
         self.model.generation_config.eos_token_id = None  # same as the engine's ignore_eos
         self.ids = torch.tensor(prompts)
         self.new_tokens = new_tokens
@@ -175,13 +179,13 @@ def _summary(rounds: list[dict], peak_rss_mib: float) -> dict:
 
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
-        with_hf: bool) -> dict[str, dict]:
+        with_hf: bool, dtype: str = "float32") -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits both alike. One warm-up round each is discarded."""
     systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
     children = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
-        children[name] = _Child(cls, (model, prompts, new_tokens, threads))
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype))
         children[name].wait_ready()
     rounds: dict[str, list[dict]] = {name: [] for name in children}
     try:
@@ -201,8 +205,10 @@ def main(args: argparse.Namespace) -> int:
     vocab = ModelConfig.from_dir(args.model).vocab_size
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
-                    "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats}
-    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf)
+                    "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+                    "dtype": args.dtype}
+    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
+                  args.dtype)
     report.update(results)
     pdserve = results["pdserve"]
     if "hf" in results:
@@ -223,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
 def _print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
-              f"{report['threads']} threads\n")
+              f"{report['threads']} threads, {report['dtype']}\n")
     for system in ("pdserve", "hf"):
         if system in report:
             r = report[system]
