@@ -5,27 +5,31 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from libkv.transfer import PeerId, TransferBackend, TransferHandle
+from services.prefill.transfer_queues import TransferQueues
 
 
 @dataclass(eq=False)
 class PrefillRoom:
-    """The writes of one room: which prompt pages were pushed, and the handles still to await.
+    """The writes of one room: which prompt pages were pushed, and the writes still to await.
 
-    The engine thread calls `push` after every chunk (pages fully computed so far); the servicer
-    awaits `wait_all` after the prompt and calls `abort_all` on any failure. `closed` stops new
-    writes the moment an abort starts, so nothing is written after Abort has been answered.
+    The engine thread calls `push` after every chunk (pages fully computed so far); the write is
+    issued on the room's transfer queue. The servicer awaits `wait_all` after the prompt and calls
+    `abort_all` on any failure. `closed` stops new writes the moment an abort starts, so nothing is
+    written after Abort has been answered.
     """
 
     room: str
     backend: TransferBackend
+    queues: TransferQueues
     dst_page_ids: list[int]
     peer: PeerId | None = None  # set once the handshake with decode's endpoint is done
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    handles: list[TransferHandle] = field(default_factory=list)
+    writes: list[Future[TransferHandle]] = field(default_factory=list)
     pages_pushed: int = 0
     bytes_pushed: int = 0
     first_write_at: float | None = None
@@ -33,36 +37,44 @@ class PrefillRoom:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def push(self, page_ids: list[int], num_tokens: int) -> None:
-        """Write the pages in `page_ids` not written yet (called from the engine thread)."""
+        """Queue a write of the pages in `page_ids` not written yet (called from the engine thread)."""
         with self._lock:
             if self.closed:
                 return
-            new = page_ids[self.pages_pushed:]
+            start = self.pages_pushed
+            new = page_ids[start:]
             if not new:
                 return
-            start = self.pages_pushed
-            handle = self.backend.write(self.peer, new, self.dst_page_ids[start:start + len(new)],
-                                        key=self.room)
+            dst = self.dst_page_ids[start:start + len(new)]
             self.first_write_at = self.first_write_at or time.perf_counter()
-            self.handles.append(handle)
+            self.writes.append(self.queues.submit(self.room, lambda: self._issue(new, dst)))
             self.pages_pushed += len(new)
+
+    def _issue(self, src: list[int], dst: list[int]) -> TransferHandle:
+        handle = self.backend.write(self.peer, src, dst, key=self.room)
+        with self._lock:
             self.bytes_pushed += handle.nbytes
+        return handle
 
     async def wait_all(self) -> None:
         """Until every write has landed in decode's memory; raises TransferError otherwise."""
         index = 0
         while True:
             with self._lock:
-                if index >= len(self.handles):
+                if index >= len(self.writes):
                     return
-                handle = self.handles[index]
-            await self.backend.wait(handle)
+                write = self.writes[index]
+            await self.backend.wait(await asyncio.wrap_future(write))
             index += 1
 
     def abort_all(self) -> None:
         """Stop writing; returns once no write of this room can still land (blocking: run in a thread)."""
         with self._lock:
             self.closed = True
-            handles = list(self.handles)
-        for handle in handles:
+            writes = list(self.writes)
+        for write in writes:
+            try:
+                handle = write.result()  # issued or failed; a queued write runs (and is aborted) first
+            except Exception:
+                continue  # never issued: nothing to stop
             self.backend.abort(handle)

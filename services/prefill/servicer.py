@@ -29,6 +29,7 @@ from libkv.transfer import BackendMismatch, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_from_proto, token_to_proto
 from services.prefill.room import PrefillRoom
+from services.prefill.transfer_queues import TransferQueues
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
 
@@ -48,6 +49,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self.config = runtime.config
         self.queues = runtime.queues
         self.metrics = runtime.metrics
+        self.transfer_queues = TransferQueues(self.config.transfer_queue_size,
+                                              self.config.transfer_thread_pool_size)
         self._rooms: dict[str, PrefillRoom] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
@@ -69,7 +72,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         if room in self._aborted or room in self._rooms:
             await context.abort(grpc.StatusCode.ABORTED, f"room {room} was aborted or is already running")
         # Registered before the handshake, so an Abort that arrives during it finds the room.
-        state = PrefillRoom(room, self.backend, list(request.dst_page_ids), task=asyncio.current_task())
+        state = PrefillRoom(room, self.backend, self.transfer_queues, list(request.dst_page_ids),
+                            task=asyncio.current_task())
         self._rooms[room] = state
         try:
             self.queues.move(room, "bootstrap")

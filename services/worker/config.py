@@ -57,6 +57,10 @@ class WorkerConfig:
         "decode: seconds a request may wait for free pages and then for its KV"))
     transfer_timeout: float = field(default_factory=envs.TRANSFER_TIMEOUT.get, metadata=_help(
         "seconds one KV write may take before the peer is declared dead"))
+    transfer_thread_pool_size: int = field(default_factory=envs.THREAD_POOL_SIZE.get, metadata=_help(
+        "prefill: threads issuing KV writes, shared by the transfer queues"))
+    transfer_queue_size: int = field(default_factory=envs.QUEUE_SIZE.get, metadata=_help(
+        "prefill: transfer queues; requests are sharded over them by room"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))
