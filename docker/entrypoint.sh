@@ -1,0 +1,30 @@
+#!/bin/sh
+# Entrypoint of every pdserve image: runs its arguments (normally `pdserve ...`) as PID 1's only
+# child-free process (exec), so SIGTERM from `docker stop` reaches pdserve's graceful shutdown.
+#
+# `--host auto` is replaced by this container's own address. A worker binds that address and
+# registers it with the bootstrap registry; the gateway and the other workers dial it, and the
+# transfer engines write KV pages to it. 0.0.0.0 would bind fine but be registered as an address
+# no other container can reach. Set CONTAINER_HOST to advertise something else (a host IP with
+# `network_mode: host`, for example).
+set -eu
+
+container_host() {
+    if [ -n "${CONTAINER_HOST:-}" ]; then
+        echo "$CONTAINER_HOST"
+    else
+        python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))'
+    fi
+}
+
+[ "$#" -gt 0 ] || set -- pdserve --help
+previous=""
+for arg do
+    shift
+    if [ "$previous" = "--host" ] && [ "$arg" = "auto" ]; then
+        arg=$(container_host)
+    fi
+    set -- "$@" "$arg"
+    previous=$arg
+done
+exec "$@"
