@@ -285,8 +285,12 @@ class Engine:
     def _run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)  # the intra-op pool size is per thread
+        busy = False
         while not self._stopping.is_set():
-            self._apply_inbox(block=not self.scheduler.has_work())
+            # Block for commands when idle, or when the last step found nothing it could run
+            # (e.g. waiting requests need pages that PD holds): `release` posts a wake-up.
+            self._apply_inbox(block=not busy or not self.scheduler.has_work())
+            self._deliver()  # e.g. the first token of a request that joined prefilled
             try:
                 busy = self.step()
             except Exception:
@@ -295,8 +299,6 @@ class Engine:
                     self._abort(room)
                 busy = False
             self._deliver()
-            if not busy and not self._stopping.is_set():
-                self._apply_inbox(block=True)
 
     def _apply_inbox(self, block: bool) -> None:
         try:

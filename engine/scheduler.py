@@ -115,7 +115,8 @@ class Scheduler:
 
     @property
     def num_retracted_waiting(self) -> int:
-        return sum(1 for r in self.waiting if r.num_retractions)
+        # list() copies atomically under the GIL: stats() calls this from other threads.
+        return sum(1 for r in list(self.waiting) if r.num_retractions)
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
