@@ -1,0 +1,203 @@
+"""docker/: the pieces that can be checked without a Docker engine.
+
+Every command line in compose.yaml and in the Dockerfile's CMDs is parsed by pdserve's real
+argument parsers (a renamed flag breaks these tests, not a deployment); the gateway's
+requirement set has no torch and is pinned like pyproject.toml; the entrypoint's `--host auto`
+substitution and the health check script run as the containers run them, the latter against a
+real pdserve gRPC server and a real HTTP server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import importlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import tomllib
+import yaml
+
+from services.common.grpc_server import start_grpc_server
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMMAND_MODULES = {"bootstrap": "services.bootstrap.main", "launch-server": "services.launch_server",
+                   "launch-router": "services.gateway.main"}
+
+
+def _parse_pdserve(argv: list[str]) -> argparse.Namespace:
+    """Parse `pdserve SUBCOMMAND ARGS` with the subcommand's own parser (exits on an unknown flag)."""
+    assert argv[0] == "pdserve", argv
+    module = importlib.import_module(COMMAND_MODULES[argv[1]])
+    parser = argparse.ArgumentParser(prog=f"pdserve {argv[1]}", exit_on_error=False)
+    module.add_arguments(parser)
+    return parser.parse_args(argv[2:])
+
+
+def _substitute(text: str) -> str:
+    """Compose variable defaults: `${NAME:-default}` -> default (what an empty environment gives)."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def _compose() -> dict:
+    return yaml.safe_load(_substitute((DOCKER / "compose.yaml").read_text()))
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_compose_commands_parse_with_pdserve_flags():
+    services = _compose()["services"]
+    assert {"bootstrap", "prefill", "decode", "gateway"} <= set(services)
+    parsed = {name: _parse_pdserve(services[name]["command"]) for name in ("bootstrap", "prefill", "decode", "gateway")}
+    assert parsed["prefill"].disaggregation_mode == "prefill"
+    assert parsed["decode"].disaggregation_mode == "decode"
+    for name in ("prefill", "decode"):
+        assert parsed[name].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
+        assert parsed[name].host == "auto"  # replaced by the entrypoint with the container's address
+        assert parsed[name].model_path == parsed["gateway"].model_path
+    assert parsed["gateway"].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
+    # The health checks probe the ports the services are told to listen on.
+    assert services["bootstrap"]["healthcheck"]["test"][-1] == str(parsed["bootstrap"].port)
+    for name in ("prefill", "decode"):
+        assert services[name]["healthcheck"]["test"][-1] == str(parsed[name].port)
+    assert services["gateway"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{parsed['gateway'].port}/health"
+    assert services["gateway"]["ports"] == [f"8000:{parsed['gateway'].port}"]
+
+
+def test_compose_passes_every_pdserve_knob():
+    from pdserve import envs
+
+    passed = set(_compose()["x-pdserve-env"])
+    assert passed == {var.name for var in envs.ALL}
+
+
+def test_prometheus_scrapes_every_metrics_port():
+    services = _compose()["services"]
+    targets = set()
+    for job in yaml.safe_load((DOCKER / "prometheus.yml").read_text())["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets.update(static["targets"])
+        for dns in job.get("dns_sd_configs", []):
+            targets.update(f"{name}:{dns['port']}" for name in dns["names"])
+    metrics = {f"{name}:{_parse_pdserve(services[name]['command']).metrics_port}"
+               for name in ("bootstrap", "prefill", "decode")}
+    metrics.add(f"gateway:{_parse_pdserve(services['gateway']['command']).port}")  # /metrics on its HTTP port
+    assert targets == metrics
+
+
+def test_dockerfile_cmds_parse_with_pdserve_flags():
+    text = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ")
+    cmds = [json.loads(line.split("CMD", 1)[1]) for line in text.splitlines() if line.startswith("CMD ")]
+    assert len(cmds) == 5  # bootstrap, gateway, worker (colocated), prefill, decode
+    modes = [_parse_pdserve(cmd).disaggregation_mode for cmd in cmds if cmd[1] == "launch-server"]
+    assert modes == ["null", "prefill", "decode"]
+    targets = re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.MULTILINE)
+    assert {"bootstrap", "gateway", "prefill", "decode"} <= set(targets)
+
+
+def test_requirements_come_from_pyproject_and_gateway_has_no_torch():
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    light = _run([sys.executable, str(DOCKER / "requirements.py"), "light"]).stdout.split()
+    worker = _run([sys.executable, str(DOCKER / "requirements.py"), "worker"]).stdout.split()
+    assert worker == [pin.replace(" ", "") for pin in pins]
+    assert set(light) < set(worker)
+    names = {re.split(r"[<>=]", pin)[0] for pin in light}
+    assert not names & {"torch", "triton", "transformers", "safetensors", "ucxx-cu12",
+                        "mooncake-transfer-engine-non-cuda"}
+    assert {"grpcio", "fastapi", "uvicorn", "tokenizers", "jinja2", "httpx", "protobuf"} <= names
+    bad = _run([sys.executable, str(DOCKER / "requirements.py"), "nonsense"])
+    assert bad.returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_entrypoint_replaces_host_auto_only():
+    entry = str(DOCKER / "entrypoint.sh")
+    out = _run(["sh", entry, "echo", "--port", "auto", "--host", "auto", "a b"], {"CONTAINER_HOST": "10.1.2.3"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "--port auto --host 10.1.2.3 a b"
+    # Without CONTAINER_HOST it resolves this machine's hostname, as the containers do.
+    env = {k: v for k, v in os.environ.items() if k != "CONTAINER_HOST"}
+    out = subprocess.run(["sh", entry, sys.executable, "-c", "import sys; print(sys.argv[1:])", "--host", "auto"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(["--host", socket.gethostbyname(socket.gethostname())])
+    exit_code = _run(["sh", entry, "sh", "-c", "exit 7"])
+    assert exit_code.returncode == 7
+
+
+async def test_healthcheck_grpc_follows_server_health():
+    server = await start_grpc_server([], "127.0.0.1", 0)
+    check = [sys.executable, str(DOCKER / "healthcheck.py"), "grpc", str(server.port)]
+    env = {"CONTAINER_HOST": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+    try:
+        healthy = await _run_async(check, env)
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        await server.health.enter_graceful_shutdown()  # what a stopping pdserve server reports
+        draining = await _run_async(check, env)
+        assert draining.returncode == 1 and "NOT_SERVING" in draining.stdout
+    finally:
+        await server.server.stop(0)
+    gone = await _run_async(check, env)
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stdout
+
+
+async def _run_async(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    import asyncio
+
+    return await asyncio.to_thread(_run, args, env)
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 503
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.send_response(type(self).status)
+        self.end_headers()
+        self.wfile.write(b'{"status": "no servable pair"}')
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_healthcheck_http_needs_200():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/health"
+    check = [sys.executable, str(DOCKER / "healthcheck.py"), "http", url]
+    try:
+        waiting = _run(check)
+        assert waiting.returncode == 1 and "503" in waiting.stdout and "no servable pair" in waiting.stdout
+        _Health.status = 200
+        assert _run(check).returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _run(check).returncode == 1
+    assert _run([sys.executable, str(DOCKER / "healthcheck.py"), "tcp", "1"]).returncode == 2
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_compose_file_is_valid_for_docker_compose():
+    out = _run(["docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", "-q"])
+    assert out.returncode == 0, out.stderr
+    profile = _run(["docker-compose", "-f", str(DOCKER / "compose.yaml"), "--profile", "monitoring",
+                    "config", "--services"])
+    assert set(profile.stdout.split()) == {"bootstrap", "prefill", "decode", "gateway", "prometheus"}
+
+
+def test_build_and_smoke_scripts_are_valid_bash():
+    for script in ("build.sh", "smoke.sh"):
+        out = _run(["bash", "-n", str(DOCKER / script)])
+        assert out.returncode == 0, f"{script}: {out.stderr}"
