@@ -207,10 +207,12 @@ class TransferBackend(ABC):
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
         pool.layout.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
+        peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
+        peer = Peer(peer_id, endpoint)
+        # Not under the backend lock: an engine handshake may wait on the engine's own thread,
+        # which takes the lock to serve incoming transfers.
+        peer.engine = self._engine_connect(endpoint)
         with self._lock:
-            peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
-            peer = Peer(peer_id, endpoint)
-            peer.engine = self._engine_connect(endpoint)
             self._peers[peer_id] = peer
         return peer_id
 

@@ -120,7 +120,8 @@ class UcxBackend(TransferBackend):
         self._thread: threading.Thread | None = None
         self._address = b""
         self._pool_bytes: Any = None  # numpy uint8 view of the whole pool
-        self._senders: dict[int, Any] = {}  # sender uid -> endpoint for acks
+        self._senders: dict[int, asyncio.Future] = {}  # sender uid -> (future) endpoint for acks
+        self._background: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self._inflight: dict[str, int] = {}  # key -> receives posted into pool pages
         self._inflight_done = threading.Condition(self._lock)
         self._control_task: asyncio.Task | None = None
@@ -279,35 +280,52 @@ class UcxBackend(TransferBackend):
 
     # ---- receiver --------------------------------------------------------------------------
 
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _serve_control(self) -> None:
         message = bytearray(CTRL_NBYTES)
         while True:
-            await self._ucxx.recv(message, tag=CTRL_TAG)
+            try:
+                await self._ucxx.recv(message, tag=CTRL_TAG)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad message must not stop every later transfer
+                log.exception("ucx: receiving a control message failed")
+                await asyncio.sleep(0.01)
+                continue
             kind, sender, transfer_id, length = _CTRL.unpack_from(message)
             if kind == _HELLO:
-                # Handled inline: the sender sends HELLO before any BEGIN, so acks find the route.
-                try:
-                    await self._accept_sender(sender, length)
-                except Exception:
-                    log.exception("ucx: HELLO from sender %x failed", sender)
+                route = asyncio.get_running_loop().create_future()
+                old = self._senders.get(sender)
+                self._senders[sender] = route
+                self._spawn(self._accept_sender(sender, length, route, old))
             elif kind == _BEGIN:
                 header = bytes(message[_CTRL.size:_CTRL.size + length])  # the buffer is reused
-                asyncio.ensure_future(self._receive(sender, transfer_id, header))
+                self._spawn(self._receive(sender, transfer_id, header))
             elif kind == _BEGIN_LONG:
-                asyncio.ensure_future(self._receive(sender, transfer_id, length))
+                self._spawn(self._receive(sender, transfer_id, length))
             else:
                 log.warning("ucx: unknown control message kind %d from %x", kind, sender)
 
-    async def _accept_sender(self, sender: int, length: int) -> None:
-        address = bytearray(length)
-        await self._ucxx.recv(address, tag=addr_tag(sender))
-        ep = await self._ucxx.create_endpoint_from_worker_address(
-            self._ucxx.get_ucx_address_from_buffer(bytes(address)),
-            endpoint_error_handling=self.error_handling)
-        old = self._senders.pop(sender, None)
-        if old is not None:
-            _abort_endpoint(old)
-        self._senders[sender] = ep
+    async def _accept_sender(self, sender: int, length: int, route: asyncio.Future,
+                             old: asyncio.Future | None) -> None:
+        """Make the endpoint that carries acks back to a sender that said HELLO."""
+        try:
+            address = bytearray(length)
+            await asyncio.wait_for(self._ucxx.recv(address, tag=addr_tag(sender)), self.timeout_s)
+            ep = await self._ucxx.create_endpoint_from_worker_address(
+                self._ucxx.get_ucx_address_from_buffer(bytes(address)),
+                endpoint_error_handling=self.error_handling)
+        except Exception as exc:
+            log.warning("ucx: HELLO from sender %x failed: %s", sender, exc)
+            route.set_exception(PeerUnreachable(f"no route back to ucx sender {sender:x}: {exc}"))
+            return
+        route.set_result(ep)
+        if old is not None and old is not route and old.done() and old.exception() is None:
+            _abort_endpoint(old.result())
 
     async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
         """Receive one transfer; `header` is the header itself, or its length if it follows."""
@@ -342,15 +360,16 @@ class UcxBackend(TransferBackend):
         if kind != _END_KIND:
             log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
         status = ACK_ABORTED if aborted else (ACK_OK if in_pool == len(targets) else ACK_REJECTED)
-        ep = self._senders.get(sender)
-        if ep is None:
+        route = self._senders.get(sender)
+        if route is None:
             log.warning("ucx: no route back to sender %x for transfer %d", sender, transfer_id)
             return
         try:
+            ep = await asyncio.wait_for(asyncio.shield(route), self.timeout_s)
             await ep.send(bytearray(_ACK.pack(status, 0, transfer_id)),
                           tag=ack_tag(sender, transfer_id), force_tag=True)
-        except Exception:
-            log.warning("ucx: ack of transfer %d to sender %x failed", transfer_id, sender)
+        except Exception as exc:
+            log.warning("ucx: ack of transfer %d to sender %x failed: %s", transfer_id, sender, exc)
 
     async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:
         if target is None:
@@ -387,8 +406,11 @@ class UcxBackend(TransferBackend):
         async def shutdown() -> None:
             if self._control_task is not None:
                 self._control_task.cancel()
-            for ep in self._senders.values():
-                _abort_endpoint(ep)
+            for task in list(self._background):
+                task.cancel()
+            for route in self._senders.values():
+                if route.done() and not route.cancelled() and route.exception() is None:
+                    _abort_endpoint(route.result())
             self._senders.clear()
 
         try:
