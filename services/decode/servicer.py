@@ -34,6 +34,10 @@ from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger("pdserve.decode")
 
+# Trailing metadata naming the worker that caused a failure (here: the prefill), so the gateway
+# blames and retries around the right worker without parsing messages.
+FAILED_PEER_KEY = "pdserve-failed-peer"
+
 
 class DecodeServicer(worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker for a decode worker. Called by the gateway; calls prefill workers."""
@@ -100,7 +104,8 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self.runtime.metrics.failure(exc.stage)
             await self._release_after_abort(room, prefill_address)
             log.warning("room %s: %s", room, exc)
-            await context.abort(exc.code, f"room {room}: {exc}")
+            await context.abort(exc.code, f"room {room}: {exc}",
+                                trailing_metadata=((FAILED_PEER_KEY, prefill_address),))
         except BaseException:  # cancelled (client gone, shutdown): stop prefill before freeing pages
             call.cancel()
             await asyncio.shield(self._release_after_abort(room, prefill_address))

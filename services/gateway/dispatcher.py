@@ -198,7 +198,8 @@ class Dispatcher:
                              (504, "timeout")) from None
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
-            target = route.prefill if route.prefill is not None and route.prefill.address in details else route.decode
+            blamed_prefill = route.prefill is not None and _failed_peer(exc) == route.prefill.address
+            target = route.prefill if blamed_prefill else route.decode
             if code not in _NOT_A_HEALTH_SIGNAL and (code in _RETRYABLE or code == grpc.StatusCode.UNKNOWN):
                 blame = [target]
             if delivered:
@@ -243,3 +244,11 @@ class Dispatcher:
         """Wait for background aborts (shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=self.settings.abort_timeout_s)
+
+
+def _failed_peer(exc: grpc.aio.AioRpcError) -> str | None:
+    """The worker a decode worker blames for its failure (trailing metadata `pdserve-failed-peer`)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "pdserve-failed-peer":
+            return value
+    return None
