@@ -9,7 +9,7 @@
 # fails. Choices, each overridable:
 #   BASE_IMAGE  unset: python:3.11-slim-bookworm if it is present or can be pulled; otherwise a
 #               local Debian bookworm base `pdserve-base:bookworm` made once with debootstrap
-#               (python3 3.11, python3-venv, libibverbs1) and `docker import`.
+#               (python3 3.11, python3-venv and Mooncake's libraries) and `docker import`.
 #   OFFLINE     1: wheels are downloaded on the host (its pip, its index and certificates) into
 #               docker/wheels/ and the images install only those (--no-index). Default: 1 when the
 #               local base is used, else 0 (pip inside the build uses PyPI + PyTorch's CPU index).
@@ -24,6 +24,9 @@ IMAGE_TAG=${IMAGE_TAG:-latest}
 PUBLIC_BASE=python:3.11-slim-bookworm
 LOCAL_BASE=pdserve-base:bookworm
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# Python 3.11 with venv, and the shared libraries Mooncake's non-CUDA wheel links (the same list
+# the Dockerfile installs with apt on a public base).
+BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,libnuma1,libcurl4
 HOST_PYTHON=${HOST_PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 WHEELS=docker/wheels
 CONTEXT=docker/.context
@@ -33,7 +36,9 @@ say() { echo "[docker/build] $*"; }
 have_image() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
 
 make_local_base() {
-    if have_image "$LOCAL_BASE"; then
+    # The packages are recorded in a label: a changed list makes a new base.
+    if [ "$("$DOCKER" image inspect -f '{{ index .Config.Labels "pdserve.packages" }}' "$LOCAL_BASE" 2>/dev/null)" \
+         = "$BASE_PACKAGES" ]; then
         say "base: $LOCAL_BASE (already imported)"
         return
     fi
@@ -41,12 +46,12 @@ make_local_base() {
     [ "$(id -u)" -eq 0 ] || { say "debootstrap needs root"; exit 1; }
     local rootfs
     rootfs=$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)
-    say "base: debootstrap bookworm into $rootfs (about a minute or two)"
-    nice -n 10 debootstrap --variant=minbase --include=python3,python3-venv,libibverbs1,ca-certificates \
-        bookworm "$rootfs" "$DEBIAN_MIRROR" >"$rootfs.log" 2>&1 \
-        || { tail -20 "$rootfs.log"; rm -rf "$rootfs"; exit 1; }
+    say "base: debootstrap bookworm into $rootfs (about two minutes)"
+    nice -n 10 debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" "$DEBIAN_MIRROR" \
+        >"$rootfs.log" 2>&1 || { tail -20 "$rootfs.log"; rm -rf "$rootfs"; exit 1; }
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | "$DOCKER" import - "$LOCAL_BASE" >/dev/null
+    tar -C "$rootfs" -c . | "$DOCKER" import --change "LABEL pdserve.packages=$BASE_PACKAGES" \
+        --change 'CMD ["/bin/bash"]' - "$LOCAL_BASE" >/dev/null
     rm -rf "$rootfs" "$rootfs.log"
     say "base: imported $LOCAL_BASE"
 }
@@ -124,4 +129,5 @@ stage_context
 build_images
 rm -rf "$CONTEXT"
 say "done in $(( $(date +%s) - started ))s:"
-"$DOCKER" image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E "^  pdserve-($(IFS='|'; echo "${SERVICES[*]}")):$IMAGE_TAG " || true
+"$DOCKER" image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
+    | grep -E "^pdserve-($(IFS='|'; echo "${SERVICES[*]}")):$IMAGE_TAG " | sed 's/^/  /' || true
