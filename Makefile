@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: setup run test lint protos check-protos unit e2e
+.PHONY: setup run test lint protos check-protos unit e2e docker docker-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -30,3 +30,10 @@ e2e: setup
 
 test: setup lint check-protos
 	$(PY) -m pytest -q -ra tests
+
+# Container images of the four services, and a compose up + one request + down (needs a Docker engine).
+docker:
+	@bash docker/build.sh
+
+docker-smoke:
+	@bash docker/smoke.sh

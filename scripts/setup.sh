@@ -6,11 +6,15 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
-# Mooncake's non-CUDA wheel links against libibverbs even when it only uses TCP.
-if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
-  echo "[setup] apt-get install libibverbs1"
+# Mooncake's non-CUDA wheel links libibverbs (even for TCP), libnuma and libcurl.
+missing=()
+for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+  ldconfig -p 2>/dev/null | grep -q "${pair%%:*}" || missing+=("${pair##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] apt-get install ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 stamp="$VENV/.pdserve-installed"
