@@ -1,0 +1,59 @@
+"""`pdserve launch-server` takes the flags of SGLang's PD commands unchanged where they mean the same."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.config_flags import config_from_args
+from services.launch_server import add_arguments
+from services.worker.config import WorkerConfig
+
+
+def parse(model_dir, *flags: str) -> WorkerConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(WorkerConfig, parser.parse_args(["--model-path", str(model_dir), *flags]))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_seed_commands_parse(model_dir):
+    prefill = parse(model_dir, "--disaggregation-mode", "prefill", "--port", "30000",
+                    "--disaggregation-transfer-backend", "nixl")
+    assert (prefill.role, prefill.port, prefill.disaggregation_transfer_backend) == ("prefill", 30000, "nixl")
+    decode = parse(model_dir, "--disaggregation-mode", "decode", "--port", "30001", "--base-gpu-id", "1",
+                   "--disaggregation-ib-device", "mlx5_roce0", "--mem-fraction-static", "0.8",
+                   "--max-running-requests", "128", "--chunked-prefill-size", "4096", "--tp-size", "1")
+    assert decode.role == "decode" and decode.base_gpu_id == 1 and decode.disaggregation_ib_device == "mlx5_roce0"
+    engine = decode.engine_config()
+    assert (engine.mem_fraction_static, engine.max_running_requests, engine.chunked_prefill_size) == (0.8, 128, 4096)
+    assert parse(model_dir).role == "colocated"  # --disaggregation-mode null is the default
+
+
+def test_env_knobs_are_the_defaults(model_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_DISAGGREGATION_WAITING_TIMEOUT", "600")
+    monkeypatch.setenv("PDSERVE_DISAGGREGATION_QUEUE_SIZE", "2")
+    config = parse(model_dir)
+    assert config.waiting_timeout == 600.0 and config.transfer_queue_size == 2
+    assert parse(model_dir, "--waiting-timeout", "5").waiting_timeout == 5.0  # a flag wins
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--tp-size", "2"), "--tp-size 2 is not supported yet"),
+    (("--disaggregation-mode", "both"), "--disaggregation-mode must be one of"),
+    (("--disaggregation-transfer-backend", "rdma"), "--disaggregation-transfer-backend must be one of"),
+])
+def test_bad_flags_are_refused_with_a_message(model_dir, flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(model_dir, *flags)
+
+
+def test_model_path_must_be_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        parse(tmp_path / "missing")
