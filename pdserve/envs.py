@@ -67,8 +67,9 @@ NIXL_BACKEND = EnvVar(
     "PDSERVE_DISAGGREGATION_NIXL_BACKEND", "UCX",
     "NIXL plugin used by the nixl transfer backend.")
 MOONCAKE_MAX_QUEUED_PER_PEER = EnvVar(
-    "PDSERVE_MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER", 65536,
-    "Mooncake TCP transport's per-peer queue limit (its default rejects large batches).")
+    "PDSERVE_MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER", 32768,
+    "Mooncake TCP transport's per-peer queue limit (its default, 1024, rejects large batches; it "
+    "ignores values above 65535 and falls back to 1024).")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

@@ -55,6 +55,9 @@ class _MooncakeWrite:
     failed: int = 0
 
 
+_MAX_QUEUED_LIMIT = 65535  # the largest MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER Mooncake accepts
+
+
 class MooncakeBackend(TransferBackend):
     """Mooncake TransferEngine over TCP (or RDMA with `ib_device`).
 
@@ -69,8 +72,11 @@ class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", protocol: str = "",
-                 ib_device: str = "", max_queued_per_peer: int = 65536) -> None:
+                 ib_device: str = "", max_queued_per_peer: int = 32768) -> None:
         super().__init__(timeout_s=timeout_s, host=host)
+        if not 1 <= max_queued_per_peer <= _MAX_QUEUED_LIMIT:
+            # Mooncake itself would log a warning and silently fall back to its default of 1024.
+            raise ValueError(f"max_queued_per_peer must be in 1..{_MAX_QUEUED_LIMIT}, got {max_queued_per_peer}")
         self.protocol = protocol or ("rdma" if ib_device else "tcp")
         self.ib_device = ib_device
         self.max_queued_per_peer = max_queued_per_peer
