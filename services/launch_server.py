@@ -68,7 +68,7 @@ async def serve(runtime: WorkerRuntime) -> None:
     try:
         runtime.start_metrics()
         binding = _binding(runtime)
-        server = await start_grpc_server([binding], config.host, config.port)
+        server = await start_grpc_server([binding], config.host, config.port, security=config.security)
         await runtime.register(server.address)
         background = []
         if config.role == "decode":
@@ -77,9 +77,10 @@ async def serve(runtime: WorkerRuntime) -> None:
                 background.append(asyncio.create_task(binding.servicer.watch_prefills(runtime.registry)))
         layout = runtime.engine.kv_layout
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens, "
-                 "transfer backend %s", config.role, server.address, runtime.metrics_server.port,
+                 "transfer backend %s, %s", config.role, server.address, runtime.metrics_server.port,
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
-                 config.disaggregation_transfer_backend if runtime.backend else "none")
+                 config.disaggregation_transfer_backend if runtime.backend else "none",
+                 config.security.describe())
         received = await shutdown.wait()
         log.info("%s worker got %s: shutting down", config.role, received.name)
         for task in background:

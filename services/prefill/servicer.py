@@ -28,6 +28,7 @@ from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_from_proto, token_to_proto
+from services.common.tasks import finish_despite_cancel
 from services.prefill.room import PrefillRoom
 from services.prefill.transfer_queues import TransferQueues
 from services.worker.requests import BadRequest, parse_request
@@ -126,11 +127,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.
 
         On abort the engine frees the pages itself, between steps, so a forward pass still using
-        them is never raced; after success the held pages are released here.
+        them is never raced; after success the held pages are released here. Runs to the end even
+        when the handler is cancelled again meanwhile (decode's Abort arriving while the cancelled
+        call is still being cleaned up), then re-raises that cancellation.
         """
+        state.cleaning = True
+        await finish_despite_cancel(self._stop_and_free(state, aborted))
+
+    async def _stop_and_free(self, state: PrefillRoom, aborted: bool) -> None:
         try:
             if aborted:
-                await asyncio.shield(asyncio.to_thread(state.abort_all))
+                await asyncio.to_thread(state.abort_all)
                 self.engine.abort(state.room)
             else:
                 self.engine.release(state.room)
@@ -147,7 +154,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         state = self._rooms.get(room)
         if state is None:
             return worker_pb2.AbortResponse(found=False)
-        if state.task is not None:
+        if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
         return worker_pb2.AbortResponse(found=True)
