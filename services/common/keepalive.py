@@ -47,7 +47,7 @@ def server_options(keepalive_s: float | None = None) -> Options:
         ("grpc.keepalive_time_ms", _ms(keepalive_s)),
         ("grpc.keepalive_timeout_ms", _ms(keepalive_s / 2)),
         ("grpc.keepalive_permit_without_calls", 1),  # else idle pings count as abuse
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(keepalive_s / 2)),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(keepalive_s / 2)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.max_ping_strikes", 2),  # a client pinging faster than that is still cut off
     )
