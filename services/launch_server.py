@@ -15,6 +15,7 @@ from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.worker.config import WorkerConfig
+from services.worker.leak_detector import LeakDetector
 from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger("pdserve.worker")
@@ -70,7 +71,9 @@ async def serve(runtime: WorkerRuntime) -> None:
         binding = _binding(runtime)
         server = await start_grpc_server([binding], config.host, config.port, security=config.security)
         await runtime.register(server.address)
-        background = []
+        detector = LeakDetector(runtime.engine, binding.servicer.live_rooms,
+                                lambda leak: runtime.metrics.leak_detections.inc())
+        background = [asyncio.create_task(detector.run())]
         if config.role == "decode":
             background.append(asyncio.create_task(_log_loop(runtime)))
             if runtime.registry is not None:

@@ -56,10 +56,16 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
                                        security=self.config.security)
         self.quarantine = PageQuarantine(self.engine, self.backend, self.prefills,
                                          give_up_s=self.config.quarantine_timeout)
+        runtime.metrics.gauge("kv_quarantined_rooms", "Failed requests whose pages wait for their prefill "
+                              "to confirm that no KV write can still land", lambda: len(self.quarantine.rooms()))
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._tasks: dict[str, asyncio.Task] = {}
         self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
         self._lost: dict[str, str] = {}  # room -> why its prefill was given up on
+
+    def live_rooms(self) -> set[str]:
+        """Rooms this servicer is working on or keeps quarantined (for the leak detector)."""
+        return set(self._tasks) | self.quarantine.rooms()
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()

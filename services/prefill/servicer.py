@@ -55,6 +55,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self._rooms: dict[str, PrefillRoom] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
+    def live_rooms(self) -> set[str]:
+        """Rooms this servicer is working on (for the leak detector)."""
+        return set(self._rooms)
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:

@@ -55,6 +55,8 @@ def test_decode_killed_while_prefill_pushes(cluster: Cluster, tiny_model):
     assert_pages_idle(prefill, timeout_s=BOUND_S)
     assert time.monotonic() - killed_at < BOUND_S
     assert prefill.alive()
+    # The leak detector runs in every worker (the cluster fixture fails the test if it fired).
+    assert any(key.startswith("pdserve:kv_leak_detections_total") for key in prefill.metrics())
     # The prefill worker is still usable: a new decode worker gets correct service from it.
     new_decode = cluster.start("decode2", worker_args(tiny_model, "decode", backend=BACKEND, extra=DECODE))
     (result,) = run_all(new_decode.address, prompts_of([40]), [prefill.address], max_new_tokens=4)
