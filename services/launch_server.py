@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import logging
 
+import grpc
+
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
@@ -33,18 +35,23 @@ def main(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
+    code = 0
     try:
         asyncio.run(serve(runtime))
     except OSError as exc:
         log.error("%s worker failed to start: %s", config.role, exc)
-        return 1
+        code = 1
+    except grpc.aio.AioRpcError as exc:  # the registry refused us (bad secret, layout mismatch, ...)
+        log.error("%s worker: registry %s refused it: %s %s", config.role, config.bootstrap,
+                  exc.code().name, exc.details())
+        code = 1
     finally:
         if runtime.backend is not None:
             # NIXL agents crash at interpreter exit: the backend is closed; leave without the teardown.
             from libkv.transfer import exit_process
             logging.shutdown()
-            exit_process(0)
-    return 0
+            exit_process(code)
+    return code
 
 
 def _binding(runtime: WorkerRuntime) -> ServiceBinding:

@@ -67,6 +67,9 @@ class PrefillClients:
             stage = "bootstrap" if code == grpc.StatusCode.FAILED_PRECONDITION else "prefill"
             if code in _PASS_THROUGH:
                 raise PrefillFailed(f"prefill {address}: {exc.details()}", code, stage) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise PrefillFailed(f"prefill_address {address} does not serve pdserve.v1.Prefill",
+                                    grpc.StatusCode.INVALID_ARGUMENT, stage) from None
             raise PrefillFailed(f"prefill {address} failed ({code.name}): {exc.details()}",
                                 grpc.StatusCode.UNAVAILABLE, stage) from None
         first = response.first_token

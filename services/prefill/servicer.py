@@ -68,6 +68,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             if request.model != self.config.model_name:
                 raise _Refused(f"model mismatch (prefill vs decode): {self.config.model_name!r} vs "
                                f"{request.model!r}")
+            _check_destination(request, self.engine.pages.pages_for(len(parsed.prompt_ids)))
         except _Refused as exc:
             self.metrics.failure("bootstrap")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -83,11 +84,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             self.queues.move(room, "bootstrap")
             state.peer = await self._connect(request, context)  # refuses another layout or backend
-            needed = self.engine.pages.pages_for(len(parsed.prompt_ids))
-            if len(request.dst_page_ids) != needed:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{len(request.dst_page_ids)} destination pages for a prompt of "
-                                    f"{len(parsed.prompt_ids)} tokens; expected {needed}")
             self.queues.move(room, "waiting")
             result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
             self.queues.move(room, "inflight")
@@ -162,6 +158,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             state.task.cancel()
         await asyncio.shield(state.done.wait())
         return worker_pb2.AbortResponse(found=True)
+
+
+def _check_destination(request: worker_pb2.PrefillRequest, needed: int) -> None:
+    """The destination pages must be as many as the prompt needs, distinct, and inside decode's pool."""
+    pages = request.dst_page_ids
+    if len(pages) != needed:
+        raise BadRequest(f"dst_page_ids: {len(pages)} destination pages for a prompt that needs {needed}")
+    if not request.HasField("dst"):
+        raise BadRequest("dst: decode's transfer endpoint is required")
+    bad = [p for p in pages if not 0 <= p < request.dst.num_pages]
+    if bad:
+        raise BadRequest(f"dst_page_ids: pages {bad[:8]} are outside decode's pool of {request.dst.num_pages} pages")
+    if len(set(pages)) != len(pages):
+        raise BadRequest("dst_page_ids: a destination page is named twice")
 
 
 class _Refused(ValueError):
