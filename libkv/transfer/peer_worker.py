@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from libkv import KVLayout, KVPool
+from libkv.runs import coalesce
 from libkv.transfer import TransferEndpoint, TransferError, create_backend, exit_process
 
 REPLY_PREFIX = "@@reply "
@@ -125,17 +126,24 @@ class PeerWorker:
 
     def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int,
                        checksum: bool = False) -> dict:
-        """Seconds of each of `repeats` write + wait of the same pages; with `checksum`, the
-        sender's checksum of the source pages first (the receiver's side is op_bench_checksums)."""
-        seconds = []
-        for _ in range(repeats):
+        """Seconds of each of `repeats` write + wait of the same pages. With `checksum`, each
+        repeat is a pair: a plain write, then the sender's checksum of `src` + the write
+        ("checked_seconds"); alternating keeps the machine's load changes out of the difference.
+        The receiver's side of the check is op_bench_checksums."""
+        seconds, checked = [], []
+
+        def timed(with_checksum: bool) -> float:
             start = time.perf_counter()
-            if checksum:
+            if with_checksum:
                 self.pool.page_checksums(src)
-            handle = self.backend.write(peer, src, dst, key=key)
-            self.backend.wait_blocking(handle)
-            seconds.append(time.perf_counter() - start)
-        return {"seconds": seconds, "runs": handle.num_runs}
+            self.backend.wait_blocking(self.backend.write(peer, src, dst, key=key))
+            return time.perf_counter() - start
+
+        for _ in range(repeats):
+            seconds.append(timed(False))
+            if checksum:
+                checked.append(timed(True))
+        return {"seconds": seconds, "checked_seconds": checked, "runs": len(coalesce(src, dst))}
 
     def op_bench_checksums(self, pages: list[int], repeats: int) -> dict:
         """Seconds of each of `repeats` checksums of `pages` (the receiver's check)."""
