@@ -146,9 +146,9 @@ class _Pair:
                    checksum: bool = False) -> tuple[float, int, float | None]:
         """Median seconds of one write + wait after one warm-up, its number of runs, and with
         `checksum` the median of the sender's checksum + write + wait (alternating with plain)."""
-        self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", repeats=1,
-                         checksum=checksum, timeout=300)
-        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench",
+        self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
+                         repeats=1, checksum=checksum, timeout=300)
+        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
                                  repeats=repeats, checksum=checksum, timeout=600)
         checked = statistics.median(reply["checked_seconds"]) if checksum else None
         return statistics.median(reply["seconds"]), reply["runs"], checked

@@ -41,7 +41,6 @@ Raw engine addresses never leave a backend: the endpoint blob is opaque to every
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import json
 import logging
@@ -52,36 +51,16 @@ from base64 import b64decode, b64encode
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NewType
 
-import numpy
-
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 from libkv.runs import PageRun, coalesce
-from libkv.transfer.grants import (
-    TAG_NBYTES,
-    GrantTable,
-    Refusal,
-    check_grant,
-    compare_entries,
-    grant_tag,
-    rounds,
-    spans,
-)
+from libkv.transfer.grant_reads import GrantReader, ReadFailed
+from libkv.transfer.grants import GrantTable, Refusal, check_grant, grant_tag
+from libkv.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
 PeerId = NewType("PeerId", str)
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-    @property
-    def finished(self) -> bool:
-        return self is not TransferState.PENDING
 
 
 class TransferError(RuntimeError):
@@ -191,7 +170,6 @@ class Peer:
 
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.002
-_READ_POLL_FIRST_S = 0.00002  # a grant read is a few hundred bytes: usually done within 100 us
 
 
 class TransferBackend(ABC):
@@ -463,64 +441,6 @@ class TransferBackend(ABC):
                 raise PeerUnreachable(f"peer {peer} ({target.endpoint.host}) is dead: {target.dead}")
         return target
 
-    def _read_peer_grants(self, peer: Peer, pages: list[int], tag: bytes) -> Refusal | None:
-        """verify_grant for one-sided engines: read the peer's entries of `pages` into a local
-        read slot (see libkv.transfer.grants), one engine operation per round of spans, and
-        compare them with `tag`."""
-        grants = self.grants
-        wanted = numpy.asarray(pages, dtype=numpy.int64)
-        entries = numpy.zeros((len(pages), TAG_NBYTES), dtype=numpy.uint8)
-        deadline = time.monotonic() + self.timeout_s
-        for round_spans in rounds(spans(pages)):
-            slot = grants.acquire_slot(deadline)
-            if slot is None:
-                raise PeerUnreachable(f"{self.name}: no grant read slot came free within {self.timeout_s:g} s")
-            reads, offsets, at = [], [], 0
-            for first, count in round_spans:
-                reads.append((grants.slot_address(slot) + at * TAG_NBYTES, first, count))
-                offsets.append(at)
-                at += count
-            try:
-                op = self._engine_read_grants(peer, reads)
-            except Exception as exc:
-                grants.release_slot(slot)
-                if isinstance(exc, TransferError):
-                    raise
-                raise PeerUnreachable(f"{self.name} could not read the grants of {peer.peer_id}: {exc}") from exc
-            state = self._await_read(op, deadline)
-            if state is TransferState.PENDING:  # the read may still land: keep the slot until it has
-                grants.retire_slot(slot, lambda op=op: self._read_still_busy(op))
-                raise PeerUnreachable(f"{self.name}: reading the grants of {peer.peer_id} "
-                                      f"({peer.endpoint.host}) took more than {self.timeout_s:g} s")
-            self._engine_read_release(op)
-            if state is not TransferState.DONE:
-                grants.release_slot(slot)
-                raise PeerUnreachable(f"{self.name}: reading the grants of {peer.peer_id} "
-                                      f"({peer.endpoint.host}) failed in the engine")
-            starts = numpy.asarray([first for first, _ in round_spans], dtype=numpy.int64)
-            ends = starts + numpy.asarray([count for _, count in round_spans], dtype=numpy.int64)
-            inside = (wanted >= starts[0]) & (wanted < ends[-1])
-            span_of = numpy.searchsorted(starts, wanted[inside], side="right") - 1
-            rows = numpy.asarray(offsets, dtype=numpy.int64)[span_of] + wanted[inside] - starts[span_of]
-            entries[inside] = grants.slot_entries(slot)[rows]
-            grants.release_slot(slot)
-        return compare_entries(entries, pages, tag)
-
-    def _await_read(self, op: Any, deadline: float) -> TransferState:
-        delay = _READ_POLL_FIRST_S
-        while True:
-            state = self._engine_read_progress(op)
-            if state is not TransferState.PENDING or time.monotonic() > deadline:
-                return state
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-
-    def _read_still_busy(self, op: Any) -> bool:
-        if self._engine_read_progress(op) is TransferState.PENDING:
-            return True
-        self._engine_read_release(op)
-        return False
-
     def _record(self, handle: TransferHandle) -> Transfer:
         if handle.record is None or handle.record.owner != id(self):
             raise KeyError(f"transfer {handle.transfer_id} was not made by a write() of this backend")
@@ -596,8 +516,18 @@ class TransferBackend(ABC):
     def _engine_verify_grant(self, peer: Peer, pages: list[int], key: str, grant: bytes,
                              tag: bytes) -> Refusal | None:
         """None if every page's entry on the peer equals `tag`, else the refusal. The default
-        reads the entries through the engine (one-sided backends implement the read hooks)."""
-        return self._read_peer_grants(peer, pages, tag)
+        reads the entries through the engine (libkv.transfer.grant_reads) with the read hooks
+        below, which one-sided backends implement."""
+        reader = GrantReader(self.grants, lambda reads: self._engine_read_grants(peer, reads),
+                             self._engine_read_progress, self._engine_read_release, self.timeout_s)
+        try:
+            return reader.verify(pages, tag)
+        except TransferError:
+            raise
+        except Exception as exc:  # ReadFailed, or the engine refusing the request
+            why = str(exc) if isinstance(exc, ReadFailed) else f"the engine refused the read: {exc}"
+            raise PeerUnreachable(f"{self.name}: reading the grants of {peer.peer_id} "
+                                  f"({peer.endpoint.host}) failed: {why}") from exc
 
     def _engine_read_grants(self, peer: Peer, reads: list[tuple[int, int, int]]) -> Any:
         """Start reading, for each (local address, first page, count), the peer's grant-table

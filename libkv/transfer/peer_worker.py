@@ -125,7 +125,7 @@ class PeerWorker:
         return {"writes": writes, "state": "no error"}
 
     def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int,
-                       checksum: bool = False) -> dict:
+                       checksum: bool = False, grant: str = "") -> dict:
         """Seconds of each of `repeats` write + wait of the same pages. With `checksum`, each
         repeat is a pair: a plain write, then the sender's checksum of `src` + the write
         ("checked_seconds"); alternating keeps the machine's load changes out of the difference.
@@ -136,7 +136,7 @@ class PeerWorker:
             start = time.perf_counter()
             if with_checksum:
                 self.pool.page_checksums(src)
-            self.backend.wait_blocking(self.backend.write(peer, src, dst, key=key))
+            self.backend.wait_blocking(self.backend.write(peer, src, dst, key=key, grant=bytes.fromhex(grant)))
             return time.perf_counter() - start
 
         for _ in range(repeats):

@@ -12,10 +12,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def test_bench_transfer_reports_checksum_and_grant_costs():
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.skip("mooncake engine not installed")
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "transfer", "--backend", "mooncake",
+# One one-sided and the two-sided backend: the latter refuses writes that lack the bench's grant.
+@pytest.mark.parametrize("backend,module", [("mooncake", "mooncake"), ("ucx", "ucxx")])
+def test_bench_transfer_reports_checksum_and_grant_costs(backend, module):
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{backend} engine not installed")
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "transfer", "--backend", backend,
                           "--sizes-mib", "1", "--repeats", "1", "--checksum", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]

@@ -143,3 +143,65 @@ def test_bind_wildcard_to_rewrites_only_wildcard_binds_of_the_patched_library():
     finally:
         for sock in (v4, v6, fixed, clash, after):
             sock.close()
+
+
+class CopyingEngine:
+    """Stands in for a one-sided engine: a "read" copies from another table's memory at once,
+    or never finishes while `stuck`."""
+
+    def __init__(self, peer_table: GrantTable) -> None:
+        self.peer_table = peer_table
+        self.operations = 0
+        self.stuck = False
+        self.released = 0
+
+    def start(self, reads):
+        import ctypes
+
+        self.operations += 1
+        if not self.stuck:
+            for local, first, count in reads:
+                ctypes.memmove(local, self.peer_table.address() + first * 16, count * 16)
+        return self.stuck
+
+    def progress(self, stuck):
+        from libkv.transfer.state import TransferState
+
+        return TransferState.PENDING if self.stuck else TransferState.DONE
+
+    def release(self, _op):
+        self.released += 1
+
+
+def test_grant_reader_reads_each_round_once_and_maps_entries_back_to_pages():
+    from libkv.transfer.grant_reads import GrantReader
+
+    peer_table, local_table = GrantTable(12_000), GrantTable(16)
+    tag = grant_tag("room-1", GRANT_A)
+    pages = [11_999, 5, 6, 7, 300, 4_200, 4_201, *range(6_000, 6_000 + READ_SLOT_ENTRIES + 5)]
+    peer_table.bind(pages, tag)
+    peer_table.bind([8, 299], grant_tag("room-2", GRANT_A))  # read along with the pages, never compared
+    engine = CopyingEngine(peer_table)
+    reader = GrantReader(local_table, engine.start, engine.progress, engine.release, timeout_s=1.0)
+    assert reader.verify(pages, tag) is None
+    assert engine.operations == len(rounds(spans(pages))) == 3
+    assert reader.verify([5, 8, 6, 299], tag) == Refusal(8, 2, 4)
+    peer_table.clear([6_001])
+    assert reader.verify(pages, tag) == Refusal(6_001, 1, len(pages))
+    assert engine.released == engine.operations
+
+
+def test_grant_reader_gives_up_after_its_timeout_and_keeps_the_slot_until_the_read_ends():
+    from libkv.transfer.grant_reads import GrantReader, ReadFailed
+
+    engine = CopyingEngine(GrantTable(8))
+    local_table = GrantTable(8)
+    reader = GrantReader(local_table, engine.start, engine.progress, engine.release, timeout_s=0.05)
+    engine.stuck = True
+    for _ in range(READ_SLOTS):
+        with pytest.raises(ReadFailed, match="took more than"):
+            reader.verify([1], grant_tag("room-1"))
+    with pytest.raises(ReadFailed, match="no grant read slot"):  # every slot may still be written
+        reader.verify([1], grant_tag("room-1"))
+    engine.stuck = False  # the abandoned reads end: their slots come back
+    assert reader.verify([1], grant_tag("room-1")) == Refusal(1, 1, 1)
