@@ -18,6 +18,11 @@ and the table never holds the grant itself. Peers can read the table, which is h
 reveals neither the grant nor anything a forged call could use (only the prefill, which is
 trusted, writes; it refuses when the tags it computes from the call's room and grant differ).
 
+What this does not stop: a one-sided engine gives a connected peer the same access to the
+table as to the pool, so a compromised prefill *process* could write either. Grants protect
+decode's pages from forged, stale or buggy *requests* to honest prefills; keeping untrusted
+code off the transfer network is the deployment's job (engines bind only the worker's host).
+
 Sender side, one-sided backends: a few READ SLOTS, local registered buffers that a verify reads
 the peer's entries into (one slot per verify in flight, so concurrent verifies never share one).
 """

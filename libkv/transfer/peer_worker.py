@@ -22,7 +22,6 @@ import psutil
 import torch
 
 from libkv import KVLayout, KVPool
-from libkv.runs import coalesce
 from libkv.transfer import TransferEndpoint, TransferError, create_backend, exit_process
 
 REPLY_PREFIX = "@@reply "
@@ -125,28 +124,18 @@ class PeerWorker:
         return {"writes": writes, "state": "no error"}
 
     def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int,
-                       checksum: bool = False, grant: str = "") -> dict:
-        """Seconds of each of `repeats` write + wait of the same pages. With `checksum`, each
-        repeat is a pair: a plain write, then the sender's checksum of `src` + the write
-        ("checked_seconds"); alternating keeps the machine's load changes out of the difference.
-        The receiver's side of the check is op_bench_checksums."""
-        seconds, checked = [], []
-
-        def timed(with_checksum: bool) -> float:
-            start = time.perf_counter()
-            if with_checksum:
-                self.pool.page_checksums(src)
-            self.backend.wait_blocking(self.backend.write(peer, src, dst, key=key, grant=bytes.fromhex(grant)))
-            return time.perf_counter() - start
-
+                       grant: str = "") -> dict:
+        """Seconds of each of `repeats` write + wait of the same pages."""
+        seconds = []
         for _ in range(repeats):
-            seconds.append(timed(False))
-            if checksum:
-                checked.append(timed(True))
-        return {"seconds": seconds, "checked_seconds": checked, "runs": len(coalesce(src, dst))}
+            start = time.perf_counter()
+            handle = self.backend.write(peer, src, dst, key=key, grant=bytes.fromhex(grant))
+            self.backend.wait_blocking(handle)
+            seconds.append(time.perf_counter() - start)
+        return {"seconds": seconds, "runs": handle.num_runs}
 
     def op_bench_checksums(self, pages: list[int], repeats: int) -> dict:
-        """Seconds of each of `repeats` checksums of `pages` (the receiver's check)."""
+        """Seconds of each of `repeats` checksums of `pages` (KVPool.page_checksums)."""
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()

@@ -205,6 +205,19 @@ def test_verify_grant_refuses_what_was_not_reserved_for_this_room_and_request(pa
     assert "(8 of 8 pages refused)" in refusal(pair, ROOM_1_PAGES, "room-g1", GRANT_1)
 
 
+def test_verify_grant_of_many_scattered_pages(pair: Pair):
+    # 400 single pages: for ucx a request header too big to travel inline (VERIFY_LONG); for the
+    # one-sided engines pages two apart still make one span, so one read.
+    pages = [1 + 2 * i for i in range(400)]
+    pair.receiver.call("expect", key="room-g4", pages=pages, grant=GRANT_1)
+    try:
+        pair.sender.call("verify", peer=pair.peer, pages=pages[::-1], key="room-g4", grant=GRANT_1)
+        message = refusal(pair, [*pages[:300], 2, *pages[300:]], "room-g4", GRANT_1)
+        assert "page 2 " in message and "(1 of 401 pages refused)" in message
+    finally:
+        pair.receiver.call("release", key="room-g4")
+
+
 def test_two_sided_receiver_refuses_a_wrong_grant(pair: Pair):
     if pair.backend != "ucx":
         pytest.skip("one-sided receivers cannot refuse a write: their senders verify_grant first")
