@@ -65,6 +65,7 @@ class PromptResult:
     layer_major_writes: int
     layer_major_ms: float
     verify_grant_ms: float  # one verify_grant of the prompt's destination pages (warm)
+    checksum_ms: float | None = None  # --checksum: both sides' checksums of the prompt's pages
 
 
 @dataclass
@@ -193,6 +194,8 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
         src, dst = run_pages(prompt_pages, run)
         page_major_s, page_major_runs = pair.time_write(src, dst, args.repeats)
         verify_s = pair.time_verify(dst, args.repeats)
+        prompt_checksum_s = (pair.time_checksums(pair.sender, src, args.repeats)
+                             + pair.time_checksums(pair.receiver, dst, args.repeats)) if args.checksum else None
     finally:
         pair.close()
 
@@ -210,7 +213,8 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
     finally:
         pair.close()
     prompt = PromptResult(PROMPT_TOKENS, prompt_pages * layout.page_nbytes, page_major_runs,
-                          page_major_s * 1e3, layer_major_runs, layer_major_s * 1e3, verify_s * 1e3)
+                          page_major_s * 1e3, layer_major_runs, layer_major_s * 1e3, verify_s * 1e3,
+                          None if prompt_checksum_s is None else prompt_checksum_s * 1e3)
     return BackendResult(backend, sizes, prompt)
 
 
@@ -229,14 +233,15 @@ def render_table(results: list[BackendResult]) -> str:
                 line += (f" {size.checked_gbps:.2f} | {size.gbps / size.checked_gbps - 1:+.0%} | "
                          f"{size.sender_checksum_ms:.2f} | {size.receiver_checksum_ms:.2f} |")
             lines.append(line)
+    extra = " checksums ms (both sides) |" if checked else ""
     lines += ["", f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms "
-              "| verify_grant ms |", "|---|---|---|---|---|---|---|"]
+              "| verify_grant ms |" + extra, "|---|---|---|---|---|---|---|" + "---|" * extra.count("|")]
     for result in results:
         if result.prompt:
             p = result.prompt
             lines.append(f"| {result.backend} | {p.nbytes / MIB:.0f} MiB | {p.page_major_writes} | "
                          f"{p.page_major_ms:.1f} | {p.layer_major_writes} | {p.layer_major_ms:.1f} | "
-                         f"{p.verify_grant_ms:.3f} |")
+                         f"{p.verify_grant_ms:.3f} |" + (f" {p.checksum_ms:.2f} |" if p.checksum_ms is not None else ""))
     return "\n".join(lines)
 
 

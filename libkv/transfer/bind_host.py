@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import errno
+import functools
 import ipaddress
 import logging
 import mmap
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,19 +38,31 @@ _RTLD_DI_LINKMAP = 2
 _PROT_READ, _PROT_WRITE = 1, 2
 
 _BIND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
-_libc = ctypes.CDLL(None, use_errno=True)
-_real_bind = _libc.bind
-_real_bind.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
-_real_bind.restype = ctypes.c_int
-_errno_location = _libc.__errno_location
-_errno_location.restype = ctypes.POINTER(ctypes.c_int)
-_mprotect = _libc.mprotect
-_mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_dlinfo = _libc.dlinfo
-_dlinfo.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
 # Replacement functions stay referenced for the life of the process: a thread that read a slot
 # just before it was restored may still be on its way into one.
 _keep_alive: list = []
+# One patch at a time: a nested one would save the other's replacement as the "original".
+_patching = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Libc:
+    bind: ctypes._CFuncPtr
+    errno_location: ctypes._CFuncPtr
+    mprotect: ctypes._CFuncPtr
+    dlinfo: ctypes._CFuncPtr
+
+
+@functools.cache
+def _libc() -> _Libc:
+    """glibc's functions, looked up on first use (so importing this module works anywhere)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.bind.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
+    libc.bind.restype = ctypes.c_int
+    libc.__errno_location.restype = ctypes.POINTER(ctypes.c_int)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.dlinfo.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+    return _Libc(libc.bind, libc.__errno_location, libc.mprotect, libc.dlinfo)
 
 
 def is_wildcard(host: str) -> bool:
@@ -94,7 +108,7 @@ def _load_base(path: str) -> int:
     """Where the already-loaded library at `path` is mapped (its link map's l_addr)."""
     handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
     link_map = ctypes.c_void_p()
-    if _dlinfo(handle, _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0:
+    if _libc().dlinfo(handle, _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0:
         raise OSError(f"dlinfo failed for {path}")
     return ctypes.c_size_t.from_address(link_map.value).value  # l_addr is the first field
 
@@ -103,34 +117,33 @@ def _rewriting_bind(address: ipaddress.IPv4Address | ipaddress.IPv6Address):
     """A C-callable `bind` that puts `address` where the caller asked for the wildcard."""
     v4 = address.packed if address.version == 4 else None
     v6 = address.packed if address.version == 6 else ipaddress.IPv6Address(f"::ffff:{address}").packed
+    libc = _libc()
 
     def bind(fd: int, sockaddr: int, length: int) -> int:
-        request = ctypes.create_string_buffer(ctypes.string_at(sockaddr, length), length)
-        family = struct.unpack_from("=H", request, 0)[0]
-        if family == socket.AF_INET and length >= 8 and request.raw[4:8] == bytes(4):
-            if v4 is None:
-                log.warning("bind_host: an IPv4 wildcard bind cannot become %s; left as is", address)
-            else:
-                struct.pack_into("4s", request, 4, v4)
-        elif family == socket.AF_INET6 and length >= 24 and request.raw[8:24] == bytes(16):
-            # An IPv4 host becomes ::ffff:a.b.c.d: a dual-stack socket then takes exactly the
-            # IPv4 connections to that address (and fails to bind if the socket is v6-only).
-            struct.pack_into("16s", request, 8, v6)
-        result = _real_bind(fd, request, length)
+        try:
+            request = ctypes.create_string_buffer(ctypes.string_at(sockaddr, length), length)
+            family = struct.unpack_from("=H", request, 0)[0]
+            if family == socket.AF_INET and length >= 8 and request.raw[4:8] == bytes(4):
+                if v4 is None:
+                    log.warning("bind_host: an IPv4 wildcard bind cannot become %s; left as is", address)
+                else:
+                    struct.pack_into("4s", request, 4, v4)
+            elif family == socket.AF_INET6 and length >= 24 and request.raw[8:24] == bytes(16):
+                # An IPv4 host becomes ::ffff:a.b.c.d: a dual-stack socket then takes exactly the
+                # IPv4 connections to that address (and fails to bind if the socket is v6-only).
+                struct.pack_into("16s", request, 8, v6)
+            result = libc.bind(fd, request, length)
+            error = ctypes.get_errno()
+        except BaseException:  # an exception would make ctypes return 0, i.e. "bound"
+            log.exception("bind_host: rewriting a bind failed")
+            result, error = -1, errno.EINVAL
         if result != 0:
-            _errno_location()[0] = ctypes.get_errno()  # the caller reads errno after we return
+            libc.errno_location()[0] = error  # the caller reads errno after we return
         return result
 
     function = _BIND_FN(bind)
     _keep_alive.append(function)
     return function
-
-
-@dataclass
-class _Slot:
-    address: int
-    original: int
-    protection: int  # 0 = writable as mapped; else what to restore after writing
 
 
 @dataclass
@@ -151,48 +164,46 @@ def _page_writable(address: int) -> bool:
     return False
 
 
-def _write_pointer(address: int, value: int) -> int:
+def _write_pointer(address: int, value: int) -> None:
     """Write one pointer-sized slot, lifting a read-only (RELRO) protection for the write."""
     page = address & ~(mmap.PAGESIZE - 1)
-    protection = 0
-    if not _page_writable(address):
-        if _mprotect(page, mmap.PAGESIZE, _PROT_READ | _PROT_WRITE) != 0:
-            raise OSError(ctypes.get_errno(), f"mprotect of GOT page {page:#x}")
-        protection = _PROT_READ
+    read_only = not _page_writable(address)
+    if read_only and _libc().mprotect(page, mmap.PAGESIZE, _PROT_READ | _PROT_WRITE) != 0:
+        raise OSError(ctypes.get_errno(), f"mprotect of GOT page {page:#x}")
     ctypes.c_size_t.from_address(address).value = value
-    if protection:
-        _mprotect(page, mmap.PAGESIZE, protection)
-    return protection
+    if read_only:
+        _libc().mprotect(page, mmap.PAGESIZE, _PROT_READ)
 
 
 @contextlib.contextmanager
 def bind_wildcard_to(host: str, libraries: list[str]) -> Iterator[BindPatch]:
     """While the block runs, wildcard binds made by `libraries` (paths of loaded ELF objects)
-    bind `host` instead. A wildcard `host` changes nothing."""
+    bind `host` instead. A wildcard `host` changes nothing. Libraries that are not loaded, or
+    whose import of bind cannot be found, are listed in the result's `skipped`."""
     patch = BindPatch()
     if is_wildcard(host):
         yield patch
         return
-    function = _rewriting_bind(resolve(host))
-    slots: list[_Slot] = []
-    try:
-        for path in libraries:
-            try:
-                offsets = bind_slots(path)
-                base = _load_base(path) if offsets else 0
-            except OSError as exc:
-                patch.skipped[path] = str(exc)
-                continue
-            if not offsets:
-                patch.skipped[path] = "no GOT slot for bind (not an ELF64 x86-64/aarch64 import)"
-                continue
-            for offset in offsets:
-                address = base + offset
-                original = ctypes.c_size_t.from_address(address).value
-                slots.append(_Slot(address, original, 0))
-                slots[-1].protection = _write_pointer(address, ctypes.cast(function, ctypes.c_void_p).value)
-            patch.patched.append(path)
-        yield patch
-    finally:
-        for slot in slots:
-            _write_pointer(slot.address, slot.original)
+    replacement = ctypes.cast(_rewriting_bind(resolve(host)), ctypes.c_void_p).value
+    originals: list[tuple[int, int]] = []  # (slot address, what it held)
+    with _patching:
+        try:
+            for path in libraries:
+                try:
+                    offsets = bind_slots(path)
+                    base = _load_base(path) if offsets else 0
+                except OSError as exc:
+                    patch.skipped[path] = str(exc)
+                    continue
+                if not offsets:
+                    patch.skipped[path] = "no GOT slot for bind (not an ELF64 x86-64/aarch64 import)"
+                    continue
+                for offset in offsets:
+                    address = base + offset
+                    originals.append((address, ctypes.c_size_t.from_address(address).value))
+                    _write_pointer(address, replacement)
+                patch.patched.append(path)
+            yield patch
+        finally:
+            for address, original in originals:
+                _write_pointer(address, original)
