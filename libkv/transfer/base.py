@@ -181,6 +181,7 @@ class TransferBackend(ABC):
 
     name: ClassVar[str]
     one_sided: ClassVar[bool] = True
+    moves_bytes: ClassVar[bool] = True  # False only for `fake`: there is nothing to checksum
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         if timeout_s <= 0:
@@ -191,6 +192,7 @@ class TransferBackend(ABC):
         self._lock = threading.RLock()
         self._transfers: dict[int, Transfer] = {}  # unfinished writes, for close() / disconnect()
         self._peers: dict[PeerId, Peer] = {}
+        self._by_endpoint: dict[TransferEndpoint, PeerId] = {}
         self._expected: dict[str, frozenset[int]] = {}
         self._tags: dict[str, bytes] = {}  # key -> tag(key, grant) of its expectation
         self.grants: GrantTable | None = None  # set by register(); see libkv.transfer.grants
@@ -215,20 +217,45 @@ class TransferBackend(ABC):
         return TransferEndpoint(self.name, pool.layout, self.host, pool.num_pages, self._engine_blob())
 
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
-        """Make a peer writable. Refuses a different backend or KV layout, naming both values."""
+        """Make a peer writable. Refuses a different backend or KV layout, naming both values.
+
+        Connecting to an endpoint already connected returns the same peer while it is usable (a
+        prefill connects once per request: without this, every request would repeat the engine
+        handshake and leave one more peer behind); a peer declared dead is replaced.
+        """
         pool = self._require_pool()
         if endpoint.backend != self.name:
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
         pool.layout.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
+        existing = self._live_peer_for(endpoint)
+        if existing is not None:
+            return existing
         peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
         peer = Peer(peer_id, endpoint)
         # Not under the backend lock: an engine handshake may wait on the engine's own thread,
         # which takes the lock to serve incoming transfers.
         peer.engine = self._engine_connect(endpoint)
         with self._lock:
-            self._peers[peer_id] = peer
-        return peer_id
+            raced = self._by_endpoint.get(endpoint)
+            if raced is not None and raced in self._peers and not self._peers[raced].dead:
+                winner = raced  # another thread connected the same endpoint meanwhile
+            else:
+                self._peers[peer_id] = peer
+                self._by_endpoint[endpoint] = winner = peer_id
+        if winner != peer_id:
+            self._engine_disconnect(peer)
+        return winner
+
+    def _live_peer_for(self, endpoint: TransferEndpoint) -> PeerId | None:
+        """The usable peer already connected to `endpoint`, if any; forgets dead peers on the way."""
+        with self._lock:
+            dead = [p for p in self._peers.values() if p.dead]
+            peer_id = self._by_endpoint.get(endpoint)
+            usable = peer_id is not None and peer_id in self._peers and not self._peers[peer_id].dead
+        for peer in dead:
+            self.disconnect(peer.peer_id)
+        return peer_id if usable else None
 
     def disconnect(self, peer_id: PeerId) -> None:
         """Forget a peer (e.g. its lease expired). Its unfinished transfers are aborted."""
@@ -236,6 +263,8 @@ class TransferBackend(ABC):
             self.abort(record.handle)
         with self._lock:
             peer = self._peers.pop(peer_id, None)
+            if peer is not None and self._by_endpoint.get(peer.endpoint) == peer_id:
+                del self._by_endpoint[peer.endpoint]
         if peer is not None:
             self._engine_disconnect(peer)
 
@@ -249,6 +278,7 @@ class TransferBackend(ABC):
             self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
+            self._by_endpoint.clear()
         for peer in peers:
             try:
                 self._engine_disconnect(peer)

@@ -22,6 +22,7 @@ class FakeBackend(TransferBackend):
     """
 
     name = "fake"
+    moves_bytes = False
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         super().__init__(timeout_s=timeout_s, host=host)
