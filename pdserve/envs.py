@@ -70,6 +70,10 @@ MOONCAKE_MAX_QUEUED_PER_PEER = EnvVar(
     "PDSERVE_MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER", 32768,
     "Mooncake TCP transport's per-peer queue limit (its default, 1024, rejects large batches; it "
     "ignores values above 65535 and falls back to 1024).")
+API_KEY = EnvVar(
+    "PDSERVE_API_KEY", "",
+    "Gateway: the API key clients must send as `Authorization: Bearer KEY` (what --api-key sets; the "
+    "flag wins). Empty: no key is asked for.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

@@ -11,6 +11,11 @@ from dataclasses import dataclass, replace
 from protos.v1 import common_pb2
 
 
+def _wrap_int64(value: int) -> int:
+    """`value` wrapped into the proto's int64 range (a seed near 2**63 - 1 plus a choice index)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
 @dataclass(frozen=True)
 class Sampling:
     """What one choice is sampled with; `for_choice(i)` gives choice i of an n > 1 request."""
@@ -32,7 +37,7 @@ class Sampling:
         # and distinct (greedy choices are identical regardless).
         if self.seed is None or index == 0:
             return self
-        return replace(self, seed=self.seed + index)
+        return replace(self, seed=_wrap_int64(self.seed + index))
 
     def to_proto(self) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
