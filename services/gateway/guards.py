@@ -26,13 +26,14 @@ class RequestGuards:
     admission: AdmissionControl
     max_generations: int
 
-    def check_fanout(self, prompts: int, per_prompt: int, param: str) -> int:
-        """The number of generations (prompts x per_prompt); 400 naming `param` above the limit."""
+    def check_fanout(self, prompts: int, per_prompt: int, prompt_param: str, count_param: str) -> int:
+        """The number of generations (prompts x per_prompt); 400 above the limit, naming the field
+        that asks for more than one per prompt if any (n, best_of), else the prompts' field."""
         total = prompts * per_prompt
         if total > self.max_generations:
             raise bad_request(f"this request asks for {total} generations ({prompts} prompt(s) x {per_prompt}); "
                               f"the limit is {self.max_generations} per request (--max-generations-per-request)",
-                              param=param if per_prompt > 1 else "prompt", code="too_many_generations")
+                              param=count_param if per_prompt > 1 else prompt_param, code="too_many_generations")
         return total
 
     async def admit(self, request: Request, model: str, slots: int) -> bool:

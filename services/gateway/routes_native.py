@@ -62,7 +62,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
     if body.stream and body.batched:
         raise bad_request("stream is supported for one prompt at a time", param="stream")
     prompt_param = "text" if body.text is not None else "input_ids"
-    generations = guards.check_fanout(body.prompt_count(), 1, param=prompt_param)
+    generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param, count_param=prompt_param)
     if not await guards.admit(request, model, generations):
         return Response(status_code=499)
     prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,

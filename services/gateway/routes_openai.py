@@ -80,7 +80,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state, guards = gateway_state(request), request_guards(request)
     model = state.check_model(body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
-    guards.check_fanout(1, body.n, param="n")
+    guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
     prompt_ids = await guards.encoder.chat(body)
@@ -139,7 +139,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     model = state.check_model(body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
     candidates = body.candidates
-    generations = guards.check_fanout(body.prompt_count(), candidates, param="best_of" if candidates > body.n else "n")
+    generations = guards.check_fanout(body.prompt_count(), candidates, prompt_param="prompt",
+                                      count_param="best_of" if candidates > body.n else "n")
     if not await guards.admit(request, model, generations):
         return Response(status_code=CLIENT_CLOSED)
     prompts = await guards.encoder.prompts(body.prompt, param="prompt")
