@@ -120,8 +120,10 @@ def _fix_operation(path: str, method: str, operation: dict[str, Any], *, guarded
     if path == "/metrics":
         responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     if path in _STREAMED and method == "post":
+        # before OpenAPI 3.2 (no itemSchema) `schema` describes one event
         responses["200"]["content"]["text/event-stream"] = {"schema": {
-            "type": "string", "description": "server-sent events: `data: {chunk}` lines, then `data: [DONE]`"}}
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+            "description": "one server-sent event: `data: {chunk as JSON}`; the last is `data: [DONE]`"}}
 
 
 # -- request bounds that depend on the served model and the gateway's limits ----------------------

@@ -100,6 +100,15 @@ def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int | None, model_fi
             param=max_tokens_param, code="context_length_exceeded")
 
 
+def check_max_tokens(max_new_tokens: int | None, model_files: ModelFiles, param: str) -> None:
+    """400 naming `param` for a token budget no prompt leaves room for (the prompt takes at least
+    one token of the context), before anything is tokenized."""
+    context = model_files.context_length
+    if max_new_tokens is not None and context is not None and max_new_tokens >= context:
+        raise bad_request(f"{param} is {max_new_tokens}, but this model's maximum context length is {context} "
+                          f"tokens, prompt included", param=param, code="context_length_exceeded")
+
+
 def check_token_ids(token_ids: Sequence[int], model_files: ModelFiles, param: str) -> None:
     """400 naming `param` if a token id is outside the model's vocabulary."""
     vocab_size = model_files.vocab_size

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -56,16 +64,30 @@ def check_json_unicode(value: Any, where: str = "") -> Any:
     return value
 
 
+def _json_integer(value: Any) -> Any:
+    # JSON has one number type: 921.0 is the integer 921 (and JSON Schema agrees), while strict
+    # mode would refuse it. Strings and booleans still are not integers.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(ge: int, le: int, description: str | None = None) -> Any:
+    """An int field type in [ge, le] that takes JSON's 921.0 as 921. (The bounds go before the
+    validator so that they stay `minimum`/`maximum` in the JSON schema.)"""
+    return Annotated[int, Field(ge=ge, le=le, description=description), BeforeValidator(_json_integer)]
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_unicode)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = integer(0, INT32_MAX)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopList = Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 or 0: off")]
-MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Seed = integer(INT64_MIN, INT64_MAX)
+TopK = integer(-1, INT32_MAX, "-1 or 0: off")
+MaxTokens = integer(1, INT32_MAX)
 
 
 def _only_zero(name: str, value: float) -> float:
@@ -129,7 +151,7 @@ class _OpenAISampling(_Body):
     """Sampling and streaming fields shared by chat and text completions."""
 
     model: Text
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: integer(1, MAX_N) = 1
     max_tokens: MaxTokens | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -164,8 +186,8 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
-        "alternatives per token; they are returned when `logprobs` is true (without it this is ignored)"))
+    top_logprobs: integer(0, MAX_TOP_LOGPROBS, "alternatives per token; they are returned when `logprobs` "
+                          "is true (without it this is ignored)") | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
     tools: list[JsonObject] | None = None
@@ -185,12 +207,11 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds \
         | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
     suffix: Text | None = Field(None, json_schema_extra={"maxLength": 0})
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description=(
-        "samples generated per prompt; the `n` with the highest mean token logprob are returned "
-        "(a value below `n` counts as `n`)"))
+    best_of: integer(1, MAX_N, "samples generated per prompt; the `n` with the highest mean token logprob "
+                              "are returned (a value below `n` counts as `n`)") | None = None
 
     @field_validator("echo")
     @classmethod
@@ -234,7 +255,7 @@ class NativeSamplingParams(_Body):
     stop: NonEmptyText | StopList | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)  # SGLang takes n here; one sample per prompt is supported
+    n: integer(1, 1) = 1  # SGLang takes n here; one sample per prompt is supported
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -253,7 +274,7 @@ class NativeGenerateRequest(_Body):
     stream: bool = False
     rid: RequestId | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs_num: integer(0, MAX_TOP_LOGPROBS) = 0
     model: Text | None = None
 
     @model_validator(mode="after")

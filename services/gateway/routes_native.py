@@ -24,7 +24,7 @@ from services.gateway.choices import (
 )
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.guards import request_guards
-from services.gateway.prompts import check_prompt, check_token_ids
+from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import NativeGenerateRequest
 from services.gateway.responses import NativeGenerateResponse, NativeMetaInfo
 from services.gateway.sampling import sampling_from_fields
@@ -59,6 +59,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
     model = state.check_model(body.model)
     params = body.sampling_params
     check_token_ids(params.stop_token_ids or (), state.model_files, param="sampling_params.stop_token_ids")
+    check_max_tokens(params.max_new_tokens, state.model_files, param="sampling_params.max_new_tokens")
     if body.stream and body.batched:
         raise bad_request("stream is supported for one prompt at a time", param="stream")
     prompt_param = "text" if body.text is not None else "input_ids"

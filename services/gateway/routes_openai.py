@@ -25,7 +25,7 @@ from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError
 from services.gateway.guards import request_guards
 from services.gateway.logprobs import chat_logprobs, completion_logprobs
-from services.gateway.prompts import check_prompt, check_token_ids
+from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import (
     ChatChoice,
@@ -80,6 +80,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state, guards = gateway_state(request), request_guards(request)
     model = state.check_model(body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
+    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
+    check_max_tokens(body.max_completion_tokens, state.model_files, param="max_completion_tokens")
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
@@ -138,6 +140,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     state, guards = gateway_state(request), request_guards(request)
     model = state.check_model(body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
+    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
     candidates = body.candidates
     generations = guards.check_fanout(body.prompt_count(), candidates, prompt_param="prompt",
                                       count_param="best_of" if candidates > body.n else "n")
