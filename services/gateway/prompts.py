@@ -20,6 +20,9 @@ from services.gateway.protocol import ChatCompletionRequest
 
 T = TypeVar("T")
 
+# Text up to this many characters is templated and tokenized on the event loop (a few ms at most).
+INLINE_CHARS = 8192
+
 
 class PromptEncoder:
     """Chat templating and tokenization for request handlers, on `threads` worker threads.
@@ -29,7 +32,11 @@ class PromptEncoder:
         self.model_files = model_files
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gateway-tokenize")
 
-    async def _run(self, work: Callable[[], T]) -> T:
+    async def _run(self, work: Callable[[], T], size: int) -> T:
+        # Small inputs are done inline: a thread hop costs more than they do, and the tokenizer's
+        # batch call wakes its own worker threads, which compete with the workers for the cores.
+        if size <= INLINE_CHARS:
+            return work()
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     async def chat(self, body: ChatCompletionRequest) -> list[int]:
@@ -44,8 +51,9 @@ class PromptEncoder:
             return template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
                                    extra=body.chat_template_kwargs)
 
+        size = sum(len(str(message.get("content", ""))) for message in messages) + len(str(body.tools or ""))
         try:
-            text = await self._run(render)
+            text = await self._run(render, size)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
         return (await self._encode([text], add_special_tokens=False, param="messages"))[0]
@@ -67,7 +75,10 @@ class PromptEncoder:
                 at_least = self.model_files.min_tokens(text)
                 if at_least >= context:
                     raise context_exceeded(context, f"at least {at_least}", param)
-        return await self._run(lambda: self.model_files.encode_many(texts, add_special_tokens=add_special_tokens))
+        size = sum(len(text) for text in texts)
+        if size <= INLINE_CHARS:
+            return [self.model_files.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+        return await self._run(lambda: self.model_files.encode_many(texts, add_special_tokens=add_special_tokens), size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
