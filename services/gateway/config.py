@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve import envs
+from services.common.security import GrpcSecurity
 from services.gateway.addresses import grpc_address
 
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -98,6 +99,11 @@ class GatewayConfig:
     retry_after: int = field(default=1, metadata=_help("seconds a 429 answer asks the client to wait (Retry-After)"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
+    registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
+        envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
+        "seconds a worker stays routable after a restarted registry came back without it (workers "
+        "register again within one heartbeat interval); default: heartbeat interval x (max failures + 1)"))
+    security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
         if not self.model_path:
