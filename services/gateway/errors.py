@@ -98,7 +98,14 @@ def status_for_grpc(code: grpc.StatusCode) -> tuple[int, str]:
 
 
 def _location(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """The field a validation error names: its path without "body", cut at a tagged union's tag
+    (protocol.py's prompt forms): `prompt`, not `prompt.form:ids.3`."""
+    parts = []
+    for part in loc:
+        if isinstance(part, str) and part.startswith("form:"):
+            break
+        if part != "body":
+            parts.append(str(part))
     return ".".join(parts) or None
 
 

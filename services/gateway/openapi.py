@@ -153,7 +153,7 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     completion = schemas["CompletionRequest"]
     properties = completion["properties"]
     properties["best_of"]["anyOf"][0]["maximum"] = max_n
-    for member in properties["prompt"]["anyOf"]:
+    for member in _members(properties["prompt"]):
         if member.get("type") == "array" and member["items"].get("type") == "integer":
             token_ids(member)
         elif member.get("type") == "array" and member["items"].get("type") == "array":
@@ -163,13 +163,13 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     native = schemas["NativeGenerateRequest"]
     properties = native["properties"]
     properties["model"]["anyOf"][0]["enum"] = [state.model_name]
-    for member in properties["input_ids"]["anyOf"]:
+    for member in _members(properties["input_ids"]):
         if member.get("type") == "array" and member["items"].get("type") == "integer":
             token_ids(member)
         elif member.get("type") == "array":
             token_ids(member["items"])
             member["maxItems"] = max_generations
-    for member in properties["text"]["anyOf"]:
+    for member in _members(properties["text"]):
         if member.get("type") == "array":
             member["maxItems"] = max_generations
     native["allOf"] = [
@@ -188,15 +188,23 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     _bound_stop_token_ids(sampling["stop_token_ids"], vocab_max)
 
 
+def _members(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alternatives of a union schema (`anyOf`/`oneOf`, nested ones flattened), or the schema."""
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return [leaf for member in schema[key] for leaf in _members(member)]
+    return [schema]
+
+
 def _set_in_members(schema: dict[str, Any], key: str, value: Any) -> None:
-    """Set `key` on the non-null members of an `anyOf` (an optional field), or on the schema."""
-    for member in schema.get("anyOf", [schema]):
+    """Set `key` on the non-null members of an optional field's schema."""
+    for member in _members(schema):
         if member.get("type") != "null":
             member[key] = value
 
 
 def _bound_stop_token_ids(schema: dict[str, Any], vocab_max: int) -> None:
-    for member in schema.get("anyOf", [schema]):
+    for member in _members(schema):
         if member.get("type") == "array":
             member["items"]["maximum"] = vocab_max
 

@@ -21,7 +21,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -81,10 +83,57 @@ def integer(ge: int, le: int, description: str | None = None) -> Any:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_unicode)]
-TokenId = integer(0, INT32_MAX)
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+def _json_integers(value: Any) -> Any:
+    # The list-level form of _json_integer: one C-speed scan instead of a Python call per id
+    # (4M ids in an 8 MB body: 0.05 s instead of 1.8 s on the event loop).
+    if isinstance(value, list) and float in set(map(type, value)):
+        return [_json_integer(item) for item in value]
+    return value
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def token_id_list(min_length: int = 0, max_length: int | None = None) -> Any:
+    return Annotated[list[TokenId], Field(min_length=min_length, max_length=max_length),
+                     BeforeValidator(_json_integers)]
+
+
+TokenIds = token_id_list(min_length=1)
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """Which form a prompt takes, from its first element, so that only that form is validated
+    (trying each form of the union on a 4M-id list would build millions of errors first). The tags
+    start with `form:` so that error locations can leave them out (errors.py)."""
+    if isinstance(value, str):
+        return "form:text"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "form:texts"
+        if isinstance(first, list):
+            return "form:id_lists"
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return "form:ids"
+    return None
+
+
+Texts = Annotated[list[NonEmptyText], Field(min_length=1)]
+IdLists = Annotated[list[TokenIds], Field(min_length=1)]
+Prompt = Annotated[Annotated[NonEmptyText, Tag("form:text")] | Annotated[Texts, Tag("form:texts")]
+                   | Annotated[TokenIds, Tag("form:ids")] | Annotated[IdLists, Tag("form:id_lists")],
+                   Discriminator(_prompt_kind, custom_error_type="prompt_form", custom_error_message=(
+                       "Input should be a non-empty string, list of strings, list of token ids or list of "
+                       "lists of token ids"))]
+TextPrompt = Annotated[Annotated[NonEmptyText, Tag("form:text")] | Annotated[Texts, Tag("form:texts")],
+                       Discriminator(_prompt_kind, custom_error_type="prompt_form", custom_error_message=(
+                           "Input should be a non-empty string or list of strings"))]
+IdsPrompt = Annotated[Annotated[TokenIds, Tag("form:ids")] | Annotated[IdLists, Tag("form:id_lists")],
+                      Discriminator(_prompt_kind, custom_error_type="prompt_form", custom_error_message=(
+                          "Input should be a non-empty list of token ids or list of lists of token ids"))]
 StopList = Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)]
-StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+StopTokenIds = token_id_list(max_length=MAX_STOP_TOKEN_IDS)
 Seed = integer(INT64_MIN, INT64_MAX)
 TopK = integer(-1, INT32_MAX, "-1 or 0: off")
 MaxTokens = integer(1, INT32_MAX)
@@ -205,8 +254,7 @@ class ChatCompletionRequest(_OpenAISampling):
 class CompletionRequest(_OpenAISampling):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of ids."""
 
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds \
-        | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: Prompt
     logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
     suffix: Text | None = Field(None, json_schema_extra={"maxLength": 0})
@@ -268,8 +316,8 @@ RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-
 class NativeGenerateRequest(_Body):
     """POST /generate: `text` (a string or a batch) or `input_ids` (ids or a batch of ids)."""
 
-    text: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
-    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    text: TextPrompt | None = None
+    input_ids: IdsPrompt | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: RequestId | None = None

@@ -64,7 +64,7 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/v1/chat/completions", {**CHAT, "model": None}, "model", ""),
     ("/v1/completions", {**TEXT, "logprobs": 21}, "logprobs", ""),
     ("/v1/completions", {**TEXT, "echo": True}, None, "echo is not supported"),
-    ("/v1/completions", {**TEXT, "prompt": []}, "prompt", "at least 1 item"),
+    ("/v1/completions", {**TEXT, "prompt": []}, "prompt", "non-empty string, list of strings"),
     ("/v1/completions", {**TEXT, "prompt": ""}, "prompt", "at least 1 character"),
     ("/v1/completions", {**TEXT, "prompt": [[1], []]}, "prompt", "at least 1 item"),
     ("/v1/completions", {**TEXT, "n": "2"}, "n", "valid integer"),

@@ -44,7 +44,7 @@ def test_bounds_come_from_the_model_and_the_protobuf_fields(document: dict) -> N
     assert completion["seed"]["anyOf"][0] == {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
     assert completion["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
     assert completion["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 4095  # the vocabulary
-    ids = next(m for m in completion["prompt"]["anyOf"] if m.get("items", {}).get("type") == "integer")
+    ids = next(m for m in completion["prompt"]["oneOf"] if m.get("items", {}).get("type") == "integer")
     assert ids["maxItems"] == 4095 and ids["items"]["maximum"] == 4095 and ids["minItems"] == 1
     assert completion["presence_penalty"]["minimum"] == completion["presence_penalty"]["maximum"] == 0
     assert completion["echo"]["enum"] == [False]
