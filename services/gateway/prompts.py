@@ -64,9 +64,9 @@ class PromptEncoder:
             return await self._encode([prompt], add_special_tokens=True, param=param)
         if all(isinstance(item, str) for item in prompt):
             return await self._encode(prompt, add_special_tokens=True, param=param)  # type: ignore[arg-type]
-        if all(isinstance(item, int) for item in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return [list(item) for item in prompt]  # type: ignore[arg-type]
+        if isinstance(prompt[0], int):  # validation left only all-int or all-list id prompts
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
     async def _encode(self, texts: Sequence[str], *, add_special_tokens: bool, param: str) -> list[list[int]]:
         context = self.model_files.context_length
@@ -97,12 +97,12 @@ def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int | None, model_fi
     asked for) longer than the model's context, naming both lengths."""
     if not prompt_ids:
         raise bad_request("the prompt is empty (no tokens)", param=param)
-    check_token_ids(prompt_ids, model_files, param)
     context = model_files.context_length
+    if context is not None and len(prompt_ids) >= context:  # before the id scan: it costs per id
+        raise context_exceeded(context, len(prompt_ids), param)
+    check_token_ids(prompt_ids, model_files, param)
     if context is None:
         return
-    if len(prompt_ids) >= context:
-        raise context_exceeded(context, len(prompt_ids), param)
     if max_new_tokens is not None and len(prompt_ids) + max_new_tokens > context:
         raise bad_request(
             f"This model's maximum context length is {context} tokens. However, you requested "
