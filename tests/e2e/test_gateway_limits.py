@@ -59,6 +59,9 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
             cluster.env["PDSERVE_API_KEY"] = KEY
             auth = cluster.start("gateway-auth", router(model_dir, worker, "--metrics-require-api-key"))
             cluster.env.pop("PDSERVE_API_KEY")
+            for gateway in (main, admit, auth):  # ready once a health probe has reached the worker
+                wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code == 200,
+                           30, f"{gateway.name} to be ready")
             yield Gateways(cluster, worker, main, admit, auth)
         except BaseException:
             print(cluster.logs())

@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, worker_args
+from tests.e2e.cluster import Cluster, wait_until, worker_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,6 +31,8 @@ def test_schemathesis_finds_nothing(cluster: Cluster, tiny_model: Path, tmp_path
     worker = cluster.start("colocated", worker_args(str(tiny_model), "null"))
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                         "--worker", f"http://{worker.address}", "--api-key", KEY])
+    wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 30,
+               "the gateway to be ready")
     schemathesis = Path(sys.executable).with_name("schemathesis")
     command = [str(schemathesis), "run", f"http://{gateway.address}/openapi.json", "--checks", "all",
                "--max-response-time", "120", "--header", f"Authorization: Bearer {KEY}",
