@@ -33,6 +33,8 @@ class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
             parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
+        if self.engine.is_live(parsed.room):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {parsed.room} is already in use on this worker")
         outputs = self.engine.generate(parsed.prompt_ids, parsed.params, parsed.room)
         async for response in relay_tokens(outputs, self.runtime.metrics, arrival):
             yield response
