@@ -33,6 +33,7 @@ from engine.memory import kv_pages
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
+from engine.models.layer_ops import select_layer_ops
 from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
 from engine.page_manager import PageManager
 from engine.request import Request
@@ -124,8 +125,10 @@ class Engine:
                           head_dim=model_config.head_dim, page_size=config.page_size,
                           dtype=str(dtype).removeprefix("torch."))
 
+        layer_ops = select_layer_ops(config.cpu_kernels, device)
+
         def load_tensors() -> tuple[DecoderModel, KVPool]:
-            model = DecoderModel.load(config.model_path, model_config, dtype, device)
+            model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
             pool = KVPool(layout, kv_pages(config, layout, device), device)
             return model, pool
 

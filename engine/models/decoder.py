@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.config import ModelConfig
+from engine.models.layer_ops import HeadShape, TorchLayerOps
 from engine.models.linear import Linear
-from engine.models.rope import RotaryTable, apply_rotary
+from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader
-from kernels import ops
 
 
 @dataclass
@@ -36,20 +36,15 @@ class LayerWeights:
     down: Linear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalize in fp32, cast back, then scale by the weight."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
 class DecoderModel:
     """Embedding, N pre-norm decoder layers (GQA attention + SwiGLU MLP), final norm, LM head."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: Linear) -> None:
+                 lm_head: Linear, layer_ops: TorchLayerOps | None = None) -> None:
         self.config = config
+        self.ops = layer_ops or TorchLayerOps()
+        self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -62,7 +57,7 @@ class DecoderModel:
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
-             device: torch.device) -> DecoderModel:
+             device: torch.device, layer_ops: TorchLayerOps | None = None) -> DecoderModel:
         reader = CheckpointReader(model_dir)
 
         def get(name: str) -> torch.Tensor:
@@ -104,7 +99,7 @@ class DecoderModel:
             lm_head = Linear(embed)  # packing copies: the embedding table itself stays plain
         final_norm = get("model.norm.weight")
         reader.close()
-        return cls(config, dtype, device, embed, layers, final_norm, lm_head)
+        return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_buffer: torch.Tensor,
@@ -113,33 +108,25 @@ class DecoderModel:
 
         `logit_rows` None means every row (the pure-decode case, where each row is sampled).
         """
-        cfg = self.config
+        ops, eps = self.ops, self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        eps = cfg.rms_norm_eps
-        cos, sin = self.rotary.lookup(positions, max_position)
-        hidden = F.embedding(input_ids, self.embed)
+        rotary = ops.rotary(self.rotary, positions, max_position)
+        hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            ops.store_kv(kv_buffer, index, meta.slots, k, v)
-            attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale)
-            hidden = hidden + layer.o_proj(attended.view(num_tokens, cfg.q_size))
-            x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps, self.heads,
+                                             kv_buffer, index, meta.slots)
+            attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale, ops.paged_decode_attention)
+            x = ops.add_rms_norm(hidden, layer.o_proj(attended.view(num_tokens, self.heads.q_size)),
+                                 layer.post_norm, eps)
+            mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm(hidden, mlp, self.layers[index + 1].input_norm, eps)
+            else:
+                hidden.add_(mlp)
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
-        hidden = rms_norm(hidden, self.final_norm, eps)
-        return self.logits(hidden)
+        return self.logits(ops.rms_norm(hidden, self.final_norm, eps))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
