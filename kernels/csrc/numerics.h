@@ -118,6 +118,28 @@ inline Vec16 exp(Vec16 x) {
   return {_mm512_mask_blend_ps(tiny, result, _mm512_setzero_ps())};
 }
 
+// Lane t of the result is the sum of the 16 lanes of v[t]: sixteen horizontal sums in 45
+// shuffles and adds instead of 16 separate reductions of about 8 dependent steps each.
+inline Vec16 sum_each(const Vec16* v) {
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v),
+                             _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  }
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of four vectors, in order
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  __m512 halves[2];
+  for (int i = 0; i < 2; ++i) {  // fold the four 128-bit lanes pairwise
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0b10001000),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0b11011101));
+  }
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0b10001000),
+                        _mm512_shuffle_f32x4(halves[0], halves[1], 0b11011101))};
+}
+
 #else  // portable fallback: plain arrays, vectorized by the compiler where it can
 
 struct Vec16 {
@@ -166,6 +188,12 @@ struct Vec16 {
 inline Vec16 exp(Vec16 x) {
   Vec16 r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+}
+
+inline Vec16 sum_each(const Vec16* v) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = v[i].sum();
   return r;
 }
 
