@@ -23,8 +23,10 @@ namespace pdserve {
 namespace {
 
 // Rows per parallel chunk are chosen so a chunk holds about this many elements: a decode batch
-// stays on the calling thread (waking the OpenMP pool costs more than its work), prefill spreads.
-constexpr int64_t kElementsPerChunk = 32768;
+// stays on the calling thread (its work takes tens of microseconds; a parallel region waits for
+// every thread, and on a shared machine one of them is often descheduled for milliseconds),
+// prefill chunks spread over the threads.
+constexpr int64_t kElementsPerChunk = 1 << 18;
 
 int64_t grain_for(int64_t row_elements) {
   return std::max<int64_t>(1, kElementsPerChunk / std::max<int64_t>(1, row_elements));

@@ -202,8 +202,10 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
     }
   });
 
-  // Merge the splits of each sequence and write out in q's dtype.
-  at::parallel_for(0, batch, std::max<int64_t>(1, 64 / splits), [&](int64_t first, int64_t last) {
+  // Normalize (merging the splits of each sequence) and write out in q's dtype. Without splits this
+  // is cheap enough for the calling thread: no second parallel region.
+  const int64_t merge_grain = splits == 1 ? batch + 1 : std::max<int64_t>(1, 64 / splits);  // > range: inline
+  at::parallel_for(0, batch, merge_grain, [&](int64_t first, int64_t last) {
     std::vector<float> merged(static_cast<size_t>(D));
     for (int64_t b = first; b < last; ++b) {
       for (int64_t i = 0; i < Hq; ++i) {
