@@ -26,6 +26,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -181,12 +182,23 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        room: str) -> AsyncIterator[TokenOutput]:
         """Stream the tokens of one request. Leaving the iteration early aborts the request."""
+        async with aclosing(self.generate_batches(prompt_ids, params, room)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_batches(self, prompt_ids: list[int], params: SamplingParams,
+                               room: str) -> AsyncIterator[list[TokenOutput]]:
+        """Like `generate`, but each item is every output ready when the caller looks: one per step
+        while the caller keeps up, several after it fell behind (so a server sends them in one
+        message instead of one message per token)."""
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         self._claim_room(room)
         request = self._new_request(room, list(prompt_ids), params)
-        async for output in self._stream(request, _Add(request)):
-            yield output
+        async with aclosing(self._stream(request, _Add(request))) as batches:
+            async for batch in batches:
+                yield batch
 
     async def generate_prefilled(self, room: str, prompt_ids: list[int], first_token: FirstToken,
                                  params: SamplingParams) -> AsyncIterator[TokenOutput]:
@@ -195,6 +207,14 @@ class Engine:
         The first token (sampled by the prefill worker) is emitted first, then decoding continues
         in the running batch. The reservation becomes the request's pages (no `release` needed).
         """
+        async with aclosing(self.generate_prefilled_batches(room, prompt_ids, first_token, params)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_prefilled_batches(self, room: str, prompt_ids: list[int], first_token: FirstToken,
+                                         params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
+        """`generate_prefilled`, batched as `generate_batches` is."""
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         self._claim_room(room)
@@ -212,8 +232,9 @@ class Engine:
         request.token_ids.append(first_token.token_id)
         request.page_ids = pages
         request.num_computed = len(prompt_ids)
-        async for output in self._stream(request, _AddPrefilled(request, first_token)):
-            yield output
+        async with aclosing(self._stream(request, _AddPrefilled(request, first_token))) as batches:
+            async for batch in batches:
+                yield batch
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, room: str,
                       on_pages_filled: Callable[[list[int], int], None] | None = None) -> PrefillResult:
@@ -230,8 +251,9 @@ class Engine:
         request.prefill_only = True
         request.on_pages_filled = on_pages_filled
         result = None
-        async for item in self._stream(request, _Add(request)):
-            result = item
+        async with aclosing(self._stream(request, _Add(request))) as batches:
+            async for batch in batches:
+                result = batch[-1]
         if not isinstance(result, PrefillResult):
             raise RequestAborted(f"prefill of room {room!r} was aborted")
         return result
@@ -290,9 +312,10 @@ class Engine:
             frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids))
         return request
 
-    async def _stream(self, request: Request, command: _Command) -> AsyncIterator:
-        """Submit `command` for a request whose room is claimed; yield what the engine emits, with
-        the text of each token (made here, on the caller's loop, not on the engine thread)."""
+    async def _stream(self, request: Request, command: _Command) -> AsyncIterator[list]:
+        """Submit `command` for a request whose room is claimed; yield lists of what the engine
+        emitted (everything queued at the time), with the text of each token made here, on the
+        caller's loop, not on the engine thread."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request.emit = lambda item: self._deliveries[loop].append((outputs.put_nowait, item))
@@ -301,16 +324,20 @@ class Engine:
         self._inbox.put(command)
         done = False
         try:
-            while True:
+            while not done:
+                batch = []
                 item = await outputs.get()
-                if isinstance(item, TokenOutput) and item.token_id >= 0:
-                    item, stopped_here = _with_text(item, text)
-                    if stopped_here:  # a stop string: the engine does not know yet
-                        self._inbox.put(_Finish(request.room))
-                done = _is_last(item)
-                yield item
-                if done:
-                    return
+                while True:
+                    if isinstance(item, TokenOutput) and item.token_id >= 0:
+                        item, stopped_here = _with_text(item, text)
+                        if stopped_here:  # a stop string: the engine does not know yet
+                            self._inbox.put(_Finish(request.room))
+                    batch.append(item)
+                    done = _is_last(item)
+                    if done or outputs.empty():
+                        break
+                    item = outputs.get_nowait()
+                yield batch
         finally:
             if not done:
                 self.abort(request.room)
