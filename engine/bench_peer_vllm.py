@@ -11,9 +11,11 @@ Protocol (parent -> child, one JSON object per line):
   {"stop": true}                                          -> {"stopped": true}, then exit
 Errors come back as {"error": "..."}.
 
-A round measures decode the way the HF baseline does: generate(1 token) then generate(N tokens)
-on the same prompts with prefix caching off, so their difference is the time of N - 1 decode steps
-of the whole batch.
+A round measures decode the way pdserve's rounds do (engine.bench.PdserveSystem): all prompts are
+added to vLLM's LLMEngine at once and its step() loop is driven here, stamping every token as it
+comes out; decode time runs from the moment every request has its first token to the last token,
+and counts the tokens emitted after that moment (all of them from pure decode steps). Prefix
+caching is off, so every round prefills again.
 """
 
 from __future__ import annotations
@@ -42,25 +44,32 @@ class VllmSystem:
         self.llm = LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=longest + 16,
                        max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False, seed=0)
 
-    def _generate(self, n: int) -> list[list[int]]:
+    def round(self, index: int) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in self.prompts], params,
-                                    use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-    def round(self) -> dict:
-        t0 = time.perf_counter()
-        self._generate(1)
-        t1 = time.perf_counter()
-        tokens = self._generate(self.new_tokens)
-        t2 = time.perf_counter()
-        prefill, total = t1 - t0, t2 - t1
-        decoded = len(self.prompts) * (self.new_tokens - 1)
-        return {"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
-                "decode_tokens_per_s": decoded / (total - prefill), "tokens": tokens}
+        engine = self.llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=self.new_tokens, min_tokens=self.new_tokens,
+                                ignore_eos=True)
+        started = time.perf_counter()
+        for i, prompt in enumerate(self.prompts):
+            engine.add_request(f"r{index}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        stamps: dict[str, list[float]] = {}
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:  # cumulative outputs: the new tokens are the ones not seen yet
+                ids = list(output.outputs[0].token_ids)
+                seen = stamps.setdefault(output.request_id, [])
+                seen.extend([now] * (len(ids) - len(seen)))
+                tokens[output.request_id] = ids
+        all_first = max(s[0] for s in stamps.values())
+        last = max(s[-1] for s in stamps.values())
+        decoded = sum(1 for s in stamps.values() for t in s if t > all_first)
+        order = [f"r{index}-{i}" for i in range(len(self.prompts))]
+        return {"prefill_s": all_first - started, "decode_s": last - all_first, "decode_tokens": decoded,
+                "decode_tokens_per_s": decoded / (last - all_first), "tokens": [tokens[r] for r in order]}
 
 
 def main() -> int:
@@ -72,7 +81,7 @@ def main() -> int:
                 system = VllmSystem(message["model"], message["prompts"], message["new_tokens"], message["dtype"])
                 _reply({"ready": True})
             elif "round" in message:
-                _reply(system.round())  # type: ignore[union-attr]
+                _reply(system.round(message["round"]))  # type: ignore[union-attr]
             elif message.get("stop"):
                 _reply({"stopped": True})
                 return 0
