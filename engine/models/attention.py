@@ -1,10 +1,10 @@
 """Attention over the paged KV pool for one flattened batch of decode tokens and extend chunks.
 
 The batch's rows are laid out as: first `num_decode` decode tokens (one per sequence), then each
-extend span's new tokens back to back. Decode rows go through one batched
-`kernels.ops.paged_decode_attention` (or, on CPU when the sequences have similar lengths, the
-padded batch below); each extend span attends to its cached prefix (gathered from its pages)
-plus causally over its own new tokens.
+extend span's new tokens back to back. Decode rows go through one batched decode op (the engine's
+choice: the C++ kernel that reads the pages, or `kernels.ops.paged_decode_attention`, or on CPU
+when the sequences have similar lengths the padded batch below); each extend span attends to its
+cached prefix (gathered from its pages) plus causally over its own new tokens.
 """
 
 from __future__ import annotations
