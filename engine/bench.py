@@ -255,8 +255,14 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, rep
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels))
         children[name].wait_ready()
     if peer_python:
-        children["vllm"] = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
-        children["vllm"].wait_ready()
+        peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
+        try:
+            peer.wait_ready()
+        except RuntimeError:
+            for child in children.values():  # vLLM did not start: leave no engine process behind
+                child.stop()
+            raise
+        children["vllm"] = peer
     rounds: dict[str, list[dict]] = {name: [] for name in children}
     try:
         for index in range(repeats + 1):
