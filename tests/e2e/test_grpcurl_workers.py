@@ -28,6 +28,10 @@ def stream_messages(stdout: str) -> list[dict]:
     return messages
 
 
+def stream_tokens(messages: list[dict]) -> list[int]:
+    return [o["token_id"] for m in messages for o in m.get("outputs", [])]
+
+
 def test_grpcurl_lists_describes_and_calls_every_worker(cluster: Cluster, tiny_model):
     bootstrap = cluster.bootstrap()
     colocated, prefill, decode = cluster.start_many([
@@ -57,8 +61,9 @@ def test_grpcurl_lists_describes_and_calls_every_worker(cluster: Cluster, tiny_m
     body.update(room="grpcurl-2", prefill_address=prefill.address)
     pd_call = grpcurl(decode.address, "pdserve.v1.Worker/Generate", body=body)
     assert pd_call.returncode == 0, pd_call.stderr
-    tokens = [[o["token_id"] for o in m.get("outputs", [])] for m in stream_messages(pd_call.stdout)]
-    assert tokens == [[o["token_id"] for o in m.get("outputs", [])] for m in colocated_out]
+    # How tokens group into stream messages depends on how fast the reader drains the stream;
+    # the tokens themselves must match exactly.
+    assert stream_tokens(stream_messages(pd_call.stdout)) == stream_tokens(colocated_out)
 
     bad = grpcurl(colocated.address, "pdserve.v1.Worker/Generate",
                   body={"room": "bad", "prompt_token_ids": [], "sampling": {}})
