@@ -38,6 +38,8 @@ class ChaosConfig:
     max_tokens: int = field(default=32, metadata=_help("tokens each steady-load request generates (ignore_eos)"))
     hung_after: float = field(default=15.0, metadata=_help(
         "seconds after the later of its start and fault + lease bound with no answer: the request is hung"))
+    hung_wait: float = field(default=20.0, metadata=_help(
+        "seconds a hung request is still watched, to report whether (and when) it was answered late"))
     settle: float = field(default=45.0, metadata=_help(
         "seconds to wait for KV pages in use to return to idle before calling them leaked (longer than "
         "the 30 s transfer timeout, after which quarantined pages are freed)"))
@@ -50,6 +52,9 @@ class ChaosConfig:
         "seconds of no traffic in the idle scenario (gRPC keepalive policies bite after about 45 s)"))
     heartbeat_interval: float = field(default=1.0, metadata=_help(
         "workers' heartbeat interval (PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL in every child)"))
+    policy: str = field(default="round_robin", metadata=_help(
+        "gateway routing policy; round_robin spreads the load over every worker, so every fault meets "
+        "requests in flight and the recovery check reaches every worker"))
     num_pages: int = field(default=512, metadata=_help("KV pages per worker"))
     ready_timeout: float = field(default=180.0, metadata=_help("seconds a process may take to come up"))
     recovery_timeout: float = field(default=60.0, metadata=_help(

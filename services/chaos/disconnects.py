@@ -36,12 +36,12 @@ async def _cut_after(delay_s: float, request) -> bool:
 async def _one(url: str, body: dict, mode: str, rng: random.Random) -> bool:
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
         if mode == "whole":
-            return await _cut_after(rng.uniform(0.005, 0.6), http.post(f"{url}/v1/chat/completions", json=body))
+            return await _cut_after(rng.uniform(0.002, 0.6), http.post(f"{url}/v1/chat/completions", json=body))
         if mode == "before-first-token":
             async def open_stream() -> None:
                 async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                     await response.aread()
-            return await _cut_after(rng.uniform(0.0, 0.08), open_stream())
+            return await _cut_after(rng.uniform(0.002, 0.15), open_stream())
         events_before_cut = rng.randint(1, max(1, body["max_tokens"] - 1))
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             seen = 0
@@ -54,7 +54,7 @@ async def _one(url: str, body: dict, mode: str, rng: random.Random) -> bool:
 
 
 async def disconnect_clients(url: str, model: str, prompts: Sequence[str], *, count: int, max_tokens: int,
-                             seed: int, concurrency: int = 25) -> Counter:
+                             seed: int, concurrency: int = 4) -> Counter:
     """`count` requests, each dropped at a random point, `concurrency` at a time. Returns counts by
     `MODE` (cut) and `MODE completed` (finished before its cut point) and `errors`."""
     rng = random.Random(seed)

@@ -3,10 +3,11 @@
 Client i sends one request at a time, streaming when i is odd, cycling through the prompt set from
 its own offset. Every finished request lands in a `Tally`: succeeded (text equals the fault-free
 answer for that prompt), wrong (HTTP 200, complete, different text), failed_clear, failed_unclear
-(see client.py), or hung. A monitor cancels any request that has no answer `hung_after` seconds after
-the later of its start and `detectable_at` (which a scenario moves to fault + lease bound when it
-injects a fault) and counts it hung. After a failure a client waits a little before its next
-request, as a real one would, so a dead gateway is not hammered in a tight loop.
+(see client.py), or hung. A request is hung when it has no answer `hung_after` seconds after the
+later of its start and `detectable_at` (which a scenario moves to fault + lease bound when it injects
+a fault). A hung request is still watched for `hung_wait` more seconds, so the report can say whether
+it was answered late (and how) or never, then cancelled. After a failure a client waits a little
+before its next request, as a real one would, so a dead gateway is not hammered in a tight loop.
 """
 
 from __future__ import annotations
@@ -38,14 +39,18 @@ class Tally:
     wrong: int = 0
     errors: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    hung_details: list[str] = field(default_factory=list)
 
-    def record(self, reply: Reply, expected: str) -> None:
+    def record(self, reply: Reply, expected: str, detail: str = "") -> None:
         if reply.ok:
             if reply.text == expected:
                 self.succeeded += 1
                 return
             self.wrong += 1
-            self._note("wrong", f"expected {expected[:60]!r}, got {reply.text[:60]!r}")
+            at = next((i for i, (a, b) in enumerate(zip(expected, reply.text, strict=False)) if a != b),
+                      min(len(expected), len(reply.text)))
+            self._note("wrong", f"{detail}: differs from character {at}: expected ...{expected[at:at + 40]!r}, "
+                                f"got ...{reply.text[at:at + 40]!r}")
             return
         if reply.clear:
             self.failed_clear += 1
@@ -56,13 +61,14 @@ class Tally:
     def record_hung(self, detail: str) -> None:
         self.hung += 1
         self._note("hung", detail)
+        self.hung_details.append(detail)
 
     def _note(self, kind: str, detail: str) -> None:
         self.errors[kind] += 1
         self.examples.setdefault(kind, detail)
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set by identity
 class _InFlight:
     task: asyncio.Task
     started: float
@@ -75,10 +81,11 @@ class SteadyLoad:
     the Tally. `reference[i]` is the fault-free text of `prompts[i]`."""
 
     def __init__(self, url: str, model: str, prompts: Sequence[str], reference: Sequence[str], *,
-                 clients: int, max_tokens: int, hung_after: float) -> None:
+                 clients: int, max_tokens: int, hung_after: float, hung_wait: float) -> None:
         self.url, self.model = url, model
         self.prompts, self.reference = prompts, reference
-        self.clients, self.max_tokens, self.hung_after = clients, max_tokens, hung_after
+        self.clients, self.max_tokens = clients, max_tokens
+        self.hung_after, self.hung_wait = hung_after, hung_wait
         self.tally = Tally()
         self.detectable_at = 0.0  # monotonic time; see the module docstring
         self._stopping = False
@@ -145,11 +152,17 @@ class SteadyLoad:
                 except asyncio.CancelledError:
                     if not entry.hung:
                         raise  # the client itself is being cancelled
-                    self.tally.record_hung(entry.detail)
+                    self.tally.record_hung(f"{entry.detail}: no answer after {time.monotonic() - started:.0f}s")
                     continue
                 finally:
                     self._inflight.discard(entry)
-                self.tally.record(reply, self.reference[prompt_index])
+                if entry.hung:
+                    verdict = "ok" if reply.ok and reply.text == self.reference[prompt_index] else (
+                        "wrong" if reply.ok else reply.kind)
+                    self.tally.record_hung(f"{entry.detail}: answered after {time.monotonic() - started:.1f}s "
+                                           f"({verdict})")
+                    continue
+                self.tally.record(reply, self.reference[prompt_index], entry.detail)
                 if not reply.ok:
                     await asyncio.sleep(_BACKOFF_S)
 
@@ -157,7 +170,9 @@ class SteadyLoad:
         while True:
             now = time.monotonic()
             for entry in list(self._inflight):
-                if not entry.hung and now > self.deadline(entry.started):
+                deadline = self.deadline(entry.started)
+                if now > deadline:
                     entry.hung = True
+                if now > deadline + self.hung_wait:
                     entry.task.cancel()
             await asyncio.sleep(_MONITOR_PERIOD_S)

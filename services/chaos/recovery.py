@@ -135,7 +135,7 @@ async def check_recovery(dep: Deployment, prompts: Sequence[str], reference: Seq
                 if isinstance(reply, BaseException):
                     recovery.tally.record_hung(f"recovery request for prompt {index}: {type(reply).__name__}")
                 else:
-                    recovery.tally.record(reply, reference[index])
+                    recovery.tally.record(reply, reference[index], f"recovery request, prompt {index}")
             now = await read_all(dep)
             for name in list(pending):
                 was, is_ = before.get(name), now.get(name)

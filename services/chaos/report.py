@@ -2,7 +2,8 @@
 
 Fields (the JSON keys):
 - sent, succeeded, failed_clear, failed_unclear, hung, wrong: the steady load's requests during the
-  scenario (load.py, client.py). `errors` counts failures by kind, `examples` shows one of each.
+  scenario (load.py, client.py). `errors` counts failures by kind, `examples` shows one of each,
+  `hung_details` says of each hung request whether it was answered late, how, or never.
 - pages_leaked: KV pages still in use after the settle period on the surviving workers, above what
   each held when the scenario started (0 for a worker started during it); `pages_in_use` has the
   absolute values per worker (idle value 0).
@@ -42,6 +43,7 @@ class Row:
     disconnects: dict[str, int] | None = None
     errors: dict[str, int] = field(default_factory=dict)
     examples: dict[str, str] = field(default_factory=dict)
+    hung_details: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     skipped: str | None = None
@@ -86,6 +88,11 @@ def to_table(rows: Sequence[Row]) -> str:
         if row.errors:
             kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(row.errors.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {label} failures: {kinds}")
+        if "wrong" in row.examples:
+            lines.append(f"  {label} wrong: {row.examples['wrong']}")
+        if row.hung_details:
+            shown = "; ".join(row.hung_details[:4]) + (" ..." if len(row.hung_details) > 4 else "")
+            lines.append(f"  {label} hung: {shown}")
         lines += [f"  {label} note: {note}" for note in row.notes]
     return "\n".join(lines)
 

@@ -70,7 +70,7 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     row = Row(scenario.name, dep.backend)
     baseline = await baseline_of(dep)
     load = SteadyLoad(dep.url, dep.model_name, prompts, reference, clients=cfg.clients,
-                      max_tokens=cfg.max_tokens, hung_after=cfg.hung_after)
+                      max_tokens=cfg.max_tokens, hung_after=cfg.hung_after, hung_wait=cfg.hung_wait)
     ctx = FaultContext(dep, load, cfg, prompts)
     load.start()
     try:
@@ -86,7 +86,7 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
                                     timeout_s=cfg.recovery_timeout)
     row.sent, row.succeeded, row.wrong = tally.sent, tally.succeeded, tally.wrong
     row.failed_clear, row.failed_unclear, row.hung = tally.failed_clear, tally.failed_unclear, tally.hung
-    row.errors, row.examples = dict(tally.errors), dict(tally.examples)
+    row.errors, row.examples, row.hung_details = dict(tally.errors), dict(tally.examples), tally.hung_details
     row.pages_leaked, row.pages_in_use = settled.pages_leaked, settled.in_use
     row.leak_detections = settled.leak_detections
     row.recovered, row.not_recovered = recovery.recovered, recovery.not_recovered
