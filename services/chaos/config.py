@@ -47,9 +47,11 @@ class ChaosConfig:
         "seconds a worker stays SIGSTOPped; 0 = lease bound + hung bound + 2"))
     network_cut: float = field(default=0.0, metadata=_help(
         "seconds a worker's network stays cut; 0 = lease bound + hung bound + 2"))
-    registry_down: float = field(default=5.0, metadata=_help("seconds the registry stays down when restarted"))
-    idle: float = field(default=60.0, metadata=_help(
-        "seconds of no traffic in the idle scenario (gRPC keepalive policies bite after about 45 s)"))
+    registry_down: float = field(default=20.0, metadata=_help(
+        "seconds the registry stays down when restarted (long enough for gRPC reconnect backoff to grow)"))
+    idle: float = field(default=45.0, metadata=_help(
+        "seconds of no traffic in the idle scenario (gRPC's default ping policy cuts idle channels after "
+        "three 10 s keepalive pings)"))
     heartbeat_interval: float = field(default=1.0, metadata=_help(
         "workers' heartbeat interval (PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL in every child)"))
     policy: str = field(default="round_robin", metadata=_help(

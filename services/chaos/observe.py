@@ -5,6 +5,8 @@
   live); None where a worker does not expose it yet.
 - work served: a prefill counts `pdserve:prompt_tokens_total` (it has no finished requests), a decode
   `pdserve:request_success_total` without aborts. A counter that grew means the worker served.
+- the gateway's `pdserve:gateway_retries_total{reason}`: attempts that failed on a worker and were
+  retried on another; the client never sees them, so they are read here.
 Scrapes are async (a frozen worker accepts the connection and never answers), bounded by a timeout.
 """
 
@@ -57,3 +59,16 @@ async def read_worker(service: Service, role: str) -> WorkerReading | None:
     return WorkerReading(pages_used=sum_samples(samples, PAGES_USED) or 0.0,
                          leak_detections=sum_samples(samples, LEAK_DETECTIONS),
                          served=served_from(samples, role))
+
+
+async def gateway_retries(gateway: Service) -> dict[str, float] | None:
+    """Retried attempts by reason, or None if the gateway's /metrics did not answer."""
+    samples = await scrape_service(gateway)
+    if samples is None:
+        return None
+    retries = {}
+    for key, value in samples.items():
+        if key.startswith("pdserve:gateway_retries_total{") and 'reason="' in key:
+            reason = key.split('reason="', 1)[1].split('"', 1)[0]
+            retries[reason] = retries.get(reason, 0.0) + value
+    return retries

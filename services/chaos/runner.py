@@ -21,6 +21,7 @@ from services.chaos.config import ChaosConfig
 from services.chaos.deployment import Deployment
 from services.chaos.load import SteadyLoad, Tally
 from services.chaos.netns import NetnsUnavailable, NetworkNamespace
+from services.chaos.observe import gateway_retries
 from services.chaos.processes import NotReady, ProcessGroup
 from services.chaos.recovery import Recovery, Settled, baseline_of, check_recovery, settle_pages
 from services.chaos.reference import NoReferenceAnswer, collect_reference
@@ -60,6 +61,9 @@ def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery
     failed = tally.failed_clear + tally.failed_unclear
     if failed and not scenario.failures_allowed:
         row.problems.append(f"{failed} requests failed although every worker stayed up")
+    if row.gateway_retries and not scenario.failures_allowed:
+        row.problems.append(f"the gateway retried {sum(row.gateway_retries.values())} attempts although every "
+                            f"worker stayed up ({row.gateway_retries})")
     elif tally.failed_unclear and not scenario.unclear_allowed:
         row.problems.append(f"{tally.failed_unclear} requests failed without a clear error")
 
@@ -69,6 +73,7 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     started = time.monotonic()
     row = Row(scenario.name, dep.backend)
     baseline = await baseline_of(dep)
+    gateway_before, retries_before = dep.gateway, await gateway_retries(dep.gateway) or {}
     load = SteadyLoad(dep.url, dep.model_name, prompts, reference, clients=cfg.clients,
                       max_tokens=cfg.max_tokens, hung_after=cfg.hung_after, hung_wait=cfg.hung_wait)
     ctx = FaultContext(dep, load, cfg, prompts)
@@ -81,6 +86,10 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     except BaseException:
         await load.abort()
         raise
+    retries_after = await gateway_retries(dep.gateway) or {}
+    if dep.gateway is gateway_before:  # a restarted gateway counts from 0
+        retries_after = {k: v - retries_before.get(k, 0.0) for k, v in retries_after.items()}
+    row.gateway_retries = {k: int(v) for k, v in retries_after.items() if v > 0}
     settled = await settle_pages(dep, baseline, cfg.settle)
     recovery = await check_recovery(dep, prompts, reference, max_tokens=cfg.max_tokens,
                                     timeout_s=cfg.recovery_timeout)
