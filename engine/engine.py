@@ -245,6 +245,11 @@ class Engine:
             running_tokens=sum(r.num_tokens for r in list(scheduler.running)),
             generated_tokens=self._generated_tokens, steps=self._steps)
 
+    def live_rooms(self) -> set[str]:
+        """Rooms of the requests the engine is working on now (a snapshot; PD holds not included)."""
+        with self._rooms_lock:
+            return set(self._live_rooms)
+
     def is_live(self, room: str) -> bool:
         """Whether `room` is a request the engine is still working on (or holds pages for)."""
         with self._rooms_lock:

@@ -98,6 +98,11 @@ class PageManager:
         with self._lock:
             return room in self._by_room
 
+    def pages_by_room(self) -> dict[str, int]:
+        """How many pages each reservation or hold has (a snapshot)."""
+        with self._lock:
+            return {room: len(pages) for room, pages in self._by_room.items()}
+
     @property
     def num_rooms(self) -> int:
         return len(self._by_room)

@@ -70,6 +70,14 @@ MOONCAKE_MAX_QUEUED_PER_PEER = EnvVar(
     "PDSERVE_MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER", 32768,
     "Mooncake TCP transport's per-peer queue limit (its default, 1024, rejects large batches; it "
     "ignores values above 65535 and falls back to 1024).")
+CLUSTER_SECRET = EnvVar(
+    "PDSERVE_CLUSTER_SECRET", "",
+    "The deployment's shared secret: every gRPC call carries it and every server checks it "
+    "(or `--cluster-secret-file`). Empty = no authentication.")
+GRPC_KEEPALIVE_TIME = EnvVar(
+    "PDSERVE_GRPC_KEEPALIVE_TIME", 10.0,
+    "Seconds between keepalive pings on every gRPC connection; a peer that does not answer within "
+    "half of it is cut off (its calls fail at once). Servers accept pings at twice this rate.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

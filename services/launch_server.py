@@ -10,11 +10,14 @@ import argparse
 import asyncio
 import logging
 
+import grpc
+
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.worker.config import WorkerConfig
+from services.worker.leak_detector import LeakDetector
 from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger("pdserve.worker")
@@ -32,18 +35,23 @@ def main(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
+    code = 0
     try:
         asyncio.run(serve(runtime))
     except OSError as exc:
         log.error("%s worker failed to start: %s", config.role, exc)
-        return 1
+        code = 1
+    except grpc.aio.AioRpcError as exc:  # the registry refused us (bad secret, layout mismatch, ...)
+        log.error("%s worker: registry %s refused it: %s %s", config.role, config.bootstrap,
+                  exc.code().name, exc.details())
+        code = 1
     finally:
         if runtime.backend is not None:
             # NIXL agents crash at interpreter exit: the backend is closed; leave without the teardown.
             from libkv.transfer import exit_process
             logging.shutdown()
-            exit_process(0)
-    return 0
+            exit_process(code)
+    return code
 
 
 def _binding(runtime: WorkerRuntime) -> ServiceBinding:
@@ -68,18 +76,21 @@ async def serve(runtime: WorkerRuntime) -> None:
     try:
         runtime.start_metrics()
         binding = _binding(runtime)
-        server = await start_grpc_server([binding], config.host, config.port)
+        server = await start_grpc_server([binding], config.host, config.port, security=config.security)
         await runtime.register(server.address)
-        background = []
+        detector = LeakDetector(runtime.engine, binding.servicer.live_rooms,
+                                lambda leak: runtime.metrics.leak_detections.inc())
+        background = [asyncio.create_task(detector.run())]
         if config.role == "decode":
             background.append(asyncio.create_task(_log_loop(runtime)))
             if runtime.registry is not None:
                 background.append(asyncio.create_task(binding.servicer.watch_prefills(runtime.registry)))
         layout = runtime.engine.kv_layout
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens, "
-                 "transfer backend %s", config.role, server.address, runtime.metrics_server.port,
+                 "transfer backend %s, %s", config.role, server.address, runtime.metrics_server.port,
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
-                 config.disaggregation_transfer_backend if runtime.backend else "none")
+                 config.disaggregation_transfer_backend if runtime.backend else "none",
+                 config.security.describe())
         received = await shutdown.wait()
         log.info("%s worker got %s: shutting down", config.role, received.name)
         for task in background:

@@ -9,13 +9,16 @@ while they come up; it is ready once the gateway's /health says a (prefill, deco
 serve. Then it prints the URL and a curl command, and waits. Ctrl-C (or SIGTERM) stops the
 gateway, the workers and the registry in that order; a child that does not stop within the grace
 period is killed. The built-in tiny model is written first if the default path is missing.
-Logs: one file per process in --log-dir.
+Logs: one file per process in --log-dir. The control plane is authenticated: unless
+PDSERVE_CLUSTER_SECRET is set, a random cluster secret is made for this run and given to every
+child only (nothing else on the machine can call their gRPC APIs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve import envs
 from services.gateway.launcher import Child, ChildFailed, start_child, stop_children
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
@@ -109,9 +113,10 @@ def main(args: argparse.Namespace) -> int:
     model_path = str(args.model_path)
     children: list[Child] = []
     started = time.monotonic()
+    env = {envs.CLUSTER_SECRET.name: envs.CLUSTER_SECRET.get() or secrets.token_urlsafe(32)}
     try:
         say(f"starting bootstrap registry (logs in {args.log_dir}/) ...")
-        registry = start_child("bootstrap", ["bootstrap", "--host", args.host, "--port", "0"], args.log_dir)
+        registry = start_child("bootstrap", ["bootstrap", "--host", args.host, "--port", "0"], args.log_dir, env)
         children.append(registry)
         registry.wait_ready(args.ready_timeout, lambda: bool(stop))
         say(f"  bootstrap ready on {registry.address}")
@@ -125,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
                 worker = start_child(name, [
                     "launch-server", "--model-path", model_path, "--disaggregation-mode", role,
                     "--disaggregation-transfer-backend", args.transfer_backend, "--host", args.host,
-                    "--port", "0", "--bootstrap", registry.address, *threads], args.log_dir)
+                    "--port", "0", "--bootstrap", registry.address, *threads], args.log_dir, env)
                 workers.append(worker)
                 children.append(worker)
         for worker in workers:
@@ -135,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         say("starting gateway ...")
         gateway = start_child("gateway", [
             "launch-router", "--model-path", model_path, "--bootstrap", registry.address, "--host", args.host,
-            "--port", str(args.port), "--policy", args.policy], args.log_dir)
+            "--port", str(args.port), "--policy", args.policy], args.log_dir, env)
         children.append(gateway)
         gateway.wait_ready(args.ready_timeout, lambda: bool(stop))
         base = f"http://{args.host}:{gateway.port}"

@@ -216,6 +216,8 @@ class PrefillServicer:
         of the prompt goes to dst_page_ids[i]) through `dst`, and returns the first sampled token once
         every page has landed in decode's memory. Cancelling the call stops the work; no write into
         decode's pages happens after the cancellation has been processed (see Abort).
+        Before writing anything, prefill checks through the transfer engine that decode reserved
+        exactly these pages for this room and grant: PERMISSION_DENIED otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

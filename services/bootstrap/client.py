@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
+from services.common.channels import open_channel
+from services.common.security import GrpcSecurity
 
 log = logging.getLogger("pdserve.registry_client")
 
@@ -46,7 +48,7 @@ class RegistryClient:
     """A client of pdserve.v1.Bootstrap for one worker (register/heartbeat/deregister) or one
     gateway (list/watch). Create it inside the event loop that will use it."""
 
-    def __init__(self, address: str, *, rpc_timeout_s: float = 5.0,
+    def __init__(self, address: str, *, security: GrpcSecurity | None = None, rpc_timeout_s: float = 5.0,
                  on_registered: Callable[[str], None] | None = None) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
@@ -56,7 +58,7 @@ class RegistryClient:
         self._worker: bootstrap_pb2.WorkerInfo | None = None
         self._load: Callable[[], common_pb2.WorkerLoad] | None = None
         self._heartbeat_task: asyncio.Task | None = None
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_channel(address, security or GrpcSecurity())
         self._stub = bootstrap_pb2_grpc.BootstrapStub(self._channel)
 
     async def __aenter__(self) -> RegistryClient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve import envs
+from services.common.security import GrpcSecurity
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class BootstrapConfig:
         "help": "missed heartbeats after which a worker's lease expires"})
     grace_period: float = field(default=5.0, metadata={
         "help": "seconds in-flight RPCs get to finish on SIGINT/SIGTERM"})
+    security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:

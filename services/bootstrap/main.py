@@ -48,9 +48,9 @@ async def serve(config: BootstrapConfig) -> None:
         server = await start_grpc_server(
             [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
                             bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],
-            config.host, config.port)
-        log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs", server.address,
-                 metrics.port, registry.ttl_s)
+            config.host, config.port, security=config.security)
+        log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs, %s", server.address,
+                 metrics.port, registry.ttl_s, config.security.describe())
         received = await shutdown.wait()
         log.info("bootstrap registry got %s: shutting down", received.name)
         await registry.close()  # ends the Watch streams, which would otherwise hold the grace period

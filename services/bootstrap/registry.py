@@ -324,6 +324,8 @@ class Registry:
         problems = []
         if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
             problems.append("role is unspecified")
+        elif worker.role not in common_pb2.WorkerRole.values():
+            problems.append(f"role {worker.role} is not a known WorkerRole")
         if not worker.model:
             problems.append("model is empty")
         host, _, port = worker.grpc_address.rpartition(":")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc
+from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
 from services.bootstrap.registry import (
     InvalidWorker,
     LeaseNotFound,
@@ -56,10 +56,12 @@ class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):
 
     async def List(self, request: bootstrap_pb2.ListRequest, context: grpc.aio.ServicerContext
                    ) -> bootstrap_pb2.ListResponse:
+        await _check_role_filter(request.role, context)
         return bootstrap_pb2.ListResponse(workers=self._registry.list(request.role, request.model))
 
     async def Watch(self, request: bootstrap_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
+        await _check_role_filter(request.role, context)
         watcher = self._registry.watch(request.role, request.model)
         try:
             async for event in watcher:
@@ -68,3 +70,8 @@ class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}: watch again")
         finally:
             watcher.close()
+
+
+async def _check_role_filter(role: int, context: grpc.aio.ServicerContext) -> None:
+    if role not in common_pb2.WorkerRole.values():
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {role} is not a known WorkerRole")

@@ -3,7 +3,9 @@
 A field `heartbeat_interval: float = field(default_factory=envs.HEARTBEAT_INTERVAL.get,
 metadata={"help": "..."})` becomes `--heartbeat-interval FLOAT` whose default is the field's
 default (a factory is called when the parser is built, so environment knobs are read at start-up,
-not on import). bool fields become `--flag/--no-flag`.
+not on import). bool fields become `--flag/--no-flag`. A field whose type is itself a config
+dataclass (a sub-config shared by several services, e.g. GrpcSecurity) contributes its own fields'
+flags, unprefixed, and is rebuilt from them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
     """Add one `--field-name` flag per field of `config_cls` (a dataclass)."""
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            add_config_arguments(parser, hints[f.name])
+            continue
         kind, nullable = _scalar_type(hints[f.name])
         default = field_default(f)
         flag = "--" + f.name.replace("_", "-")
@@ -58,4 +65,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
 
 def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
     """Build `config_cls` from the flags `add_config_arguments` added."""
-    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+    hints = typing.get_type_hints(config_cls)
+    values = {}
+    for f in dataclasses.fields(config_cls):
+        if not f.init:
+            continue
+        sub = hints[f.name]
+        values[f.name] = config_from_args(sub, args) if dataclasses.is_dataclass(sub) else getattr(args, f.name)
+    return config_cls(**values)

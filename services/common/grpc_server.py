@@ -26,9 +26,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.keepalive import server_options
+from services.common.security import GrpcSecurity
+
 # SO_REUSEPORT (gRPC's default) would let a second server bind a port that is in use and silently
 # share its traffic; a port conflict must fail loudly instead.
-DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (("grpc.so_reuseport", 0),)
+_NO_REUSEPORT: tuple[tuple[str, Any], ...] = (("grpc.so_reuseport", 0),)
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,20 @@ class GrpcServer:
 
 
 async def start_grpc_server(services: Sequence[ServiceBinding], host: str, port: int, *,
-                            options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS) -> GrpcServer:
+                            security: GrpcSecurity | None = None,
+                            options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
     """Build a `grpc.aio.server()` with `services`, health and reflection; bind host:port; start.
 
-    Raises OSError if the address cannot be bound.
+    The server follows the deployment's keepalive policy (services.common.keepalive), checks the
+    cluster secret on every call but health checks, and serves TLS when `security` has a
+    certificate. `options` add to or override the defaults. Raises OSError if the address cannot
+    be bound.
     """
-    server = grpc.aio.server(options=list(options))
+    security = security or GrpcSecurity()
+    merged = dict(server_options())
+    merged.update(_NO_REUSEPORT)
+    merged.update(options)
+    server = grpc.aio.server(options=list(merged.items()), interceptors=security.server_interceptors())
     for binding in services:
         binding.add_to_server(binding.servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -85,8 +96,12 @@ async def start_grpc_server(services: Sequence[ServiceBinding], host: str, port:
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
+    credentials = security.server_credentials()
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound_port = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound_port = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as exc:  # grpc raises RuntimeError when binding fails
         raise OSError(f"cannot bind gRPC server to {host}:{port}: {exc}") from exc
     if bound_port == 0:

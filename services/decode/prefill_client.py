@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
+from urllib.parse import urlsplit
 
 import grpc
 
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
-from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.convert import sampling_to_proto
+from protos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.channels import open_channel
+from services.common.security import GrpcSecurity
 
 log = logging.getLogger("pdserve.decode")
 
 # Codes whose message the client must see as-is: retrying elsewhere would fail the same way.
 _PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                  grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-# Keepalive pings find a prefill host that vanished without closing its connections.
-_CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                    ("grpc.keepalive_permit_without_calls", 1)]
+_CONNECT_PROBE_S = 2.0
 
 
 class PrefillFailed(RuntimeError):
@@ -32,28 +33,33 @@ class PrefillFailed(RuntimeError):
         self.stage = stage
 
 
+class AbortOutcome(enum.Enum):
+    """What decode learned from asking a prefill to stop a room."""
+
+    CONFIRMED = "confirmed"  # the prefill answered: none of the room's writes can still land
+    GONE = "gone"            # nothing listens at its address any more: its process is gone
+    UNKNOWN = "unknown"      # no answer (frozen, partitioned, overloaded): writes may still land
+
+
 class PrefillClients:
     """Cached channels to prefill workers, keyed by their gRPC address."""
 
-    def __init__(self, abort_timeout_s: float) -> None:
+    def __init__(self, abort_timeout_s: float, security: GrpcSecurity | None = None) -> None:
         self.abort_timeout_s = abort_timeout_s
+        self.security = security or GrpcSecurity()
         self._stubs: dict[str, worker_pb2_grpc.PrefillStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = open_channel(address, self.security)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.PrefillStub(channel)
         return stub
 
-    async def prefill(self, address: str, *, room: str, prompt: list[int], params: SamplingParams,
-                      dst_page_ids: list[int], dst: common_pb2.TransferEndpoint, decode_worker_id: str,
-                      model: str, timeout_s: float) -> FirstToken:
-        request = worker_pb2.PrefillRequest(
-            room=room, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-            dst_page_ids=dst_page_ids, dst=dst, decode_worker_id=decode_worker_id, model=model)
+    async def prefill(self, address: str, request: worker_pb2.PrefillRequest, params: SamplingParams,
+                      timeout_s: float) -> FirstToken:
         try:
             response = await self._stub(address).Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -61,25 +67,48 @@ class PrefillClients:
             stage = "bootstrap" if code == grpc.StatusCode.FAILED_PRECONDITION else "prefill"
             if code in _PASS_THROUGH:
                 raise PrefillFailed(f"prefill {address}: {exc.details()}", code, stage) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise PrefillFailed(f"prefill_address {address} does not serve pdserve.v1.Prefill",
+                                    grpc.StatusCode.INVALID_ARGUMENT, stage) from None
             raise PrefillFailed(f"prefill {address} failed ({code.name}): {exc.details()}",
                                 grpc.StatusCode.UNAVAILABLE, stage) from None
         first = response.first_token
         return FirstToken(token_id=first.token_id, logprob=first.logprob if params.logprobs else None,
                           top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs])
 
-    async def abort(self, address: str, room: str) -> bool:
-        """Ask prefill to stop `room`. True once it guarantees no more writes for it (or is gone, and
-        so cannot write); False if it did not answer in time."""
+    async def abort(self, address: str, room: str) -> AbortOutcome:
+        """Ask prefill to stop `room`; says whether any of its writes can still land.
+
+        An answer (even UNIMPLEMENTED: no Prefill service there, so nothing writes for the room)
+        confirms. No answer is proof of nothing: a frozen process keeps its listening socket, and
+        a partition heals, so an UNAVAILABLE call is followed by a plain TCP connect: only a
+        refused connection means the process is gone."""
         try:
             await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
-            return True
+            return AbortOutcome.CONFIRMED
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return True  # the process is gone: nothing of it can write any more
-            log.error("room %s: prefill %s did not confirm the abort (%s: %s); its pages stay "
-                      "quarantined for one transfer timeout", room, address, exc.code().name, exc.details())
-            return False
+            code = exc.code()
+            if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
+                return AbortOutcome.CONFIRMED  # not our prefill: it never wrote for this room
+            if code == grpc.StatusCode.UNAVAILABLE and await _connection_refused(address):
+                return AbortOutcome.GONE
+            log.debug("room %s: prefill %s did not confirm the abort (%s: %s)", room, address,
+                      code.name, exc.details())
+            return AbortOutcome.UNKNOWN
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+async def _connection_refused(address: str) -> bool:
+    try:
+        parts = urlsplit(f"grpc://{address}")
+        host, port = parts.hostname, parts.port
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CONNECT_PROBE_S)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return False  # unreachable or slow: it may still be alive
+    writer.close()
+    return False

@@ -8,10 +8,10 @@ One request, as ARCHITECTURE.md draws it:
   waiting   the engine takes the reserved pages and the first token...
   running   ...and the request decodes in the running batch; tokens stream back.
 
-Failure: if the Prefill call fails, is cancelled or times out, decode first makes sure no write
-can still land (Prefill.Abort, which returns only when the prefill side has stopped writing, or
-the prefill process is gone), then frees the reserved pages and reports UNAVAILABLE, which the
-gateway may retry on another pair. Cancelling Generate (client gone) takes the same path.
+Failure: if the Prefill call fails, is cancelled, times out, or the prefill's registry lease
+expires (it froze or was cut off), decode answers UNAVAILABLE at once (the gateway may retry on
+another pair) and hands the reserved pages to the quarantine (quarantine.py), which frees them
+once no write of the room can still land. Cancelling Generate (client gone) takes the same path.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import grpc
 from engine.outputs import FirstToken
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.bootstrap.client import RegistryClient
-from services.common.convert import endpoint_to_proto
+from services.common.convert import endpoint_to_proto, sampling_to_proto
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
+from services.decode.quarantine import PageQuarantine
 from services.worker.relay import relay_tokens
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
@@ -50,11 +51,21 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         self.config = runtime.config
         self.queues = runtime.queues
         self.prealloc = PreallocQueue(self.engine)
-        self.prefills = PrefillClients(abort_timeout_s=self.config.transfer_timeout)
+        # An Abort waits until the prefill stopped every write, which is bounded by one write's timeout.
+        self.prefills = PrefillClients(abort_timeout_s=self.config.transfer_timeout + 5.0,
+                                       security=self.config.security)
+        self.quarantine = PageQuarantine(self.engine, self.backend, self.prefills,
+                                         give_up_s=self.config.quarantine_timeout)
+        runtime.metrics.gauge("kv_quarantined_rooms", "Failed requests whose pages wait for their prefill "
+                              "to confirm that no KV write can still land", lambda: len(self.quarantine.rooms()))
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._tasks: dict[str, asyncio.Task] = {}
         self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
         self._lost: dict[str, str] = {}  # room -> why its prefill was given up on
+
+    def live_rooms(self) -> set[str]:
+        """Rooms this servicer is working on or keeps quarantined (for the leak detector)."""
+        return set(self._tasks) | self.quarantine.rooms()
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
@@ -89,10 +100,13 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         self.queues.move(room, "transfer")
         # Declares which pages this room may write (two-sided engines post receives into them).
         self.backend.expect(room, pages)
-        call = asyncio.ensure_future(self.prefills.prefill(
-            prefill_address, room=room, prompt=prompt, params=params, dst_page_ids=pages,
+        prefill_request = worker_pb2.PrefillRequest(
+            room=room, prompt_token_ids=prompt, sampling=sampling_to_proto(params), dst_page_ids=pages,
             dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
-            model=self.config.model_name, timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
+            model=self.config.model_name)
+        call = asyncio.ensure_future(self.prefills.prefill(
+            prefill_address, prefill_request, params,
+            timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
         self._calls[room] = (prefill_address, call)
         try:
             await asyncio.wait({call})  # not `await call`: a watcher cancelling the call is a failure, not ours
@@ -102,33 +116,19 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             first = call.result()
         except PrefillFailed as exc:
             self.runtime.metrics.failure(exc.stage)
-            await self._release_after_abort(room, prefill_address)
+            self.quarantine.hold(room, prefill_address)
             log.warning("room %s: %s", room, exc)
             await context.abort(exc.code, f"room {room}: {exc}",
                                 trailing_metadata=((FAILED_PEER_KEY, prefill_address),))
-        except BaseException:  # cancelled (client gone, shutdown): stop prefill before freeing pages
+        except BaseException:  # cancelled (client gone, shutdown): stop prefill, free pages when safe
             call.cancel()
-            await asyncio.shield(self._release_after_abort(room, prefill_address))
+            self.quarantine.hold(room, prefill_address)
             raise
         finally:
             self._calls.pop(room, None)
             self._lost.pop(room, None)
         self.backend.release_expectation(room)
         return first
-
-    async def _release_after_abort(self, room: str, prefill_address: str) -> None:
-        """Free a room's reserved pages once no write for it can land any more.
-
-        If the prefill confirms its abort (or is gone), that is now. If it cannot confirm (alive
-        but unresponsive), the pages stay quarantined for one transfer timeout: every write the
-        prefill issued is bounded by it, after which its backend has given the write up.
-        """
-        confirmed = await self.prefills.abort(prefill_address, room)
-        self.backend.release_expectation(room)
-        if confirmed:
-            self.engine.release(room)
-        else:
-            asyncio.get_running_loop().call_later(self.config.transfer_timeout, self.engine.release, room)
 
     async def watch_prefills(self, registry: RegistryClient) -> None:
         """Fail the Prefill calls of a prefill whose registry lease expired (it stopped heartbeating:

@@ -67,13 +67,14 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when some worker can serve the model now, else 503 (a readiness check)."""
+        """200 when the gateway can serve the model now, else 503 (a readiness check): see
+        GatewayState.readiness."""
         workers = {role: 0 for role in ("prefill", "decode", "colocated")}
         for worker in state.pool.all():
             workers[worker.role] = workers.get(worker.role, 0) + 1
-        _, servable = state.router.candidates(state.model_name)
-        if not servable:
-            body = error_body(503, f"no healthy workers for model {state.model_name!r}", code="no_healthy_workers")
+        not_ready = state.readiness()
+        if not_ready is not None:
+            body = error_body(503, not_ready, code="no_healthy_workers")
             return JSONResponse({**body, "workers": workers}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.model_name, "workers": workers})
 

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve import envs
+from services.common.security import GrpcSecurity
 from services.gateway.addresses import grpc_address
 
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -73,6 +75,11 @@ class GatewayConfig:
     abort_timeout: float = field(default=2.0, metadata=_help("seconds an explicit Worker.Abort may take"))
     graceful_shutdown: float = field(default=5.0, metadata=_help(
         "seconds open requests get on SIGINT/SIGTERM"))
+    registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
+        envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
+        "seconds a worker stays routable after a restarted registry came back without it (workers "
+        "register again within one heartbeat interval); default: heartbeat interval x (max failures + 1)"))
+    security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
         if not self.model_path:

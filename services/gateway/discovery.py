@@ -6,8 +6,19 @@ and leaves take effect without a restart. Only workers of the served model are r
 gateway tokenizes with that model's tokenizer); others are logged once and ignored. A static
 worker stays in the pool even if the registry reports it gone.
 
-Health probes: a worker whose circuit is half-open (cool-down over) gets a gRPC health check; a
-SERVING answer closes the circuit, anything else opens it again for another cool-down.
+LEFT depends on its reason:
+- "lease expired": the worker stopped heartbeating (frozen, cut off). It is removed and the calls
+  open on it are cut, so they fail or retry now instead of waiting for a worker that may never
+  answer.
+- "left while the registry was unreachable": the registry came back without it, which after a
+  registry restart is true of every worker until it registers again (within one heartbeat
+  interval). So it stays routable for `rejoin_grace_s` and is removed only if it has not
+  rejoined by then.
+- "deregistered", "replaced": removed; calls already open on it finish (graceful shutdown).
+
+Health probes: a worker whose circuit is half-open (cool-down over), or that has not answered
+yet, gets a gRPC health check; a SERVING answer closes the circuit and marks it reachable
+(readiness counts only reachable workers), anything else opens it again for another cool-down.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.v1 import bootstrap_pb2
-from services.bootstrap.client import RegistryClient
+from services.bootstrap.client import REASON_UNREACHABLE, RegistryClient
+from services.common.security import GrpcSecurity
 from services.gateway.config import StaticWorker
 from services.gateway.workers import ROLE_FROM_PROTO, ReportedLoad, WorkerHandle, WorkerPool
 
@@ -40,17 +52,21 @@ def add_static_workers(pool: WorkerPool, workers: Iterable[StaticWorker], model:
 class RegistryDiscovery:
     """Keeps `pool` equal to the registry's workers of `model` (plus the static ones)."""
 
-    def __init__(self, pool: WorkerPool, registry_address: str, model: str) -> None:
+    def __init__(self, pool: WorkerPool, registry_address: str, model: str, *,
+                 security: GrpcSecurity | None = None, rejoin_grace_s: float = 15.0) -> None:
         self.pool = pool
         self.registry_address = registry_address
         self.model = model
+        self.security = security or GrpcSecurity()
+        self.rejoin_grace_s = rejoin_grace_s
         self.synced = asyncio.Event()
         self._ignored_models: set[str] = set()
         self._client: RegistryClient | None = None
         self._task: asyncio.Task | None = None
+        self._pending_removal: dict[str, asyncio.TimerHandle] = {}  # address -> deferred removal
 
     def start(self) -> None:
-        self._client = RegistryClient(self.registry_address)
+        self._client = RegistryClient(self.registry_address, security=self.security)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="registry-watch")
 
     async def _run(self) -> None:
@@ -82,16 +98,46 @@ class RegistryDiscovery:
                 log.warning("ignoring workers of model %r: this gateway serves %r (its tokenizer)",
                             info.model, self.model)
             return
+        address = info.grpc_address
         if event.type in (_JOINED, _UPDATED):
-            self.pool.add(info.grpc_address, role, info.model, worker_id=info.worker_id,
+            pending = self._pending_removal.pop(address, None)
+            if pending is not None:
+                pending.cancel()
+                log.info("worker %s %s is back in the registry", role, address)
+            self.pool.add(address, role, info.model, worker_id=info.worker_id,
                           reported=ReportedLoad.from_proto(info.load))
         elif event.type == _LEFT:
-            current = self.pool.get(info.grpc_address)
+            current = self.pool.get(address)
             # a LEFT for an older process at the same address must not remove its successor
-            if current is not None and not current.static and current.worker_id in ("", info.worker_id):
-                self.pool.remove(info.grpc_address, reason=event.reason or "left")
+            if current is None or current.static or current.worker_id not in ("", info.worker_id):
+                return
+            if event.reason == REASON_UNREACHABLE:
+                self._remove_unless_rejoined(current)
+                return
+            self.pool.remove(address, reason=event.reason or "left")
+            if event.reason == "lease expired":
+                cut = current.cut("stopped heartbeating (registry lease expired)")
+                if cut:
+                    log.warning("worker %s %s: lease expired; failed its %d open call(s)", role, address, cut)
+
+    def _remove_unless_rejoined(self, worker: WorkerHandle) -> None:
+        """Keep a worker the registry lost track of routable for a grace period (see module doc).
+        Its id is forgotten, so whatever id it registers with next is taken as the same worker."""
+        if worker.address in self._pending_removal:
+            return
+        worker.worker_id = ""
+
+        def remove() -> None:
+            self._pending_removal.pop(worker.address, None)
+            if self.pool.get(worker.address) is worker:
+                self.pool.remove(worker.address, reason=f"not back in the registry within {self.rejoin_grace_s:g}s")
+
+        self._pending_removal[worker.address] = asyncio.get_running_loop().call_later(self.rejoin_grace_s, remove)
 
     async def close(self) -> None:
+        for pending in self._pending_removal.values():
+            pending.cancel()
+        self._pending_removal.clear()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -117,7 +163,8 @@ class HealthProber:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            due = [worker for worker in self.pool.all() if worker.breaker.probe_due()]
+            due = [worker for worker in self.pool.all()
+                   if worker.breaker.probe_due() or (not worker.reachable and worker.breaker.available())]
             if due:
                 await asyncio.gather(*(self.probe(worker) for worker in due))
 
@@ -134,7 +181,9 @@ class HealthProber:
             log.exception("health probe of %s failed", worker.address)
             serving = False
         if serving:
-            log.info("worker %s %s passed its health probe: back in rotation", worker.role, worker.address)
+            if worker.reachable:
+                log.info("worker %s %s passed its health probe: back in rotation", worker.role, worker.address)
+            worker.reachable = True
             worker.breaker.record_success()
         else:
             worker.breaker.record_failure()

@@ -13,6 +13,12 @@
 - If the consumer stops early (client disconnected: the task is cancelled or the iterator
   closed), the gRPC call is cancelled at once and Worker.Abort(room) is sent to decode in the
   background, so both workers free the request's pages.
+- If the decode (or colocated) worker's registry lease expires while the call is open (it froze
+  or was cut off), discovery cuts the call: before the first token that is a retryable failure,
+  after it the stream ends with an error. Keepalive pings (services.common.keepalive) catch a
+  frozen worker the same way when no registry is used.
+- Before the gateway's registry view is synced, a request waits (bounded) for it instead of
+  failing with "no workers".
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class DispatchSettings:
     retry_backoff_s: float = 0.05
     first_token_timeout_s: float = 300.0
     abort_timeout_s: float = 2.0
+    sync_wait_s: float = 10.0  # how long a request waits for the registry view at start-up
 
 
 class _Retryable(Exception):
@@ -105,14 +112,21 @@ def chunk_from_proto(response: worker_pb2.GenerateResponse, want_logprobs: bool)
 class Dispatcher:
     """Generations with retries over a Router. One per gateway."""
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, settings: DispatchSettings) -> None:
+    def __init__(self, router: Router, metrics: GatewayMetrics, settings: DispatchSettings,
+                 synced: asyncio.Event | None = None) -> None:
         self.router = router
         self.metrics = metrics
         self.settings = settings
+        self.synced = synced  # set once the registry view is complete; None without a registry
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
                        sampling: Sampling) -> AsyncIterator[GenerationChunk]:
+        if self.synced is not None and not self.synced.is_set():
+            try:
+                await asyncio.wait_for(self.synced.wait(), self.settings.sync_wait_s)
+            except asyncio.TimeoutError:
+                pass  # route on what is known; NoWorkersError says the rest
         exclude: set[str] = set()
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -157,6 +171,7 @@ class Dispatcher:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs or sampling.top_logprobs > 0
         call = route.decode.worker_stub().Generate(request)
+        route.decode.track(call)
         delivered = finished = client_gone = False
         blame: list[WorkerHandle] = []
         try:
@@ -167,6 +182,7 @@ class Dispatcher:
                     response = await asyncio.wait_for(call.read(), self.settings.first_token_timeout_s)
                 if response is grpc.aio.EOF:
                     break
+                route.decode.reachable = True
                 chunk = chunk_from_proto(response, want_logprobs)
                 if chunk.finish_reason == "abort" and not delivered:
                     # the worker gave up on it before producing anything (draining, shutting down)
@@ -187,7 +203,17 @@ class Dispatcher:
                 raise _Retryable("truncated", f"{route.decode.address} ended the stream without a token",
                                  route.decode, (502, "worker_error"))
             route.finish(succeeded=True)
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            cut = route.decode.cut_reason(call)
+            if cut is None:
+                client_gone = True
+                raise
+            blame = [route.decode]
+            message = f"{route.decode.address} {cut}"
+            if delivered:
+                raise GenerationFailed(502, f"{message} mid-stream", "worker_error", after_first_token=True) from None
+            raise _Retryable("worker_lost", message, route.decode, (503, "worker_unavailable")) from None
+        except GeneratorExit:
             client_gone = True
             raise
         except asyncio.TimeoutError:
@@ -212,6 +238,7 @@ class Dispatcher:
             status, error_code = status_for_grpc(code)
             raise GenerationFailed(status, details or code.name, error_code, after_first_token=False) from None
         finally:
+            route.decode.untrack(call)
             if not finished:
                 call.cancel()
                 if client_gone:

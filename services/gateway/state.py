@@ -48,6 +48,20 @@ class GatewayState:
         await self.dispatcher.drain()
         self.pool.close()
 
+    def readiness(self) -> str | None:
+        """None when the gateway can serve now; else why not. Ready means: the registry view is
+        synced (when a registry is used) and some route's workers have answered (a health probe or
+        a request) and are not failing."""
+        if self.discovery is not None and not self.discovery.synced.is_set():
+            return f"registry {self.discovery.registry_address} not synced yet"
+        prefills, decodes = self.router.candidates(self.model_name)
+        reachable_prefill = any(w.reachable for w in prefills)
+        if any(w.reachable and (w.role == "colocated" or reachable_prefill) for w in decodes):
+            return None
+        if not decodes:
+            return f"no healthy workers for model {self.model_name!r}"
+        return f"no worker for model {self.model_name!r} has answered a health check yet"
+
     def check_model(self, requested: str | None) -> str:
         """The served model name if `requested` names it (or is omitted where that is allowed)."""
         if requested is None or requested == self.model_name:
@@ -62,14 +76,17 @@ class GatewayState:
 
 def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = ()) -> GatewayState:
     model_name = config.served_model_name
-    pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown))
+    pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown),
+                      security=config.security)
     add_static_workers(pool, static_workers, model_name)
     router = Router(pool, make_policy(config.prefill_policy_name, config), make_policy(config.decode_policy_name, config))
     metrics = GatewayMetrics(pool)
+    discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,
+                                  rejoin_grace_s=config.registry_rejoin_grace) if config.bootstrap else None
     dispatcher = Dispatcher(router, metrics, DispatchSettings(
         max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff,
-        first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout))
-    discovery = RegistryDiscovery(pool, config.bootstrap, model_name) if config.bootstrap else None
+        first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),
+        synced=discovery.synced if discovery is not None else None)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
     return GatewayState(config=config, model_name=model_name, model_files=ModelFiles(config.model_path), pool=pool,
                         router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery, prober=prober)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2_grpc
+from services.common.channels import open_channel
+from services.common.security import GrpcSecurity
 from services.gateway.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger("pdserve.gateway")
@@ -24,15 +26,6 @@ PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
 
 ROLE_FROM_PROTO = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
                    common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
-
-# Channel options: fail fast when a worker is down (the router retries elsewhere) instead of
-# waiting out gRPC's reconnect backoff. No client keepalive: gRPC servers by default answer pings
-# more frequent than every 5 minutes on a call without data (a long prefill) with GOAWAY, which
-# would fail healthy requests; a dead worker process resets its connections anyway.
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
 
 
 @dataclass(frozen=True)
@@ -58,7 +51,12 @@ class ReportedLoad:
 @dataclass(eq=False)
 class WorkerHandle:
     """One routing target. `inflight` counts this gateway's open requests on it (decode and
-    colocated: open Generate calls; prefill: requests whose prompt it was chosen for)."""
+    colocated: open Generate calls; prefill: requests whose prompt it was chosen for).
+
+    `reachable` turns true once the worker answered (a health probe or a request): readiness
+    counts only such workers. `cut(reason)` fails the calls open on it at once (its registry
+    lease expired: it froze or was cut off, so those calls would otherwise wait forever); the
+    dispatcher tells such a call from a client's cancellation with `cut_reason(call)`."""
 
     address: str
     role: str
@@ -67,9 +65,13 @@ class WorkerHandle:
     static: bool = False
     reported: ReportedLoad = field(default_factory=ReportedLoad)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    security: GrpcSecurity = field(default_factory=GrpcSecurity, repr=False)
     inflight: int = 0
+    reachable: bool = False
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _retired: bool = field(default=False, repr=False)
+    _calls: set = field(default_factory=set, repr=False)
+    _cut: dict = field(default_factory=dict, repr=False)  # call -> why it was cut
 
     @property
     def key(self) -> str:
@@ -84,8 +86,26 @@ class WorkerHandle:
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=list(CHANNEL_OPTIONS))
+            self._channel = open_channel(self.address, self.security)
         return self._channel
+
+    def track(self, call: grpc.aio.Call) -> None:
+        self._calls.add(call)
+
+    def untrack(self, call: grpc.aio.Call) -> None:
+        self._calls.discard(call)
+        self._cut.pop(call, None)
+
+    def cut(self, reason: str) -> int:
+        """Cancel every call open on this worker, remembering why; returns how many."""
+        calls = list(self._calls)
+        for call in calls:
+            self._cut[call] = reason
+            call.cancel()
+        return len(calls)
+
+    def cut_reason(self, call: grpc.aio.Call) -> str | None:
+        return self._cut.get(call)
 
     def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self.channel)
@@ -119,9 +139,11 @@ _background: set[asyncio.Task] = set()  # keeps close() tasks referenced until t
 class WorkerPool:
     """Workers by address. `on_removed` listeners (policies' per-worker state) hear of removals."""
 
-    def __init__(self, breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker) -> None:
+    def __init__(self, breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+                 security: GrpcSecurity | None = None) -> None:
         self._workers: dict[str, WorkerHandle] = {}
         self._breaker_factory = breaker_factory
+        self._security = security or GrpcSecurity()
         self._removed_listeners: list[Callable[[WorkerHandle], None]] = []
 
     def on_removed(self, listener: Callable[[WorkerHandle], None]) -> None:
@@ -154,7 +176,8 @@ class WorkerPool:
         if existing is not None:
             self.remove(address, reason="replaced")
         handle = WorkerHandle(address=address, role=role, model=model, worker_id=worker_id, static=static,
-                              reported=reported or ReportedLoad(), breaker=self._breaker_factory())
+                              reported=reported or ReportedLoad(), breaker=self._breaker_factory(),
+                              security=self._security)
         self._workers[address] = handle
         log.info("worker joined: %s %s (model %s%s)", role, address, model,
                  f", id {worker_id}" if worker_id else ", static")

@@ -34,6 +34,7 @@ class PrefillRoom:
     bytes_pushed: int = 0
     first_write_at: float | None = None
     closed: bool = False
+    cleaning: bool = False  # the servicer is stopping and freeing the room (an Abort only waits)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def push(self, page_ids: list[int], num_tokens: int) -> None:

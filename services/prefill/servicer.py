@@ -28,6 +28,7 @@ from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_from_proto, token_to_proto
+from services.common.tasks import finish_despite_cancel
 from services.prefill.room import PrefillRoom
 from services.prefill.transfer_queues import TransferQueues
 from services.worker.requests import BadRequest, parse_request
@@ -54,6 +55,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self._rooms: dict[str, PrefillRoom] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
+    def live_rooms(self) -> set[str]:
+        """Rooms this servicer is working on (for the leak detector)."""
+        return set(self._rooms)
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:
@@ -63,6 +68,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             if request.model != self.config.model_name:
                 raise _Refused(f"model mismatch (prefill vs decode): {self.config.model_name!r} vs "
                                f"{request.model!r}")
+            _check_destination(request, self.engine.pages.pages_for(len(parsed.prompt_ids)))
         except _Refused as exc:
             self.metrics.failure("bootstrap")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -78,11 +84,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             self.queues.move(room, "bootstrap")
             state.peer = await self._connect(request, context)  # refuses another layout or backend
-            needed = self.engine.pages.pages_for(len(parsed.prompt_ids))
-            if len(request.dst_page_ids) != needed:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{len(request.dst_page_ids)} destination pages for a prompt of "
-                                    f"{len(parsed.prompt_ids)} tokens; expected {needed}")
             self.queues.move(room, "waiting")
             result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
             self.queues.move(room, "inflight")
@@ -126,11 +127,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.
 
         On abort the engine frees the pages itself, between steps, so a forward pass still using
-        them is never raced; after success the held pages are released here.
+        them is never raced; after success the held pages are released here. Runs to the end even
+        when the handler is cancelled again meanwhile (decode's Abort arriving while the cancelled
+        call is still being cleaned up), then re-raises that cancellation.
         """
+        state.cleaning = True
+        await finish_despite_cancel(self._stop_and_free(state, aborted))
+
+    async def _stop_and_free(self, state: PrefillRoom, aborted: bool) -> None:
         try:
             if aborted:
-                await asyncio.shield(asyncio.to_thread(state.abort_all))
+                await asyncio.to_thread(state.abort_all)
                 self.engine.abort(state.room)
             else:
                 self.engine.release(state.room)
@@ -147,10 +154,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         state = self._rooms.get(room)
         if state is None:
             return worker_pb2.AbortResponse(found=False)
-        if state.task is not None:
+        if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
         return worker_pb2.AbortResponse(found=True)
+
+
+def _check_destination(request: worker_pb2.PrefillRequest, needed: int) -> None:
+    """The destination pages must be as many as the prompt needs, distinct, and inside decode's pool."""
+    pages = request.dst_page_ids
+    if len(pages) != needed:
+        raise BadRequest(f"dst_page_ids: {len(pages)} destination pages for a prompt that needs {needed}")
+    if not request.HasField("dst"):
+        raise BadRequest("dst: decode's transfer endpoint is required")
+    bad = [p for p in pages if not 0 <= p < request.dst.num_pages]
+    if bad:
+        raise BadRequest(f"dst_page_ids: pages {bad[:8]} are outside decode's pool of {request.dst.num_pages} pages")
+    if len(set(pages)) != len(pages):
+        raise BadRequest("dst_page_ids: a destination page is named twice")
 
 
 class _Refused(ValueError):

@@ -23,6 +23,10 @@ class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
         self.runtime = runtime
         self.engine = runtime.engine
 
+    def live_rooms(self) -> set[str]:
+        """The engine knows every live room of a colocated worker."""
+        return set()
+
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:

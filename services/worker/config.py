@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from pdserve import envs
+from services.common.security import GrpcSecurity
 
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
@@ -61,9 +62,13 @@ class WorkerConfig:
         "prefill: threads issuing KV writes, shared by the transfer queues"))
     transfer_queue_size: int = field(default_factory=envs.QUEUE_SIZE.get, metadata=_help(
         "prefill: transfer queues; requests are sharded over them by room"))
+    quarantine_timeout: float = field(default=900.0, metadata=_help(
+        "decode: seconds the pages of a failed request wait for its prefill to confirm that no KV "
+        "write can still land (a one-sided engine cannot recall a write) before they are freed anyway"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))
+    security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
         if not self.model_path:

@@ -47,6 +47,9 @@ class WorkerMetrics:
                                               (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
         self._failures = Counter(m("pd_failures_total"), "PD failures by stage (bootstrap, transfer, prefill)",
                                  labelnames=[*labels, "stage"], registry=r)
+        self.leak_detections = Counter(m("kv_leak_detections_total"),
+                                       "KV page leaks found by the leak detector (pages held with no live room)",
+                                       labelnames=list(labels), registry=r).labels(**labels)
         self._gauges: dict[str, Gauge] = {}
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):

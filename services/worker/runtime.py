@@ -106,7 +106,7 @@ class WorkerRuntime:
             load=self.load())
         if self.backend is not None:
             worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
-        self.registry = RegistryClient(self.config.bootstrap)
+        self.registry = RegistryClient(self.config.bootstrap, security=self.config.security)
         await self.registry.register(worker)  # logs the worker id and lease
         self.registry.start_heartbeat(load=self.load)
 

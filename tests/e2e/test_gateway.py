@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.e2e.cluster import Cluster, Proc, wait_until
+from tests.e2e.conftest import leak_detections
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -92,6 +93,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
             wait_until(lambda: gateway_health(system).get("workers") == {"prefill": 2, "decode": 1, "colocated": 0},
                        30, "the gateway to discover 2 prefill and 1 decode workers")
             yield system
+            leaks = {name: count for name, count in leak_detections(cluster).items() if count}
+            assert not leaks, f"KV page leak detector fired: {leaks}"
         except BaseException:
             print(cluster.logs())
             raise

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.channels import open_channel
+from services.common.security import GrpcSecurity
 
 _ROOMS = itertools.count()
 
@@ -50,10 +52,10 @@ async def generate(stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], *, p
 
 
 async def generate_all(address: str, prompts: Sequence[Sequence[int]], prefills: Sequence[str | None] | None = None,
-                       **kwargs) -> list[Result]:
+                       *, security: GrpcSecurity | None = None, **kwargs) -> list[Result]:
     """Every prompt at once on one channel (so the worker batches them)."""
     prefills = prefills or [None] * len(prompts)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, security or GrpcSecurity()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         return list(await asyncio.gather(*(generate(stub, p, prefill=f, **kwargs)
                                            for p, f in zip(prompts, prefills, strict=True))))

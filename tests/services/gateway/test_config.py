@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config_flags import config_from_args
 from services.gateway.addresses import grpc_address
 from services.gateway.config import (
     GatewayConfig,
@@ -51,7 +52,7 @@ def test_seed_router_command_line(tmp_path: Path) -> None:
     assert static_workers_from_args(args) == (
         StaticWorker("prefill", "127.0.0.1:30000"), StaticWorker("prefill", "127.0.0.1:30001"),
         StaticWorker("decode", "127.0.0.1:30002"), StaticWorker("colocated", "127.0.0.1:30003"))
-    config = GatewayConfig(**{k: getattr(args, k) for k in GatewayConfig.__dataclass_fields__})
+    config = config_from_args(GatewayConfig, args)
     assert (config.prefill_policy_name, config.decode_policy_name) == ("cache_aware", "round_robin")
     assert config.served_model_name == tmp_path.name and config.port == 8000 and config.pd_disaggregation
 

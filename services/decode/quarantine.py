@@ -1,0 +1,95 @@
+"""Pages of failed requests, held until their prefill can no longer write into them.
+
+A one-sided transfer engine (mooncake, nixl) writes into decode's memory without decode's help,
+and a write in flight cannot be recalled. So when a request fails after its pages were offered to
+a prefill (the call failed, was cancelled, or the prefill's lease expired), decode answers its
+caller at once but frees the pages only when it knows no write of that room can still land:
+
+- the prefill answered Abort (its Abort returns only once every write stopped), or
+- nothing listens at the prefill's address any more (its process is gone), or
+- `give_up_s` passed without either (a host that vanished for good; TCP itself gives up on an
+  unanswered connection after about 15 minutes, so nothing of it can arrive later). Logged.
+
+Until then Abort is retried with backoff, so a prefill that was frozen (SIGSTOP) or cut off
+answers soon after it comes back, and the pages return then. The two-sided `ucx` backend needs no
+wait: once the expectation is released, late data lands in scratch memory, never in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.engine import Engine
+from libkv.transfer import TransferBackend
+from services.decode.prefill_client import AbortOutcome, PrefillClients
+
+log = logging.getLogger("pdserve.decode")
+
+_FIRST_RETRY_S = 0.5
+_MAX_RETRY_S = 5.0
+
+
+class PageQuarantine:
+    """Rooms waiting for their prefill's confirmation; each settles in its own task."""
+
+    def __init__(self, engine: Engine, backend: TransferBackend, prefills: PrefillClients,
+                 give_up_s: float) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.prefills = prefills
+        self.give_up_s = give_up_s
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def hold(self, room: str, prefill_address: str) -> None:
+        """Stop `room`'s prefill and free its pages once that is confirmed (see the module doc).
+        Returns at once; callable from a cancelled task."""
+        if room in self._tasks:
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(room, prefill_address),
+                                                      name=f"quarantine-{room}")
+        self._tasks[room] = task
+        task.add_done_callback(lambda _: self._tasks.pop(room, None))
+
+    def rooms(self) -> set[str]:
+        return set(self._tasks)
+
+    async def _settle(self, room: str, prefill_address: str) -> None:
+        self.backend.release_expectation(room)
+        if not self.backend.one_sided:
+            self.engine.release(room)  # late data for the room now lands in scratch memory
+            await self.prefills.abort(prefill_address, room)  # still stop the prefill's work
+            return
+        try:
+            await self._wait_until_safe(room, prefill_address)
+        finally:
+            self.engine.release(room)
+
+    async def _wait_until_safe(self, room: str, prefill_address: str) -> None:
+        started = time.monotonic()
+        delay = _FIRST_RETRY_S
+        while True:
+            outcome = await self.prefills.abort(prefill_address, room)
+            if outcome is not AbortOutcome.UNKNOWN:
+                if delay > _FIRST_RETRY_S:
+                    log.info("room %s: prefill %s %s after %.1fs; the room's pages are free again", room,
+                             prefill_address, "confirmed the abort" if outcome is AbortOutcome.CONFIRMED
+                             else "is gone", time.monotonic() - started)
+                return
+            if delay == _FIRST_RETRY_S:
+                log.warning("room %s: prefill %s does not confirm the abort; the room's pages stay "
+                            "quarantined until it does or is gone (at most %.0fs)", room, prefill_address,
+                            self.give_up_s)
+            if time.monotonic() - started >= self.give_up_s:
+                log.error("room %s: prefill %s neither confirmed the abort nor went away in %.0fs; "
+                          "freeing its pages", room, prefill_address, self.give_up_s)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _MAX_RETRY_S)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
