@@ -131,9 +131,10 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
         say(f"{label} {scenario.name}: {scenario.about}")
         try:
             row = await run_scenario(dep, scenario, cfg, prompts, reference.texts)
-        except (NotReady, RuntimeError) as exc:
+        except Exception as exc:  # a restart that failed, a harness bug: report it, keep the other backends going
             broken = f"the deployment broke in {scenario.name}"
-            row = Row(scenario.name, dep.backend, problems=[f"scenario could not run: {str(exc)[:300]}"])
+            row = Row(scenario.name, dep.backend,
+                      problems=[f"scenario could not run: {type(exc).__name__}: {str(exc)[:300]}"])
         if startup_note:
             row.notes.insert(0, startup_note)
             startup_note = None
