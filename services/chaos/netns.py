@@ -21,6 +21,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 PREFIX = "pdchaos"  # namespace names: pdchaos-PID-N; veth names: pdcPIDhN / pdcPIDnN (15 chars max)
@@ -105,8 +106,17 @@ class NetworkNamespace:
     def cut(self) -> None:
         _ip("-n", self.name, "link", "set", self.inner_dev, "down")
 
-    def restore(self) -> None:
+    def restore(self, timeout_s: float = 5.0) -> None:
+        """Set the link up again and wait (bounded) until both ends have carrier: right after `up` a
+        veth can still drop the first packets, which would stretch the cut by a retransmit."""
         _ip("-n", self.name, "link", "set", self.inner_dev, "up")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            inner = _ip("-n", self.name, "link", "show", self.inner_dev, check=False).stdout
+            outer = _ip("link", "show", self.host_dev, check=False).stdout
+            if "LOWER_UP" in inner and "LOWER_UP" in outer:
+                return
+            time.sleep(0.05)
 
     def remove(self) -> None:
         """Delete the namespace and the link; safe to call twice and on a half-built namespace."""
