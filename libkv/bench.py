@@ -8,12 +8,23 @@ one-page gap between runs on both sides, so each run is one engine write. Also t
 one 2,048-token prompt (128 pages, 48 MiB), and the same bytes laid out layer-major, where a
 run of pages is 2 x layers separate regions (one per layer and K/V) and so that many writes:
 the number that justifies the page-major pool. Every figure is the median of `--repeats`.
+
+The costs of the two safety checks the PD services run on every request:
+- grant check: one verify_grant of the prompt's 128 destination pages (the prefill's check,
+  before its first write, that decode reserved them for this room and request), always shown.
+- integrity check (`--checksum`): per size, GB/s with and without page checksums on both
+  sides: the sender checksums the source pages before the write, the receiver re-checksums
+  the destination pages after it (KVPool.page_checksums, xxh3_64), each timed in its own
+  process. Counting them as not overlapping the write is the worst case (a prefill can
+  checksum a chunk while the previous one is on the wire), so the checked time is the sum of
+  the three medians; timing the sum directly only buried a few percent in the write's noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +50,10 @@ class SizeResult:
     gbps: float
     memcpy_gbps: float
     ratio: float
+    # --checksum: throughput with both sides' checksums, and each side's checksum time
+    checked_gbps: float | None = None
+    sender_checksum_ms: float | None = None
+    receiver_checksum_ms: float | None = None
 
 
 @dataclass
@@ -49,6 +64,8 @@ class PromptResult:
     page_major_ms: float
     layer_major_writes: int
     layer_major_ms: float
+    verify_grant_ms: float  # one verify_grant of the prompt's destination pages (warm)
+    checksum_ms: float | None = None  # --checksum: both sides' checksums of the prompt's pages
 
 
 @dataclass
@@ -68,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-mib", default="1,16,256", help="comma-separated transfer sizes")
     parser.add_argument("--run-pages", type=int, default=8, help="pages per contiguous run")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (median)")
+    parser.add_argument("--checksum", action="store_true",
+                        help="also measure each size with page checksums on both sides (KV integrity check)")
     parser.add_argument("--timeout-s", type=float, default=envs.TRANSFER_TIMEOUT.get())
     parser.add_argument("--nixl-backend", default=envs.NIXL_BACKEND.get())
     parser.add_argument("--nixl-threads", type=int, default=0, help="NIXL UCX plugin threads (0: default)")
@@ -121,15 +140,29 @@ class _Pair:
                       timeout_s=args.timeout_s, options=options)
         self.sender.reply(timeout=120)
         endpoint = self.receiver.reply(timeout=120)["endpoint"]
-        self.receiver.call("expect", key="bench", pages=list(range(num_pages)))
+        self.grant = os.urandom(16).hex()
+        self.receiver.call("expect", key="bench", pages=list(range(num_pages)), grant=self.grant)
         self.peer = self.sender.call("connect", endpoint=endpoint)["peer"]
 
     def time_write(self, src: list[int], dst: list[int], repeats: int) -> tuple[float, int]:
         """Median seconds of one write + wait, after one warm-up; and its number of runs."""
-        self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", repeats=1, timeout=300)
-        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench",
+        self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
+                         repeats=1, timeout=300)
+        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
                                  repeats=repeats, timeout=600)
         return statistics.median(reply["seconds"]), reply["runs"]
+
+    def time_checksums(self, proc: PeerProcess, pages: list[int], repeats: int) -> float:
+        """Median seconds of checksumming `pages` in `proc`'s pool, after one warm-up."""
+        proc.call("bench_checksums", pages=pages, repeats=1, timeout=600)
+        return statistics.median(proc.call("bench_checksums", pages=pages, repeats=repeats, timeout=600)["seconds"])
+
+    def time_verify(self, dst: list[int], repeats: int) -> float:
+        """Median seconds of one verify_grant of `dst`, after one warm-up."""
+        self.sender.call("verify", peer=self.peer, pages=dst, key="bench", grant=self.grant)
+        reply = self.sender.call("bench_verify", peer=self.peer, pages=dst, key="bench", grant=self.grant,
+                                 repeats=repeats, timeout=600)
+        return statistics.median(reply["seconds"])
 
     def close(self) -> None:
         self.sender.close()
@@ -151,9 +184,18 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
             memcpy = memcpy_gbps(nbytes, args.repeats)
             seconds, runs = pair.time_write(src, dst, args.repeats)
             gbps = nbytes / seconds / 1e9
-            sizes.append(SizeResult(mib, nbytes, pages, runs, seconds, gbps, memcpy, gbps / memcpy))
+            size = SizeResult(mib, nbytes, pages, runs, seconds, gbps, memcpy, gbps / memcpy)
+            if args.checksum:
+                sender_s = pair.time_checksums(pair.sender, src, args.repeats)
+                receiver_s = pair.time_checksums(pair.receiver, dst, args.repeats)
+                size.checked_gbps = nbytes / (seconds + sender_s + receiver_s) / 1e9
+                size.sender_checksum_ms, size.receiver_checksum_ms = sender_s * 1e3, receiver_s * 1e3
+            sizes.append(size)
         src, dst = run_pages(prompt_pages, run)
         page_major_s, page_major_runs = pair.time_write(src, dst, args.repeats)
+        verify_s = pair.time_verify(dst, args.repeats)
+        prompt_checksum_s = (pair.time_checksums(pair.sender, src, args.repeats)
+                             + pair.time_checksums(pair.receiver, dst, args.repeats)) if args.checksum else None
     finally:
         pair.close()
 
@@ -171,25 +213,35 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
     finally:
         pair.close()
     prompt = PromptResult(PROMPT_TOKENS, prompt_pages * layout.page_nbytes, page_major_runs,
-                          page_major_s * 1e3, layer_major_runs, layer_major_s * 1e3)
+                          page_major_s * 1e3, layer_major_runs, layer_major_s * 1e3, verify_s * 1e3,
+                          None if prompt_checksum_s is None else prompt_checksum_s * 1e3)
     return BackendResult(backend, sizes, prompt)
 
 
 def render_table(results: list[BackendResult]) -> str:
-    lines = ["| backend | size | runs | GB/s | memcpy GB/s | ratio |", "|---|---|---|---|---|---|"]
+    checked = any(size.checked_gbps is not None for r in results for size in r.sizes)
+    extra = " checksummed GB/s | time added | sender checksum ms | receiver checksum ms |" if checked else ""
+    lines = ["| backend | size | runs | GB/s | memcpy GB/s | ratio |" + extra,
+             "|---|---|---|---|---|---|" + "---|" * extra.count("|")]
     for result in results:
         if result.error:
             lines.append(f"| {result.backend} | error: {result.error} | | | | |")
         for size in result.sizes:
-            lines.append(f"| {result.backend} | {size.nbytes / MIB:.1f} MiB | {size.runs} | {size.gbps:.2f} | "
-                         f"{size.memcpy_gbps:.2f} | {size.ratio:.2f} |")
-    lines += ["", f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms |",
-              "|---|---|---|---|---|---|"]
+            line = (f"| {result.backend} | {size.nbytes / MIB:.1f} MiB | {size.runs} | {size.gbps:.2f} | "
+                    f"{size.memcpy_gbps:.2f} | {size.ratio:.2f} |")
+            if size.checked_gbps is not None:
+                line += (f" {size.checked_gbps:.2f} | {size.gbps / size.checked_gbps - 1:+.0%} | "
+                         f"{size.sender_checksum_ms:.2f} | {size.receiver_checksum_ms:.2f} |")
+            lines.append(line)
+    extra = " checksums ms (both sides) |" if checked else ""
+    lines += ["", f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms "
+              "| verify_grant ms |" + extra, "|---|---|---|---|---|---|---|" + "---|" * extra.count("|")]
     for result in results:
         if result.prompt:
             p = result.prompt
             lines.append(f"| {result.backend} | {p.nbytes / MIB:.0f} MiB | {p.page_major_writes} | "
-                         f"{p.page_major_ms:.1f} | {p.layer_major_writes} | {p.layer_major_ms:.1f} |")
+                         f"{p.page_major_ms:.1f} | {p.layer_major_writes} | {p.layer_major_ms:.1f} | "
+                         f"{p.verify_grant_ms:.3f} |" + (f" {p.checksum_ms:.2f} |" if p.checksum_ms is not None else ""))
     return "\n".join(lines)
 
 

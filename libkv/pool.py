@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import xxhash
 
 from libkv.layout import KVLayout
 
@@ -47,6 +48,29 @@ class KVPool:
     def as_bytes(self) -> torch.Tensor:
         """The whole pool as a flat uint8 view (for transfer engines that address bytes)."""
         return self.buffer.view(-1).view(torch.uint8)
+
+    def page_checksums(self, page_ids: list[int]) -> list[int]:
+        """xxh3_64 of each page's bytes, in the order given: the KV integrity check.
+
+        The sender checksums the pages it wrote and the receiver re-checksums the pages that
+        arrived; any difference means the transfer (or something else) changed them. xxh3 runs
+        at memory speed here (about 30 GB/s, against 7 for zlib.crc32) and its 64 bits make an
+        accidental match negligible; it is not a MAC and needs none: the grant check stops
+        writers that were not invited, this catches bytes that went wrong on the way.
+        """
+        page_nbytes = self.layout.page_nbytes
+        for page in page_ids:
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page {page} outside pool of {self.num_pages} pages")
+        if self.device.type == "cpu":
+            pool_bytes = memoryview(self.as_bytes().numpy())
+            return [xxhash.xxh3_64_intdigest(pool_bytes[p * page_nbytes:(p + 1) * page_nbytes])
+                    for p in page_ids]
+        # Device memory: gather the pages and hash them on the host (one copy).
+        pages = memoryview(self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
+                           .contiguous().view(-1).view(torch.uint8).cpu().numpy())
+        return [xxhash.xxh3_64_intdigest(pages[i * page_nbytes:(i + 1) * page_nbytes])
+                for i in range(len(page_ids))]
 
     @staticmethod
     def num_pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:

@@ -78,6 +78,10 @@ GRPC_KEEPALIVE_TIME = EnvVar(
     "PDSERVE_GRPC_KEEPALIVE_TIME", 10.0,
     "Seconds between keepalive pings on every gRPC connection; a peer that does not answer within "
     "half of it is cut off (its calls fail at once). Servers accept pings at twice this rate.")
+API_KEY = EnvVar(
+    "PDSERVE_API_KEY", "",
+    "Gateway: the API key clients must send as `Authorization: Bearer KEY` (what --api-key sets; the "
+    "flag wins). Empty: no key is asked for.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

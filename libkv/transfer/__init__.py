@@ -11,6 +11,7 @@ import importlib
 from libkv.transfer.base import (
     BackendMismatch,
     EngineUnavailable,
+    GrantRefused,
     PeerId,
     PeerUnreachable,
     TransferAborted,
@@ -21,6 +22,7 @@ from libkv.transfer.base import (
     TransferState,
     TransferTimeout,
 )
+from libkv.transfer.grants import grant_tag
 from libkv.transfer.process_exit import exit_process
 
 # name -> (module, class). Real engines first; `fake` moves nothing.
@@ -48,7 +50,7 @@ def create_backend(name: str, **options) -> TransferBackend:
 
 
 __all__ = [
-    "BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineUnavailable", "PeerId", "PeerUnreachable",
-    "TransferAborted", "TransferBackend", "TransferEndpoint", "TransferError", "TransferHandle",
-    "TransferState", "TransferTimeout", "backend_class", "create_backend", "exit_process",
+    "BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineUnavailable", "GrantRefused", "PeerId",
+    "PeerUnreachable", "TransferAborted", "TransferBackend", "TransferEndpoint", "TransferError", "TransferHandle",
+    "TransferState", "TransferTimeout", "backend_class", "create_backend", "exit_process", "grant_tag",
 ]

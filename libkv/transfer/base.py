@@ -6,8 +6,9 @@ Lifecycle, per worker process (the receiver and the sender run the same steps):
     backend.register(pool)                               # once, before anything else
     ep = backend.endpoint()                              # publish: registry / handshake carries it
     peer = backend.connect(remote_ep)                    # sender side, once per remote worker
-    backend.expect(room, dst_pages)                      # receiver side, before the sender writes
-    handle = backend.write(peer, src_pages, dst_pages, key=room)   # sender, non-blocking
+    backend.expect(room, dst_pages, grant)               # receiver side, before the sender writes
+    backend.verify_grant(peer, dst_pages, key=room, grant=grant)   # sender, blocking, once
+    handle = backend.write(peer, src_pages, dst_pages, key=room, grant=grant)   # non-blocking
     await backend.wait(handle)                           # or poll(handle) until not PENDING
     backend.abort(handle)                                # sender: stop; returns once nothing lands
     backend.release_expectation(room)                    # receiver: done with (or aborting) room
@@ -16,6 +17,14 @@ Lifecycle, per worker process (the receiver and the sender run the same steps):
 Completion is known only to the sender: when wait() returns, the bytes are in the receiver's
 memory. The receiver learns it over the control plane (the PD services use gRPC) and must not
 read the pages before that message arrives.
+
+Grants (libkv.transfer.grants): the receiver binds the pages it reserves for a room to
+tag(room, grant), where `grant` is random per request and travels to the sender with the page
+ids over the control plane. verify_grant() makes the sender prove, before its first write, that
+every destination page is bound to the room and grant it was given; a forged, stale or buggy
+request (pages of another room, free pages, pages released since, a wrong grant) fails with
+GrantRefused and nothing is written. One-sided engines (mooncake, nixl) read the receiver's grant
+table through the engine; the two-sided ucx receiver also checks the grant of every write.
 
 Receiver-side rule for one-sided engines (mooncake, nixl): a write in flight cannot be recalled,
 so after the receiver gives up on a key (release_expectation / abort), the destination pages may
@@ -32,7 +41,6 @@ Raw engine addresses never leave a backend: the endpoint blob is opaque to every
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import json
 import logging
@@ -46,21 +54,13 @@ from typing import Any, ClassVar, NewType
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 from libkv.runs import PageRun, coalesce
+from libkv.transfer.grant_reads import GrantReader, ReadFailed
+from libkv.transfer.grants import GrantTable, Refusal, check_grant, grant_tag
+from libkv.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
 PeerId = NewType("PeerId", str)
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-    @property
-    def finished(self) -> bool:
-        return self is not TransferState.PENDING
 
 
 class TransferError(RuntimeError):
@@ -77,6 +77,16 @@ class TransferTimeout(TransferError):
 
 class TransferAborted(TransferError):
     """The transfer was aborted by abort() (or the backend was closed under it)."""
+
+
+class GrantRefused(TransferError):
+    """The receiver did not reserve these pages for this room and grant (verify_grant, or a
+    two-sided receiver refusing a write). Nothing was written; the message names the first
+    refused page and how many were refused."""
+
+    def __init__(self, message: str, refusal: Refusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class BackendMismatch(ValueError):
@@ -141,6 +151,7 @@ class Transfer:
     state: TransferState = TransferState.PENDING
     error: TransferError | None = None
     engine: Any = None
+    grant: bytes = field(default=b"", repr=False)  # carried by two-sided backends' write headers
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set by backends whose engine calls back on completion, so blocking waiters wake at once
     # instead of at their next poll.
@@ -170,6 +181,7 @@ class TransferBackend(ABC):
 
     name: ClassVar[str]
     one_sided: ClassVar[bool] = True
+    moves_bytes: ClassVar[bool] = True  # False only for `fake`: there is nothing to checksum
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         if timeout_s <= 0:
@@ -180,7 +192,10 @@ class TransferBackend(ABC):
         self._lock = threading.RLock()
         self._transfers: dict[int, Transfer] = {}  # unfinished writes, for close() / disconnect()
         self._peers: dict[PeerId, Peer] = {}
+        self._by_endpoint: dict[TransferEndpoint, PeerId] = {}
         self._expected: dict[str, frozenset[int]] = {}
+        self._tags: dict[str, bytes] = {}  # key -> tag(key, grant) of its expectation
+        self.grants: GrantTable | None = None  # set by register(); see libkv.transfer.grants
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -193,6 +208,7 @@ class TransferBackend(ABC):
                 raise RuntimeError(f"{self.name} backend already has a registered pool")
             if pool.device.type != "cpu":
                 raise ValueError(f"{self.name} backend here supports host memory only, got {pool.device}")
+            self.grants = GrantTable(pool.num_pages)  # the engine registers it next to the pool
             self._engine_register(pool)
             self.pool = pool
 
@@ -201,20 +217,45 @@ class TransferBackend(ABC):
         return TransferEndpoint(self.name, pool.layout, self.host, pool.num_pages, self._engine_blob())
 
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
-        """Make a peer writable. Refuses a different backend or KV layout, naming both values."""
+        """Make a peer writable. Refuses a different backend or KV layout, naming both values.
+
+        Connecting to an endpoint already connected returns the same peer while it is usable (a
+        prefill connects once per request: without this, every request would repeat the engine
+        handshake and leave one more peer behind); a peer declared dead is replaced.
+        """
         pool = self._require_pool()
         if endpoint.backend != self.name:
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
         pool.layout.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
+        existing = self._live_peer_for(endpoint)
+        if existing is not None:
+            return existing
         peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
         peer = Peer(peer_id, endpoint)
         # Not under the backend lock: an engine handshake may wait on the engine's own thread,
         # which takes the lock to serve incoming transfers.
         peer.engine = self._engine_connect(endpoint)
         with self._lock:
-            self._peers[peer_id] = peer
-        return peer_id
+            raced = self._by_endpoint.get(endpoint)
+            if raced is not None and raced in self._peers and not self._peers[raced].dead:
+                winner = raced  # another thread connected the same endpoint meanwhile
+            else:
+                self._peers[peer_id] = peer
+                self._by_endpoint[endpoint] = winner = peer_id
+        if winner != peer_id:
+            self._engine_disconnect(peer)
+        return winner
+
+    def _live_peer_for(self, endpoint: TransferEndpoint) -> PeerId | None:
+        """The usable peer already connected to `endpoint`, if any; forgets dead peers on the way."""
+        with self._lock:
+            dead = [p for p in self._peers.values() if p.dead]
+            peer_id = self._by_endpoint.get(endpoint)
+            usable = peer_id is not None and peer_id in self._peers and not self._peers[peer_id].dead
+        for peer in dead:
+            self.disconnect(peer.peer_id)
+        return peer_id if usable else None
 
     def disconnect(self, peer_id: PeerId) -> None:
         """Forget a peer (e.g. its lease expired). Its unfinished transfers are aborted."""
@@ -222,6 +263,8 @@ class TransferBackend(ABC):
             self.abort(record.handle)
         with self._lock:
             peer = self._peers.pop(peer_id, None)
+            if peer is not None and self._by_endpoint.get(peer.endpoint) == peer_id:
+                del self._by_endpoint[peer.endpoint]
         if peer is not None:
             self._engine_disconnect(peer)
 
@@ -235,6 +278,7 @@ class TransferBackend(ABC):
             self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
+            self._by_endpoint.clear()
         for peer in peers:
             try:
                 self._engine_disconnect(peer)
@@ -244,23 +288,46 @@ class TransferBackend(ABC):
 
     # ---- receiver side ---------------------------------------------------------------------
 
-    def expect(self, key: str, dst_pages: list[int]) -> None:
-        """Announce that the sender may write `dst_pages` under `key`. Required by two-sided
-        backends before the write starts; bookkeeping only for one-sided ones."""
+    def expect(self, key: str, dst_pages: list[int], grant: bytes = b"") -> None:
+        """Announce that the sender may write `dst_pages` under `key` with `grant`, and bind the
+        pages to them in the grant table. Required before the sender verifies or writes.
+
+        Calls for one key accumulate pages but must give the same grant; a page already bound
+        to another key is refused (ValueError): a page belongs to one room at a time.
+        """
         pool = self._require_pool()
         bad = [p for p in dst_pages if not 0 <= p < pool.num_pages]
         if bad:
             raise IndexError(f"expect({key!r}): pages {bad[:8]} outside pool of {pool.num_pages} pages")
+        tag = grant_tag(key, grant)
+        new = sorted(set(dst_pages))
         with self._lock:
-            pages = frozenset(dst_pages) | self._expected.get(key, frozenset())
+            known = self._tags.get(key)
+            if known is not None and known != tag:
+                raise ValueError(f"expect({key!r}): the key is already expected with another grant; "
+                                 "release_expectation() first")
+            owners = self.grants.owners(new)
+            taken = [p for p, owner in zip(new, owners, strict=True) if owner.any() and owner.tobytes() != tag]
+            if taken:
+                holders = sorted({k for k, pages in self._expected.items() if taken[0] in pages})
+                raise ValueError(f"expect({key!r}): page {taken[0]} (and {len(taken) - 1} more) already "
+                                 f"expected by {', '.join(map(repr, holders)) or 'another key'}")
+            self.grants.bind(new, tag)
+            pages = frozenset(new) | self._expected.get(key, frozenset())
             self._expected[key] = pages
+            self._tags[key] = tag
             self._engine_expect(key, pages)
 
     def release_expectation(self, key: str) -> None:
-        """Stop accepting data for `key`. For two-sided backends, returns once no receive into
-        the key's pages is still posted (bounded by timeout_s); later data goes to scratch."""
+        """Stop accepting data for `key`: its grant-table entries are zero when this returns, so
+        a sender's verify_grant refuses them from now on. For two-sided backends, also returns
+        once no receive into the key's pages is still posted (bounded by timeout_s); later data
+        goes to scratch."""
         with self._lock:
             pages = self._expected.pop(key, None)
+            self._tags.pop(key, None)
+            if pages is not None:
+                self.grants.clear(sorted(pages))
         if pages is not None:
             self._engine_release(key, pages)
 
@@ -270,28 +337,45 @@ class TransferBackend(ABC):
 
     # ---- sender side -----------------------------------------------------------------------
 
+    def verify_grant(self, peer: PeerId, dst_pages: list[int], *, key: str, grant: bytes = b"") -> None:
+        """Check that the peer bound every page of `dst_pages` to (key, grant); raise
+        GrantRefused naming the first page that is not (and how many are not) otherwise.
+
+        Sender side, blocking (call it from a thread): once per request after connect() and
+        before the first write. One-sided backends read the peer's grant-table entries through
+        the engine and endpoint the writes use (one engine read per few thousand pages, more
+        only for widely scattered pages) and compare them here; ucx asks the receiver. A read
+        that fails or does not finish within timeout_s raises PeerUnreachable.
+        """
+        tag = grant_tag(key, grant)
+        target = self._usable_peer(peer)
+        _check_pages("destination", dst_pages, target.endpoint.num_pages)
+        if not dst_pages:
+            return
+        refusal = self._engine_verify_grant(target, list(dst_pages), key, check_grant(grant), tag)
+        if refusal is not None:
+            raise GrantRefused(
+                f"{self.name} peer {peer} ({target.endpoint.host}) did not reserve page {refusal.first_page} "
+                f"for key {key!r} and this grant ({refusal.count} of {refusal.total} pages refused)", refusal)
+
     def write(self, peer: PeerId, src_pages: list[int], dst_pages: list[int], *,
-              key: str = "") -> TransferHandle:
+              key: str = "", grant: bytes = b"") -> TransferHandle:
         """Start writing local src_pages[i] into the peer's dst_pages[i]; returns at once.
 
         Consecutive pages on both sides coalesce into one run, and each run is one engine write
         (the pool is page-major, so a run is one contiguous region on each side). `key` names
-        the receiver's expectation (the request's room); two-sided backends need it.
+        the receiver's expectation (the request's room) and `grant` its request; two-sided
+        backends send both and their receiver refuses pages not bound to them (GrantRefused).
+        One-sided engines cannot refuse a write: verify_grant() first.
         """
         pool = self._require_pool()
+        grant = check_grant(grant)
         runs = coalesce(list(src_pages), list(dst_pages))
-        with self._lock:
-            if self._closed:
-                raise TransferAborted(f"{self.name} backend is closed")
-            target = self._peers.get(peer)
-            if target is None:
-                raise PeerUnreachable(f"unknown peer {peer!r}; connect() first")
-            if target.dead:
-                raise PeerUnreachable(f"peer {peer} ({target.endpoint.host}) is dead: {target.dead}")
+        target = self._usable_peer(peer)
         _check_pages("source", src_pages, pool.num_pages)
         _check_pages("destination", dst_pages, target.endpoint.num_pages)
         page_nbytes = pool.layout.page_nbytes
-        record = Transfer(None, runs, time.monotonic() + self.timeout_s, owner=id(self))
+        record = Transfer(None, runs, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
         handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(runs),
                                 len(src_pages) * page_nbytes, record)
         record.handle = handle
@@ -375,6 +459,18 @@ class TransferBackend(ABC):
             raise RuntimeError(f"{self.name} backend: register(pool) first")
         return self.pool
 
+    def _usable_peer(self, peer: PeerId) -> Peer:
+        self._require_pool()
+        with self._lock:
+            if self._closed:
+                raise TransferAborted(f"{self.name} backend is closed")
+            target = self._peers.get(peer)
+            if target is None:
+                raise PeerUnreachable(f"unknown peer {peer!r}; connect() first")
+            if target.dead:
+                raise PeerUnreachable(f"peer {peer} ({target.endpoint.host}) is dead: {target.dead}")
+        return target
+
     def _record(self, handle: TransferHandle) -> Transfer:
         if handle.record is None or handle.record.owner != id(self):
             raise KeyError(f"transfer {handle.transfer_id} was not made by a write() of this backend")
@@ -446,6 +542,35 @@ class TransferBackend(ABC):
 
     def _engine_release_transfer(self, record: Transfer) -> None:  # noqa: B027 - optional hook
         pass
+
+    def _engine_verify_grant(self, peer: Peer, pages: list[int], key: str, grant: bytes,
+                             tag: bytes) -> Refusal | None:
+        """None if every page's entry on the peer equals `tag`, else the refusal. The default
+        reads the entries through the engine (libkv.transfer.grant_reads) with the read hooks
+        below, which one-sided backends implement."""
+        reader = GrantReader(self.grants, lambda reads: self._engine_read_grants(peer, reads),
+                             self._engine_read_progress, self._engine_read_release, self.timeout_s)
+        try:
+            return reader.verify(pages, tag)
+        except TransferError:
+            raise
+        except Exception as exc:  # ReadFailed, or the engine refusing the request
+            why = str(exc) if isinstance(exc, ReadFailed) else f"the engine refused the read: {exc}"
+            raise PeerUnreachable(f"{self.name}: reading the grants of {peer.peer_id} "
+                                  f"({peer.endpoint.host}) failed: {why}") from exc
+
+    def _engine_read_grants(self, peer: Peer, reads: list[tuple[int, int, int]]) -> Any:
+        """Start reading, for each (local address, first page, count), the peer's grant-table
+        entries of pages first .. first+count-1 into local registered memory; return
+        backend-private state for _engine_read_progress. One engine operation if possible."""
+        raise NotImplementedError(f"{self.name} cannot read a peer's grant table")
+
+    def _engine_read_progress(self, op: Any) -> TransferState:
+        """PENDING, DONE or FAILED for a read from _engine_read_grants; never blocks."""
+        raise NotImplementedError(f"{self.name} cannot read a peer's grant table")
+
+    def _engine_read_release(self, op: Any) -> None:  # noqa: B027 - optional hook
+        """Free the engine's state of a finished read (called once, after DONE or FAILED)."""
 
     def _engine_expect(self, key: str, pages: frozenset[int]) -> None:  # noqa: B027 - optional hook
         pass

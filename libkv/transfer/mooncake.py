@@ -6,11 +6,27 @@ blob. Protocol "tcp" here; "rdma" where `ib_device` names an RDMA device (with n
 Mooncake silently falls back to TCP). Each page run is one asynchronous engine write
 (transfer_submit_write) polled with transfer_check_status; this engine version acknowledges a
 TCP write only after the receiver applied it, so DONE means the bytes are in remote memory.
+
+Grants: the grant table (libkv.transfer.grants) is registered next to the pool and its address
+travels in the blob; verify_grant reads the peer's entries with batch_transfer_async_read (one
+batch per span of nearby pages, usually one) into a registered local read slot and polls it
+like a write, so a frozen peer costs at most timeout_s, not Mooncake's own transfer timeout.
+
+Listening: Mooncake 0.3.13 opens two listeners while it initializes, the P2P handshake socket
+(its rpc port) and the TCP transport's acceptor, and both bind the wildcard address in its code
+(INADDR_ANY; in6addr_any with IPV6_V6ONLY off). MC_TCP_BIND_ADDRESS does not change that: it only
+picks the address advertised when a metadata server is used, and is ignored with P2PHANDSHAKE.
+So initialize() runs under libkv.transfer.bind_host.bind_wildcard_to(host): both listeners
+bind `host` (the acceptor as ::ffff:host when host is IPv4). If the engine's libraries cannot be
+patched (another platform or build), the backend logs a warning and the listeners stay on the
+wildcard address.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,9 +42,16 @@ from libkv.transfer.base import (
     TransferEndpoint,
     TransferState,
 )
+from libkv.transfer.bind_host import bind_wildcard_to, is_wildcard
+from libkv.transfer.grants import TAG_NBYTES
+
+log = logging.getLogger(__name__)
 
 # transfer_check_status results (Mooncake's Python binding)
 _MC_DONE, _MC_PENDING, _MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
+# Batch ids are addresses; a refused submission is 0 in newer bindings and negative (or its
+# unsigned image) in older ones.
+_MC_BAD_BATCH = (0, (1 << 64) - 1)
 
 
 def _import_engine():
@@ -47,6 +70,7 @@ class _MooncakePeer:
     session: str
     base_addr: int
     nbytes: int
+    grants_addr: int
 
 
 @dataclass
@@ -87,22 +111,31 @@ class MooncakeBackend(TransferBackend):
     def _engine_register(self, pool: KVPool) -> None:
         os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(self.max_queued_per_peer)
         engine = self._engine_cls()
-        if engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device) != 0:
+        with bind_wildcard_to(self.host, _engine_libraries()) as patch:
+            status = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device)
+        if not patch.patched and not is_wildcard(self.host):
+            log.warning("mooncake: could not make the engine bind %s only (%s); its listeners bind "
+                        "every address", self.host, patch.skipped)
+        if status != 0:
             raise RuntimeError(f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, "
                                f"{self.protocol!r}, {self.ib_device!r}) failed")
         if engine.register_memory(pool.data_ptr(), pool.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register the KV pool ({pool.nbytes} bytes)")
+        grants = self.grants.memory
+        if engine.register_memory(grants.data_ptr(), grants.numel()) != 0:
+            raise RuntimeError(f"Mooncake could not register the grant table ({grants.numel()} bytes)")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
 
     def _engine_blob(self) -> bytes:
         pool = self._require_pool()
-        return json.dumps({"session": self._session, "base": pool.data_ptr(), "nbytes": pool.nbytes}).encode()
+        return json.dumps({"session": self._session, "base": pool.data_ptr(), "nbytes": pool.nbytes,
+                           "grants": self.grants.address()}).encode()
 
     def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
         try:
             raw = json.loads(endpoint.blob)
-            peer = _MooncakePeer(str(raw["session"]), int(raw["base"]), int(raw["nbytes"]))
+            peer = _MooncakePeer(str(raw["session"]), int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]))
         except (ValueError, KeyError) as exc:
             raise PeerUnreachable(f"bad mooncake endpoint from {endpoint.host}: {exc}") from exc
         # The handshake (segment descriptor exchange) happens on the first write; a probe
@@ -119,7 +152,7 @@ class MooncakeBackend(TransferBackend):
         for run in record.runs:
             src, dst, nbytes = self._run_bytes(run)
             batch = self._engine.transfer_submit_write(state.session, base + src, state.base_addr + dst, nbytes)
-            if batch < 0:
+            if batch < 0 or batch in _MC_BAD_BATCH:
                 write.failed += 1
                 break
             write.pending.append(batch)
@@ -155,10 +188,41 @@ class MooncakeBackend(TransferBackend):
             if write.pending:
                 time.sleep(0.001)
 
+    # ---- grant reads (verify_grant) ---------------------------------------------------------
+
+    def _engine_read_grants(self, peer: Peer, reads: list[tuple[int, int, int]]) -> Any:
+        # One batch per span: this binding reports the status of a batch's first request only,
+        # so a batch of several could not be polled.
+        state: _MooncakePeer = peer.engine
+        op = _MooncakeWrite()
+        for local, first, count in reads:
+            batch = self._engine.batch_transfer_async_read(
+                state.session, [local], [state.grants_addr + first * TAG_NBYTES], [count * TAG_NBYTES])
+            if batch < 0 or batch in _MC_BAD_BATCH:
+                op.failed += 1
+                break
+            op.pending.append(batch)
+        return op
+
+    def _engine_read_progress(self, op: _MooncakeWrite) -> TransferState:
+        self._check(op)
+        if op.pending:  # even after a failure: the slot is reused only once nothing can land
+            return TransferState.PENDING
+        return TransferState.FAILED if op.failed else TransferState.DONE
+
     def _engine_close(self) -> None:
         if self._engine is not None and self.pool is not None:
-            try:
-                self._engine.unregister_memory(self.pool.data_ptr())
-            except Exception:
-                pass
+            for address in (self.pool.data_ptr(), self.grants.address()):
+                try:
+                    self._engine.unregister_memory(address)
+                except Exception:
+                    pass
         self._engine = None
+
+
+def _engine_libraries() -> list[str]:
+    """The Mooncake shared objects that may call bind(): the Python module and its own libs."""
+    import mooncake.engine
+
+    folder = os.path.dirname(mooncake.engine.__file__)
+    return [mooncake.engine.__file__, *sorted(glob.glob(os.path.join(folder, "lib*.so")))]

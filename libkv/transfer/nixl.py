@@ -4,6 +4,15 @@ Endpoint blob: the agent's metadata (NIXL's own serialization) plus the pool's b
 size, as JSON. connect() loads the peer's metadata into the local agent (add_remote_agent);
 a write is one NIXL transfer request whose descriptor list has one entry per page run.
 
+Grants: the grant table (libkv.transfer.grants) is registered with the agent next to the pool, so
+the agent metadata in the blob covers it, and its address travels in the blob; verify_grant is
+one NIXL READ request with a descriptor per span of nearby pages into a registered local slot.
+
+Listening: the UCX plugin's TCP transport listens on an address of every network device UCX may
+use (by default the machine's external address too); the backend sets UCX_NET_DEVICES to the
+interface holding `host` before the agent exists (libkv.transfer.ucx_env), so it listens on
+`host`'s interface only. NIXL's own metadata listener (enable_listen_thread) stays off.
+
 Process exit: a process that created a NIXL UCX agent segfaults at interpreter exit. Call
 close() and then libkv.transfer.exit_process(code). Never create an agent in a pytest process.
 """
@@ -28,6 +37,8 @@ from libkv.transfer.base import (
     TransferEndpoint,
     TransferState,
 )
+from libkv.transfer.grants import TAG_NBYTES
+from libkv.transfer.ucx_env import bind_ucx_to
 
 _GENTLE_PROGRESS_S = 0.001
 
@@ -49,6 +60,7 @@ class _NixlPeer:
     agent_name: str
     base_addr: int
     nbytes: int
+    grants_addr: int
 
 
 class NixlBackend(TransferBackend):
@@ -75,13 +87,15 @@ class NixlBackend(TransferBackend):
         self.progress_thread = progress_thread
         self._agent: Any = None
         self._reg_descs: Any = None
+        self._grant_descs: Any = None
         self._stop_progress = threading.Event()
         self._progress: threading.Thread | None = None
         # NIXL's agent is not thread-safe in its default sync mode; every agent call holds this.
         self._agent_lock = self._lock
 
     def _engine_register(self, pool: KVPool) -> None:
-        config = self._nixl.nixl_agent_config(enable_prog_thread=self.progress_thread,
+        bind_ucx_to(self.host)  # before the agent: UCX reads its settings once, at context creation
+        config = self._nixl.nixl_agent_config(enable_prog_thread=self.progress_thread, enable_listen_thread=False,
                                               backends=[self.nixl_backend], num_threads=self.num_threads)
         self._agent = self._nixl.nixl_agent(self.agent_name, config)
         if self.nixl_backend not in self._agent.backends:
@@ -90,6 +104,9 @@ class NixlBackend(TransferBackend):
         self._reg_descs = self._agent.register_memory(pool.as_bytes())
         if self._reg_descs is None:
             raise RuntimeError("NIXL refused to register the KV pool")
+        self._grant_descs = self._agent.register_memory(self.grants.memory)
+        if self._grant_descs is None:
+            raise RuntimeError("NIXL refused to register the grant table")
         if not self.progress_thread:
             self._progress = threading.Thread(target=self._progress_gently, name="pdserve-nixl-progress",
                                               daemon=True)
@@ -109,7 +126,8 @@ class NixlBackend(TransferBackend):
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
         return json.dumps({"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
-                           "base": pool.data_ptr(), "nbytes": pool.nbytes}).encode()
+                           "base": pool.data_ptr(), "nbytes": pool.nbytes,
+                           "grants": self.grants.address()}).encode()
 
     def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
         try:
@@ -122,7 +140,7 @@ class NixlBackend(TransferBackend):
             raise PeerUnreachable(f"bad nixl endpoint from {endpoint.host}: {exc}") from exc
         except Exception as exc:
             raise PeerUnreachable(f"nixl could not load agent metadata of {endpoint.host}: {exc}") from exc
-        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]))
+        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]))
 
     def _engine_disconnect(self, peer: Peer) -> None:
         state: _NixlPeer = peer.engine
@@ -184,6 +202,29 @@ class NixlBackend(TransferBackend):
             self._release_quietly(record.engine)
             record.engine = None
 
+    # ---- grant reads (verify_grant) ---------------------------------------------------------
+
+    def _engine_read_grants(self, peer: Peer, reads: list[tuple[int, int, int]]) -> Any:
+        state: _NixlPeer = peer.engine
+        local = [(address, count * TAG_NBYTES, 0) for address, _first, count in reads]
+        remote = [(state.grants_addr + first * TAG_NBYTES, count * TAG_NBYTES, 0) for _a, first, count in reads]
+        with self._agent_lock:
+            xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                               self._agent.get_xfer_descs(remote, "DRAM"), state.agent_name)
+            status = self._agent.transfer(xfer)
+        if status == "ERR":
+            self._release_quietly(xfer)
+            raise PeerUnreachable(f"nixl refused to post a grant read from {peer.endpoint.host}")
+        return xfer
+
+    def _engine_read_progress(self, op: Any) -> TransferState:
+        with self._agent_lock:
+            status = self._agent.check_xfer_state(op)
+        return {"DONE": TransferState.DONE, "ERR": TransferState.FAILED}.get(status, TransferState.PENDING)
+
+    def _engine_read_release(self, op: Any) -> None:
+        self._release_quietly(op)
+
     def _release_quietly(self, xfer: Any) -> None:
         with self._agent_lock:
             try:
@@ -198,10 +239,11 @@ class NixlBackend(TransferBackend):
         if self._agent is None:
             return
         with self._agent_lock:
-            if self._reg_descs is not None:
-                try:
-                    self._agent.deregister_memory(self._reg_descs)
-                except Exception:
-                    pass
-            self._reg_descs = None
+            for descs in (self._reg_descs, self._grant_descs):
+                if descs is not None:
+                    try:
+                        self._agent.deregister_memory(descs)
+                    except Exception:
+                        pass
+            self._reg_descs = self._grant_descs = None
             self._agent = None

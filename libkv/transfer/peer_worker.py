@@ -3,7 +3,7 @@
 Engines live in their own processes because a transfer needs two, and because NIXL and UCX
 crash at interpreter exit (so never inside pytest). Run: python -m libkv.transfer.peer_worker
 (libkv.transfer.peer_client.PeerProcess does it for you). Commands arrive on stdin, one JSON object a line:
-{"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Each reply is one line
+{"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Grants travel as hex. Each reply is one line
 on stdout starting with REPLY_PREFIX; engines print their own warnings on stdout too, and the
 driver skips every line without the prefix. An engine error in a command is a reply with
 "error" and "error_type", never a crash. The process ends with close() + exit_process.
@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 
+import psutil
 import torch
 
 from libkv import KVLayout, KVPool
@@ -59,18 +60,44 @@ class PeerWorker:
     def op_connect(self, endpoint: str) -> dict:
         return {"peer": self.backend.connect(TransferEndpoint.from_json(endpoint))}
 
-    def op_expect(self, key: str, pages: list[int]) -> dict:
-        self.backend.expect(key, pages)
+    def op_expect(self, key: str, pages: list[int], grant: str = "") -> dict:
+        self.backend.expect(key, pages, bytes.fromhex(grant))
         return {}
+
+    def op_verify(self, peer: str, pages: list[int], key: str, grant: str = "") -> dict:
+        start = time.perf_counter()
+        self.backend.verify_grant(peer, pages, key=key, grant=bytes.fromhex(grant))
+        return {"seconds": time.perf_counter() - start}
+
+    def op_bench_verify(self, peer: str, pages: list[int], key: str, grant: str, repeats: int) -> dict:
+        """Seconds of each of `repeats` verify_grant calls for the same pages."""
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.backend.verify_grant(peer, pages, key=key, grant=bytes.fromhex(grant))
+            seconds.append(time.perf_counter() - start)
+        return {"seconds": seconds}
+
+    def op_grant_entries(self, pages: list[int]) -> dict:
+        """This receiver's grant-table entries of `pages`, hex (zeros: not reserved)."""
+        return {"entries": {str(p): self.backend.grants.entries[p].tobytes().hex() for p in pages}}
+
+    def op_checksums(self, pages: list[int]) -> dict:
+        return {"checksums": self.pool.page_checksums(pages)}
+
+    def op_listeners(self) -> dict:
+        """Every listening TCP socket of this process, as [ip, port]."""
+        return {"listeners": [[c.laddr.ip, c.laddr.port] for c in psutil.Process().net_connections(kind="tcp")
+                              if c.status == psutil.CONN_LISTEN]}
 
     def op_release(self, key: str) -> dict:
         self.backend.release_expectation(key)
         return {}
 
     def op_write(self, peer: str, src: list[int], dst: list[int], key: str = "", wait: bool = True,
-                 abort: bool = False) -> dict:
+                 abort: bool = False, grant: str = "") -> dict:
         start = time.perf_counter()
-        handle = self.backend.write(peer, src, dst, key=key)
+        handle = self.backend.write(peer, src, dst, key=key, grant=bytes.fromhex(grant))
         self.handles[handle.transfer_id] = handle
         reply = {"transfer_id": handle.transfer_id, "runs": handle.num_runs}
         if abort:
@@ -96,15 +123,25 @@ class PeerWorker:
             writes += 1
         return {"writes": writes, "state": "no error"}
 
-    def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int) -> dict:
+    def op_bench_write(self, peer: str, src: list[int], dst: list[int], key: str, repeats: int,
+                       grant: str = "") -> dict:
         """Seconds of each of `repeats` write + wait of the same pages."""
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            handle = self.backend.write(peer, src, dst, key=key)
+            handle = self.backend.write(peer, src, dst, key=key, grant=bytes.fromhex(grant))
             self.backend.wait_blocking(handle)
             seconds.append(time.perf_counter() - start)
         return {"seconds": seconds, "runs": handle.num_runs}
+
+    def op_bench_checksums(self, pages: list[int], repeats: int) -> dict:
+        """Seconds of each of `repeats` checksums of `pages` (KVPool.page_checksums)."""
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.pool.page_checksums(pages)
+            seconds.append(time.perf_counter() - start)
+        return {"seconds": seconds}
 
     def op_close(self) -> dict:
         if self.backend is not None:

@@ -1,26 +1,39 @@
 """`ucx` backend: two-sided UCX tagged messages through ucxx (the successor of ucx-py).
 
 UCX from Python has no one-sided put, so the receiver takes part: it receives each page run
-directly into its pool's page region (a view, no copy), but only for a key it announced with
-expect(); anything else is received into scratch memory and dropped. Endpoints are made from
+directly into its pool's page region (a view, no copy), but only where its grant table binds
+every page of the run to tag(key, grant) of the write's header (libkv.transfer.grants), i.e.
+pages that expect() reserved for that key and grant; anything else is received into scratch
+memory and dropped, and the sender's write fails with GrantRefused. Endpoints are made from
 worker addresses with endpoint error handling off, which lets UCX use shared memory (cma/sysv)
 between processes on one host: several times faster than its TCP path. The price: a dead peer
 makes sends hang instead of fail, so the backend's timeout is what detects it. Pass
 `error_handling=True` for peers on other hosts.
+
+Listening: UCX's TCP transport listens on an address of every network device it may use; the
+backend sets UCX_NET_DEVICES to the interface holding `host` before UCX starts
+(libkv.transfer.ucx_env), so it listens there only. (UCX's shared-memory transports also open
+abstract-namespace Unix datagram sockets to signal each other; those have no network address.)
 
 Wire protocol (all tags forced, 64-bit; see the *_tag functions):
   connect:   sender -> receiver  CTRL   HELLO(sender uid, address length)
              sender -> receiver  ADDR   sender's worker address (the receiver's route for acks)
   write:     sender -> receiver  CTRL   BEGIN(sender uid, transfer id, header length) followed
                                         in the same message by the header JSON
-                                        {key, runs: [[dst_page, length], ...]}; a header too big
-                                        for CTRL_NBYTES goes separately on DATA (BEGIN_LONG)
+                                        {key, grant (hex), runs: [[dst_page, length], ...]}; a
+                                        header too big for CTRL_NBYTES goes separately on DATA
+                                        (BEGIN_LONG)
              per run, in order:  DATA   the run's bytes, or an empty message once aborted
              finally             DATA   END(aborted?)
-             receiver -> sender  ACK    (status, transfer id): OK, REJECTED or ABORTED
+             receiver -> sender  ACK    (status, refused pages, transfer id, first refused page):
+                                        OK, REJECTED (some run not granted: those runs went to
+                                        scratch) or ABORTED
+  verify:    sender -> receiver  CTRL   VERIFY(sender uid, request id, header length) + header
+                                        {key, grant, runs} (VERIFY_LONG: header on DATA)
+             receiver -> sender  ACK    OK or REJECTED, as for a write; nothing else moves
 UCX matches messages of one tag from one endpoint in send order, so after the header the
-receiver posts every run's receive at once (into pool pages if the key expects them, else into
-scratch) and then one for END. A sender that aborts still sends one message per run, empty,
+receiver posts every run's receive at once (into pool pages if the grant covers them, else
+into scratch) and then one for END. A sender that aborts still sends one message per run, empty,
 which completes the posted receive without writing a byte: no receive stays posted into pool
 pages waiting for data that will not come (unless the sender dies; then nothing can match it).
 
@@ -33,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import struct
 import threading
@@ -46,6 +58,7 @@ from typing import Any
 from libkv.pool import KVPool
 from libkv.transfer.base import (
     EngineUnavailable,
+    GrantRefused,
     Peer,
     PeerUnreachable,
     Transfer,
@@ -54,14 +67,16 @@ from libkv.transfer.base import (
     TransferError,
     TransferState,
 )
+from libkv.transfer.grants import Refusal, grant_tag
+from libkv.transfer.ucx_env import bind_ucx_to
 
 log = logging.getLogger(__name__)
 
 CTRL_TAG = 0x5044_C7C7_0000_0001
 _CTRL = struct.Struct("<IIQQ")  # kind, sender uid, transfer id, length
 _END = struct.Struct("<IIQ")  # END kind, aborted flag, runs sent with data
-_ACK = struct.Struct("<IIQ")  # status, unused, transfer id
-_HELLO, _BEGIN, _BEGIN_LONG = 1, 2, 3
+_ACK = struct.Struct("<IIQQ")  # status, refused pages, transfer id, first refused page
+_HELLO, _BEGIN, _BEGIN_LONG, _VERIFY, _VERIFY_LONG = 1, 2, 3, 4, 5
 CTRL_NBYTES = 4096  # receive buffer of control messages (a smaller message fits): ~300 runs
 _END_KIND = 0x454E44
 ACK_OK, ACK_REJECTED, ACK_ABORTED = 0, 1, 2
@@ -138,7 +153,12 @@ class UcxBackend(TransferBackend):
             if _instance_alive:
                 raise RuntimeError("ucxx keeps one UCX context per process: one UcxBackend per process")
             _instance_alive = True
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        try:
+            bind_ucx_to(self.host)  # before UCX starts: it reads its settings once
+        except Exception:
+            with _instance_lock:
+                _instance_alive = False
+            raise
         self._pool_bytes = pool.as_bytes().numpy()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-ucx", daemon=True)
@@ -188,7 +208,7 @@ class UcxBackend(TransferBackend):
     def _engine_write(self, peer: Peer, record: Transfer) -> Any:
         state: _UcxPeer = peer.engine
         runs = [self._run_bytes(run) for run in record.runs]
-        header = json.dumps({"key": record.handle.key,
+        header = json.dumps({"key": record.handle.key, "grant": record.grant.hex(),
                              "runs": [[run.dst_page, run.length] for run in record.runs]}).encode()
         write = _UcxWrite(future=Future())
         write.future = asyncio.run_coroutine_threadsafe(
@@ -196,8 +216,20 @@ class UcxBackend(TransferBackend):
         write.future.add_done_callback(lambda _: record.wakeup.set())
         return write
 
+    def _post_header(self, ep: Any, kinds: tuple[int, int], request_id: int, header: bytes,
+                     sends: list[asyncio.Task], post) -> None:
+        """Send the control message of a request: the header inline if it fits, else after it
+        on the request's DATA tag (kinds = (inline kind, long kind))."""
+        if _CTRL.size + len(header) <= CTRL_NBYTES:
+            begin = _CTRL.pack(kinds[0], self.uid, request_id, len(header)) + header
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+        else:
+            begin = _CTRL.pack(kinds[1], self.uid, request_id, len(header))
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+            post(bytearray(header))
+
     async def _send(self, ep: Any, write: _UcxWrite, transfer_id: int, header: bytes,
-                    runs: list[tuple[int, int, int]]) -> int:
+                    runs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
         tag = data_tag(self.uid, transfer_id)
         ack = bytearray(_ACK.size)
         # Post the ack receive first so the ack can never arrive unmatched.
@@ -210,13 +242,7 @@ class UcxBackend(TransferBackend):
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            if _CTRL.size + len(header) <= CTRL_NBYTES:
-                begin = _CTRL.pack(_BEGIN, self.uid, transfer_id, len(header)) + header
-                sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
-            else:
-                begin = _CTRL.pack(_BEGIN_LONG, self.uid, transfer_id, len(header))
-                sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
-                post(bytearray(header))
+            self._post_header(ep, (_BEGIN, _BEGIN_LONG), transfer_id, header, sends, post)
             aborted, sent = 0, 0
             for src, _dst, nbytes in runs:
                 if write.abort_requested:
@@ -236,8 +262,8 @@ class UcxBackend(TransferBackend):
             for task in [*sends, ack_recv]:
                 if not task.done():
                     task.cancel()
-        status, _, _ = _ACK.unpack(ack)
-        return status
+        status, refused, _, first_refused = _ACK.unpack(ack)
+        return status, refused, first_refused
 
     def _engine_progress(self, record: Transfer) -> TransferState:
         future = record.engine.future
@@ -251,13 +277,65 @@ class UcxBackend(TransferBackend):
             record.error = PeerUnreachable(f"ucx write {record.handle.transfer_id} to "
                                            f"{record.handle.peer} failed: {exc}")
             return TransferState.FAILED
-        status = future.result()
+        status, refused, first_refused = future.result()
         if status == ACK_OK:
             return TransferState.DONE
-        record.error = TransferError(
-            f"ucx receiver rejected write {record.handle.transfer_id} (key {record.handle.key!r}): "
-            "key not expected, or pages outside its expectation")
+        if status == ACK_REJECTED:
+            refusal = Refusal(first_refused, refused, record.handle.num_pages)
+            record.error = GrantRefused(
+                f"ucx receiver rejected write {record.handle.transfer_id} (key {record.handle.key!r}): "
+                f"page {first_refused} is not reserved for this key and grant ({refused} of "
+                f"{refusal.total} pages refused; none of the refused runs reached the pool)", refusal)
+        else:
+            record.error = TransferError(f"ucx receiver answered write {record.handle.transfer_id} "
+                                         f"with status {status}")
         return TransferState.FAILED
+
+    def _engine_verify_grant(self, peer: Peer, pages: list[int], key: str, grant: bytes,
+                             tag: bytes) -> Refusal | None:
+        """Ask the receiver to compare its entries (the same check its writes get); the answer
+        comes back like a write's ack. Optional for safety, since every write is checked too,
+        but it refuses a forged request before the prefill computes anything."""
+        state: _UcxPeer = peer.engine
+        runs: list[list[int]] = []
+        for page in pages:
+            if runs and page == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([page, 1])
+        header = json.dumps({"key": key, "grant": grant.hex(), "runs": runs}).encode()
+        request_id = next(self._ids)
+        try:
+            status, refused, first_refused = self._run(
+                self._ask_verify(state.endpoint, request_id, header), timeout=self.timeout_s)
+        except FutureTimeout as exc:
+            raise PeerUnreachable(f"ucx peer {peer.endpoint.host} did not answer a grant check within "
+                                  f"{self.timeout_s:g} s") from exc
+        except Exception as exc:
+            raise PeerUnreachable(f"ucx grant check with {peer.endpoint.host} failed: {exc}") from exc
+        if status == ACK_OK:
+            return None
+        return Refusal(first_refused, refused, len(pages))
+
+    async def _ask_verify(self, ep: Any, request_id: int, header: bytes) -> tuple[int, int, int]:
+        ack = bytearray(_ACK.size)
+        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, request_id)))
+        sends: list[asyncio.Task] = []
+        tag = data_tag(self.uid, request_id)
+
+        def post(buffer) -> None:
+            sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
+
+        try:
+            self._post_header(ep, (_VERIFY, _VERIFY_LONG), request_id, header, sends, post)
+            await asyncio.gather(*sends)
+            await ack_recv
+        finally:
+            for task in [*sends, ack_recv]:
+                if not task.done():
+                    task.cancel()
+        status, refused, _, first_refused = _ACK.unpack(ack)
+        return status, refused, first_refused
 
     def _engine_cancel(self, record: Transfer, deadline: float) -> None:
         write: _UcxWrite | None = record.engine
@@ -307,6 +385,11 @@ class UcxBackend(TransferBackend):
                 self._spawn(self._receive(sender, transfer_id, header))
             elif kind == _BEGIN_LONG:
                 self._spawn(self._receive(sender, transfer_id, length))
+            elif kind == _VERIFY:
+                header = bytes(message[_CTRL.size:_CTRL.size + length])
+                self._spawn(self._answer_verify(sender, transfer_id, header))
+            elif kind == _VERIFY_LONG:
+                self._spawn(self._answer_verify(sender, transfer_id, length))
             else:
                 log.warning("ucx: unknown control message kind %d from %x", kind, sender)
 
@@ -327,26 +410,74 @@ class UcxBackend(TransferBackend):
         if old is not None and old is not route and old.done() and old.exception() is None:
             _abort_endpoint(old.result())
 
-    async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
-        """Receive one transfer; `header` is the header itself, or its length if it follows."""
-        tag = data_tag(sender, transfer_id)
+    async def _read_header(self, sender: int, request_id: int,
+                           header: bytes | int) -> tuple[str, bytes | None, list]:
+        """(key, tag, runs) of a request; `header` is the header itself, or its length if it
+        follows on the request's DATA tag. A grant that does not parse gives tag None, which
+        no page matches."""
         if isinstance(header, int):
             buffer = bytearray(header)
-            await self._ucxx.recv(buffer, tag=tag)
+            await self._ucxx.recv(buffer, tag=data_tag(sender, request_id))
             header = bytes(buffer)
         spec = json.loads(header)
         key = spec["key"]
+        try:
+            tag = grant_tag(key, bytes.fromhex(spec.get("grant", "")))
+        except (ValueError, TypeError):
+            tag = None
+        return key, tag, spec["runs"]
+
+    def _check_run(self, dst: int, length: int, tag: bytes | None) -> Refusal | None:
+        """Whether the grant table binds every page of the run to `tag` (hold self._lock)."""
+        if tag is None or dst < 0 or length < 1 or dst + length > self.grants.num_pages:
+            return Refusal(dst, max(length, 0), max(length, 0))
+        return self.grants.check(dst, length, tag)
+
+    async def _answer_verify(self, sender: int, request_id: int, header: bytes | int) -> None:
+        status, refused, first_refused = ACK_OK, 0, 0
+        try:
+            _key, tag, runs = await self._read_header(sender, request_id, header)
+            with self._lock:
+                for dst, length in runs:
+                    refusal = self._check_run(dst, length, tag)
+                    if refusal is not None:
+                        first_refused = first_refused if refused else refusal.first_page
+                        refused += refusal.count
+                        status = ACK_REJECTED
+        except Exception as exc:  # a malformed request is refused, never crashes the receiver
+            log.warning("ucx: bad grant check %d from %x: %s", request_id, sender, exc)
+            status = ACK_REJECTED
+        await self._ack(sender, request_id, status, refused, first_refused)
+
+    async def _ack(self, sender: int, request_id: int, status: int, refused: int, first_refused: int) -> None:
+        route = self._senders.get(sender)
+        if route is None:
+            log.warning("ucx: no route back to sender %x for request %d", sender, request_id)
+            return
+        try:
+            ep = await asyncio.wait_for(asyncio.shield(route), self.timeout_s)
+            await ep.send(bytearray(_ACK.pack(status, refused, request_id, first_refused)),
+                          tag=ack_tag(sender, request_id), force_tag=True)
+        except Exception as exc:
+            log.warning("ucx: ack of request %d to sender %x failed: %s", request_id, sender, exc)
+
+    async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
+        """Receive one transfer; `header` is the header itself, or its length if it follows."""
+        tag = data_tag(sender, transfer_id)
+        key, run_tag, runs = await self._read_header(sender, transfer_id, header)
         page_nbytes = self._require_pool().layout.page_nbytes
-        targets, scratch_nbytes, in_pool = [], 0, 0
+        targets, scratch_nbytes, in_pool, refused, first_refused = [], 0, 0, 0, 0
         with self._lock:
-            allowed = self._expected.get(key, frozenset())
-            for dst, length in spec["runs"]:
-                if all(p in allowed for p in range(dst, dst + length)):
+            for dst, length in runs:
+                refusal = self._check_run(dst, length, run_tag)
+                if refusal is None:
                     targets.append(self._pool_bytes[dst * page_nbytes:(dst + length) * page_nbytes])
                     in_pool += 1
                 else:
                     targets.append(None)
                     scratch_nbytes = max(scratch_nbytes, length * page_nbytes)
+                    first_refused = first_refused if refused else refusal.first_page
+                    refused += refusal.count
             if in_pool:
                 self._inflight[key] = self._inflight.get(key, 0) + in_pool
         # Rejected runs all land in one scratch buffer: their bytes are dropped anyway.
@@ -360,16 +491,7 @@ class UcxBackend(TransferBackend):
         if kind != _END_KIND:
             log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
         status = ACK_ABORTED if aborted else (ACK_OK if in_pool == len(targets) else ACK_REJECTED)
-        route = self._senders.get(sender)
-        if route is None:
-            log.warning("ucx: no route back to sender %x for transfer %d", sender, transfer_id)
-            return
-        try:
-            ep = await asyncio.wait_for(asyncio.shield(route), self.timeout_s)
-            await ep.send(bytearray(_ACK.pack(status, 0, transfer_id)),
-                          tag=ack_tag(sender, transfer_id), force_tag=True)
-        except Exception as exc:
-            log.warning("ucx: ack of transfer %d to sender %x failed: %s", transfer_id, sender, exc)
+        await self._ack(sender, transfer_id, status, refused, first_refused)
 
     async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:
         if target is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import grpc
@@ -33,6 +34,15 @@ class PrefillFailed(RuntimeError):
         self.stage = stage
 
 
+@dataclass(frozen=True)
+class PrefillReply:
+    """What a successful Prefill call returns: the first token, and the checksum of every page
+    as written (in dst_page_ids order) when decode asked for them."""
+
+    first: FirstToken
+    page_checksums: list[int]
+
+
 class AbortOutcome(enum.Enum):
     """What decode learned from asking a prefill to stop a room."""
 
@@ -59,7 +69,7 @@ class PrefillClients:
         return stub
 
     async def prefill(self, address: str, request: worker_pb2.PrefillRequest, params: SamplingParams,
-                      timeout_s: float) -> FirstToken:
+                      timeout_s: float) -> PrefillReply:
         try:
             response = await self._stub(address).Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -73,8 +83,10 @@ class PrefillClients:
             raise PrefillFailed(f"prefill {address} failed ({code.name}): {exc.details()}",
                                 grpc.StatusCode.UNAVAILABLE, stage) from None
         first = response.first_token
-        return FirstToken(token_id=first.token_id, logprob=first.logprob if params.logprobs else None,
-                          top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs])
+        return PrefillReply(
+            FirstToken(token_id=first.token_id, logprob=first.logprob if params.logprobs else None,
+                       top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs]),
+            list(response.page_checksums))
 
     async def abort(self, address: str, room: str) -> AbortOutcome:
         """Ask prefill to stop `room`; says whether any of its writes can still land.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 import grpc
@@ -58,6 +59,7 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
                                          give_up_s=self.config.quarantine_timeout)
         runtime.metrics.gauge("kv_quarantined_rooms", "Failed requests whose pages wait for their prefill "
                               "to confirm that no KV write can still land", lambda: len(self.quarantine.rooms()))
+        self._checksums = self.config.kv_checksum and self.backend.moves_bytes
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._tasks: dict[str, asyncio.Task] = {}
         self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
@@ -98,12 +100,15 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self.runtime.metrics.failure("prealloc")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}")
         self.queues.move(room, "transfer")
-        # Declares which pages this room may write (two-sided engines post receives into them).
-        self.backend.expect(room, pages)
+        # Binds the pages to this room and request: the prefill checks the binding through the
+        # transfer engine before it writes (two-sided engines also check every write), so only the
+        # prefill given this grant can fill them.
+        grant = secrets.token_bytes(16)
+        self.backend.expect(room, pages, grant=grant)
         prefill_request = worker_pb2.PrefillRequest(
             room=room, prompt_token_ids=prompt, sampling=sampling_to_proto(params), dst_page_ids=pages,
             dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
-            model=self.config.model_name)
+            model=self.config.model_name, grant=grant, page_checksums=self._checksums)
         call = asyncio.ensure_future(self.prefills.prefill(
             prefill_address, prefill_request, params,
             timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
@@ -113,7 +118,7 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             if call.cancelled():
                 raise PrefillFailed(f"prefill {prefill_address} {self._lost.pop(room, 'was lost')}",
                                     grpc.StatusCode.UNAVAILABLE, "prefill")
-            first = call.result()
+            reply = call.result()
         except PrefillFailed as exc:
             self.runtime.metrics.failure(exc.stage)
             self.quarantine.hold(room, prefill_address)
@@ -128,7 +133,27 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self._calls.pop(room, None)
             self._lost.pop(room, None)
         self.backend.release_expectation(room)
-        return first
+        if self._checksums:
+            await self._check_arrived(room, pages, reply.page_checksums, prefill_address, context)
+        return reply.first
+
+    async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,
+                             context: grpc.aio.ServicerContext) -> None:
+        """Compare the pages that arrived with the checksums prefill computed before writing them;
+        a difference fails the request (retryable on another pair) before it joins the batch. The
+        prefill has finished writing (its reply says so), so the pages are freed at once."""
+        arrived = await asyncio.to_thread(self.engine.pool.page_checksums, pages)
+        if arrived == sent:
+            return
+        bad = [page for page, want, got in zip(pages, sent, arrived, strict=False) if want != got]
+        problem = (f"{len(sent)} checksums for {len(pages)} pages" if len(sent) != len(pages)
+                   else f"{len(bad)} of {len(pages)} pages differ from what it sent (first: page {bad[0]})")
+        self.runtime.metrics.failure("checksum")
+        self.engine.release(room)
+        log.error("room %s: KV from prefill %s arrived corrupted: %s", room, prefill_address, problem)
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"room {room}: KV from prefill {prefill_address} arrived corrupted: {problem}",
+                            trailing_metadata=((FAILED_PEER_KEY, prefill_address),))
 
     async def watch_prefills(self, registry: RegistryClient) -> None:
         """Fail the Prefill calls of a prefill whose registry lease expired (it stopped heartbeating:

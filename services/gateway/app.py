@@ -1,8 +1,13 @@
 """The gateway's FastAPI application: routes, error bodies, request metrics, /health, /metrics.
 
 `create_app(state)` wires a GatewayState (state.py) into an app; its lifespan starts registry
-discovery and health probes and stops them on shutdown. The OpenAPI document is FastAPI's
-(/openapi.json, /docs).
+discovery and health probes and stops them on shutdown. The OpenAPI document (/openapi.json, /docs)
+is FastAPI's, made to match what the server does by openapi.py.
+
+ASGI middleware, outermost first: RequestCounter (counts every answer, refusals included),
+InternalErrors (a bug answers 500 and keeps the connection), BodyLimit (413/408 while the body is
+read), ApiKeyAuth (401 before any body is read), AdmissionScope (releases admission slots when a
+request's call ends). /health reads nothing and waits for nothing, so it stays fast under load.
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway import routes_native, routes_openai
-from services.gateway.errors import error_body, install_error_handlers
+from services.gateway.admission import AdmissionControl, AdmissionLimits, AdmissionScope
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.body_limit import BodyLimit
+from services.gateway.errors import InternalErrors, error_body, install_error_handlers
+from services.gateway.guards import RequestGuards
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install_openapi
+from services.gateway.prompts import PromptEncoder
 from services.gateway.state import GatewayState
 
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/health", "/metrics")
@@ -49,7 +60,20 @@ class RequestCounter:
         await self.app(scope, receive, counting_send)
 
 
+def make_guards(state: GatewayState) -> RequestGuards:
+    config = state.config
+    admission = AdmissionControl(
+        AdmissionLimits(max_running=config.max_concurrent_requests, max_waiting=config.queue_size,
+                        queue_timeout_s=config.queue_timeout, retry_after_s=config.retry_after),
+        on_shed=lambda model, reason: state.metrics.shed.labels(model=model, reason=reason).inc())
+    state.metrics.watch_admission(admission)
+    return RequestGuards(encoder=PromptEncoder(state.model_files, config.tokenizer_threads), admission=admission,
+                         max_generations=config.max_generations_per_request)
+
+
 def create_app(state: GatewayState) -> FastAPI:
+    guards = make_guards(state)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
@@ -57,10 +81,12 @@ def create_app(state: GatewayState) -> FastAPI:
             yield
         finally:
             await state.close()
+            guards.encoder.close()
 
     app = FastAPI(title="pdserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of pdserve prefill/decode workers")
     app.state.gateway = state
+    app.state.guards = guards
     install_error_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_native.router)
@@ -82,5 +108,12 @@ def create_app(state: GatewayState) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    config = state.config
+    app.add_middleware(AdmissionScope)
+    if config.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key, metrics_require_api_key=config.metrics_require_api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes, read_timeout_s=config.body_read_timeout)
+    app.add_middleware(InternalErrors)
     app.add_middleware(RequestCounter, metrics=state.metrics)
+    install_openapi(app, state, guards)
     return app

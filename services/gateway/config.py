@@ -8,6 +8,7 @@ repeatable) are parsed into StaticWorker entries by `static_workers_from_args`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,30 @@ class GatewayConfig:
     abort_timeout: float = field(default=2.0, metadata=_help("seconds an explicit Worker.Abort may take"))
     graceful_shutdown: float = field(default=5.0, metadata=_help(
         "seconds open requests get on SIGINT/SIGTERM"))
+    # -- security and limits (README "Security")
+    api_key: str | None = field(default=None, repr=False, metadata=_help(
+        "API key clients must send as `Authorization: Bearer KEY` on every route but /health (and /metrics, "
+        "see --metrics-require-api-key); default: $PDSERVE_API_KEY, which keeps the key out of `ps`; unset: "
+        "no key"))
+    metrics_require_api_key: bool = field(default=False, metadata=_help(
+        "with an API key set, /metrics asks for it too"))
+    max_request_body_bytes: int = field(default=2 << 20, metadata=_help(
+        "largest request body accepted; a larger one is refused with 413 before it is read (parsing and "
+        "checking a body holds the event loop: about 0.25 s for 2 MiB of token ids)"))
+    body_read_timeout: float = field(default=30.0, metadata=_help(
+        "seconds a client may take to send a request body; a slower one is refused with 408"))
+    max_generations_per_request: int = field(default=256, metadata=_help(
+        "most generations one request may start (prompts x n, or x best_of); more is refused with 400"))
+    max_concurrent_requests: int = field(default=256, metadata=_help(
+        "admission control, per model: generations running through the gateway at once (a request holds "
+        "one slot per generation); more wait in a queue"))
+    queue_size: int = field(default=128, metadata=_help(
+        "admission control, per model: requests that may wait for a slot; beyond that 429"))
+    queue_timeout: float = field(default=60.0, metadata=_help(
+        "admission control: seconds a request may wait for a slot before it is refused with 429"))
+    retry_after: int = field(default=1, metadata=_help("seconds a 429 answer asks the client to wait (Retry-After)"))
+    tokenizer_threads: int = field(default=2, metadata=_help(
+        "threads that render chat templates and tokenize prompts, off the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
         envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
         "seconds a worker stays routable after a restarted registry came back without it (workers "
@@ -94,6 +119,18 @@ class GatewayConfig:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if self.breaker_failures < 1:
             raise ValueError(f"--breaker-failures must be >= 1, got {self.breaker_failures}")
+        if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
+            raise ValueError("--api-key must be a non-empty printable string")
+        for flag, number in (("--max-request-body-bytes", self.max_request_body_bytes),
+                             ("--max-generations-per-request", self.max_generations_per_request),
+                             ("--max-concurrent-requests", self.max_concurrent_requests),
+                             ("--tokenizer-threads", self.tokenizer_threads),
+                             ("--body-read-timeout", self.body_read_timeout),
+                             ("--queue-timeout", self.queue_timeout)):
+            if not number > 0:
+                raise ValueError(f"{flag} must be > 0, got {number}")
+        if self.queue_size < 0 or self.retry_after < 0:
+            raise ValueError("--queue-size and --retry-after must be >= 0")
 
     @property
     def served_model_name(self) -> str:
@@ -106,6 +143,14 @@ class GatewayConfig:
     @property
     def decode_policy_name(self) -> str:
         return self.decode_policy or self.policy
+
+
+def with_env_api_key(config: GatewayConfig) -> GatewayConfig:
+    """`config` with the API key from $PDSERVE_API_KEY when --api-key was not given (read once, at
+    start-up; the flag's help never shows the variable's value)."""
+    if config.api_key is None and envs.API_KEY.get():
+        return dataclasses.replace(config, api_key=envs.API_KEY.get())
+    return config
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,10 +3,15 @@
 Client mistakes are 4xx, never 500: FastAPI's 422 for a body that fails validation becomes 400,
 malformed JSON is 400, an unknown route 404. Worker-side gRPC statuses map through
 `status_for_grpc`: INVALID_ARGUMENT (the worker rejected the request) is the client's 400.
+
+Error bodies are encoded so that nothing a client sent can break them (a lone surrogate in a
+message becomes "?"), and a gateway bug answers 500 without dropping the keep-alive connection
+(`InternalErrors`; Starlette's own last-resort handler re-raises, and uvicorn then resets it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -33,6 +39,7 @@ class GatewayError(Exception):
     param: str | None = None
     code: str | None = None
     type: str | None = None
+    headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -45,6 +52,29 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                type_: str | None = None) -> dict[str, Any]:
     error_type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON error body that always encodes: strings the client sent may hold lone surrogates."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   type_: str | None = None, headers: dict[str, str] | None = None) -> ErrorResponse:
+    return ErrorResponse(error_body(status, message, param=param, code=code, type_=type_), status_code=status,
+                         headers=headers)
+
+
+async def send_error(send: Send, exc: StarletteHTTPException) -> None:
+    """Answer an HTTPException straight from ASGI middleware (outside FastAPI's handlers)."""
+    response = error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:  # a Response never reads the request
+    raise RuntimeError("not used")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
@@ -68,7 +98,14 @@ def status_for_grpc(code: grpc.StatusCode) -> tuple[int, str]:
 
 
 def _location(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """The field a validation error names: its path without "body", cut at a tagged union's tag
+    (protocol.py's prompt forms): `prompt`, not `prompt.form:ids.3`."""
+    parts = []
+    for part in loc:
+        if isinstance(part, str) and part.startswith("form:"):
+            break
+        if part != "body":
+            parts.append(str(part))
     return ".".join(parts) or None
 
 
@@ -92,9 +129,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # A value failing every member of a union (prompt: str | list[str] | ...) gives one error per
     # member, located under the member's type name: the parameter is their common location.
     first_location = tuple(first.get("loc", ()))
-    same_field = [tuple(e.get("loc", ())) for e in errors if tuple(e.get("loc", ()))[:2] == first_location[:2]]
-    param = _location(_common_prefix(same_field))
-    message = first.get("msg", "invalid value")
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == first_location[:2]]
+    param = _location(_common_prefix([tuple(e.get("loc", ())) for e in same_field]))
+    # Of a union's errors, the one from the member of the right type says what is wrong ("at least
+    # 1 character"); the others only say the value is not of their type.
+    telling = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
+    message = telling.get("msg", "invalid value")
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     return (f"{param}: {message}" if param else message), param
@@ -105,22 +145,43 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param=param), status_code=400)
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+class InternalErrors:
+    """Pure ASGI middleware: an exception escaping the app (a gateway bug) is logged and answered
+    as a 500 error body, and the connection stays usable."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # half a response is out: only closing the connection can tell the client
+            await error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send)

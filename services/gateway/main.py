@@ -26,6 +26,7 @@ from services.gateway.config import (
     StaticWorker,
     add_worker_arguments,
     static_workers_from_args,
+    with_env_api_key,
 )
 from services.gateway.state import build_state
 
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     setup_logging("gateway")
     try:
-        config = config_from_args(GatewayConfig, args)
+        config = with_env_api_key(config_from_args(GatewayConfig, args))
         workers = static_workers_from_args(args)
     except ValueError as exc:
         log.error("gateway: %s", exc)

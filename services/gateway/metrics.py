@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name
+from services.gateway.admission import AdmissionControl
 from services.gateway.workers import WorkerPool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -50,6 +51,24 @@ class _PoolCollector(Collector):
         yield workers
 
 
+class _AdmissionCollector(Collector):
+    """Slots held and requests waiting per model, from the admission queues when Prometheus scrapes."""
+
+    def __init__(self, admission: AdmissionControl) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily(metric_name("gateway_admission_running_slots"),
+                                    "Generation slots held by admitted requests", labels=["model"])
+        waiting = GaugeMetricFamily(metric_name("gateway_admission_waiting_requests"),
+                                    "Requests waiting for admission", labels=["model"])
+        for model, queue in list(self.admission.queues.items()):
+            running.add_metric([model], queue.running)
+            waiting.add_metric([model], queue.waiting)
+        yield running
+        yield waiting
+
+
 class GatewayMetrics:
     """All gateway metrics in their own CollectorRegistry (several gateways can share a process)."""
 
@@ -74,7 +93,14 @@ class GatewayMetrics:
         self.aborts = Counter(metric_name("gateway_aborts"),
                               "Requests the client left early (Generate cancelled, Worker.Abort sent)",
                               registry=self.registry)
+        self.shed = Counter(metric_name("gateway_shed_requests"),
+                            "Requests refused with 429 by admission control, by model and reason "
+                            "(queue_full, queue_timeout)", ["model", "reason"], registry=self.registry)
         self.registry.register(_PoolCollector(pool))
+
+    def watch_admission(self, admission: AdmissionControl) -> None:
+        """Export the admission queues' occupancy (read at scrape time)."""
+        self.registry.register(_AdmissionCollector(admission))
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

@@ -23,7 +23,8 @@ from services.gateway.choices import (
     until_disconnected,
 )
 from services.gateway.errors import GatewayError, bad_request
-from services.gateway.prompts import check_prompt, completion_prompts
+from services.gateway.guards import request_guards
+from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import NativeGenerateRequest
 from services.gateway.responses import NativeGenerateResponse, NativeMetaInfo
 from services.gateway.sampling import sampling_from_fields
@@ -54,40 +55,48 @@ def _response(result: ChoiceResult, room: str, prompt_tokens: int, return_logpro
 @router.post("/generate", response_model=NativeGenerateResponse | list[NativeGenerateResponse])
 async def generate(body: NativeGenerateRequest, request: Request):
     state: GatewayState = request.app.state.gateway
+    guards = request_guards(request)
     model = state.check_model(body.model)
-    batched = isinstance(body.text, list) or (
-        body.input_ids is not None and len(body.input_ids) > 0 and isinstance(body.input_ids[0], list))
-    prompt = body.text if body.text is not None else body.input_ids
-    if isinstance(prompt, list) and len(prompt) == 0:
-        raise bad_request("text / input_ids must not be empty", param="text" if body.text is not None else "input_ids")
-    prompts = completion_prompts(prompt, state.model_files)
     params = body.sampling_params
+    check_token_ids(params.stop_token_ids or (), state.model_files, param="sampling_params.stop_token_ids")
+    check_max_tokens(params.max_new_tokens, state.model_files, param="sampling_params.max_new_tokens")
+    if body.stream and body.batched:
+        raise bad_request("stream is supported for one prompt at a time", param="stream")
+    prompt_param = "text" if body.text is not None else "input_ids"
+    generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param, count_param=prompt_param)
+    if not await guards.admit(request, model, generations):
+        return Response(status_code=499)
+    prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,
+                                           param=prompt_param)
     for prompt_ids in prompts:
-        check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param="input_ids")
+        check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param=prompt_param,
+                     max_tokens_param="sampling_params.max_new_tokens")
     sampling = sampling_from_fields(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, seed=params.seed,
         max_new_tokens=params.max_new_tokens, stop=params.stop_list(), stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos, logprobs=body.return_logprob, top_logprobs=body.top_logprobs_num)
-    request_id = body.rid or state.new_request_id("gen")
+    # The room is always the gateway's own unique id: a client's rid could collide with another
+    # request's room on the workers (by accident or on purpose); it is only shown back.
+    request_id = state.new_request_id("gen")
     jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids, sampling)
             for i, prompt_ids in enumerate(prompts)]
+    shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
+                 for job in jobs]
     timers = [state.metrics.timer() for _ in jobs]
 
     if body.stream:
-        if batched:
-            raise bad_request("stream is supported for one prompt at a time", param="stream")
-        return await _stream(request, state, jobs[0], timers, len(prompts[0]), body.return_logprob)
+        return await _stream(request, state, jobs[0], shown_ids[0], timers, len(prompts[0]), body.return_logprob)
 
     results = await until_disconnected(request, lambda: collect_choices(state.dispatcher, jobs, timers))
     if results is None:
         return Response(status_code=499)
-    responses = [_response(r, job.room, len(job.prompt_token_ids), body.return_logprob)
-                 for r, job in zip(results, jobs, strict=True)]
-    return responses if batched else responses[0]
+    responses = [_response(r, shown_id, len(job.prompt_token_ids), body.return_logprob)
+                 for r, job, shown_id in zip(results, jobs, shown_ids, strict=True)]
+    return responses if body.batched else responses[0]
 
 
-async def _stream(request: Request, state: GatewayState, job: ChoiceJob, timers, prompt_tokens: int,
-                  return_logprob: bool) -> Response:
+async def _stream(request: Request, state: GatewayState, job: ChoiceJob, shown_id: str, timers,
+                  prompt_tokens: int, return_logprob: bool) -> Response:
     stream = stream_choices(state.dispatcher, [job], timers)
     first = await open_stream(request, stream)
     if first is None:
@@ -99,10 +108,10 @@ async def _stream(request: Request, state: GatewayState, job: ChoiceJob, timers,
             pending = [] if is_end(first) else [first]
             for item in pending:
                 result.add(item[1])
-                yield event(_response(result, job.room, prompt_tokens, return_logprob))
+                yield event(_response(result, shown_id, prompt_tokens, return_logprob))
             async for _, chunk in stream:
                 result.add(chunk)
-                yield event(_response(result, job.room, prompt_tokens, return_logprob))
+                yield event(_response(result, shown_id, prompt_tokens, return_logprob))
         except GatewayError as exc:
             yield error_event(exc)
         except Exception as exc:

@@ -23,8 +23,9 @@ from services.gateway.choices import (
 )
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError
+from services.gateway.guards import request_guards
 from services.gateway.logprobs import chat_logprobs, completion_logprobs
-from services.gateway.prompts import chat_prompt_ids, check_prompt, completion_prompts
+from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import (
     ChatChoice,
@@ -76,11 +77,18 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
-    state = gateway_state(request)
+    state, guards = gateway_state(request), request_guards(request)
     model = state.check_model(body.model)
-    prompt_ids = chat_prompt_ids(body, state.model_files)
-    check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages")
-    top_n = body.top_logprobs or 0
+    check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
+    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
+    check_max_tokens(body.max_completion_tokens, state.model_files, param="max_completion_tokens")
+    guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
+    if not await guards.admit(request, model, body.n):
+        return Response(status_code=CLIENT_CLOSED)
+    prompt_ids = await guards.encoder.chat(body)
+    check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
+                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    top_n = body.top_logprobs_wanted
     sampling = sampling_from_fields(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
         max_new_tokens=body.max_new_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids,
@@ -129,9 +137,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
-    state = gateway_state(request)
+    state, guards = gateway_state(request), request_guards(request)
     model = state.check_model(body.model)
-    prompts = completion_prompts(body.prompt, state.model_files)
+    check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
+    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
+    candidates = body.candidates
+    generations = guards.check_fanout(body.prompt_count(), candidates, prompt_param="prompt",
+                                      count_param="best_of" if candidates > body.n else "n")
+    if not await guards.admit(request, model, generations):
+        return Response(status_code=CLIENT_CLOSED)
+    prompts = await guards.encoder.prompts(body.prompt, param="prompt")
     for prompt_ids in prompts:
         check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="prompt")
     top_n = body.logprobs or 0
@@ -139,13 +154,28 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     sampling = sampling_from_fields(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
         max_new_tokens=body.max_new_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, logprobs=want_logprobs, top_logprobs=top_n)
+        ignore_eos=body.ignore_eos, logprobs=want_logprobs or candidates > body.n, top_logprobs=top_n)
     request_id = state.new_request_id("cmpl")
-    jobs = [ChoiceJob(p * body.n + j, f"{request_id}-{p * body.n + j}", model, prompt_ids, sampling.for_choice(j))
-            for p, prompt_ids in enumerate(prompts) for j in range(body.n)]
+    jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids,
+                      sampling.for_choice(j))
+            for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
     timers = [state.metrics.timer() for _ in jobs]
     created = int(time.time())
     prompt_lengths = [len(prompt_ids) for prompt_ids in prompts]
+
+    if candidates > body.n:  # best_of: every candidate must finish before the best are known
+        results = await until_disconnected(request, lambda: collect_choices(state.dispatcher, jobs, timers))
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        best = best_of(results, len(prompts), candidates, body.n)
+        choices = [CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason,
+                                    logprobs=completion_logprobs(r.tokens, state.model_files, top_n)
+                                    if want_logprobs else None) for r in best]
+        usage = _usage(prompt_lengths, [r.completion_tokens for r in results])
+        whole = Completion(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        if body.stream:
+            return sse_response(_replay(whole, body.include_usage))
+        return whole
 
     if body.stream:
         sent_text = [0] * len(jobs)  # text offset per choice, for logprobs.text_offset
@@ -176,6 +206,33 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
                                 if want_logprobs else None) for r in results]
     return Completion(id=request_id, created=created, model=model, choices=choices,
                       usage=_usage(prompt_lengths, [r.completion_tokens for r in results]))
+
+
+def best_of(results: list[ChoiceResult], prompts: int, candidates: int, n: int) -> list[ChoiceResult]:
+    """For each prompt, the `n` of its `candidates` results with the highest mean token logprob
+    (OpenAI's "highest log probability per token"), re-indexed as choices p * n + i."""
+    best = []
+    for p in range(prompts):
+        group = results[p * candidates:(p + 1) * candidates]
+        ranked = sorted(group, key=_mean_logprob, reverse=True)[:n]
+        for i, result in enumerate(ranked):
+            result.index = p * n + i
+            best.append(result)
+    return best
+
+
+def _mean_logprob(result: ChoiceResult) -> float:
+    logprobs = [token.logprob for token in result.tokens if token.logprob is not None]
+    return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
+
+
+async def _replay(whole: Completion, include_usage: bool) -> AsyncIterator[str]:
+    """A finished completion as the stream of it: one chunk per choice, then the usage."""
+    for choice in whole.choices:
+        yield event(whole.model_copy(update={"choices": [choice], "usage": None}))
+    if include_usage:
+        yield event(whole.model_copy(update={"choices": []}))
+    yield DONE
 
 
 # -- streaming ----------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ from dataclasses import dataclass, replace
 
 from protos.v1 import common_pb2
 
+_FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` wrapped into the proto's int64 range (a seed near 2**63 - 1 plus a choice index)."""
+    return (value + 2**63) % 2**64 - 2**63
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -32,7 +39,7 @@ class Sampling:
         # and distinct (greedy choices are identical regardless).
         if self.seed is None or index == 0:
             return self
-        return replace(self, seed=self.seed + index)
+        return replace(self, seed=_wrap_int64(self.seed + index))
 
     def to_proto(self) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
@@ -42,7 +49,9 @@ class Sampling:
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
-            params.top_p = self.top_p
+            # the proto field is float32: a top_p below its smallest positive value would arrive as
+            # 0 (refused by the worker); keeping only the most likely token is what it asks for
+            params.top_p = max(self.top_p, _FLOAT32_TINY)
         if self.seed is not None:
             params.seed = self.seed
         if self.max_new_tokens is not None:

@@ -17,15 +17,20 @@ class PrefillRoom:
     """The writes of one room: which prompt pages were pushed, and the writes still to await.
 
     The engine thread calls `push` after every chunk (pages fully computed so far); the write is
-    issued on the room's transfer queue. The servicer awaits `wait_all` after the prompt and calls
-    `abort_all` on any failure. `closed` stops new writes the moment an abort starts, so nothing is
-    written after Abort has been answered.
+    issued on the room's transfer queue, carrying decode's grant for the room. With
+    `want_checksums`, each page is checksummed (xxh3) right before its write: a pushed page is
+    final, so decode can compare what arrived with what was sent. The servicer awaits `wait_all`
+    after the prompt and calls `abort_all` on any failure. `closed` stops new writes the moment an
+    abort starts, so nothing is written after Abort has been answered.
     """
 
     room: str
     backend: TransferBackend
     queues: TransferQueues
     dst_page_ids: list[int]
+    grant: bytes = b""
+    want_checksums: bool = False
+    checksums: list[int] = field(default_factory=list)  # in dst_page_ids order, filled by the writes
     peer: PeerId | None = None  # set once the handshake with decode's endpoint is done
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -52,7 +57,11 @@ class PrefillRoom:
             self.pages_pushed += len(new)
 
     def _issue(self, src: list[int], dst: list[int]) -> TransferHandle:
-        handle = self.backend.write(self.peer, src, dst, key=self.room)
+        if self.want_checksums:
+            sums = self.backend.pool.page_checksums(src)
+            with self._lock:  # one room's writes run in push order on its queue
+                self.checksums.extend(sums)
+        handle = self.backend.write(self.peer, src, dst, key=self.room, grant=self.grant)
         with self._lock:
             self.bytes_pushed += handle.nbytes
         return handle

@@ -2,7 +2,9 @@
 
 One request moves through ARCHITECTURE.md's prefill queues:
   bootstrap  connect to the decode worker's transfer endpoint (cached per peer); refuse a different
-             model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION)
+             model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION); check
+             through the transfer engine that decode reserved exactly `dst_page_ids` for this
+             room and grant (PERMISSION_DENIED otherwise: a forged or stale call writes nothing)
   waiting    the engine runs the prompt in chunks; after each chunk its completed pages are written
              straight into decode's reserved pages, so the transfer overlaps the compute
   inflight   after the last chunk (and its partial page), wait until every write has landed,
@@ -25,7 +27,7 @@ from collections import OrderedDict
 import grpc
 
 from libkv.layout import LayoutMismatch
-from libkv.transfer import BackendMismatch, TransferError
+from libkv.transfer import BackendMismatch, GrantRefused, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_from_proto, token_to_proto
 from services.common.tasks import finish_despite_cancel
@@ -68,7 +70,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             if request.model != self.config.model_name:
                 raise _Refused(f"model mismatch (prefill vs decode): {self.config.model_name!r} vs "
                                f"{request.model!r}")
-            _check_destination(request, self.engine.pages.pages_for(len(parsed.prompt_ids)))
         except _Refused as exc:
             self.metrics.failure("bootstrap")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -79,15 +80,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"room {room} was aborted or is already running")
         # Registered before the handshake, so an Abort that arrives during it finds the room.
         state = PrefillRoom(room, self.backend, self.transfer_queues, list(request.dst_page_ids),
+                            grant=request.grant, want_checksums=request.page_checksums,
                             task=asyncio.current_task())
         self._rooms[room] = state
         try:
             self.queues.move(room, "bootstrap")
             state.peer = await self._connect(request, context)  # refuses another layout or backend
+            try:  # after the handshake: with another page size the page count says nothing
+                _check_destination(request, self.engine.pages.pages_for(len(parsed.prompt_ids)))
+            except BadRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._check_grant(state, context)
             self.queues.move(room, "waiting")
             result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
             self.queues.move(room, "inflight")
             await asyncio.wait_for(state.wait_all(), timeout=self.config.transfer_timeout)
+        except GrantRefused as exc:  # two-sided engines: the receiver refused a write itself
+            self.metrics.failure("grant")
+            await self._cleanup(state, aborted=True)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"room {room}: decode refused the KV write: {exc}")
         except (TransferError, TimeoutError) as exc:
             self.metrics.failure("transfer")
             await self._cleanup(state, aborted=True)
@@ -107,7 +119,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
-            transfer_seconds=elapsed)
+            transfer_seconds=elapsed, page_checksums=state.checksums)
 
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
         try:
@@ -122,6 +134,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self.metrics.failure("bootstrap")
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"room {request.room}: cannot reach decode's transfer endpoint: {exc}")
+
+    async def _check_grant(self, state: PrefillRoom, context) -> None:
+        """Decode must have reserved exactly these pages for this room and request: read through
+        the transfer engine (the same endpoint the writes go to), so a forged or stale call that
+        names pages of other rooms is refused before anything is computed or written."""
+        try:
+            await asyncio.to_thread(self.backend.verify_grant, state.peer, state.dst_page_ids,
+                                    key=state.room, grant=state.grant)
+        except GrantRefused as exc:
+            self.metrics.failure("grant")
+            log.warning("room %s: refused: %s", state.room, exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"room {state.room}: decode did not reserve these pages for this room: {exc}")
+        except TransferError as exc:
+            self.metrics.failure("bootstrap")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"room {state.room}: cannot check decode's reservation: {exc}")
 
     async def _cleanup(self, state: PrefillRoom, *, aborted: bool) -> None:
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.

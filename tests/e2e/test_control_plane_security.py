@@ -196,8 +196,11 @@ async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, 
     endpoint = decode_info.transfer_endpoint
     prompt = list(range(10, 50))  # 3 pages of 16 tokens
 
+    rooms = iter(range(1000))
+
     def prefill_request(pages: list[int], **fields) -> worker_pb2.PrefillRequest:
-        return worker_pb2.PrefillRequest(room=fields.pop("room", "bad-input"), prompt_token_ids=prompt,
+        room = fields.pop("room", f"bad-input-{next(rooms)}")
+        return worker_pb2.PrefillRequest(room=room, prompt_token_ids=prompt,
                                          model="tiny", dst_page_ids=pages, dst=endpoint, **fields)
 
     async def unary(address: str, stub_class, method: str, request) -> tuple[grpc.StatusCode, str]:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import xxhash
 
 from libkv import KVLayout, KVPool, LayoutMismatch
 from libkv.runs import PageRun, coalesce
@@ -16,6 +17,24 @@ def test_page_bytes_and_pool_views():
     block = pool.as_bytes()[pool.page_offset(4): pool.page_offset(4) + layout.page_nbytes]
     assert block.view(torch.float32).sum().item() == 7.0 * 5 * 2 * 4
     assert pool.k_cache(1).shape == (6, 5, 2, 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_checksums_are_xxh3_of_each_page_and_see_one_byte(dtype):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=dtype)
+    pool = KVPool(layout, num_pages=5)
+    pool.buffer.normal_(generator=torch.Generator().manual_seed(0))
+    # Independently: copy each page's bytes out of the tensor and hash the copy.
+    expected = [xxhash.xxh3_64_intdigest(pool.buffer[p].clone().view(-1).view(torch.uint8).numpy().tobytes())
+                for p in range(5)]
+    assert pool.page_checksums([4, 0, 2]) == [expected[4], expected[0], expected[2]]
+    assert len(set(expected)) == 5
+    pool.as_bytes()[pool.page_offset(2) + layout.page_nbytes - 1] ^= 1  # last byte of page 2
+    after = pool.page_checksums(list(range(5)))
+    assert [a != e for a, e in zip(after, expected, strict=True)] == [False, False, True, False, False]
+    assert pool.page_checksums([]) == []
+    with pytest.raises(IndexError):
+        pool.page_checksums([5])
 
 
 def test_mismatch_names_both_values():

@@ -1,4 +1,5 @@
-"""Real engines between two processes on 127.0.0.1: exact bytes, abort, a killed peer, refusal.
+"""Real engines between two processes on 127.0.0.1: exact bytes, abort, a killed peer, refusal,
+grants (which pages a sender may write), and where the engines listen.
 
 Every engine runs in a child process (libkv.transfer.peer_worker), never in pytest itself: NIXL
 and UCX crash at interpreter exit, and a killed receiver must be a real process.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from libkv.transfer import REAL_BACKENDS
+from libkv.transfer import REAL_BACKENDS, grant_tag
 from libkv.transfer.peer_client import PeerError, PeerProcess
 
 pytestmark = pytest.mark.e2e
@@ -95,6 +96,10 @@ def test_scattered_pages_arrive_exactly(pair: Pair):
         assert after[d] == src_hashes[s] != before[d], f"page {s} -> {d}"
     untouched = set(range(NUM_PAGES)) - set(dst)
     assert all(after[p] == before[p] for p in untouched)
+    # The integrity check the PD services run: the sender's checksums of what it wrote equal
+    # the receiver's of what arrived.
+    assert (pair.sender.call("checksums", pages=src)["checksums"]
+            == pair.receiver.call("checksums", pages=dst)["checksums"])
 
 
 def test_many_single_page_runs_arrive_exactly(pair: Pair):
@@ -139,9 +144,115 @@ def test_two_sided_receiver_drops_data_it_did_not_expect(pair: Pair):
     for key, dst in (("room-unknown", [100, 101]), ("room-narrow", [101, 102])):
         with pytest.raises(PeerError) as err:
             pair.sender.call("write", peer=pair.peer, src=[3, 4], dst=dst, key=key)
-        assert "rejected" in err.value.message
+        assert err.value.error_type == "GrantRefused" and "rejected" in err.value.message
     pair.receiver.call("release", key="room-narrow")
     assert page_hashes(pair.receiver) == before
+
+
+GRANT_1, GRANT_2, GRANT_3 = "a1" * 16, "b2" * 16, "c3" * 16
+# Pages of room-g1 spread over the pool: several spans, so several engine reads or descriptors.
+ROOM_1_PAGES = [10, 11, 12, 13, 300, 301, 900, NUM_PAGES - 1]
+ROOM_2_PAGES = [20, 21, 22]
+
+
+def refusal(pair: Pair, pages: list[int], key: str, grant: str) -> str:
+    with pytest.raises(PeerError) as err:
+        pair.sender.call("verify", peer=pair.peer, pages=pages, key=key, grant=grant)
+    assert err.value.error_type == "GrantRefused", err.value.message
+    return err.value.message
+
+
+def test_verify_grant_passes_exactly_the_reserved_pages(pair: Pair):
+    pair.receiver.call("expect", key="room-g1", pages=ROOM_1_PAGES, grant=GRANT_1)
+    try:
+        pair.sender.call("verify", peer=pair.peer, pages=ROOM_1_PAGES, key="room-g1", grant=GRANT_1)
+        pair.sender.call("verify", peer=pair.peer, pages=[900, 13, 12], key="room-g1", grant=GRANT_1)
+        entries = pair.receiver.call("grant_entries", pages=list(range(8, 16)) + [299, 300, 301, 302])["entries"]
+        tag = grant_tag("room-g1", bytes.fromhex(GRANT_1)).hex()
+        assert {int(p) for p, e in entries.items() if e == tag} == {10, 11, 12, 13, 300, 301}
+        assert all(e == "00" * 16 for p, e in entries.items() if e != tag)
+    finally:
+        pair.receiver.call("release", key="room-g1")
+    entries = pair.receiver.call("grant_entries", pages=ROOM_1_PAGES)["entries"]
+    assert set(entries.values()) == {"00" * 16}
+
+
+def test_verify_grant_refuses_what_was_not_reserved_for_this_room_and_request(pair: Pair):
+    pair.receiver.call("expect", key="room-g1", pages=ROOM_1_PAGES, grant=GRANT_1)
+    pair.receiver.call("expect", key="room-g2", pages=ROOM_2_PAGES, grant=GRANT_2)
+    try:
+        message = refusal(pair, ROOM_1_PAGES, "room-g1", GRANT_3)  # wrong grant
+        assert "page 10 " in message and "(8 of 8 pages refused)" in message
+        assert "page 10 " in refusal(pair, ROOM_1_PAGES, "room-g2", GRANT_2)  # another room's key
+        assert "page 10 " in refusal(pair, ROOM_1_PAGES, "room-g2", GRANT_1)
+        message = refusal(pair, [12, 13, 21], "room-g1", GRANT_1)  # a page of another room
+        assert "page 21 " in message and "(1 of 3 pages refused)" in message
+        message = refusal(pair, [14, 300, 500, 501], "room-g1", GRANT_1)  # free pages
+        assert "page 14 " in message and "(3 of 4 pages refused)" in message
+        pair.receiver.call("release", key="room-g2")
+        # Stale: the request's expectation was released (and the room reserved again by a new
+        # request with a new grant). Neither the old grant nor the old pages pass any more.
+        assert "(3 of 3 pages refused)" in refusal(pair, ROOM_2_PAGES, "room-g2", GRANT_2)
+        pair.receiver.call("expect", key="room-g2", pages=[21, 22, 23], grant=GRANT_3)
+        assert "page 21 " in refusal(pair, [21, 22], "room-g2", GRANT_2)
+        assert "page 20 " in refusal(pair, [20, 21], "room-g2", GRANT_3)
+        pair.sender.call("verify", peer=pair.peer, pages=[21, 22, 23], key="room-g2", grant=GRANT_3)
+        # The key alone (no grant) is a different binding too.
+        assert "page 10 " in refusal(pair, ROOM_1_PAGES, "room-g1", "")
+    finally:
+        pair.receiver.call("release", key="room-g1")
+        pair.receiver.call("release", key="room-g2")
+    assert "(8 of 8 pages refused)" in refusal(pair, ROOM_1_PAGES, "room-g1", GRANT_1)
+
+
+def test_verify_grant_of_many_scattered_pages(pair: Pair):
+    # 400 single pages: for ucx a request header too big to travel inline (VERIFY_LONG); for the
+    # one-sided engines pages two apart still make one span, so one read.
+    pages = [1 + 2 * i for i in range(400)]
+    pair.receiver.call("expect", key="room-g4", pages=pages, grant=GRANT_1)
+    try:
+        pair.sender.call("verify", peer=pair.peer, pages=pages[::-1], key="room-g4", grant=GRANT_1)
+        message = refusal(pair, [*pages[:300], 2, *pages[300:]], "room-g4", GRANT_1)
+        assert "page 2 " in message and "(1 of 401 pages refused)" in message
+    finally:
+        pair.receiver.call("release", key="room-g4")
+
+
+def test_two_sided_receiver_refuses_a_wrong_grant(pair: Pair):
+    if pair.backend != "ucx":
+        pytest.skip("one-sided receivers cannot refuse a write: their senders verify_grant first")
+    before = page_hashes(pair.receiver)
+    pair.receiver.call("expect", key="room-g3", pages=[600, 601, 700], grant=GRANT_1)
+    try:
+        for grant in (GRANT_2, "", GRANT_1[:-2]):
+            with pytest.raises(PeerError) as err:
+                pair.sender.call("write", peer=pair.peer, src=[3, 4, 5], dst=[600, 601, 700], key="room-g3",
+                                 grant=grant)
+            assert err.value.error_type == "GrantRefused"
+            assert "page 600 " in err.value.message and "(3 of 3 pages refused" in err.value.message
+        assert page_hashes(pair.receiver) == before  # nothing landed
+        # Right grant, but one run reaches a page of no one: that run alone goes to scratch.
+        with pytest.raises(PeerError) as err:
+            pair.sender.call("write", peer=pair.peer, src=[3, 4, 5], dst=[600, 601, 702], key="room-g3",
+                             grant=GRANT_1)
+        assert err.value.error_type == "GrantRefused" and "page 702 " in err.value.message
+        after = page_hashes(pair.receiver)
+        assert after[702] == before[702] and after[600] != before[600]
+        reply = pair.sender.call("write", peer=pair.peer, src=[3, 4, 5], dst=[600, 601, 700], key="room-g3",
+                                 grant=GRANT_1)
+        assert reply["state"] == "done"
+        assert page_hashes(pair.receiver, [700])[700] == page_hashes(pair.sender, [5])[5]
+    finally:
+        pair.receiver.call("release", key="room-g3")
+
+
+def test_engine_listeners_bind_only_the_given_host(pair: Pair):
+    for proc in (pair.sender, pair.receiver):
+        listeners = proc.call("listeners")["listeners"]
+        assert listeners, f"{pair.backend}: no listening socket found in {proc.name}"
+        assert {ip for ip, _port in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listeners
+        if pair.backend == "mooncake":
+            assert len(listeners) == 2  # the handshake socket and the TCP transport's acceptor
 
 
 def test_layout_or_backend_mismatch_is_refused_naming_both(pair: Pair):

@@ -69,3 +69,35 @@ def test_bad_flags(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="--policy must be one of"):
         GatewayConfig(model_path=str(tmp_path), policy="fastest")
+
+
+def test_api_key_comes_from_the_flag_or_the_environment_and_never_shows(tiny_model: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.common.config_flags import config_from_args
+    from services.gateway.config import with_env_api_key
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    args = parser.parse_args(["--model-path", str(tiny_model)])
+    config = with_env_api_key(config_from_args(GatewayConfig, args))
+    assert config.api_key == "from-env"
+    assert "from-env" not in repr(config) and "from-env" not in parser.format_help()
+    flagged = with_env_api_key(config_from_args(GatewayConfig, parser.parse_args(
+        ["--model-path", str(tiny_model), "--api-key", "from-flag"])))
+    assert flagged.api_key == "from-flag"  # the flag wins
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    assert with_env_api_key(config_from_args(GatewayConfig, args)).api_key is None
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("api_key", " ", "--api-key"),
+    ("max_request_body_bytes", 0, "--max-request-body-bytes"),
+    ("max_generations_per_request", 0, "--max-generations-per-request"),
+    ("max_concurrent_requests", -1, "--max-concurrent-requests"),
+    ("queue_timeout", 0.0, "--queue-timeout"),
+    ("queue_size", -1, "--queue-size"),
+])
+def test_limit_flags_are_checked(tiny_model: Path, field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(model_path=str(tiny_model), **{field: value})

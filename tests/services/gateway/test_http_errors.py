@@ -52,20 +52,30 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens", ""),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs", ""),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "top_logprobs requires logprobs"),
     ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p", ""),
-    ("/v1/chat/completions", {**CHAT, "top_k": -2}, "top_k", "top_k must be"),
-    ("/v1/chat/completions", {**CHAT, "stop": ["ok", ""]}, "stop", "non-empty"),
+    ("/v1/chat/completions", {**CHAT, "top_k": -2}, "top_k", "greater than or equal to -1"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["ok", ""]}, "stop", "at least 1 character"),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, None, "presence_penalty is not supported"),
     ("/v1/chat/completions", {"model": "tiny"}, "messages", "Field required"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, "not supported"),
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content",
+     "'image_url' are not supported"),
     ("/v1/chat/completions", {**CHAT, "model": None}, "model", ""),
     ("/v1/completions", {**TEXT, "logprobs": 21}, "logprobs", ""),
     ("/v1/completions", {**TEXT, "echo": True}, None, "echo is not supported"),
-    ("/v1/completions", {**TEXT, "prompt": []}, None, "prompt must not be empty"),
-    ("/v1/completions", {**TEXT, "prompt": ""}, "prompt", "empty"),
+    ("/v1/completions", {**TEXT, "prompt": []}, "prompt", "non-empty string, list of strings"),
+    ("/v1/completions", {**TEXT, "prompt": ""}, "prompt", "at least 1 character"),
+    ("/v1/completions", {**TEXT, "prompt": [[1], []]}, "prompt", "at least 1 item"),
+    ("/v1/completions", {**TEXT, "n": "2"}, "n", "valid integer"),
+    ("/v1/completions", {**TEXT, "stream": 1}, "stream", "valid boolean"),
+    ("/v1/completions", {**TEXT, "best_of": 0}, "best_of", "greater than or equal to 1"),
+    ("/v1/completions", {**TEXT, "max_tokens": 4096}, "max_tokens", "maximum context length is 4096"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 4096, "max_completion_tokens": 5}, "max_tokens", "4096"),
+    ("/v1/completions", {**TEXT, "stop_token_ids": [4096]}, "stop_token_ids", "outside the vocabulary"),
+    ("/v1/completions", {**TEXT, "prompt": ["a"] * 257}, "prompt", "257 generations"),
+    ("/v1/completions", {**TEXT, "prompt": ["a"] * 3, "best_of": 100}, "best_of", "300 generations"),
+    ("/generate", {"text": "hi", "rid": "no spaces please"}, "rid", "pattern"),
     ("/v1/completions", {**TEXT, "prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
     ("/v1/completions", {**TEXT, "prompt": {"text": "x"}}, "prompt", ""),
     ("/generate", {"text": "hi", "input_ids": [1, 2]}, None, "exactly one of text or input_ids"),
@@ -112,6 +122,8 @@ async def test_prompt_longer_than_context_names_both_lengths(client: httpx.Async
 
 async def test_valid_requests_without_workers_are_503(client: httpx.AsyncClient) -> None:
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {**TEXT, "n": 2}),
+                       ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}),  # ignored without logprobs
+                       ("/v1/completions", {**TEXT, "n": 2.0, "best_of": 1, "max_tokens": 4000}),
                        ("/v1/chat/completions", {**CHAT, "stream": True}), ("/generate", {"input_ids": [1, 2]})):
         assert_error(await client.post(path, json=body), 503, code="no_healthy_workers", contains="tiny")
     assert_error(await client.get("/health"), 503)

@@ -1,0 +1,57 @@
+"""schemathesis hooks for tests/e2e/test_gateway_schema.py (loaded through SCHEMATHESIS_HOOKS).
+
+Bodies are made cheap before they are sent, without changing whether they are valid: a valid body
+gets at most 4 new tokens and at most 64 prompt token ids (the schema's minimums are 1 and 1); an
+invalid one only gets `max_tokens: 4` where it names no token budget at all (shrinking a field a
+negative case broke could make it valid). That keeps the run within its time budget on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+MAX_NEW_TOKENS = 4
+MAX_PROMPT_IDS = 64
+
+
+def _small(body: dict[str, Any]) -> None:
+    for field in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(field), int) and not isinstance(body.get(field), bool):
+            body[field] = min(body[field], MAX_NEW_TOKENS)
+    if "messages" in body and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = min(body.get("max_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+    if "prompt" in body:
+        body["max_tokens"] = min(body.get("max_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+    params = body.get("sampling_params")
+    if isinstance(params, dict):
+        params["max_new_tokens"] = min(params.get("max_new_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+    elif "text" in body or "input_ids" in body:
+        body["sampling_params"] = {"max_new_tokens": MAX_NEW_TOKENS}
+    for field in ("prompt", "input_ids"):
+        ids = body.get(field)
+        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+            body[field] = ids[:MAX_PROMPT_IDS]
+        elif isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids):
+            body[field] = [inner[:MAX_PROMPT_IDS] for inner in ids]
+
+
+def _budget_if_absent(body: dict[str, Any]) -> None:
+    if "messages" in body or "prompt" in body:
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = MAX_NEW_TOKENS
+    elif ("text" in body or "input_ids" in body) and "sampling_params" not in body:
+        body["sampling_params"] = {"max_new_tokens": MAX_NEW_TOKENS}
+
+
+@schemathesis.hook
+def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    meta = case.meta
+    if not isinstance(case.body, dict) or meta is None:
+        return case
+    if meta.generation.mode.is_positive:
+        _small(case.body)
+    else:
+        _budget_if_absent(case.body)
+    return case
