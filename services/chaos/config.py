@@ -54,9 +54,12 @@ class ChaosConfig:
         "three 10 s keepalive pings)"))
     heartbeat_interval: float = field(default=1.0, metadata=_help(
         "workers' heartbeat interval (PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL in every child)"))
-    policy: str = field(default="round_robin", metadata=_help(
-        "gateway routing policy; round_robin spreads the load over every worker, so every fault meets "
-        "requests in flight and the recovery check reaches every worker"))
+    prefill_policy: str = field(default="round_robin", metadata=_help(
+        "gateway policy for prefill workers: round_robin spreads the load over every worker, so every "
+        "fault meets requests in flight and the recovery check reaches every worker"))
+    decode_policy: str = field(default="random", metadata=_help(
+        "gateway policy for decode workers: chosen independently of the prefill, so that all four "
+        "(prefill, decode) pairs carry load (two round-robins advance in lockstep: two pairs only)"))
     num_pages: int = field(default=512, metadata=_help("KV pages per worker"))
     ready_timeout: float = field(default=180.0, metadata=_help("seconds a process may take to come up"))
     recovery_timeout: float = field(default=60.0, metadata=_help(

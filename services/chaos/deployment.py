@@ -66,7 +66,8 @@ class Deployment:
     def gateway_args(self, port: int = 0) -> list[str]:
         assert self.bootstrap is not None
         return ["launch-router", "--model-path", self.config.model_path, "--bootstrap", self.bootstrap.address,
-                "--host", self.host, "--port", str(port), "--policy", self.config.policy]
+                "--host", self.host, "--port", str(port), "--prefill-policy", self.config.prefill_policy,
+                "--decode-policy", self.config.decode_policy]
 
     def worker_args(self, name: str) -> tuple[list[str], tuple[str, ...]]:
         """`pdserve` arguments of worker `name`, and the wrapper it runs under (the namespace's, if isolated)."""

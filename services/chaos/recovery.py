@@ -8,7 +8,8 @@ timeout, after which quarantined pages must be free). Whatever is still above th
 can serve, and does every worker serve new requests? It sends requests through the gateway (prompts
 from the set, judged against the fault-free answers) until every worker's work counter has grown
 (observe.py), within `recovery_timeout`. Any of these requests failing is reported: the fault is over
-and every worker is back, so none should.
+and every worker is back, so none should; nor should the gateway have to retry any of their attempts
+(a retry hides a (prefill, decode) pair that stays broken while both workers serve other pairs).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ import httpx
 from services.chaos.client import TIMEOUT, chat
 from services.chaos.deployment import Deployment, role_of
 from services.chaos.load import Tally
-from services.chaos.observe import WorkerReading, read_worker
+from services.chaos.observe import WorkerReading, gateway_retries, read_worker
 from services.chaos.processes import Service
 
 _BATCH = 4  # recovery requests in flight at once: spreads them over the workers
+# Sent even when every worker has served sooner: with prefills taken in turn and decodes at random,
+# each of the four (prefill, decode) pairs then gets about 4, so a pair that still fails shows.
+_MIN_REQUESTS = 16
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class Recovery:
     recovered: bool = True
     not_recovered: list[str] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
+    retries: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,11 +124,13 @@ async def check_recovery(dep: Deployment, prompts: Sequence[str], reference: Seq
         status, body = await dep.health()
         recovery.notes.append(f"gateway /health {status} {body.get('workers', body)} after {timeout_s:.0f}s")
     before = await read_all(dep)
+    assert dep.gateway is not None
+    retries_before = await gateway_retries(dep.gateway) or {}
     pending = {name for name in dep.workers if before.get(name) is not None}
     recovery.not_recovered += [f"{name} (no /metrics)" for name in dep.workers if before.get(name) is None]
     turn = 0
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
-        while pending and time.monotonic() < deadline:
+        while (pending or turn < _MIN_REQUESTS) and time.monotonic() < deadline:
             batch = [(turn + i) % len(prompts) for i in range(_BATCH)]
             turn += _BATCH
             left = max(1.0, deadline - time.monotonic())
@@ -141,6 +148,9 @@ async def check_recovery(dep: Deployment, prompts: Sequence[str], reference: Seq
                 was, is_ = before.get(name), now.get(name)
                 if was is not None and is_ is not None and is_.served > was.served:
                     pending.discard(name)
+    retries_after = await gateway_retries(dep.gateway) or {}
+    recovery.retries = {k: int(v - retries_before.get(k, 0.0)) for k, v in retries_after.items()
+                        if v > retries_before.get(k, 0.0)}
     recovery.not_recovered += [f"{name} (served nothing in {timeout_s:.0f}s)" for name in sorted(pending)]
     recovery.recovered = not recovery.not_recovered
     return recovery

@@ -55,6 +55,9 @@ def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery
         row.problems.append(f"the workers' leak detector fired {settled.leak_detections:g} times")
     if not recovery.recovered:
         row.problems.append(f"did not recover: {'; '.join(recovery.not_recovered)}")
+    if recovery.retries:
+        row.problems.append(f"the gateway retried {sum(recovery.retries.values())} attempts after the fault was "
+                            f"over ({recovery.retries}): a (prefill, decode) pair still fails")
     if recovery.tally.sent - recovery.tally.succeeded:
         row.problems.append(f"{recovery.tally.sent - recovery.tally.succeeded} of {recovery.tally.sent} "
                             f"requests failed after the fault was over ({dict(recovery.tally.errors)})")

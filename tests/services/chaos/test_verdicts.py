@@ -65,6 +65,12 @@ def test_hidden_retries_fail_only_where_every_worker_stayed_up():
     assert _verdict("freeze-prefill", Tally(), retries={"prefill_failed": 1}).ok
 
 
+def test_retries_after_the_fault_fail_every_scenario():
+    """A pair that stays broken is hidden by retries on another pair: the recovery check counts them."""
+    row = _verdict("kill-gateway", Tally(), recovery=Recovery(retries={"prefill_failed": 2}))
+    assert "a (prefill, decode) pair still fails" in row.problems[0]
+
+
 def test_rows_render_as_json_and_table():
     rows = [Row("kill-decode", "nixl", sent=3, succeeded=3), Row("idle", "nixl", problems=["x"]),
             Row("network-cut-prefill", "nixl", skipped="network namespaces need root")]
