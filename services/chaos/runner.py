@@ -124,8 +124,10 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
                         for s in scenarios]
         return
     result.references.append(reference.texts)
-    startup_note = (f"gateway refused {reference.refused_after_healthy} requests after /health said 200 "
-                    "at start-up") if reference.refused_after_healthy else None
+    # Readiness must mean "can serve": refusals after /health said 200 (with all four workers seen) are
+    # charged to the first row of the deployment.
+    startup_problem = (f"at start-up the gateway refused {reference.refused_after_healthy} requests after "
+                       "/health said 200") if reference.refused_after_healthy else None
     broken: str | None = None
     for scenario in scenarios:
         if broken:
@@ -138,9 +140,9 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
             broken = f"the deployment broke in {scenario.name}"
             row = Row(scenario.name, dep.backend,
                       problems=[f"scenario could not run: {type(exc).__name__}: {str(exc)[:300]}"])
-        if startup_note:
-            row.notes.insert(0, startup_note)
-            startup_note = None
+        if startup_problem:
+            row.problems.insert(0, startup_problem)
+            startup_problem = None
         verdict = "pass" if row.ok else "FAIL: " + "; ".join(row.problems)
         say(f"{label} {scenario.name}: sent {row.sent}, ok {row.succeeded}, clear {row.failed_clear}, "
             f"unclear {row.failed_unclear}, hung {row.hung}, wrong {row.wrong}, leaked {row.pages_leaked}, "
