@@ -4,7 +4,13 @@ Threading protocol. The forward loop runs in ONE background thread (`start()`); 
 the GIL during the heavy ops, so an asyncio server keeps serving while it runs. Callers on any
 asyncio loop submit work through a thread-safe inbox of commands; the engine thread applies
 them only between steps, so a request is never freed while a forward pass uses its pages.
-Results go back with `loop.call_soon_threadsafe`, batched once per step and loop.
+Results go back with `loop.call_soon_threadsafe`, batched once per step and loop: one wake-up of
+each caller loop per step, however many requests it streams.
+
+Text is made on the caller's side: the engine thread emits token ids and ends a request on
+token-level conditions (a stop token, eos, length); each caller's stream detokenizes and checks
+stop strings on its own loop, and when a stop string ends the output it tells the engine to
+finish the request (`_Finish`). Tokens the engine sampled meanwhile are dropped.
 `reserve` and `release` act on the page manager directly (it has its own lock): they touch only
 pages that no forward pass uses.
 
@@ -20,7 +26,8 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +40,7 @@ from engine.memory import kv_pages
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
+from engine.models.layer_ops import select_layer_ops
 from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
 from engine.page_manager import PageManager
 from engine.request import Request
@@ -64,11 +72,18 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _Finish:
+    """The caller found a stop string: finish the request without emitting anything more."""
+
+    room: str
+
+
+@dataclass(frozen=True)
 class _Wake:
     """Pages were released elsewhere: waiting requests may fit now."""
 
 
-_Command = _Add | _AddPrefilled | _Abort | _Wake
+_Command = _Add | _AddPrefilled | _Abort | _Finish | _Wake
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -124,8 +139,10 @@ class Engine:
                           head_dim=model_config.head_dim, page_size=config.page_size,
                           dtype=str(dtype).removeprefix("torch."))
 
+        layer_ops = select_layer_ops(config.cpu_kernels, device)
+
         def load_tensors() -> tuple[DecoderModel, KVPool]:
-            model = DecoderModel.load(config.model_path, model_config, dtype, device)
+            model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
             pool = KVPool(layout, kv_pages(config, layout, device), device)
             return model, pool
 
@@ -165,12 +182,23 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        room: str) -> AsyncIterator[TokenOutput]:
         """Stream the tokens of one request. Leaving the iteration early aborts the request."""
+        async with aclosing(self.generate_batches(prompt_ids, params, room)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_batches(self, prompt_ids: list[int], params: SamplingParams,
+                               room: str) -> AsyncIterator[list[TokenOutput]]:
+        """Like `generate`, but each item is every output ready when the caller looks: one per step
+        while the caller keeps up, several after it fell behind (so a server sends them in one
+        message instead of one message per token)."""
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         self._claim_room(room)
         request = self._new_request(room, list(prompt_ids), params)
-        async for output in self._stream(request, _Add(request)):
-            yield output
+        async with aclosing(self._stream(request, _Add(request))) as batches:
+            async for batch in batches:
+                yield batch
 
     async def generate_prefilled(self, room: str, prompt_ids: list[int], first_token: FirstToken,
                                  params: SamplingParams) -> AsyncIterator[TokenOutput]:
@@ -179,6 +207,14 @@ class Engine:
         The first token (sampled by the prefill worker) is emitted first, then decoding continues
         in the running batch. The reservation becomes the request's pages (no `release` needed).
         """
+        async with aclosing(self.generate_prefilled_batches(room, prompt_ids, first_token, params)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_prefilled_batches(self, room: str, prompt_ids: list[int], first_token: FirstToken,
+                                         params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
+        """`generate_prefilled`, batched as `generate_batches` is."""
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         self._claim_room(room)
@@ -196,8 +232,9 @@ class Engine:
         request.token_ids.append(first_token.token_id)
         request.page_ids = pages
         request.num_computed = len(prompt_ids)
-        async for output in self._stream(request, _AddPrefilled(request, first_token)):
-            yield output
+        async with aclosing(self._stream(request, _AddPrefilled(request, first_token))) as batches:
+            async for batch in batches:
+                yield batch
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, room: str,
                       on_pages_filled: Callable[[list[int], int], None] | None = None) -> PrefillResult:
@@ -214,8 +251,9 @@ class Engine:
         request.prefill_only = True
         request.on_pages_filled = on_pages_filled
         result = None
-        async for item in self._stream(request, _Add(request)):
-            result = item
+        async with aclosing(self._stream(request, _Add(request))) as batches:
+            async for batch in batches:
+                result = batch[-1]
         if not isinstance(result, PrefillResult):
             raise RequestAborted(f"prefill of room {room!r} was aborted")
         return result
@@ -275,24 +313,36 @@ class Engine:
         request = Request(room=room, token_ids=list(prompt_ids), num_prompt=len(prompt_ids), params=params)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.pool.device)
-        request.text_stream = TextStream(self.tokenizer, params, prompt_ids=prompt_ids,
-                                         eos_token_ids=self.model_config.eos_token_ids)
+        request.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids))
         return request
 
-    async def _stream(self, request: Request, command: _Command) -> AsyncIterator:
-        """Submit `command` for a request whose room is claimed; yield what the engine emits."""
+    async def _stream(self, request: Request, command: _Command) -> AsyncIterator[list]:
+        """Submit `command` for a request whose room is claimed; yield lists of what the engine
+        emitted (everything queued at the time), with the text of each token made here, on the
+        caller's loop, not on the engine thread."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request.emit = lambda item: self._deliveries[loop].append((outputs.put_nowait, item))
+        text = TextStream(self.tokenizer, request.params, prompt_ids=request.token_ids[:request.num_prompt],
+                          eos_token_ids=self.model_config.eos_token_ids)
         self._inbox.put(command)
         done = False
         try:
-            while True:
+            while not done:
+                batch = []
                 item = await outputs.get()
-                done = _is_last(item)
-                yield item
-                if done:
-                    return
+                while True:
+                    if isinstance(item, TokenOutput) and item.token_id >= 0:
+                        item, stopped_here = _with_text(item, text)
+                        if stopped_here:  # a stop string: the engine does not know yet
+                            self._inbox.put(_Finish(request.room))
+                    batch.append(item)
+                    done = _is_last(item)
+                    if done or outputs.empty():
+                        break
+                    item = outputs.get_nowait()
+                yield batch
         finally:
             if not done:
                 self.abort(request.room)
@@ -330,6 +380,10 @@ class Engine:
                 self._emit_token(command.request, first.logprob, first.top_logprobs)
             elif isinstance(command, _Abort):
                 self._abort(command.room)
+            elif isinstance(command, _Finish):
+                request = self.scheduler.requests.get(command.room)
+                if request is not None:
+                    self._finish(request, "stop")
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
@@ -366,21 +420,17 @@ class Engine:
         return True
 
     def _emit_token(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
-        """Emit the request's newest token and finish the request if it ends here."""
-        params = request.params
+        """Emit the request's newest token (text is added by the caller's stream) and finish the
+        request if a token-level condition ends it here: a stop token or eos ("stop"), or length."""
         token = request.token_ids[-1]
         self._generated_tokens += 1
-        # The text stream owns every "stop" condition: stop strings, stop_token_ids and eos.
-        text, stopped = request.text_stream.push(token)
         reason = None
-        if stopped:
+        if token in request.stop_token_ids:
             reason = "stop"
-        elif request.num_generated >= params.max_new_tokens or \
+        elif request.num_generated >= request.params.max_new_tokens or \
                 request.num_tokens >= self.scheduler.config.max_seq_len:
             reason = "length"
-        if reason is not None and not stopped:
-            text += request.text_stream.flush()
-        request.emit(TokenOutput(token_id=token, text=text, logprob=logprob, top_logprobs=top,
+        request.emit(TokenOutput(token_id=token, text="", logprob=logprob, top_logprobs=top,
                                  finish_reason=reason, prompt_tokens=request.num_prompt,
                                  completion_tokens=request.num_generated))
         if reason is not None:
@@ -464,6 +514,18 @@ def _in_short_lived_thread(function: Callable[[], T]) -> T:
 def _deliver_all(items: list[tuple[Callable, object]]) -> None:
     for put, item in items:
         put(item)
+
+
+def _with_text(output: TokenOutput, text: TextStream) -> tuple[TokenOutput, bool]:
+    """The output with its token's text; True when a stop string ends the output at this token
+    although the engine did not end it (so the engine must be told)."""
+    if text.finished:  # past a stop string: the caller has already returned
+        return output, False
+    delta, stopped = text.push(output.token_id)
+    reason = "stop" if stopped else output.finish_reason
+    if reason is not None and not stopped:
+        delta += text.flush()
+    return replace(output, text=delta, finish_reason=reason), stopped and output.finish_reason is None
 
 
 def _is_last(item: object) -> bool:

@@ -19,8 +19,8 @@ class ModelRunner:
         self.device = pool.device
         self.page_size = pool.layout.page_size
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _slots(self, chunk: ScheduledChunk) -> list[int]:
         size = self.page_size
@@ -40,11 +40,13 @@ class ModelRunner:
         page_table = seq_lens = padded = None
         if batch.decodes:
             lens = [c.end_pos for c in batch.decodes]
-            padded = padded_decode(lens, [c.page_ids for c in batch.decodes], self.page_size, self.device)
+            if not self.model.ops.reads_pages:  # a kernel that reads pages needs no padded plan
+                padded = padded_decode(lens, [c.page_ids for c in batch.decodes], self.page_size, self.device)
             if padded is None:
                 width = max(len(c.page_ids) for c in batch.decodes)
-                page_table = self._tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in batch.decodes])
-                seq_lens = self._tensor(lens)
+                page_table = self._tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in batch.decodes],
+                                          torch.int32)
+                seq_lens = self._tensor(lens, torch.int32)
 
         spans: list[ExtendSpan] = []
         logit_rows = list(range(len(batch.decodes)))

@@ -42,7 +42,7 @@ class Request:
     finish_reason: str | None = None
     # Engine-loop state (never read by the scheduler).
     generator: torch.Generator | None = None
-    text_stream: Any = None  # engine.detokenizer.TextStream
+    stop_token_ids: frozenset[int] = frozenset()  # sampling one ends the request ("stop"); eos included
     emit: Callable[[Any], None] | None = None  # delivers TokenOutput / PrefillResult to the caller
     on_pages_filled: Callable[[list[int], int], None] | None = None
     pages_reported: int = 0

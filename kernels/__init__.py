@@ -5,5 +5,8 @@
 - `kernels.torch_ops`: vectorized torch implementations (the CPU path and the references).
 - `kernels.triton_kv`, `kernels.triton_attention`: the Triton kernels, tested on CPU under
   TRITON_INTERPRET=1 (tests/kernels/triton_checks.py) and compiled for sm_80/sm_90 in tests.
-- `kernels.bench_decode_attention`: timing of the CPU decode-attention variants considered.
+- `kernels.cpu_kernels`, `kernels/csrc/`: C++ CPU kernels (paged decode attention read from the
+  pages; fused norms, rotary + KV store, SiLU*mul), built by `make setup` through `kernels.cpu_ext`
+  and tested against the torch implementations; the engine uses them on CPU when they are built.
+- `kernels.bench_decode_attention`: timing of the torch CPU decode-attention variants considered.
 """

@@ -13,6 +13,8 @@ for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcu
 done
 # The chaos suite's network scenarios put a worker in a network namespace (`ip netns`, veth links).
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# g++ builds the engine's C++ CPU kernels (below).
+command -v g++ >/dev/null || missing+=(g++)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[setup] apt-get install ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -28,6 +30,19 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # NIXL's package metadata asks for CUDA torch; the UCX backend needs none of it.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
   echo "$want" > "$stamp"
+fi
+
+# The engine's C++ CPU kernels (kernels/csrc), cached under .cache/kernels by a key over the sources,
+# torch, the compiler and the CPU. The stamp skips even starting Python when nothing changed. A failed
+# build is not fatal: the engine then runs its torch ops and says so in its log.
+kernel_stamp=".cache/kernels/.stamp"
+kernel_want=$( (cat kernels/csrc/* kernels/cpu_ext.py "$stamp"; grep -m1 '^flags' /proc/cpuinfo) | sha1sum | cut -c1-16)
+if [ ! -f "$kernel_stamp" ] || [ "$(cat "$kernel_stamp")" != "$kernel_want" ]; then
+  if "$VENV/bin/python" -m kernels.cpu_ext build; then
+    echo "$kernel_want" > "$kernel_stamp"
+  else
+    echo "[setup] WARNING: building the C++ CPU kernels failed; the engine will use its slower torch ops" >&2
+  fi
 fi
 
 # The built-in checkpoints: written by code from a fixed seed, never downloaded.

@@ -1,14 +1,15 @@
 """Attention over the paged KV pool for one flattened batch of decode tokens and extend chunks.
 
 The batch's rows are laid out as: first `num_decode` decode tokens (one per sequence), then each
-extend span's new tokens back to back. Decode rows go through one batched
-`kernels.ops.paged_decode_attention` (or, on CPU when the sequences have similar lengths, the
-padded batch below); each extend span attends to its cached prefix (gathered from its pages)
-plus causally over its own new tokens.
+extend span's new tokens back to back. Decode rows go through one batched decode op (the engine's
+choice: the C++ kernel that reads the pages, or `kernels.ops.paged_decode_attention`, or on CPU
+when the sequences have similar lengths the padded batch below); each extend span attends to its
+cached prefix (gathered from its pages) plus causally over its own new tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,15 @@ def _padded_decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, 
     return out.reshape(batch, num_q_heads, head_dim)
 
 
+# decode_op(q, buffer, layer, page_table, seq_lens, scale): kernels.ops.paged_decode_attention's contract.
+DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 def decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
     if meta.decode_padded is not None:
         return _padded_decode_attention(q, buffer, layer, meta.decode_padded, scale)
-    return ops.paged_decode_attention(q, buffer, layer, meta.decode_page_table, meta.decode_seq_lens, scale)
+    return decode_op(q, buffer, layer, meta.decode_page_table, meta.decode_seq_lens, scale)
 
 
 def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -105,14 +110,15 @@ def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Ten
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
-                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    layer: int, meta: AttentionMetadata, scale: float,
+                    decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
     """q [T, Hq, D], this step's k/v [T, Hkv, D] (already stored in the pool) -> [T, Hq, D]."""
     num_decode = meta.num_decode
     if num_decode and not meta.extends:
-        return decode_attention(q, buffer, layer, meta, scale)
+        return decode_attention(q, buffer, layer, meta, scale, decode_op)
     out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = decode_attention(q[:num_decode], buffer, layer, meta, scale)
+        out[:num_decode] = decode_attention(q[:num_decode], buffer, layer, meta, scale, decode_op)
     for span in meta.extends:
         rows = slice(span.start, span.start + span.length)
         if span.prefix_len == 0:

@@ -59,11 +59,16 @@ class RotaryTable:
         self.cos = emb.cos().to(self.dtype)
         self.sin = emb.sin().to(self.dtype)
 
-    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for `positions` [T]; `max_position` is their maximum."""
+    def tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, sin tables [positions, head_dim], grown to cover `max_position`."""
         if max_position >= self.cos.shape[0]:
             self._grow(max(max_position + 1, 2 * self.cos.shape[0]))
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos, self.sin
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for `positions` [T]; `max_position` is their maximum."""
+        cos, sin = self.tables(max_position)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as exc:
             await context.abort(BadRequest.code, str(exc))
         room, prompt, params = parsed.room, parsed.prompt_ids, parsed.params
+        if room in self._tasks or room in self.quarantine.rooms() or self.engine.is_live(room):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is already in use on this worker")
         self._tasks[room] = asyncio.current_task()
         try:
             first = await self._prefill_remotely(room, prompt, params, request.prefill_address, context)

@@ -11,7 +11,7 @@ import time
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.relay import relay_tokens
+from services.worker.relay import relay_token_batches
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
 
@@ -33,8 +33,10 @@ class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
             parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
-        outputs = self.engine.generate(parsed.prompt_ids, parsed.params, parsed.room)
-        async for response in relay_tokens(outputs, self.runtime.metrics, arrival):
+        if self.engine.is_live(parsed.room):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {parsed.room} is already in use on this worker")
+        batches = self.engine.generate_batches(parsed.prompt_ids, parsed.params, parsed.room)
+        async for response in relay_token_batches(batches, self.runtime.metrics, arrival):
             yield response
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:

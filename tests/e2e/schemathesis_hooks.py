@@ -18,8 +18,10 @@ MAX_PROMPT_IDS = 64
 
 def _small(body: dict[str, Any]) -> None:
     for field in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(field), int) and not isinstance(body.get(field), bool):
-            body[field] = min(body[field], MAX_NEW_TOKENS)
+        value = body.get(field)
+        # JSON integers may come as 1601.0 (the server accepts integral floats): clamp those too
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            body[field] = min(int(value), MAX_NEW_TOKENS) if float(value).is_integer() else value
     if "messages" in body and body.get("max_completion_tokens") is None:
         body["max_tokens"] = min(body.get("max_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
     if "prompt" in body:

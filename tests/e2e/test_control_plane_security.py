@@ -237,3 +237,24 @@ async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, 
             prompt_token_ids=[10, 11], sampling=common_pb2.SamplingParams(max_new_tokens=2, temperature=-1),
             prefill_address=prefill.address)),
     }
+
+
+def test_a_room_in_use_is_refused_not_shared(cluster: Cluster, tiny_model):
+    """Two calls naming the same room: the second gets ALREADY_EXISTS; the first is unaffected."""
+    prefill, decode = cluster.start_many([("prefill", worker_args(tiny_model, "prefill")),
+                                          ("decode", worker_args(tiny_model, "decode"))])
+
+    async def both() -> tuple[tuple[grpc.StatusCode, str], tuple[grpc.StatusCode, str]]:
+        def request(max_new_tokens: int) -> worker_pb2.GenerateRequest:
+            return worker_pb2.GenerateRequest(
+                room="shared-room", prompt_token_ids=list(range(10, 60)), prefill_address=prefill.address,
+                sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        first = asyncio.ensure_future(generate_status(decode.address, GrpcSecurity(), request(2000)))
+        await asyncio.sleep(0.5)
+        second = await generate_status(decode.address, GrpcSecurity(), request(2))
+        return await first, second
+
+    first, second = asyncio.run(both())
+    assert first[0] == grpc.StatusCode.OK, first
+    assert second[0] == grpc.StatusCode.ALREADY_EXISTS, second
+    assert_pages_idle(prefill, decode)

@@ -29,3 +29,13 @@ def test_bench_engine_json(qwen3_ckpt):
     assert report["pdserve"]["decode_tokens_per_s"] > 0 and report["hf"]["decode_tokens_per_s"] > 0
     assert report["ratio"] > 0 and report["pdserve"]["peak_rss_mib"] > 0
     assert report["greedy_outputs_equal"] == "2/2"
+
+
+def test_bench_engine_peer_without_vllm_fails_clearly(qwen3_ckpt):
+    # This test's own Python has no vLLM: the peer must fail with the import error, not hang.
+    result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "engine", "--model", str(qwen3_ckpt),
+                             "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+                             "--threads", "1", "--skip-hf", "--peer-python", sys.executable, "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "vLLM peer failed" in result.stderr and "No module named 'vllm'" in result.stderr

@@ -163,3 +163,20 @@ async def test_rejects_bad_requests(engine):
     with pytest.raises(ValueError, match="already in use"):
         await collect(engine, prompt, GREEDY, "dup")
     await first.aclose()
+
+
+async def test_generate_batches_groups_outputs_the_caller_has_not_read(qwen3_ckpt):
+    engine = start_engine(qwen3_ckpt)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        batches = engine.generate_batches(list(range(10, 30)), params, room="batched")
+        first = await batches.__anext__()
+        await asyncio.sleep(0.5)  # the engine runs ahead while this caller does not read
+        rest = [batch async for batch in batches]
+        tokens = [out.token_id for batch in [first, *rest] for out in batch]
+        assert len(tokens) == 12 and rest[-1][-1].finish_reason == "length"
+        assert max(len(batch) for batch in rest) > 1  # what queued up came as one item
+        plain = [out.token_id async for out in engine.generate(list(range(10, 30)), params, room="plain")]
+        assert plain == tokens
+    finally:
+        engine.shutdown()

@@ -119,7 +119,9 @@ def test_llama_and_qwen3_checkpoints_match_hf(qwen3_ckpt, llama_ckpt):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0, [c - 1 for c in cuts] + [299]]
-        torch.testing.assert_close(run_chunks(model_dir, torch.float32, ids, cuts), ref, rtol=1e-4, atol=1e-4)
+        # Logits reach about 20 here; oneDNN's packed fp32 products sum in another order than HF's
+        # (2.5e-4 at most measured, 1.2e-4 with F.linear), where bf16 rounding would give about 1e-1.
+        torch.testing.assert_close(run_chunks(model_dir, torch.float32, ids, cuts), ref, rtol=1e-4, atol=5e-4)
 
 
 def test_bfloat16_runs_close_to_float32(qwen3_ckpt):

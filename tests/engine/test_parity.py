@@ -3,7 +3,9 @@
 Both checkpoints (Qwen3 tiny preset; a Llama with head_dim 48, GQA 4:1, untied embeddings and
 llama3 rope scaling) are run with 16 prompts of 1..600 tokens submitted together, so decode
 batches and prefill chunks mix, with chunked_prefill_size 64 (a 600-token prompt spans 10 steps).
-The second run has a page budget so small that requests must be retracted and recomputed.
+The second run has a page budget so small that requests must be retracted and recomputed. The
+engine runs its fused C++ CPU kernels (kernels/csrc) by default; the first test also runs the torch
+ops they replace.
 HF generates each prompt alone (no padding) with eos disabled, matching the engine's ignore_eos.
 """
 
@@ -67,9 +69,10 @@ def check_equal(got, expected) -> None:
         assert worst < LOGPROB_TOLERANCE, f"prompt of {length} tokens: logprob off by {worst}"
 
 
-async def test_greedy_matches_hf_with_chunked_prefill(case):
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])  # the fused C++ kernels and the torch ops
+async def test_greedy_matches_hf_with_chunked_prefill(case, cpu_kernels):
     model_dir, prompts, expected = case
-    engine = start_engine(model_dir, chunked_prefill_size=64, num_pages=512)
+    engine = start_engine(model_dir, chunked_prefill_size=64, num_pages=512, cpu_kernels=cpu_kernels)
     try:
         got = await engine_outputs(engine, prompts)
         stats = engine.stats()

@@ -1,0 +1,87 @@
+"""Time and profile decode steps of the engine: `python -m engine.profile_step --model DIR`.
+
+Drives the engine loop by hand (no engine thread): admits `--batch` random prompts, prefills them
+in one step, runs warm-up decode steps, then times `--steps` steps (wall time, and the CPU time of
+the stepping thread: with --threads 1 that figure barely moves when other processes load the
+machine) and profiles `--profile-steps` more with torch.profiler, printing each op's time per step.
+
+It uses only Engine.load, Engine.scheduler and Engine.step, so the same file also profiles an
+older checkout: `PYTHONPATH=OLD_TREE python engine/profile_step.py ...` (the README's "before").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # run by path: this folder must not shadow the `engine` package
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.profile_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=12, help="ops listed in the profile")
+    parser.add_argument("--cpu-kernels", default=None, help="auto | on | off (older trees: leave unset)")
+    args = parser.parse_args(argv)
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    extra = {} if args.cpu_kernels is None else {"cpu_kernels": args.cpu_kernels}
+    pages_per_request = -(-(args.prompt_len + args.steps + args.profile_steps + 16) // 16) + 1
+    engine = Engine.load(EngineConfig(model_path=args.model, dtype=args.dtype, num_threads=args.threads,
+                                      num_pages=args.batch * pages_per_request + 8,
+                                      max_running_requests=args.batch, chunked_prefill_size=args.batch * args.prompt_len,
+                                      **extra))
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_new_tokens=1 << 20, ignore_eos=True)
+    for index in range(args.batch):
+        prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        request = engine._new_request(f"profile-{index}", prompt, params)
+        request.emit = lambda item: None  # nobody listens: outputs are dropped
+        engine.scheduler.add(request)
+    started = time.perf_counter()
+    engine.step()
+    prefill_ms = 1000 * (time.perf_counter() - started)
+    for _ in range(8):
+        engine.step()
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        engine.step()
+        cpu.append(1000 * (time.thread_time() - started_cpu))
+        wall.append(1000 * (time.perf_counter() - started))
+    print(f"batch {args.batch}, prompt {args.prompt_len}, {args.dtype}, {args.threads} threads: prefill step "
+          f"{prefill_ms:.1f} ms; decode step median {statistics.median(wall):.2f} ms (min {min(wall):.2f}), "
+          f"stepping thread CPU median {statistics.median(cpu):.2f} ms, over {args.steps} steps")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / 1000 / args.profile_steps
+    print(f"profile: {total:.2f} ms of op time per step (self CPU, calling thread), top ops:")
+    for event in events[:args.rows]:
+        per_step = event.self_cpu_time_total / 1000 / args.profile_steps
+        print(f"  {per_step:7.3f} ms  {event.count / args.profile_steps:5.0f} calls  {event.key}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Python entry points of the C++ CPU kernels in kernels/csrc (see kernels.cpu_ext for the build).
+
+Each function has a torch counterpart it is tested against: `paged_decode_attention` against
+kernels.torch_ops.paged_decode_attention_torch, the layer ops against the torch op chains of
+engine.models.layer_ops.TorchLayerOps. Call `available()` first: without the built library
+`torch.ops.pdserve_cpu` has none of these ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_ext
+
+
+def available() -> bool:
+    return cpu_ext.load()
+
+
+def _int32(values: torch.Tensor) -> torch.Tensor:
+    return values if values.dtype == torch.int32 else values.to(torch.int32)
+
+
+def paged_decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as kernels.ops.paged_decode_attention, read straight from the pages (no gather)."""
+    return torch.ops.pdserve_cpu.paged_decode_attention(q, buffer, layer, _int32(page_table),
+                                                        _int32(seq_lens), scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm of the rows of a contiguous 2-d x."""
+    return torch.ops.pdserve_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, rounded to its dtype), then return rms_norm(residual)."""
+    return torch.ops.pdserve_cpu.add_rms_norm(residual, x, weight, eps)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       buffer: torch.Tensor, layer: int, slots: torch.Tensor, num_heads: int,
+                       num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From fused projections qkv [T, (Hq + 2 Hkv) * D]: q [T, Hq, D] and k [T, Hkv, D] after the
+    optional per-head norms and rotary at `positions` (rows of the full cos/sin tables); K and V are
+    also written to `slots` of `layer` in the pool."""
+    return torch.ops.pdserve_cpu.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, buffer,
+                                                    layer, slots, num_heads, num_kv_heads)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    return torch.ops.pdserve_cpu.silu_and_mul(gate_up)
