@@ -31,6 +31,7 @@ class Reply:
     error: str = ""
     clear: bool = False
     status: int = 0
+    request_id: str = ""  # the gateway's response id (chatcmpl-...): the room in every worker's log
 
     @property
     def ok(self) -> bool:
@@ -73,7 +74,9 @@ async def chat(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_t
             if response.status_code != 200:
                 return _failed_status(response.status_code, response.content)
             try:
-                return Reply(text=response.json()["choices"][0]["message"]["content"] or "", status=200)
+                payload = response.json()
+                return Reply(text=payload["choices"][0]["message"]["content"] or "", status=200,
+                             request_id=str(payload.get("id", "")))
             except (ValueError, KeyError, IndexError, TypeError):
                 return Reply(kind="HTTP 200 malformed body", error=repr(response.content[:120]), status=200)
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -86,12 +89,13 @@ async def chat(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_t
 
 async def _read_stream(response: httpx.Response) -> Reply:
     parts: list[str] = []
+    request_id = ""
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
         data = line[len("data: "):]
         if data == "[DONE]":
-            return Reply(text="".join(parts), status=200)
+            return Reply(text="".join(parts), status=200, request_id=request_id)
         try:
             event = json.loads(data)
         except ValueError:
@@ -99,6 +103,7 @@ async def _read_stream(response: httpx.Response) -> Reply:
         error = error_of(event)
         if error is not None:
             return Reply(kind=f"stream error {error[0]}", error=error[1][:200], clear=True, status=200)
+        request_id = request_id or str(event.get("id", ""))
         for choice in event.get("choices", []):
             parts.append((choice.get("delta") or {}).get("content") or "")
     return Reply(kind="stream cut", error="stream ended without [DONE] or an error event", status=200)

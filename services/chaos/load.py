@@ -49,8 +49,8 @@ class Tally:
             self.wrong += 1
             at = next((i for i, (a, b) in enumerate(zip(expected, reply.text, strict=False)) if a != b),
                       min(len(expected), len(reply.text)))
-            self._note("wrong", f"{detail}: differs from character {at}: expected ...{expected[at:at + 40]!r}, "
-                                f"got ...{reply.text[at:at + 40]!r}")
+            self._note("wrong", f"{detail} {reply.request_id}: differs from character {at}: expected "
+                                f"...{expected[at:at + 40]!r}, got ...{reply.text[at:at + 40]!r}")
             return
         if reply.clear:
             self.failed_clear += 1

@@ -29,7 +29,7 @@ from services.chaos.load import SteadyLoad
 from services.chaos.metrics import sum_samples
 from services.chaos.observe import scrape_service
 
-DISCONNECT_MAX_TOKENS = 128  # long answers, so that streams and decodes have a middle to be cut in
+DISCONNECT_MAX_TOKENS = 256  # long answers, so that streams and decodes have a middle to be cut in
 _HEALTH_PROBE_REQUESTS = 8
 
 
@@ -60,6 +60,13 @@ class Scenario:
     failures_allowed: bool
     unclear_allowed: bool = False
     isolate: str | None = None  # worker that runs inside a network namespace for this scenario
+
+
+# -- no fault ---------------------------------------------------------------------------------------------
+
+async def _no_fault(ctx: FaultContext) -> None:
+    """The control: the same load and checks with nothing broken. A wrong answer here means greedy
+    output depends on batching (exact-match judging is then unsound), not that a fault corrupted it."""
 
 
 # -- kill -9 and restart ----------------------------------------------------------------------------
@@ -183,6 +190,7 @@ async def _idle(ctx: FaultContext) -> None:
 
 
 SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("baseline", "no fault: the same load and checks, as a control", _no_fault, failures_allowed=False),
     Scenario("kill-bootstrap", "kill -9 the registry, start it again on its port", _kill_bootstrap,
              failures_allowed=False),
     Scenario("kill-prefill", "kill -9 prefill-0, start it again", _kill_worker("prefill-0"), failures_allowed=True),

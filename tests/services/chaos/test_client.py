@@ -20,7 +20,7 @@ def _sse(*events: object, done: bool = True) -> bytes:
 
 
 def _delta(text: str) -> dict:
-    return {"choices": [{"index": 0, "delta": {"content": text}}]}
+    return {"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {"content": text}}]}
 
 
 async def _ask(response: httpx.Response | Exception, *, stream: bool):
@@ -35,8 +35,9 @@ async def _ask(response: httpx.Response | Exception, *, stream: bool):
 
 
 async def test_whole_answer():
-    reply = await _ask(httpx.Response(200, json={"choices": [{"message": {"content": "abc"}}]}), stream=False)
-    assert reply.ok and reply.text == "abc"
+    body = {"id": "chatcmpl-1", "choices": [{"message": {"content": "abc"}}]}
+    reply = await _ask(httpx.Response(200, json=body), stream=False)
+    assert reply.ok and reply.text == "abc" and reply.request_id == "chatcmpl-1"
 
 
 async def test_error_status_with_openai_body_is_clear():
@@ -51,7 +52,7 @@ async def test_error_status_without_the_body_is_unclear():
 
 async def test_stream_joins_deltas_until_done():
     reply = await _ask(httpx.Response(200, content=_sse(_delta(""), _delta("ab"), _delta("c"))), stream=True)
-    assert reply.ok and reply.text == "abc"
+    assert reply.ok and reply.text == "abc" and reply.request_id == "chatcmpl-2"
 
 
 async def test_stream_error_event_is_clear():
