@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench engine": ("engine.bench", "decode throughput of the engine against HF transformers"),
     "bench transfer": ("libkv.bench", "KV page transfer bandwidth against memcpy"),
     "bench gateway": ("services.gateway.bench", "latency the gateway adds over a direct worker call"),
+    "bench chaos": ("services.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
 }
 
 

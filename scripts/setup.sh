@@ -11,6 +11,8 @@ missing=()
 for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
   ldconfig -p 2>/dev/null | grep -q "${pair%%:*}" || missing+=("${pair##*:}")
 done
+# The chaos suite's network scenarios put a worker in a network namespace (`ip netns`, veth links).
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 # g++ builds the engine's C++ CPU kernels (below).
 command -v g++ >/dev/null || missing+=(g++)
 if [ ${#missing[@]} -gt 0 ]; then
