@@ -23,6 +23,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench transfer": ("libkv.bench", "KV page transfer bandwidth against memcpy"),
     "bench gateway": ("services.gateway.bench", "latency the gateway adds over a direct worker call"),
     "bench chaos": ("services.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
+    "bench serving": ("services.bench_serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
+    "bench pd-vs-colocated": ("services.bench_serving.pd_vs_colocated",
+                              "PD against colocated on the prefill-interruption workload, swept over rate"),
 }
 
 

@@ -8,6 +8,10 @@ One request, as ARCHITECTURE.md draws it:
   waiting   the engine takes the reserved pages and the first token...
   running   ...and the request decodes in the running batch; tokens stream back.
 
+Conditional disaggregation (`--conditional-disaggregation`, local_prefill.py): a short prompt, a
+request with no prefill worker, or one whose prefill is busy runs here instead, as on a colocated
+worker (the engine's own waiting -> running queues), with the same output.
+
 Failure: if the Prefill call fails, is cancelled, times out, or the prefill's registry lease
 expires (it froze or was cut off), decode answers UNAVAILABLE at once (the gateway may retry on
 another pair) and hands the reserved pages to the quarantine (quarantine.py), which frees them
@@ -30,7 +34,7 @@ from services.common.convert import endpoint_to_proto, sampling_to_proto
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
-from services.worker.relay import relay_tokens
+from services.worker.relay import relay_token_batches, relay_tokens
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
 
@@ -64,6 +68,11 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
         self._lost: dict[str, str] = {}  # room -> why its prefill was given up on
+        self.local_prefill = self.config.local_prefill_rule()
+
+    def _open_on(self, prefill_address: str) -> int:
+        """Prefill calls this worker has open on `prefill_address` (its queue, as far as we load it)."""
+        return sum(1 for address, _ in self._calls.values() if address == prefill_address)
 
     def live_rooms(self) -> set[str]:
         """Rooms this servicer is working on or keeps quarantined (for the leak detector)."""
@@ -73,16 +82,26 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         arrival = time.perf_counter()
         try:
             parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
-            if not request.HasField("prefill_address") or not request.prefill_address:
-                raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on")
+            prefill_address = request.prefill_address if request.HasField("prefill_address") else ""
+            if not prefill_address and not self.local_prefill.enabled:
+                raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on "
+                                 "(or --conditional-disaggregation to run it here)")
         except ValueError as exc:
             await context.abort(BadRequest.code, str(exc))
         room, prompt, params = parsed.room, parsed.prompt_ids, parsed.params
         if room in self._tasks or room in self.quarantine.rooms() or self.engine.is_live(room):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is already in use on this worker")
+        local = self.local_prefill.reason(len(prompt), prefill_address, self._open_on(prefill_address))
+        if local is not None:
+            self.runtime.metrics.local_prefill(local)
+            log.debug("room %s: prefill runs on this decode worker (%s, %d prompt tokens)", room, local, len(prompt))
+            batches = self.engine.generate_batches(prompt, params, room)
+            async for response in relay_token_batches(batches, self.runtime.metrics, arrival):
+                yield response
+            return
         self._tasks[room] = asyncio.current_task()
         try:
-            first = await self._prefill_remotely(room, prompt, params, request.prefill_address, context)
+            first = await self._prefill_remotely(room, prompt, params, prefill_address, context)
             self.queues.move(room, "waiting")
             outputs = self.engine.generate_prefilled(room, prompt, first, params)
             self.queues.leave(room)  # the engine's own waiting/running queues take over

@@ -105,7 +105,7 @@ class RegistryDiscovery:
                 pending.cancel()
                 log.info("worker %s %s is back in the registry", role, address)
             self.pool.add(address, role, info.model, worker_id=info.worker_id,
-                          reported=ReportedLoad.from_proto(info.load))
+                          reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill)
         elif event.type == _LEFT:
             current = self.pool.get(address)
             # a LEFT for an older process at the same address must not remove its successor

@@ -1,8 +1,9 @@
 """Pick where one attempt of a request runs: a (prefill, decode) pair or a colocated worker.
 
 The decode policy chooses among decode and colocated workers (a decode worker only while some
-prefill worker is available to pair it with); if it chose a decode worker, the prefill policy
-chooses its prefill worker. Workers whose circuit is open, or that this request already failed
+prefill worker is available to pair it with, or if it runs prompts itself when none is:
+conditional disaggregation); if it chose a decode worker, the prefill policy chooses its prefill
+worker, if there is one. Workers whose circuit is open, or that this request already failed
 on (`exclude`), are not candidates. The returned Route holds both workers' in-flight slots and
 breaker trial slots until `finish` says how the attempt went.
 """
@@ -78,7 +79,7 @@ class Router:
         excluded = set(exclude)
         usable = [w for w in self.pool.routable(model) if w.key not in excluded and w.breaker.available()]
         prefills = [w for w in usable if w.role == PREFILL]
-        decodes = [w for w in usable if w.role == COLOCATED or (w.role == DECODE and prefills)]
+        decodes = [w for w in usable if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
         return prefills, decodes
 
     def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Route:
@@ -87,7 +88,8 @@ class Router:
         if not decodes:
             raise NoWorkersError(self._why_none(model, exclude))
         decode = self.decode_policy.choose(decodes, prompt_token_ids)
-        prefill = self.prefill_policy.choose(prefills, prompt_token_ids) if decode.role == DECODE else None
+        prefill = (self.prefill_policy.choose(prefills, prompt_token_ids)
+                   if decode.role == DECODE and prefills else None)
         route = Route(decode=decode, prefill=prefill)
         for worker in route.workers:
             worker.breaker.acquire()

@@ -63,6 +63,7 @@ class WorkerHandle:
     model: str
     worker_id: str = ""
     static: bool = False
+    local_prefill: bool = False  # decode only: runs prompts itself when no prefill worker can
     reported: ReportedLoad = field(default_factory=ReportedLoad)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     security: GrpcSecurity = field(default_factory=GrpcSecurity, repr=False)
@@ -162,7 +163,7 @@ class WorkerPool:
         return sorted({w.model for w in self._workers.values()})
 
     def add(self, address: str, role: str, model: str, *, worker_id: str = "", static: bool = False,
-            reported: ReportedLoad | None = None) -> WorkerHandle:
+            reported: ReportedLoad | None = None, local_prefill: bool = False) -> WorkerHandle:
         """Add a worker, or update the one at `address`. A different role or worker id at the same
         address is a new process there: its handle (breaker, channel) is replaced."""
         existing = self._workers.get(address)
@@ -170,13 +171,14 @@ class WorkerPool:
                 not worker_id or not existing.worker_id or existing.worker_id == worker_id):
             existing.worker_id = worker_id or existing.worker_id
             existing.static = existing.static or static
+            existing.local_prefill = local_prefill
             if reported is not None:
                 existing.reported = reported
             return existing
         if existing is not None:
             self.remove(address, reason="replaced")
         handle = WorkerHandle(address=address, role=role, model=model, worker_id=worker_id, static=static,
-                              reported=reported or ReportedLoad(), breaker=self._breaker_factory(),
+                              local_prefill=local_prefill, reported=reported or ReportedLoad(), breaker=self._breaker_factory(),
                               security=self._security)
         self._workers[address] = handle
         log.info("worker joined: %s %s (model %s%s)", role, address, model,

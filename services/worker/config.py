@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from pdserve import envs
 from services.common.security import GrpcSecurity
+from services.decode.local_prefill import LocalPrefillRule
 
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
@@ -68,6 +69,15 @@ class WorkerConfig:
     quarantine_timeout: float = field(default=900.0, metadata=_help(
         "decode: seconds the pages of a failed request wait for its prefill to confirm that no KV "
         "write can still land (a one-sided engine cannot recall a write) before they are freed anyway"))
+    conditional_disaggregation: bool = field(default=False, metadata=_help(
+        "decode: run a prompt on this worker instead of a prefill worker when that is cheaper: no "
+        "prefill worker given, a prompt of at most --local-prefill-max-tokens, or the prefill's queue "
+        "at --local-prefill-max-prefill-queue (services/decode/local_prefill.py)"))
+    local_prefill_max_tokens: int = field(default=256, metadata=_help(
+        "decode, with --conditional-disaggregation: prompts of at most this many tokens run locally"))
+    local_prefill_max_prefill_queue: int = field(default=0, metadata=_help(
+        "decode, with --conditional-disaggregation: run locally when this worker already has this many "
+        "Prefill calls open on the chosen prefill worker (0 = never)"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))
@@ -83,6 +93,7 @@ class WorkerConfig:
         if self.disaggregation_transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
+        self.local_prefill_rule()  # refuses negative thresholds
         if self.tp_size != 1:
             raise ValueError(f"--tp-size {self.tp_size} is not supported yet: pdserve runs one device per "
                              "worker (tensor parallelism is not implemented); start more workers instead")
@@ -94,6 +105,12 @@ class WorkerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_path).resolve().name
+
+    def local_prefill_rule(self) -> LocalPrefillRule:
+        """Decode only: when a prompt runs here instead of on a prefill worker."""
+        return LocalPrefillRule(enabled=self.conditional_disaggregation and self.disaggregation_mode == "decode",
+                                max_tokens=self.local_prefill_max_tokens,
+                                max_prefill_queue=self.local_prefill_max_prefill_queue)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

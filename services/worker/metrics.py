@@ -50,6 +50,10 @@ class WorkerMetrics:
         self.leak_detections = Counter(m("kv_leak_detections_total"),
                                        "KV page leaks found by the leak detector (pages held with no live room)",
                                        labelnames=list(labels), registry=r).labels(**labels)
+        self._local_prefills = Counter(m("local_prefill_requests_total"),
+                                       "Decode: requests whose prompt ran on this decode worker instead of a "
+                                       "prefill worker (conditional disaggregation), by rule",
+                                       labelnames=[*labels, "reason"], registry=r)
         self._gauges: dict[str, Gauge] = {}
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
@@ -58,6 +62,9 @@ class WorkerMetrics:
 
     def finished(self, reason: str) -> None:
         self._finished.labels(**self._labels, finish_reason=reason).inc()
+
+    def local_prefill(self, reason: str) -> None:
+        self._local_prefills.labels(**self._labels, reason=reason).inc()
 
     def failure(self, stage: str) -> None:
         self._failures.labels(**self._labels, stage=stage).inc()

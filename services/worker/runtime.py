@@ -103,7 +103,7 @@ class WorkerRuntime:
             role=_ROLES[self.config.role], model=self.config.model_name,
             kv_layout=layout_to_proto(self.engine.kv_layout), grpc_address=grpc_address,
             metrics_address=self.metrics_server.address if self.metrics_server else "",
-            load=self.load())
+            load=self.load(), local_prefill=self.config.local_prefill_rule().enabled)
         if self.backend is not None:
             worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
         self.registry = RegistryClient(self.config.bootstrap, security=self.config.security)
