@@ -22,7 +22,7 @@ WORKER_EVENT_TYPE_LEFT: WorkerEventType
 WORKER_EVENT_TYPE_SYNCED: WorkerEventType
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_layout", "grpc_address", "metrics_address", "transfer_endpoint", "load")
+    __slots__ = ("worker_id", "role", "model", "kv_layout", "grpc_address", "metrics_address", "transfer_endpoint", "load", "local_prefill")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class WorkerInfo(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     model: str
@@ -39,7 +40,8 @@ class WorkerInfo(_message.Message):
     metrics_address: str
     transfer_endpoint: _common_pb2.TransferEndpoint
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transfer_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transfer_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
