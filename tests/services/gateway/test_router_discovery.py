@@ -33,6 +33,16 @@ def test_decode_needs_a_prefill_colocated_does_not() -> None:
     assert pd.prefill is not None and pd.prefill.address == "127.0.0.1:3"
 
 
+def test_a_decode_that_prefills_locally_is_routed_without_a_prefill() -> None:
+    pool = WorkerPool()
+    pool.add("127.0.0.1:1", "decode", "m", local_prefill=True)
+    route = make_router(pool).pick("m", [1, 2])
+    assert route.decode.address == "127.0.0.1:1" and route.prefill is None
+    pool.add("127.0.0.1:2", "prefill", "m")  # once a prefill is up, the decode gets one again
+    route = make_router(pool).pick("m", [1, 2])
+    assert route.prefill is not None and route.prefill.address == "127.0.0.1:2"
+
+
 def test_unknown_model_and_excluded_workers() -> None:
     pool = WorkerPool()
     pool.add("127.0.0.1:1", "colocated", "m")

@@ -1,0 +1,90 @@
+"""Smoke runs of `pdserve bench serving` and `pdserve bench pd-vs-colocated`: short, real processes,
+no timing assertions; they must finish, print the report and write the JSON and the PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.cluster import Cluster, worker_args
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def pdserve(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Cluster, tiny_model, tmp_path):
+    worker = cluster.start("colocated", worker_args(tiny_model, "null"))
+    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
+                                        "--worker", worker.address])
+    url = f"http://{gateway.address}"
+    out = tmp_path / "out"
+    done = pdserve("bench", "serving", "--base-url", url, "--model", str(tiny_model), "--dataset-name", "random",
+                   "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "6",
+                   "--request-rate", "20", "--max-concurrency", "4", "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000",
+                   "--output-dir", str(out), "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "============ Serving Benchmark Result ============" in done.stdout
+    assert "Request goodput (req/s):" in done.stdout
+    result = json.loads((out / "serving.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] > 0 and len(result["requests"]) == 6
+    for key in ("request_throughput", "mean_ttft_ms", "p99_itl_ms", "median_e2e_latency_ms", "goodput"):
+        assert key in result
+    assert (out / "serving.png").read_bytes().startswith(PNG_MAGIC)
+
+    # a mixed workload and a ShareGPT file through the same flags
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [
+        {"from": "human", "value": f"Tell me about item number {i} and why it matters so much."},
+        {"from": "gpt", "value": "It matters because of many reasons, the first of which is this."}]}
+        for i in range(4)]))
+    done = pdserve("bench", "serving", "--base-url", url, "--tokenizer", str(tiny_model), "--dataset-name", "sharegpt",
+                   "--dataset-path", str(sharegpt), "--num-prompts", "3", "--output-dir", str(out), "--tag", "sg",
+                   "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "sg.json").read_text())["completed"] == 3
+    done = pdserve("bench", "serving", "--base-url", url, "--model", str(tiny_model), "--workload",
+                   "bg: in=16 out=8 n=4 concurrency=2; long: in=200 out=2 n=2 rate=10", "--output-dir", str(out),
+                   "--tag", "mix", "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Class bg" in done.stdout and "Class long" in done.stdout
+    assert set(json.loads((out / "mix.json").read_text())["per_class"]) == {"bg", "long"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "bg: in=1 out=1 n=1"], "exactly one of rate="),
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--dataset-name", "sharegpt", "--dataset-path", "/nonexistent.json"], "No such file"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--slo-itl-ms", "-1"], "--slo-itl-ms must be > 0"),
+])
+def test_bad_input_gets_a_clear_error(tiny_model, args, message):
+    done = pdserve("bench", "serving", "--base-url", "http://127.0.0.1:9", "--model", str(tiny_model), *args,
+                   timeout_s=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_pd_vs_colocated_smoke_writes_json_and_png(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    done = pdserve("bench", "pd-vs-colocated", "--model-path", str(tiny_model), "--dtype", "float32",
+                   "--transfer-backend", "mooncake", "--num-pages", "512", "--request-rates", "4",
+                   "--long-rate", "2", "--duration", "1.5", "--short-output-len", "8", "--long-input-len", "300",
+                   "--local-prefill-max-tokens", "32", "--output-dir", str(out), "--log-dir", str(tmp_path / "logs"),
+                   "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "pd_vs_colocated.json").read_text())
+    assert {row["deployment"] for row in summary["rows"]} == {"colocated", "pd", "pd+conditional"}
+    assert {r["deployment"] for r in summary["ratios"]} == {"pd", "pd+conditional"}
+    assert set(summary["placement"]) == {"colocated", "pd", "pd+conditional"}
+    assert (out / "pd_vs_colocated.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "pd-conditional-rate4.png").read_bytes().startswith(PNG_MAGIC)
+    assert "ratios to colocated" in done.stdout
