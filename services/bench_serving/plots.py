@@ -59,16 +59,7 @@ def run_figure(requests: Sequence[dict], path: Path, title: str) -> Path:
     ax_itl.set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps", title="ITL CDF", xscale="log")
     ax_time.set(xlabel="time since start (s)", ylabel="ITL (ms)", title="ITL timeline (dotted: arrivals of the rarest class)",
                 yscale="log")
-    for ax in (ax_ttft, ax_itl, ax_time):
-        ax.grid(True, alpha=0.3)
-        if classes:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (ax_ttft, ax_itl, ax_time) if classes else (), path, title)
 
 
 _SWEEP_PANELS = (("goodput", "goodput (req/s)"), ("mean_itl_ms", "mean ITL (ms)"), ("p99_itl_ms", "p99 ITL (ms)"),
@@ -86,7 +77,14 @@ def sweep_figure(rows: Sequence[dict], path: Path, title: str) -> Path:
             ax.plot([r["rate"] for r in mine], [r.get(key, 0.0) for r in mine], marker="o", label=name, color=color)
     for ax, (_, label) in zip(axes, _SWEEP_PANELS, strict=True):
         ax.set(xlabel="short-request rate (req/s)", ylabel=label)
+    return _save(plt, fig, axes, path, title)
+
+
+def _save(plt, fig, legend_axes, path: Path, title: str) -> Path:
+    """Grid and legend on `legend_axes`, the title, then write the PNG and free the figure."""
+    for ax in fig.axes:
         ax.grid(True, alpha=0.3)
+    for ax in legend_axes:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
