@@ -44,10 +44,12 @@ class AbortRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "page_checksums")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    page_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, found: _Optional[bool] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import grpc
@@ -46,9 +46,18 @@ class PrefillReply:
 class AbortOutcome(enum.Enum):
     """What decode learned from asking a prefill to stop a room."""
 
-    CONFIRMED = "confirmed"  # the prefill answered: none of the room's writes can still land
+    CONFIRMED = "confirmed"  # the prefill answered: it issues no more writes for the room
     GONE = "gone"            # nothing listens at its address any more: its process is gone
-    UNKNOWN = "unknown"      # no answer (frozen, partitioned, overloaded): writes may still land
+    UNKNOWN = "unknown"      # no answer (frozen, partitioned, overloaded): writes may still come
+
+
+@dataclass
+class AbortReply:
+    """The outcome, and (CONFIRMED only) the checksums of the writes the prefill issued for the
+    room, in dst_page_ids order: the first len(page_checksums) pages may still be landing."""
+
+    outcome: AbortOutcome
+    page_checksums: list[int] = field(default_factory=list)
 
 
 class PrefillClients:
@@ -88,25 +97,25 @@ class PrefillClients:
                        top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs]),
             list(response.page_checksums))
 
-    async def abort(self, address: str, room: str) -> AbortOutcome:
-        """Ask prefill to stop `room`; says whether any of its writes can still land.
+    async def abort(self, address: str, room: str) -> AbortReply:
+        """Ask prefill to stop `room`; says whether it can still issue writes for it.
 
         An answer (even UNIMPLEMENTED: no Prefill service there, so nothing writes for the room)
         confirms. No answer is proof of nothing: a frozen process keeps its listening socket, and
         a partition heals, so an UNAVAILABLE call is followed by a plain TCP connect: only a
         refused connection means the process is gone."""
         try:
-            await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
-            return AbortOutcome.CONFIRMED
+            reply = await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
+            return AbortReply(AbortOutcome.CONFIRMED, list(reply.page_checksums))
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
-                return AbortOutcome.CONFIRMED  # not our prefill: it never wrote for this room
+                return AbortReply(AbortOutcome.CONFIRMED)  # not our prefill: it never wrote for this room
             if code == grpc.StatusCode.UNAVAILABLE and await _connection_refused(address):
-                return AbortOutcome.GONE
+                return AbortReply(AbortOutcome.GONE)
             log.debug("room %s: prefill %s did not confirm the abort (%s: %s)", room, address,
                       code.name, exc.details())
-            return AbortOutcome.UNKNOWN
+            return AbortReply(AbortOutcome.UNKNOWN)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -5,8 +5,11 @@ and a write in flight cannot be recalled. So when a request fails after its page
 a prefill (the call failed, was cancelled, or the prefill's lease expired), decode answers its
 caller at once but frees the pages only when it knows no write of that room can still land:
 
-- the prefill answered Abort (its Abort returns only once every write stopped), or
-- nothing listens at the prefill's address any more (its process is gone), or
+- the prefill answered Abort (its Abort returns only once it issues no more writes) and the
+  writes it had issued have landed: their pages hash to the checksums the Abort reply carries
+  (landing.py; an engine's "write done" only means sent), or
+- nothing listens at the prefill's address any more (its process is gone; what its kernel had
+  already sent gets `_GONE_LINGER_S` to arrive), or
 - `give_up_s` passed without either (a host that vanished for good; TCP itself gives up on an
   unanswered connection after about 15 minutes, so nothing of it can arrive later). Logged.
 
@@ -23,12 +26,16 @@ import time
 
 from engine.engine import Engine
 from libkv.transfer import TransferBackend
+from services.decode.landing import wait_landed
 from services.decode.prefill_client import AbortOutcome, PrefillClients
 
 log = logging.getLogger("pdserve.decode")
 
 _FIRST_RETRY_S = 0.5
 _MAX_RETRY_S = 5.0
+# A prefill process that is gone cannot say what it wrote; bytes its kernel had already accepted
+# are delivered (on close) within milliseconds on a live link. A margin, not a proof.
+_GONE_LINGER_S = 1.0
 
 
 class PageQuarantine:
@@ -42,12 +49,12 @@ class PageQuarantine:
         self.give_up_s = give_up_s
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def hold(self, room: str, prefill_address: str) -> None:
-        """Stop `room`'s prefill and free its pages once that is confirmed (see the module doc).
-        Returns at once; callable from a cancelled task."""
+    def hold(self, room: str, prefill_address: str, pages: list[int]) -> None:
+        """Stop `room`'s prefill and free its pages (`pages`, in the order offered to the prefill)
+        once that is confirmed (see the module doc). Returns at once; callable from a cancelled task."""
         if room in self._tasks:
             return
-        task = asyncio.get_running_loop().create_task(self._settle(room, prefill_address),
+        task = asyncio.get_running_loop().create_task(self._settle(room, prefill_address, pages),
                                                       name=f"quarantine-{room}")
         self._tasks[room] = task
         task.add_done_callback(lambda _: self._tasks.pop(room, None))
@@ -55,26 +62,30 @@ class PageQuarantine:
     def rooms(self) -> set[str]:
         return set(self._tasks)
 
-    async def _settle(self, room: str, prefill_address: str) -> None:
+    async def _settle(self, room: str, prefill_address: str, pages: list[int]) -> None:
         self.backend.release_expectation(room)
         if not self.backend.one_sided:
             self.engine.release(room)  # late data for the room now lands in scratch memory
             await self.prefills.abort(prefill_address, room)  # still stop the prefill's work
             return
         try:
-            await self._wait_until_safe(room, prefill_address)
+            await self._wait_until_safe(room, prefill_address, pages)
         finally:
             self.engine.release(room)
 
-    async def _wait_until_safe(self, room: str, prefill_address: str) -> None:
+    async def _wait_until_safe(self, room: str, prefill_address: str, pages: list[int]) -> None:
         started = time.monotonic()
         delay = _FIRST_RETRY_S
         while True:
-            outcome = await self.prefills.abort(prefill_address, room)
-            if outcome is not AbortOutcome.UNKNOWN:
+            reply = await self.prefills.abort(prefill_address, room)
+            if reply.outcome is AbortOutcome.CONFIRMED:
+                await self._wait_issued_writes(room, pages, reply.page_checksums)
+            elif reply.outcome is AbortOutcome.GONE:
+                await asyncio.sleep(_GONE_LINGER_S)
+            if reply.outcome is not AbortOutcome.UNKNOWN:
                 if delay > _FIRST_RETRY_S:
                     log.info("room %s: prefill %s %s after %.1fs; the room's pages are free again", room,
-                             prefill_address, "confirmed the abort" if outcome is AbortOutcome.CONFIRMED
+                             prefill_address, "confirmed the abort" if reply.outcome is AbortOutcome.CONFIRMED
                              else "is gone", time.monotonic() - started)
                 return
             if delay == _FIRST_RETRY_S:
@@ -87,6 +98,16 @@ class PageQuarantine:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, _MAX_RETRY_S)
+
+    async def _wait_issued_writes(self, room: str, pages: list[int], sent: list[int]) -> None:
+        if len(sent) > len(pages):
+            log.error("room %s: the prefill reports %d writes for %d pages; not waiting for them", room,
+                      len(sent), len(pages))
+            return
+        never = await wait_landed(self.engine.pool, pages[:len(sent)], sent)
+        if never:  # a write that failed midway never completes; it cannot land later either
+            log.warning("room %s: %d of the %d pages the prefill wrote before the abort never matched "
+                        "what it sent (a write cut short); freeing them", room, len(never), len(sent))
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

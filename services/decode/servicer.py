@@ -31,6 +31,8 @@ from engine.outputs import FirstToken
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.bootstrap.client import RegistryClient
 from services.common.convert import endpoint_to_proto, sampling_to_proto
+from services.common.tasks import finish_despite_cancel
+from services.decode.landing import wait_landed
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
@@ -63,7 +65,9 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
                                          give_up_s=self.config.quarantine_timeout)
         runtime.metrics.gauge("kv_quarantined_rooms", "Failed requests whose pages wait for their prefill "
                               "to confirm that no KV write can still land", lambda: len(self.quarantine.rooms()))
-        self._checksums = self.config.kv_checksum and self.backend.moves_bytes
+        # A one-sided write's "done" does not say it landed; the checksums do (landing.py), so
+        # they are always on there: --no-kv-checksum only spares two-sided engines the hashing.
+        self._checksums = self.backend.moves_bytes and (self.config.kv_checksum or self.backend.one_sided)
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._tasks: dict[str, asyncio.Task] = {}
         self._calls: dict[str, tuple[str, asyncio.Future]] = {}  # room -> (prefill address, Prefill call)
@@ -142,13 +146,13 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             reply = call.result()
         except PrefillFailed as exc:
             self.runtime.metrics.failure(exc.stage)
-            self.quarantine.hold(room, prefill_address)
+            self.quarantine.hold(room, prefill_address, pages)
             log.warning("room %s: %s", room, exc)
             await context.abort(exc.code, f"room {room}: {exc}",
                                 trailing_metadata=((FAILED_PEER_KEY, prefill_address),))
         except BaseException:  # cancelled (client gone, shutdown): stop prefill, free pages when safe
             call.cancel()
-            self.quarantine.hold(room, prefill_address)
+            self.quarantine.hold(room, prefill_address, pages)
             raise
         finally:
             self._calls.pop(room, None)
@@ -160,15 +164,21 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,
                              context: grpc.aio.ServicerContext) -> None:
-        """Compare the pages that arrived with the checksums prefill computed before writing them;
-        a difference fails the request (retryable on another pair) before it joins the batch. The
-        prefill has finished writing (its reply says so), so the pages are freed at once."""
-        arrived = await asyncio.to_thread(self.engine.pool.page_checksums, pages)
-        if arrived == sent:
+        """Wait until the pages hold what prefill sent (landing.py: the writes may still be on
+        their way), bounded; pages that still differ then fail the request (retryable on another
+        pair) before it joins the batch. The wait finishes even if the request is cancelled
+        meanwhile, so pages are never freed while bytes for them may still land."""
+        if len(sent) != len(pages):
+            bad, problem = pages, f"{len(sent)} checksums for {len(pages)} pages"
+        else:
+            try:
+                bad = await finish_despite_cancel(wait_landed(self.engine.pool, pages, sent))
+            except BaseException:  # cancelled (client gone) after everything landed or was given up on
+                self.engine.release(room)
+                raise
+            problem = f"{len(bad)} of {len(pages)} pages differ from what it sent (first: page {bad[0]})" if bad else ""
+        if not bad:
             return
-        bad = [page for page, want, got in zip(pages, sent, arrived, strict=False) if want != got]
-        problem = (f"{len(sent)} checksums for {len(pages)} pages" if len(sent) != len(pages)
-                   else f"{len(bad)} of {len(pages)} pages differ from what it sent (first: page {bad[0]})")
         self.runtime.metrics.failure("checksum")
         self.engine.release(room)
         log.error("room %s: KV from prefill %s arrived corrupted: %s", room, prefill_address, problem)

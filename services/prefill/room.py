@@ -57,12 +57,10 @@ class PrefillRoom:
             self.pages_pushed += len(new)
 
     def _issue(self, src: list[int], dst: list[int]) -> TransferHandle:
-        if self.want_checksums:
-            sums = self.backend.pool.page_checksums(src)
-            with self._lock:  # one room's writes run in push order on its queue
-                self.checksums.extend(sums)
+        sums = self.backend.pool.page_checksums(src) if self.want_checksums else []
         handle = self.backend.write(self.peer, src, dst, key=self.room, grant=self.grant)
-        with self._lock:
+        with self._lock:  # one room's writes run in push order on its queue
+            self.checksums.extend(sums)  # only for issued writes: decode waits for these to land
             self.bytes_pushed += handle.nbytes
         return handle
 

@@ -56,6 +56,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                                               self.config.transfer_thread_pool_size)
         self._rooms: dict[str, PrefillRoom] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._issued: OrderedDict[str, list[int]] = OrderedDict()  # room -> checksums of its writes
 
     def live_rooms(self) -> set[str]:
         """Rooms this servicer is working on (for the leak detector)."""
@@ -171,6 +172,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             else:
                 self.engine.release(state.room)
         finally:
+            if state.checksums:  # an Abort after this (decode gave up on the call) learns what may be landing
+                self._issued[state.room] = list(state.checksums)
+                while len(self._issued) > _TOMBSTONES:
+                    self._issued.popitem(last=False)
             self.queues.leave(state.room)
             self._rooms.pop(state.room, None)
             state.done.set()
@@ -181,12 +186,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         while len(self._aborted) > _TOMBSTONES:
             self._aborted.popitem(last=False)
         state = self._rooms.get(room)
-        if state is None:
-            return worker_pb2.AbortResponse(found=False)
+        if state is None:  # finished, or already stopped (decode cancelling the call comes first)
+            return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []))
         if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
-        return worker_pb2.AbortResponse(found=True)
+        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums)
 
 
 def _check_destination(request: worker_pb2.PrefillRequest, needed: int) -> None:

@@ -5,7 +5,9 @@ is the `fake` one with two changes that make the race of the finding certain ins
 (with Mooncake, an abort waits for the writes in flight, which takes milliseconds): a write stays
 in flight until aborted, and an abort takes a while. So the call is cancelled while the prompt's
 writes are in flight (inflight queue), and decode's Abort arrives while that cancellation is
-still being cleaned up, the second cancellation that used to skip freeing the pages.
+still being cleaned up, the second cancellation that used to skip freeing the pages. Either
+Abort reply carries the checksums of the writes issued, which decode waits on before reusing the
+pages (services/decode/landing.py).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ async def test_cancelled_then_aborted_prefill_frees_its_pages(prefill_runtime, s
             call = stub.Prefill(worker_pb2.PrefillRequest(
                 room=room, prompt_token_ids=prompt, model=runtime.config.model_name,
                 sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=4),
-                dst_page_ids=list(range(10, 10 + pages)), dst=endpoint_to_proto(runtime.backend.endpoint())))
+                dst_page_ids=list(range(10, 10 + pages)), dst=endpoint_to_proto(runtime.backend.endpoint()),
+                page_checksums=True))
             await _wait_for(lambda: runtime.queues.where(room) == "inflight", 30, "the prompt's writes in flight")
             assert engine.stats().used_pages == pages  # held until the writes finish or are aborted
             call.cancel()  # decode gone: the first cancellation
@@ -95,7 +98,13 @@ async def test_cancelled_then_aborted_prefill_frees_its_pages(prefill_runtime, s
                 await asyncio.sleep(ABORT_TAKES_S / 5)  # the cleanup is now waiting for the abort
                 reply = await stub.Abort(worker_pb2.AbortRequest(room=room), timeout=10)
                 assert reply.found
+                # Every write was issued: decode must wait for all of them to land before reuse.
+                assert len(reply.page_checksums) == pages
             await _wait_for(lambda: engine.stats().used_pages == 0, 10, "the room's pages to be freed")
+            # An Abort after the room was stopped (decode cancels the call before it aborts) still
+            # learns the checksums of the writes issued, which may still be landing.
+            late = await stub.Abort(worker_pb2.AbortRequest(room=room), timeout=10)
+            assert not late.found and len(late.page_checksums) == pages
             assert runtime.queues.counts() == {name: 0 for name in PREFILL_QUEUES}
             # A Prefill for a room that was aborted is refused, not run into reused pages.
             if second_cancel == "abort_rpc":

@@ -1,0 +1,45 @@
+"""Knowing that a one-sided write has landed in this worker's pages.
+
+A transfer engine's "write done" says the sender is finished with it, not that the bytes are in
+the receiver's memory. Mooncake's TCP transport completes a write once it has been handed to the
+sender's socket; the receiver's transfer thread copies it into the pool whenever it gets to it.
+On a busy host that can be long after the prefill replied (or confirmed an Abort), and bytes that
+land after decode reused their pages corrupt another request's KV. The receiver is the only one
+that can see arrival, and it needs no help from the engine to do so: prefill checksums each page
+right before writing it (xxh3, services/prefill/room.py), and once decode's copy of a page hashes
+to the same value the page holds exactly what was sent, so nothing still in flight can change it.
+
+`wait_landed` polls that, bounded: on success before the request joins the batch, and after an
+aborted request before its pages are freed (with the checksums of the writes prefill issued).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from libkv.pool import KVPool
+
+# Bytes a sender has handed to its socket arrive within milliseconds unless this host is starved;
+# past this bound a page that still differs was damaged (or its write failed midway), not late.
+LANDING_TIMEOUT_S = 10.0
+_FIRST_POLL_S = 0.001
+_MAX_POLL_S = 0.05
+
+
+async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],
+                      timeout_s: float = LANDING_TIMEOUT_S) -> list[int]:
+    """Wait until every page in `pages` hashes to its checksum in `sent`; return the pages that
+    still differ after `timeout_s` (empty: everything landed)."""
+    pages, sent = list(pages), list(sent)
+    deadline = time.monotonic() + timeout_s
+    delay = _FIRST_POLL_S
+    while True:
+        arrived = await asyncio.to_thread(pool.page_checksums, pages)
+        pending = [(page, want) for page, want, got in zip(pages, sent, arrived, strict=True) if want != got]
+        if not pending or time.monotonic() >= deadline:
+            return [page for page, _ in pending]
+        pages, sent = [page for page, _ in pending], [want for _, want in pending]
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _MAX_POLL_S)
