@@ -1,13 +1,13 @@
 """Knowing that a one-sided write has landed in this worker's pages.
 
-A transfer engine's "write done" says the sender is finished with it, not that the bytes are in
-the receiver's memory. Mooncake's TCP transport completes a write once it has been handed to the
-sender's socket; the receiver's transfer thread copies it into the pool whenever it gets to it.
-On a busy host that can be long after the prefill replied (or confirmed an Abort), and bytes that
-land after decode reused their pages corrupt another request's KV. The receiver is the only one
-that can see arrival, and it needs no help from the engine to do so: prefill checksums each page
-right before writing it (xxh3, services/prefill/room.py), and once decode's copy of a page hashes
-to the same value the page holds exactly what was sent, so nothing still in flight can change it.
+A transfer engine's "write done" tells the sender it is finished with the write; whether the
+bytes are already in the receiver's memory is the engine's business and differs between engines,
+transports and versions (Mooncake's TCP transport, as its source reads, completes a write once
+the sender's socket took it, and the receiver's transfer thread copies it into the pool later).
+Bytes that land after decode reused their pages would corrupt another request's KV silently. The
+receiver can see arrival itself, with no help from the engine: prefill checksums each page right
+before writing it (xxh3, services/prefill/room.py), and once decode's copy of a page hashes to the
+same value the page holds exactly what was sent, so nothing still in flight can change it.
 
 `wait_landed` polls that, bounded: on success before the request joins the batch, and after an
 aborted request before its pages are freed (with the checksums of the writes prefill issued).

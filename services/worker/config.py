@@ -65,7 +65,9 @@ class WorkerConfig:
         "prefill: transfer queues; requests are sharded over them by room"))
     kv_checksum: bool = field(default=True, metadata=_help(
         "decode: ask prefill for a checksum of every KV page it writes and check the pages that "
-        "arrived before the request joins the batch (a mismatch fails the request, retryable)"))
+        "arrived before the request joins the batch (a mismatch fails the request, retryable); "
+        "always on for one-sided backends (mooncake, nixl), where the checksums also tell when a "
+        "write has landed"))
     quarantine_timeout: float = field(default=900.0, metadata=_help(
         "decode: seconds the pages of a failed request wait for its prefill to confirm that no KV "
         "write can still land (a one-sided engine cannot recall a write) before they are freed anyway"))
