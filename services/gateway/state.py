@@ -74,8 +74,13 @@ class GatewayState:
         return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = ()) -> GatewayState:
-    model_name = config.served_model_name
+def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = (), *,
+                model_files: ModelFiles | None = None, model_name: str | None = None) -> GatewayState:
+    """The gateway's objects. `model_files`/`model_name`: the model learned from the workers when
+    there is no --model-path (services.gateway.model_source); default: read from --model-path."""
+    model_name = model_name or config.served_model_name
+    if model_name is None or (model_files is None and not config.model_path):
+        raise ValueError("the gateway needs --model-path, or a model learned from its workers")
     pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown),
                       security=config.security)
     add_static_workers(pool, static_workers, model_name)
@@ -88,5 +93,6 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
         first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),
         synced=discovery.synced if discovery is not None else None)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
-    return GatewayState(config=config, model_name=model_name, model_files=ModelFiles(config.model_path), pool=pool,
+    return GatewayState(config=config, model_name=model_name, model_files=model_files or ModelFiles(config.model_path),
+                        pool=pool,
                         router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery, prober=prober)
