@@ -86,6 +86,7 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
     add_static_workers(pool, static_workers, model_name)
     router = Router(pool, make_policy(config.prefill_policy_name, config), make_policy(config.decode_policy_name, config))
     metrics = GatewayMetrics(pool)
+    metrics.start_at_zero(model_name)
     discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,
                                   rejoin_grace_s=config.registry_rejoin_grace) if config.bootstrap else None
     dispatcher = Dispatcher(router, metrics, DispatchSettings(
