@@ -1,7 +1,8 @@
 """Every Grafana dashboard panel's PromQL, run against a real Prometheus scraping a real system.
 
 Grafana cannot be installed here; what it would show can still be checked. Registry, prefill and
-decode workers (mooncake) and a gateway run as processes; Debian's Prometheus (scripts/setup.sh
+decode workers (mooncake) and a gateway (given only the registry: it learns the model from the
+workers, as in deploy/k8s) run as processes; Debian's Prometheus (scripts/setup.sh
 installs it) scrapes them every second; after some traffic (chat and completion requests, one
 request for an unknown model), every query of every panel in docker/grafana/dashboards/*.json is
 run through Prometheus's HTTP API over the test's time range, as Grafana would run it. Each must
@@ -122,8 +123,8 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([("prefill", _worker(tiny_model, "prefill", bootstrap.address)),
                                           ("decode", _worker(tiny_model, "decode", bootstrap.address))])
-    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
-                                        "--bootstrap", bootstrap.address])
+    # as deploy/k8s runs it: no --model-path, the model is learned from the registry's workers
+    gateway = cluster.start("gateway", ["launch-router", "--port", "0", "--bootstrap", bootstrap.address])
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to become healthy")
     targets = {"gateway": gateway.address, "bootstrap": f"{bootstrap.host}:{bootstrap.metrics_port}",
