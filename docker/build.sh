@@ -131,7 +131,7 @@ build_images() {
     for target in "${SERVICES[@]}"; do
         say "image: pdserve-$target:$IMAGE_TAG"
         local log=/tmp/pdserve-docker-build-$target.log
-        nice -n 10 "$DOCKER" build -f "$CONTEXT/docker/Dockerfile" --target "$target" \
+        nice -n 10 "$DOCKER" build --force-rm -f "$CONTEXT/docker/Dockerfile" --target "$target" \
             --build-arg "BASE_IMAGE=$BASE_IMAGE" "${pip_args[@]}" -t "pdserve-$target:$IMAGE_TAG" "$CONTEXT" \
             >"$log" 2>&1 || { tail -40 "$log"; say "image pdserve-$target failed: full log in $log"; exit 1; }
     done
