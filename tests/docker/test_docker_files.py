@@ -65,7 +65,8 @@ def test_compose_commands_parse_with_pdserve_flags():
     for name in ("prefill", "decode"):
         assert parsed[name].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
         assert parsed[name].host == "auto"  # replaced by the entrypoint with the container's address
-        assert parsed[name].model_path == parsed["gateway"].model_path
+        assert parsed[name].model_path == parsed["prefill"].model_path == "/models/tiny"
+    assert parsed["gateway"].model_path == ""  # the gateway learns the model from the workers
     assert parsed["gateway"].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
     # The health checks probe the ports the services are told to listen on.
     assert services["bootstrap"]["healthcheck"]["test"][-1] == str(parsed["bootstrap"].port)
