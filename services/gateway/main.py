@@ -33,7 +33,7 @@ from services.gateway.config import (
     with_env_api_key,
 )
 from services.gateway.model_files import ModelFiles
-from services.gateway.model_source import ModelUnknown, StaticWorkerCheck, learn_model
+from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
 from services.gateway.state import GatewayState, build_state
 
 log = logging.getLogger("pdserve.gateway")
@@ -108,7 +108,8 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
                 log.info("gateway got %s while waiting for its workers' model: exiting", signal_task.result().name)
                 return
             model = learning.result()
-            state = build_state(config, (), model_files=ModelFiles(folder), model_name=model.name)
+            state = build_state(config, (), model_files=ModelFiles(folder), model_name=model.name,
+                                worker_check=RegistryWorkerCheck(model, config.security))
             check = StaticWorkerCheck(state.pool, workers, model, config.security)
             check.start()
             try:

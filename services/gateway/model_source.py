@@ -9,8 +9,8 @@ worker reports (or --served-model-name, which the worker must then report too).
 From then on a static worker is routed to only once it has reported the same model: same served
 name and the same files digest (a worker with another tokenizer would get token ids it reads as
 other text). `StaticWorkerCheck` asks each until it answers; one that disagrees is refused with a
-log line naming both models and never added to the pool. Registry workers are matched by the
-served name the registry holds for them (services.gateway.discovery).
+log line naming both models and never added to the pool. `RegistryWorkerCheck` applies the same
+rule to the workers the registry announces (services.gateway.discovery).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,3 +174,58 @@ class StaticWorkerCheck:
             except asyncio.CancelledError:
                 pass
 
+
+
+class RegistryWorkerCheck:
+    """The registry side of the same rule (services.gateway.discovery's WorkerCheck): a worker the
+    registry announces is added to the pool only once its GetModelInfo matches the served model.
+    One that disagrees is refused until it leaves (a new process at its address is checked
+    again); one that does not answer a few tries in a row is asked again at its next heartbeat."""
+
+    def __init__(self, model: ServedModel, security: GrpcSecurity, attempts: int = 5) -> None:
+        self.model = model
+        self.security = security
+        self.attempts = attempts
+        self._pending: dict[str, asyncio.Task] = {}   # address -> its check
+        self._refused: dict[str, str] = {}            # address -> the worker id refused there
+
+    def submit(self, address: str, role: str, worker_id: str, admit: Callable[[], object]) -> None:
+        if address in self._pending or self._refused.get(address) == worker_id:
+            return
+        self._refused.pop(address, None)
+        task = asyncio.get_running_loop().create_task(self._check(address, role, worker_id, admit),
+                                                      name=f"model-check {address}")
+        self._pending[address] = task
+        task.add_done_callback(lambda done: self._pending.pop(address, None) if self._pending.get(address) is done
+                               else None)
+
+    async def _check(self, address: str, role: str, worker_id: str, admit: Callable[[], object]) -> None:
+        for _ in range(self.attempts):
+            try:
+                info = await fetch_model_info(address, role, self.security)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(_RETRY_S)
+                continue
+            reason = self.model.disagreement(info)
+            if reason is not None:
+                self._refused[address] = worker_id
+                log.error("refusing %s %s (id %s): %s; not routing to it", role, address, worker_id, reason)
+                return
+            admit()
+            return
+        log.warning("%s %s did not report its model in %d tries; asking again at its next heartbeat",
+                    role, address, self.attempts)
+
+    def forget(self, address: str, worker_id: str) -> None:
+        task = self._pending.pop(address, None)
+        if task is not None:
+            task.cancel()
+        if self._refused.get(address) == worker_id:
+            del self._refused[address]
+
+    async def close(self) -> None:
+        tasks = list(self._pending.values())
+        self._pending.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

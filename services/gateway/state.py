@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.config import GatewayConfig, StaticWorker
-from services.gateway.discovery import HealthProber, RegistryDiscovery, add_static_workers
+from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
@@ -75,9 +75,11 @@ class GatewayState:
 
 
 def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = (), *,
-                model_files: ModelFiles | None = None, model_name: str | None = None) -> GatewayState:
+                model_files: ModelFiles | None = None, model_name: str | None = None,
+                worker_check: WorkerCheck | None = None) -> GatewayState:
     """The gateway's objects. `model_files`/`model_name`: the model learned from the workers when
-    there is no --model-path (services.gateway.model_source); default: read from --model-path."""
+    there is no --model-path (services.gateway.model_source), and `worker_check` admits registry
+    workers only once they report that model; default: read from --model-path."""
     model_name = model_name or config.served_model_name
     if model_name is None or (model_files is None and not config.model_path):
         raise ValueError("the gateway needs --model-path, or a model learned from its workers")
@@ -88,7 +90,8 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
     metrics = GatewayMetrics(pool)
     metrics.start_at_zero(model_name)
     discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,
-                                  rejoin_grace_s=config.registry_rejoin_grace) if config.bootstrap else None
+                                  rejoin_grace_s=config.registry_rejoin_grace,
+                                  check=worker_check) if config.bootstrap else None
     dispatcher = Dispatcher(router, metrics, DispatchSettings(
         max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff,
         first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),

@@ -9,6 +9,7 @@ serving another name, one serving the same name with another tokenizer.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -81,3 +82,28 @@ def test_gateway_without_model_or_workers_says_what_it_needs(cluster: Cluster) -
     proc = cluster.spawn("gateway", ["launch-router", "--port", "0"])
     assert proc.popen.wait(timeout=60) == 2
     assert "give --model-path, or workers" in proc.log()
+
+
+def test_registry_worker_with_another_tokenizer_is_refused(cluster: Cluster, tiny_model: Path,
+                                                           tmp_path: Path) -> None:
+    """Given only the registry, the gateway learns the model from its workers and admits a worker
+    that joins later only if it reports the same model: same name, other tokenizer is refused."""
+    from engine.tiny_model import write_tiny_model
+
+    other_tokenizer = write_tiny_model(tmp_path / "other" / tiny_model.name, preset="tiny", seed=0,
+                                       tokenizer_vocab_size=1024)
+    bootstrap = cluster.bootstrap("--heartbeat-interval", "1")
+    cluster.start_many([("prefill", _worker(tiny_model, "prefill", "--bootstrap", bootstrap.address)),
+                        ("decode", _worker(tiny_model, "decode", "--bootstrap", bootstrap.address))])
+    gateway = cluster.start("gateway", ["launch-router", "--bootstrap", bootstrap.address, "--port", "0"])
+    wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
+               "the gateway to admit the prefill and decode workers")
+    retokenized = cluster.start("retokenized", _worker(other_tokenizer, "null", "--bootstrap", bootstrap.address))
+    wait_until(lambda: f"refusing colocated {retokenized.address}" in gateway.log(), 30,
+               "the gateway to refuse the worker with another tokenizer")
+    assert "its tokenizer files differ" in gateway.log()
+    time.sleep(2)  # two more heartbeats of the refused worker: it stays out
+    health = httpx.get(f"http://{gateway.address}/health", timeout=5).json()
+    assert health["workers"] == {"prefill": 1, "decode": 1, "colocated": 0}
+    assert gateway.log().count(f"refusing colocated {retokenized.address}") == 1
+    assert _chat_stream(gateway.address, "tiny", "Hello!")
