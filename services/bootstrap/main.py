@@ -12,9 +12,12 @@ import logging
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 from services.bootstrap.config import BootstrapConfig
+from services.bootstrap.etcd_client import EtcdClient, parse_endpoints
+from services.bootstrap.etcd_store import EtcdStore
 from services.bootstrap.metrics import registry_metrics
 from services.bootstrap.registry import Registry
 from services.bootstrap.servicer import BootstrapServicer
+from services.bootstrap.store import MemoryStore, RegistryStore
 from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
@@ -32,14 +35,22 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("bootstrap")
     try:
         asyncio.run(serve(config))
-    except OSError as exc:  # port in use, bad host
+    except OSError as exc:  # port in use, bad host, etcd unreachable
         log.error("bootstrap registry failed to start: %s", exc)
         return 1
     return 0
 
 
+def make_store(config: BootstrapConfig) -> RegistryStore:
+    if config.registry_store == "etcd":
+        return EtcdStore(EtcdClient(parse_endpoints(config.etcd_endpoints)), cluster=config.etcd_cluster,
+                         heartbeat_interval_s=config.heartbeat_interval,
+                         heartbeat_max_failure=config.heartbeat_max_failure)
+    return MemoryStore(Registry(config.heartbeat_interval, config.heartbeat_max_failure))
+
+
 async def serve(config: BootstrapConfig) -> None:
-    registry = Registry(config.heartbeat_interval, config.heartbeat_max_failure)
+    registry = make_store(config)
     await registry.start()
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     metrics = None
@@ -49,8 +60,8 @@ async def serve(config: BootstrapConfig) -> None:
             [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
                             bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],
             config.host, config.port, security=config.security)
-        log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs, %s", server.address,
-                 metrics.port, registry.ttl_s, config.security.describe())
+        log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs, %s, %s", server.address,
+                 metrics.port, registry.ttl_s, config.security.describe(), registry.describe())
         received = await shutdown.wait()
         log.info("bootstrap registry got %s: shutting down", received.name)
         await registry.close()  # ends the Watch streams, which would otherwise hold the grace period

@@ -15,15 +15,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.bootstrap.registry import REFUSED_BACKEND, REFUSED_INVALID, REFUSED_LAYOUT, Registry
+from services.bootstrap.registry import REFUSED_BACKEND, REFUSED_INVALID, REFUSED_LAYOUT
+from services.bootstrap.store import RegistryStore
 from services.common.metrics import metric_name
 
 
 class RegistryCollector(Collector):
-    """Exposes a Registry's counts. Called on the metrics server's thread: it only reads
+    """Exposes a registry store's counts. Called on the metrics server's thread: it only reads
     snapshots (list copies) of the registry's containers."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: RegistryStore) -> None:
         self._registry = registry
 
     def collect(self) -> Iterator[Metric]:
@@ -47,7 +48,7 @@ class RegistryCollector(Collector):
                                   "Watch streams dropped for falling behind.", value=stats.watchers_dropped)
 
 
-def registry_metrics(registry: Registry) -> CollectorRegistry:
+def registry_metrics(registry: RegistryStore) -> CollectorRegistry:
     """A fresh CollectorRegistry holding the registry's metrics (served by services.common.metrics)."""
     collectors = CollectorRegistry()
     collectors.register(RegistryCollector(registry))

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -321,57 +321,10 @@ class Registry:
 
     @staticmethod
     def _validate(worker: bootstrap_pb2.WorkerInfo) -> None:
-        problems = []
-        if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
-            problems.append("role is unspecified")
-        elif worker.role not in common_pb2.WorkerRole.values():
-            problems.append(f"role {worker.role} is not a known WorkerRole")
-        if not worker.model:
-            problems.append("model is empty")
-        host, _, port = worker.grpc_address.rpartition(":")
-        if not host or not port.isdigit():
-            problems.append(f"grpc_address {worker.grpc_address!r} is not host:port")
-        if not worker.HasField("kv_layout"):
-            problems.append("kv_layout is missing")
-        else:
-            layout = worker.kv_layout
-            for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-                if getattr(layout, name) <= 0:
-                    problems.append(f"kv_layout.{name} must be positive, got {getattr(layout, name)}")
-            if not layout.dtype:
-                problems.append("kv_layout.dtype is empty")
-        endpoint = worker.transfer_endpoint
-        if worker.HasField("transfer_endpoint"):
-            if not endpoint.backend:
-                problems.append("transfer_endpoint.backend is empty")
-            if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
-                problems.append("transfer_endpoint.layout differs from kv_layout: "
-                                + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
-        elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
-            problems.append(f"a {role_name(worker.role)} worker needs a transfer_endpoint")
-        if problems:
-            raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
+        validate_worker(worker)
 
     def _check_consistent(self, worker: bootstrap_pb2.WorkerInfo, ignore: _Entry | None) -> None:
-        """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
-        would fail at their first handshake; refuse the newcomer with both values named."""
-        peers = [e.info for e in self._entries.values() if e is not ignore and e.info.model == worker.model]
-        for peer in peers:
-            diffs = layout_differences(worker.kv_layout, peer.kv_layout)
-            if diffs:
-                raise RegistrationRefused(
-                    f"KV layout mismatch for model {worker.model!r}: {'; '.join(diffs)} "
-                    f"(new worker at {worker.grpc_address}: {describe_layout(worker.kv_layout)}; "
-                    f"registered worker {peer.worker_id} at {peer.grpc_address}: "
-                    f"{describe_layout(peer.kv_layout)})", REFUSED_LAYOUT)
-        mine = worker.transfer_endpoint.backend
-        for peer in peers:
-            theirs = peer.transfer_endpoint.backend
-            if mine and theirs and mine != theirs:
-                raise RegistrationRefused(
-                    f"transfer backend mismatch for model {worker.model!r}: {mine} vs {theirs} "
-                    f"(new worker at {worker.grpc_address} vs registered worker {peer.worker_id} "
-                    f"at {peer.grpc_address})", REFUSED_BACKEND)
+        check_consistent(worker, [e.info for e in self._entries.values() if e is not ignore])
 
     def _remove(self, entry: _Entry, reason: str) -> None:
         del self._entries[entry.info.worker_id]
@@ -390,6 +343,63 @@ class Registry:
 
     def _remove_watcher(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)
+
+
+def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
+    """Raise InvalidWorker naming every field a registration lacks or gets wrong."""
+    problems = []
+    if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
+        problems.append("role is unspecified")
+    elif worker.role not in common_pb2.WorkerRole.values():
+        problems.append(f"role {worker.role} is not a known WorkerRole")
+    if not worker.model:
+        problems.append("model is empty")
+    host, _, port = worker.grpc_address.rpartition(":")
+    if not host or not port.isdigit():
+        problems.append(f"grpc_address {worker.grpc_address!r} is not host:port")
+    if not worker.HasField("kv_layout"):
+        problems.append("kv_layout is missing")
+    else:
+        layout = worker.kv_layout
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            if getattr(layout, name) <= 0:
+                problems.append(f"kv_layout.{name} must be positive, got {getattr(layout, name)}")
+        if not layout.dtype:
+            problems.append("kv_layout.dtype is empty")
+    endpoint = worker.transfer_endpoint
+    if worker.HasField("transfer_endpoint"):
+        if not endpoint.backend:
+            problems.append("transfer_endpoint.backend is empty")
+        if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
+            problems.append("transfer_endpoint.layout differs from kv_layout: "
+                            + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
+    elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        problems.append(f"a {role_name(worker.role)} worker needs a transfer_endpoint")
+    if problems:
+        raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
+
+
+def check_consistent(worker: bootstrap_pb2.WorkerInfo, registered: Iterable[bootstrap_pb2.WorkerInfo]) -> None:
+    """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
+    would fail at their first handshake; refuse the newcomer (RegistrationRefused) with both
+    values named. `registered`: the other workers (any model)."""
+    peers = [info for info in registered if info.model == worker.model]
+    for peer in peers:
+        diffs = layout_differences(worker.kv_layout, peer.kv_layout)
+        if diffs:
+            raise RegistrationRefused(
+                f"KV layout mismatch for model {worker.model!r}: {'; '.join(diffs)} "
+                f"(new worker at {worker.grpc_address}: {describe_layout(worker.kv_layout)}; "
+                f"registered worker {peer.worker_id} at {peer.grpc_address}: "
+                f"{describe_layout(peer.kv_layout)})", REFUSED_LAYOUT)
+    mine = worker.transfer_endpoint.backend
+    for peer in peers:
+        theirs = peer.transfer_endpoint.backend
+        if mine and theirs and mine != theirs:
+            raise RegistrationRefused(
+                f"transfer backend mismatch for model {worker.model!r}: {mine} vs {theirs} "
+                f"(new worker at {worker.grpc_address} vs registered worker {peer.worker_id} "
+                f"at {peer.grpc_address})", REFUSED_BACKEND)
 
 
 def _matches(info: bootstrap_pb2.WorkerInfo, role: int, model: str) -> bool:
