@@ -204,6 +204,7 @@ class EtcdStore:
                 raise _unavailable(exc) from exc
             if txn.succeeded:
                 return replaced[0] if replaced is not None else None
+            log.debug("registration of %s raced another write; reading the workers again", info.grpc_address)
         raise StoreUnavailable(f"registration of {info.grpc_address} kept racing other registrations "
                                f"({_TXN_ATTEMPTS} tries): try again")
 

@@ -28,6 +28,7 @@ def _free_port() -> int:
 class EtcdServer:
     proc: subprocess.Popen
     client_port: int
+    peer_port: int
     log_path: Path
 
     @property
@@ -46,20 +47,22 @@ def etcd_binary() -> str:
 
 
 @contextmanager
-def run_etcd(tmp_path: Path, timeout_s: float = 30.0) -> Iterator[EtcdServer]:
+def run_etcd(tmp_path: Path, timeout_s: float = 30.0, *, client_port: int = 0, peer_port: int = 0
+             ) -> Iterator[EtcdServer]:
+    """etcd with its data in `tmp_path` (run it again on the same ports and dir to restart it)."""
     binary = etcd_binary()
-    client_port, peer_port = _free_port(), _free_port()
+    client_port, peer_port = client_port or _free_port(), peer_port or _free_port()
     log_path = tmp_path / "etcd.log"
     peer = f"http://127.0.0.1:{peer_port}"
     client = f"http://127.0.0.1:{client_port}"
-    with open(log_path, "w") as log_file:
+    with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
             [binary, "--name", "test", "--data-dir", str(tmp_path / "etcd-data"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"test={peer}", "--log-level", "warn"],
             stdout=log_file, stderr=subprocess.STDOUT)
-    server = EtcdServer(proc, client_port, log_path)
+    server = EtcdServer(proc, client_port, peer_port, log_path)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -76,5 +79,6 @@ def run_etcd(tmp_path: Path, timeout_s: float = 30.0) -> Iterator[EtcdServer]:
             time.sleep(0.1)
         yield server
     finally:
-        proc.kill()
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
