@@ -57,72 +57,80 @@ def test_killing_one_of_two_registries_under_load_loses_no_worker_and_no_request
         cluster: Cluster, tiny_model: Path, tmp_path: Path) -> None:
     (tmp_path / "etcd").mkdir()
     with run_etcd(tmp_path / "etcd") as etcd:
-        first = cluster.bootstrap(*registry_args(etcd.endpoint))
-        second = cluster.bootstrap(*registry_args(etcd.endpoint))
-        registries = f"{first.address},{second.address}"  # every client starts on `first`
-        prefill, decode = cluster.start_many([("prefill", worker_args(tiny_model, "prefill", registries)),
-                                              ("decode", worker_args(tiny_model, "decode", registries))], 180)
-        gateway: Proc = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
-                                                  "--bootstrap", registries])
-
-        def gateway_workers() -> dict:
-            return httpx.get(f"http://{gateway.address}/health", timeout=5).json().get("workers")
-
-        wait_until(lambda: gateway_workers() == TWO_WORKERS, 60, "the gateway to see 1 prefill and 1 decode")
-        # the same view through either registry
-        before = registered(first.address)
-        assert registered(second.address) == before
-        assert sorted(before.values()) == sorted([prefill.address, decode.address])
-
-        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
-                               timeout=120)
-
-        def ask(index: int) -> tuple[int, str]:
-            prompt = PROMPTS[index % len(PROMPTS)]
-            return index, client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
-                                                    temperature=0).choices[0].text
-
-        reference = dict(ask(i) for i in range(len(PROMPTS)))
-
-        # the gateway's view, sampled all through the load and the kill
-        views: list[dict] = []
-        sampling = threading.Event()
-
-        def sample() -> None:
-            while not sampling.is_set():
-                views.append(gateway_workers())
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
         try:
-            with ThreadPoolExecutor(max_workers=6) as pool:
-                futures = [pool.submit(ask, i) for i in range(24)]
-                wait_until(lambda: sum(f.done() for f in futures) >= 4, 60, "the load to get going")
-                first.kill(signal.SIGKILL)
-                futures += [pool.submit(ask, i) for i in range(24, 48)]
-                answers = [future.result() for future in futures]  # any client-visible error raises here
-            # two lease lifetimes with `first` dead: heartbeats must have been going through `second`
-            time.sleep(6.5)
-            views.append(gateway_workers())
+            check_failover(cluster, tiny_model, etcd.endpoint)
         finally:
-            sampling.set()
-            sampler.join(10)
+            cluster.stop_all()  # before etcd goes: workers deregister through a registry that works
 
-        assert all(text == reference[index % len(PROMPTS)] for index, text in answers)
-        assert len(views) > 20 and all(view == TWO_WORKERS for view in views), \
-            [view for view in views if view != TWO_WORKERS][:5]
-        # same workers, same ids: nobody's lease ran out and nobody registered again
-        assert registered(second.address) == before
-        for worker in (prefill, decode):
-            assert "registering again" not in worker.log()
-            assert "switching to" in worker.log()  # it did fail over to `second`
-        assert "switching to" in gateway.log()
-        assert second.metric("pdserve:bootstrap_lease_expiries_total") == 0
 
-        # and the survivor still admits workers: a second decode joins the gateway's view
-        cluster.start("decode-2", worker_args(tiny_model, "decode", registries))
-        wait_until(lambda: gateway_workers() == {"prefill": 1, "decode": 2, "colocated": 0}, 60,
-                   "the gateway to see the new decode worker")
-        assert len(registered(second.address)) == 3
-        assert ask(0)[1] == reference[0]
+def check_failover(cluster: Cluster, tiny_model: Path, etcd_endpoint: str) -> None:
+    """The whole scenario (see the module docstring), on an etcd that outlives every process."""
+    first = cluster.bootstrap(*registry_args(etcd_endpoint))
+    second = cluster.bootstrap(*registry_args(etcd_endpoint))
+    registries = f"{first.address},{second.address}"  # every client starts on `first`
+    prefill, decode = cluster.start_many([("prefill", worker_args(tiny_model, "prefill", registries)),
+                                          ("decode", worker_args(tiny_model, "decode", registries))], 180)
+    gateway: Proc = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
+                                              "--bootstrap", registries])
+
+    def gateway_workers() -> dict:
+        return httpx.get(f"http://{gateway.address}/health", timeout=5).json().get("workers")
+
+    wait_until(lambda: gateway_workers() == TWO_WORKERS, 60, "the gateway to see 1 prefill and 1 decode")
+    # the same view through either registry
+    before = registered(first.address)
+    assert registered(second.address) == before
+    assert sorted(before.values()) == sorted([prefill.address, decode.address])
+
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+
+    def ask(index: int) -> tuple[int, str]:
+        prompt = PROMPTS[index % len(PROMPTS)]
+        return index, client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                                temperature=0).choices[0].text
+
+    reference = dict(ask(i) for i in range(len(PROMPTS)))
+
+    # the gateway's view, sampled all through the load and the kill
+    views: list[dict] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            views.append(gateway_workers())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            futures = [pool.submit(ask, i) for i in range(24)]
+            wait_until(lambda: sum(f.done() for f in futures) >= 4, 60, "the load to get going")
+            first.kill(signal.SIGKILL)
+            futures += [pool.submit(ask, i) for i in range(24, 48)]
+            answers = [future.result() for future in futures]  # any client-visible error raises here
+        # two lease lifetimes with `first` dead: heartbeats must have been going through `second`
+        time.sleep(6.5)
+        views.append(gateway_workers())
+    finally:
+        sampling.set()
+        sampler.join(10)
+
+    assert all(text == reference[index % len(PROMPTS)] for index, text in answers)
+    assert len(views) > 20 and all(view == TWO_WORKERS for view in views), \
+        [view for view in views if view != TWO_WORKERS][:5]
+    # same workers, same ids: nobody's lease ran out and nobody registered again
+    assert registered(second.address) == before
+    for worker in (prefill, decode):
+        assert "registering again" not in worker.log()
+        assert "switching to" in worker.log()  # it did fail over to `second`
+    assert "switching to" in gateway.log()
+    assert second.metric("pdserve:bootstrap_lease_expiries_total") == 0
+
+    # and the survivor still admits workers: a second decode joins the gateway's view
+    cluster.start("decode-2", worker_args(tiny_model, "decode", registries))
+    wait_until(lambda: gateway_workers() == {"prefill": 1, "decode": 2, "colocated": 0}, 60,
+               "the gateway to see the new decode worker")
+    assert len(registered(second.address)) == 3
+    assert ask(0)[1] == reference[0]
