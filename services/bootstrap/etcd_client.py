@@ -23,6 +23,18 @@ log = logging.getLogger("pdserve.bootstrap.etcd")
 # Codes after which another member may succeed (the one asked is down or cut off).
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
+# Ping etcd so a member that froze or sits behind a network cut breaks the watch stream (which would
+# otherwise wait forever). etcd answers pings more often than --grpc-keepalive-min-time (5 s by
+# default) or on a connection without streams with GOAWAY, hence 10 s and only while calls are open
+# (the store's watch always is).
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 
 def parse_endpoints(endpoints: str) -> list[str]:
     """`http://127.0.0.1:2379,127.0.0.1:22379` -> ["127.0.0.1:2379", "127.0.0.1:22379"]; raises
@@ -73,7 +85,7 @@ class EtcdClient:
         self.timeout_s = timeout_s
         self._members = []
         for address in endpoints:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
             self._members.append(_Member(address, channel, rpc_pb2_grpc.KVStub(channel),
                                          rpc_pb2_grpc.LeaseStub(channel), rpc_pb2_grpc.WatchStub(channel)))
         self._current = 0
