@@ -53,6 +53,7 @@ from services.bootstrap.registry import (
     RegistrationRefused,
     RegistryStats,
     Watcher,
+    Watchers,
     _matches,
     check_consistent,
     describe_layout,
@@ -94,10 +95,9 @@ class EtcdStore:
         # etcd leases are whole seconds, and etcd raises very short ones to its minimum (about 2 s)
         self._lease_ttl = max(1, math.ceil(self.ttl_s))
         self._cache: dict[bytes, tuple[int, bootstrap_pb2.WorkerInfo]] = {}  # key -> (create rev, info)
-        self._watchers: set[Watcher] = set()
+        self._watchers = Watchers(self.stats, watcher_max_queued)
         self._warned: set[tuple[bytes, int]] = set()
         self._watch_task: asyncio.Task | None = None
-        self._closed = False
 
     def describe(self) -> str:
         return f"etcd store at {self.client.address} under {self.prefix.decode()}"
@@ -122,7 +122,6 @@ class EtcdStore:
                                                name="registry-etcd-watch")
 
     async def close(self) -> None:
-        self._closed = True
         if self._watch_task is not None:
             self._watch_task.cancel()
             try:
@@ -130,8 +129,7 @@ class EtcdStore:
             except asyncio.CancelledError:
                 pass
             self._watch_task = None
-        for watcher in list(self._watchers):
-            watcher.close()
+        self._watchers.close()
         await self.client.close()
 
     # -- worker calls --------------------------------------------------------------------------
@@ -284,15 +282,8 @@ class EtcdStore:
 
     def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
         """Subscribe to changes: the cached workers now, SYNCED, then every change (as Registry.watch)."""
-        watcher = Watcher(self, role, model, self.watcher_max_queued)  # type: ignore[arg-type]
-        for _, info in sorted(self._cache.values(), key=lambda item: item[0]):
-            if watcher.matches(info):
-                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=info), bounded=False)
-        watcher._push(bootstrap_pb2.WorkerEvent(type=bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED), bounded=False)
-        self._watchers.add(watcher)
-        if self._closed:
-            watcher.close()
-        return watcher
+        in_order = sorted(self._cache.values(), key=lambda item: item[0])
+        return self._watchers.open(role, model, (info for _, info in in_order))
 
     def count_by_role(self) -> dict[str, int]:
         counts = {"prefill": 0, "decode": 0, "colocated": 0}
@@ -411,16 +402,7 @@ class EtcdStore:
         return None
 
     def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
-        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
-        for watcher in list(self._watchers):
-            if watcher.matches(info) and not watcher._push(event):
-                self.stats.watchers_dropped += 1
-                self._watchers.discard(watcher)
-                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
-                            role_name(watcher.role), watcher.model, watcher.max_queued)
-
-    def _remove_watcher(self, watcher: Watcher) -> None:
-        self._watchers.discard(watcher)
+        self._watchers.publish(event_type, info, reason)
 
 
 def _unavailable(exc: grpc.aio.AioRpcError) -> StoreUnavailable:

@@ -117,8 +117,8 @@ class Watcher:
     Iteration ends (StopAsyncIteration) when the watcher or the registry is closed.
     """
 
-    def __init__(self, registry: Registry, role: int, model: str, max_queued: int) -> None:
-        self._registry = registry
+    def __init__(self, owner: Watchers, role: int, model: str, max_queued: int) -> None:
+        self._owner = owner
         self.role = role
         self.model = model
         self.max_queued = max_queued
@@ -146,7 +146,7 @@ class Watcher:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._registry._remove_watcher(self)
+            self._owner.discard(self)
             self._wakeup.set()
 
     def __aiter__(self) -> Watcher:
@@ -162,6 +162,52 @@ class Watcher:
                 raise StopAsyncIteration
             self._wakeup.clear()
             await self._wakeup.wait()
+
+
+class Watchers:
+    """The open watches of one registry process, and how an event reaches them (both stores use it).
+
+    Called on the event loop thread only; `len()` is read by metrics scrapes."""
+
+    def __init__(self, stats: RegistryStats, max_queued: int) -> None:
+        self.stats = stats
+        self.max_queued = max_queued
+        self.closed = False
+        self._open: set[Watcher] = set()
+
+    def open(self, role: int, model: str, snapshot: Iterable[bootstrap_pb2.WorkerInfo]) -> Watcher:
+        """A watcher whose queue starts with JOINED per matching worker of `snapshot` and SYNCED.
+        Queued at once, so no change between the snapshot and the first live event is missed."""
+        watcher = Watcher(self, role, model, self.max_queued)
+        for info in snapshot:
+            if watcher.matches(info):
+                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=info), bounded=False)
+        watcher._push(bootstrap_pb2.WorkerEvent(type=SYNCED), bounded=False)
+        self._open.add(watcher)
+        if self.closed:
+            watcher.close()
+        return watcher
+
+    def publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
+        for watcher in list(self._open):
+            if watcher.matches(info) and not watcher._push(event):
+                self.stats.watchers_dropped += 1
+                self._open.discard(watcher)
+                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
+                            role_name(watcher.role), watcher.model, watcher.max_queued)
+
+    def discard(self, watcher: Watcher) -> None:
+        self._open.discard(watcher)
+
+    def close(self) -> None:
+        """End every watch; watches opened later end after their snapshot."""
+        self.closed = True
+        for watcher in list(self._open):
+            watcher.close()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 class Registry:
@@ -184,13 +230,12 @@ class Registry:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}  # worker_id -> entry
         self._by_lease: dict[str, str] = {}  # lease_id -> worker_id
-        self._watchers: set[Watcher] = set()
+        self._watchers = Watchers(self.stats, watcher_max_queued)
         self._ids = itertools.count(1)
         # Worker ids are "<role>-<instance>-<n>": readable, and never reused by a restarted registry
         # (a gateway that watched the old one must not mistake a new worker for an old one).
         self.instance = instance if instance is not None else uuid.uuid4().hex[:4]
         self._expiry_task: asyncio.Task | None = None
-        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -199,7 +244,6 @@ class Registry:
 
     async def close(self) -> None:
         """Stop expiring leases and end every watch; later watches end after their snapshot."""
-        self._closed = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             try:
@@ -207,8 +251,7 @@ class Registry:
             except asyncio.CancelledError:
                 pass
             self._expiry_task = None
-        for watcher in list(self._watchers):
-            watcher.close()
+        self._watchers.close()
 
     async def _expire_loop(self) -> None:
         # Sweep often enough that a lease is removed within ~10% of its TTL after it runs out.
@@ -283,15 +326,7 @@ class Registry:
     def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
         """Subscribe to changes. The snapshot is queued at once, so no change between the
         snapshot and the first live event can be missed. Close the watcher when done."""
-        watcher = Watcher(self, role, model, self.watcher_max_queued)
-        for entry in self._entries.values():
-            if watcher.matches(entry.info):
-                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=entry.info), bounded=False)
-        watcher._push(bootstrap_pb2.WorkerEvent(type=SYNCED), bounded=False)
-        self._watchers.add(watcher)
-        if self._closed:
-            watcher.close()
-        return watcher
+        return self._watchers.open(role, model, (entry.info for entry in self._entries.values()))
 
     def count_by_role(self) -> dict[str, int]:
         counts = dict.fromkeys(_ROLE_PREFIX.values(), 0)
@@ -333,16 +368,7 @@ class Registry:
         self._publish(LEFT, entry.info, reason)
 
     def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
-        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
-        for watcher in list(self._watchers):
-            if watcher.matches(info) and not watcher._push(event):
-                self.stats.watchers_dropped += 1
-                self._watchers.discard(watcher)
-                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
-                            role_name(watcher.role), watcher.model, watcher.max_queued)
-
-    def _remove_watcher(self, watcher: Watcher) -> None:
-        self._watchers.discard(watcher)
+        self._watchers.publish(event_type, info, reason)
 
 
 def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
