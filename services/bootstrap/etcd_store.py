@@ -18,7 +18,9 @@ attached to the worker's own etcd lease.
 - Watch: each process keeps a cache of the workers, filled by one Range and kept current by one
   etcd watch from the Range's revision on, so no change between the two is lost; it fans out to
   the process's Watch streams exactly as the in-memory registry does (snapshot, SYNCED, changes).
-  A broken etcd watch resumes from the last revision seen; a compacted one resynchronises.
+  A broken etcd watch resumes from the last revision seen; a compacted one resynchronises. While
+  it is broken this process cannot vouch for its view: its Watch streams end with UNAVAILABLE and
+  new ones are refused, so gateways move to a registry process that still follows etcd.
 - List reads etcd itself, so it is as current as etcd, whichever process answers.
 
 Records that do not parse, sit under a malformed key, name another worker id or fail validation
@@ -52,6 +54,7 @@ from services.bootstrap.registry import (
     LeaseNotFound,
     RegistrationRefused,
     RegistryStats,
+    StoreUnavailable,
     Watcher,
     Watchers,
     _matches,
@@ -66,10 +69,6 @@ log = logging.getLogger("pdserve.bootstrap")
 REASON_UNREADABLE = "record unreadable"
 _WORKER_ID = re.compile(r"[a-z]+-[0-9a-f]{1,16}")
 _TXN_ATTEMPTS = 16  # registrations racing on one etcd retry this often before giving up
-
-
-class StoreUnavailable(Exception):
-    """etcd could not be reached or kept failing (UNAVAILABLE: try again, or another registry)."""
 
 
 class EtcdStore:
@@ -98,6 +97,7 @@ class EtcdStore:
         self._watchers = Watchers(self.stats, watcher_max_queued)
         self._warned: set[tuple[bytes, int]] = set()
         self._watch_task: asyncio.Task | None = None
+        self._following = False  # whether the etcd watch is up (the cache is current)
 
     def describe(self) -> str:
         return f"etcd store at {self.client.address} under {self.prefix.decode()}"
@@ -118,6 +118,7 @@ class EtcdStore:
                                           ) from exc
                 await asyncio.sleep(0.5)
         self._reconcile(response, publish=False)
+        self._following = True
         self._watch_task = asyncio.create_task(self._watch_loop(response.header.revision + 1),
                                                name="registry-etcd-watch")
 
@@ -282,6 +283,9 @@ class EtcdStore:
 
     def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
         """Subscribe to changes: the cached workers now, SYNCED, then every change (as Registry.watch)."""
+        if not self._following:
+            raise StoreUnavailable(f"this registry lost its etcd watch ({self.client.address}): "
+                                   f"watch through another registry")
         in_order = sorted(self._cache.values(), key=lambda item: item[0])
         return self._watchers.open(role, model, (info for _, info in in_order))
 
@@ -302,6 +306,9 @@ class EtcdStore:
         while True:
             try:
                 async for response in self.client.watch_prefix(self.prefix, revision):
+                    if response.created and not self._following:
+                        log.info("etcd watch on %s back from revision %d", self.client.address, revision)
+                        self._following = True
                     if response.compact_revision or response.canceled:
                         log.warning("etcd watch from revision %d ended (%s); reading the workers again",
                                     revision, response.cancel_reason or f"compacted to {response.compact_revision}")
@@ -312,8 +319,12 @@ class EtcdStore:
                         revision = max(revision, event.kv.mod_revision + 1)
                     backoff_s = 0.1
             except grpc.aio.AioRpcError as exc:
-                log.warning("etcd watch on %s broke: %s %s; resuming from revision %d", self.client.address,
-                            exc.code().name, exc.details(), revision)
+                if self._following:
+                    log.warning("etcd watch on %s broke: %s %s; ending this registry's watches, resuming "
+                                "from revision %d", self.client.address, exc.code().name, exc.details(), revision)
+                    self._following = False
+                    self._watchers.fail(StoreUnavailable(f"registry lost its etcd watch: {exc.code().name}: "
+                                                         f"watch again"))
                 self.client.next_member()
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)

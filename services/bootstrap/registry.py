@@ -79,6 +79,11 @@ class WatcherOverflow(Exception):
     """The watcher fell more than its queue bound behind and was dropped (RESOURCE_EXHAUSTED)."""
 
 
+class StoreUnavailable(Exception):
+    """A shared store (etcd) cannot be reached, or this process lost its view of it (UNAVAILABLE:
+    clients given several registries try the next one)."""
+
+
 def layout_differences(new: common_pb2.KVLayout, registered: common_pb2.KVLayout) -> list[str]:
     """Each differing KVLayout field as 'name: new vs registered' (torch-free twin of
     libkv.KVLayout.differences, so the registry does not import torch)."""
@@ -114,7 +119,8 @@ class Watcher:
     Starts with a JOINED event per matching worker and one SYNCED event, then gets every change.
     Bounded: if more than `max_queued` live events wait unread, the watcher is dropped (iteration
     raises WatcherOverflow) rather than slowing the registry or the other watchers.
-    Iteration ends (StopAsyncIteration) when the watcher or the registry is closed.
+    Iteration ends (StopAsyncIteration) when the watcher or the registry is closed, and raises
+    StoreUnavailable once the registry can no longer vouch for its events (`fail`).
     """
 
     def __init__(self, owner: Watchers, role: int, model: str, max_queued: int) -> None:
@@ -126,6 +132,7 @@ class Watcher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self.overflowed = False
+        self._failure: StoreUnavailable | None = None
 
     def matches(self, info: bootstrap_pb2.WorkerInfo) -> bool:
         return _matches(info, self.role, self.model)
@@ -149,6 +156,11 @@ class Watcher:
             self._owner.discard(self)
             self._wakeup.set()
 
+    def fail(self, failure: StoreUnavailable) -> None:
+        """End the watch with `failure` (after nothing else: queued events may be stale)."""
+        self._failure = failure
+        self.close()
+
     def __aiter__(self) -> Watcher:
         return self
 
@@ -156,6 +168,8 @@ class Watcher:
         while True:
             if self.overflowed:
                 raise WatcherOverflow(f"watcher fell more than {self.max_queued} events behind")
+            if self._failure is not None:
+                raise self._failure
             if self._events:
                 return self._events.popleft()
             if self._closed:
@@ -199,6 +213,11 @@ class Watchers:
 
     def discard(self, watcher: Watcher) -> None:
         self._open.discard(watcher)
+
+    def fail(self, failure: StoreUnavailable) -> None:
+        """End every open watch with `failure` (its subscribers should watch again, elsewhere)."""
+        for watcher in list(self._open):
+            watcher.fail(failure)
 
     def close(self) -> None:
         """End every watch; watches opened later end after their snapshot."""

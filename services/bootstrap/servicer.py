@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
-from services.bootstrap.etcd_store import StoreUnavailable
 from services.bootstrap.registry import (
     InvalidWorker,
     LeaseNotFound,
     RegistrationRefused,
     Registry,
+    StoreUnavailable,
     WatcherOverflow,
 )
 from services.bootstrap.store import MemoryStore, RegistryStore
@@ -75,12 +75,17 @@ class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):
     async def Watch(self, request: bootstrap_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
         await _check_role_filter(request.role, context)
-        watcher = self._registry.watch(request.role, request.model)
+        try:
+            watcher = self._registry.watch(request.role, request.model)
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             async for event in watcher:
                 yield event
         except WatcherOverflow as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}: watch again")
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             watcher.close()
 

@@ -16,7 +16,7 @@ from services.bootstrap.client import RegistryClient
 from services.bootstrap.config import BootstrapConfig
 from services.bootstrap.etcd_client import EtcdClient, parse_endpoints
 from services.bootstrap.etcd_store import EtcdStore
-from services.bootstrap.registry import LeaseNotFound, RegistrationRefused, WatcherOverflow
+from services.bootstrap.registry import LeaseNotFound, RegistrationRefused, StoreUnavailable, WatcherOverflow
 from services.bootstrap.servicer import BootstrapServicer
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from tests.services.bootstrap.etcd import EtcdServer, run_etcd
@@ -286,9 +286,11 @@ async def test_a_client_fails_over_between_registry_servers_keeping_its_lease(et
             await store.close()
 
 
-async def test_resumes_its_etcd_watch_after_etcd_restarts(tmp_path: Path) -> None:
-    """etcd goes away and comes back on the same port and data: the store's watch resumes from the
-    last revision it saw, so a change made while it was reconnecting still reaches its watchers."""
+async def test_a_store_that_loses_etcd_ends_its_watches_then_resumes(tmp_path: Path) -> None:
+    """etcd goes away: the store can no longer vouch for its view, so its watches end with
+    StoreUnavailable (UNAVAILABLE: clients move to another registry) and new ones are refused.
+    etcd comes back on the same port and data: the store's watch resumes from the last revision it
+    saw, so a worker registered meanwhile is in its view again."""
     (tmp_path / "a").mkdir()
     with run_etcd(tmp_path / "a") as etcd:
         store = new_store(etcd, "restart", interval_s=5, max_failure=2)
@@ -297,14 +299,30 @@ async def test_resumes_its_etcd_watch_after_etcd_restarts(tmp_path: Path) -> Non
         assert (await next_event(watcher)).type == SYNCED
         etcd.proc.kill()
         etcd.proc.wait()
-        await asyncio.sleep(0.5)
+        with pytest.raises(StoreUnavailable, match="lost its etcd watch"):
+            await next_event(watcher)
+        with pytest.raises(StoreUnavailable):
+            store.watch()
+        with pytest.raises(StoreUnavailable, match="etcd unreachable"):
+            await store.list()
         with run_etcd(tmp_path / "a", client_port=etcd.client_port, peer_port=etcd.peer_port) as again:
             writer = new_store(again, "restart", interval_s=5, max_failure=2)
             await writer.start()
             worker_id, _ = await writer.register(worker_info("127.0.0.1:7601"))
-            event = await next_event(watcher, timeout=20)
-            assert (event.type, event.worker.worker_id) == (JOINED, worker_id)
+            event = None
+            for _ in range(200):
+                try:
+                    watcher = store.watch()
+                except StoreUnavailable:
+                    await asyncio.sleep(0.1)
+                    continue
+                event = await next_event(watcher)
+                if event.type == JOINED:
+                    break
+                assert event.type == SYNCED
+                event = await next_event(watcher)  # registered after the watch resumed: arrives live
+                break
+            assert event is not None and (event.type, event.worker.worker_id) == (JOINED, worker_id)
             watcher.close()
             await writer.close()
             await store.close()
-
