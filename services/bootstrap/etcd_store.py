@@ -35,6 +35,7 @@ import logging
 import math
 import re
 import secrets
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -98,6 +99,18 @@ class EtcdStore:
         self._warned: set[tuple[bytes, int]] = set()
         self._watch_task: asyncio.Task | None = None
         self._following = False  # whether the etcd watch is up (the cache is current)
+        # called with the new value of `healthy` when it changes (the gRPC health status follows it)
+        self.on_health_change: Callable[[bool], None] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._following
+
+    def _set_following(self, following: bool) -> None:
+        if following != self._following:
+            self._following = following
+            if self.on_health_change is not None:
+                self.on_health_change(following)
 
     def describe(self) -> str:
         return f"etcd store at {self.client.address} under {self.prefix.decode()}"
@@ -308,7 +321,7 @@ class EtcdStore:
                 async for response in self.client.watch_prefix(self.prefix, revision):
                     if response.created and not self._following:
                         log.info("etcd watch on %s back from revision %d", self.client.address, revision)
-                        self._following = True
+                        self._set_following(True)
                     if response.compact_revision or response.canceled:
                         log.warning("etcd watch from revision %d ended (%s); reading the workers again",
                                     revision, response.cancel_reason or f"compacted to {response.compact_revision}")
@@ -322,7 +335,7 @@ class EtcdStore:
                 if self._following:
                     log.warning("etcd watch on %s broke: %s %s; ending this registry's watches, resuming "
                                 "from revision %d", self.client.address, exc.code().name, exc.details(), revision)
-                    self._following = False
+                    self._set_following(False)
                     self._watchers.fail(StoreUnavailable(f"registry lost its etcd watch: {exc.code().name}: "
                                                          f"watch again"))
                 self.client.next_member()

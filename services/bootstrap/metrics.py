@@ -5,6 +5,7 @@
     pdserve:bootstrap_lease_expiries_total                leases that ran out
     pdserve:bootstrap_registrations_refused_total{reason} invalid | layout_mismatch | backend_mismatch
     pdserve:bootstrap_watchers_dropped_total              watchers dropped for falling behind
+    pdserve:bootstrap_store_up                            1 while the store's view is current (etcd: watch up)
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class RegistryCollector(Collector):
         yield refused
         yield CounterMetricFamily(metric_name("bootstrap_watchers_dropped"),
                                   "Watch streams dropped for falling behind.", value=stats.watchers_dropped)
+        yield GaugeMetricFamily(metric_name("bootstrap_store_up"),
+                                "1 while the registry's view of its store is current (etcd: its watch is up).",
+                                value=1 if self._registry.healthy else 0)
 
 
 def registry_metrics(registry: RegistryStore) -> CollectorRegistry:

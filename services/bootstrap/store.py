@@ -46,6 +46,11 @@ class RegistryStore(Protocol):
     @property
     def num_watchers(self) -> int: ...
 
+    @property
+    def healthy(self) -> bool:
+        """Whether this process's view of the workers is current (etcd: its etcd watch is up)."""
+        ...
+
     def describe(self) -> str:
         """One phrase for the ready line, e.g. "in-memory store"."""
         ...
@@ -92,6 +97,10 @@ class MemoryStore:
     @property
     def num_watchers(self) -> int:
         return self.registry.num_watchers
+
+    @property
+    def healthy(self) -> bool:
+        return True
 
     def describe(self) -> str:
         return "in-memory store"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, registry_store_pb2
 from services.bootstrap.client import RegistryClient
@@ -20,6 +22,7 @@ from services.bootstrap.registry import LeaseNotFound, RegistrationRefused, Stor
 from services.bootstrap.servicer import BootstrapServicer
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from tests.services.bootstrap.etcd import EtcdServer, run_etcd
+from tests.services.bootstrap.process import start_bootstrap
 from tests.services.bootstrap.workers import worker_info
 
 pytestmark = pytest.mark.timeout(120)
@@ -326,3 +329,45 @@ async def test_a_store_that_loses_etcd_ends_its_watches_then_resumes(tmp_path: P
             watcher.close()
             await writer.close()
             await store.close()
+
+
+async def test_registry_process_reports_not_serving_while_etcd_is_gone(tmp_path: Path) -> None:
+    """`pdserve bootstrap --registry-store etcd`: its gRPC health and pdserve:bootstrap_store_up say
+    whether its view is current; etcd killed -> NOT_SERVING and 0, etcd back -> SERVING and 1."""
+    (tmp_path / "a").mkdir()
+    with run_etcd(tmp_path / "a") as etcd:
+        registry = start_bootstrap("--registry-store", "etcd", "--etcd-endpoints", etcd.endpoint,
+                                   "--etcd-cluster", "health")
+        try:
+            assert any("etcd store at" in line for line in registry.lines)
+            channel = grpc.aio.insecure_channel(registry.address)
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def wait_for(status: int, up: float) -> None:
+                for _ in range(300):
+                    answer = await health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Bootstrap"))
+                    if answer.status == status and store_up(registry.metrics_port) == up:
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"health never became {status} with store_up {up}")
+
+            await wait_for(health_pb2.HealthCheckResponse.SERVING, 1.0)
+            etcd.proc.kill()
+            etcd.proc.wait()
+            await wait_for(health_pb2.HealthCheckResponse.NOT_SERVING, 0.0)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anext(aiter(bootstrap_pb2_grpc.BootstrapStub(channel).Watch(bootstrap_pb2.WatchRequest())))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            with run_etcd(tmp_path / "a", client_port=etcd.client_port, peer_port=etcd.peer_port):
+                await wait_for(health_pb2.HealthCheckResponse.SERVING, 1.0)
+            await channel.close()
+        finally:
+            assert registry.stop() == 0
+
+
+def store_up(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("pdserve:bootstrap_store_up "):
+                return float(line.split()[1])
+    raise AssertionError("no pdserve:bootstrap_store_up")
