@@ -88,12 +88,13 @@ class EtcdStore:
         self.cluster = cluster
         self.prefix = f"/pdserve/{cluster}/workers/".encode()
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.ttl_s = heartbeat_interval_s * heartbeat_max_failure
+        # etcd leases are whole seconds, and etcd raises very short ones to its minimum (about 2 s;
+        # the Lease a worker gets says what etcd granted)
+        self._lease_ttl = max(1, math.ceil(heartbeat_interval_s * heartbeat_max_failure))
+        self.ttl_s = float(self._lease_ttl)
         self.watcher_max_queued = watcher_max_queued
         self.connect_timeout_s = connect_timeout_s
         self.stats = RegistryStats()
-        # etcd leases are whole seconds, and etcd raises very short ones to its minimum (about 2 s)
-        self._lease_ttl = max(1, math.ceil(self.ttl_s))
         self._cache: dict[bytes, tuple[int, bootstrap_pb2.WorkerInfo]] = {}  # key -> (create rev, info)
         self._watchers = Watchers(self.stats, watcher_max_queued)
         self._warned: set[tuple[bytes, int]] = set()

@@ -331,6 +331,7 @@ async def test_a_store_that_loses_etcd_ends_its_watches_then_resumes(tmp_path: P
             await store.close()
 
 
+@pytest.mark.e2e
 async def test_registry_process_reports_not_serving_while_etcd_is_gone(tmp_path: Path) -> None:
     """`pdserve bootstrap --registry-store etcd`: its gRPC health and pdserve:bootstrap_store_up say
     whether its view is current; etcd killed -> NOT_SERVING and 0, etcd back -> SERVING and 1."""
