@@ -2,13 +2,19 @@
 (mooncake) + gateway, every client given both registry addresses. Killing one registry with
 SIGKILL under load loses no request and no worker: the workers heartbeat the same etcd leases
 through the other registry and keep their ids, and the gateway's watch moves there without
-seeing anyone leave. Skipped, saying why, only when no etcd binary is installed.
+seeing anyone leave. And `pdserve up` runs two registries on etcd. Skipped, saying why, only when no
+etcd binary is installed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +22,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from services.bootstrap.client import RegistryClient
+from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, Proc, wait_until
 from tests.services.bootstrap.etcd import run_etcd
 
@@ -42,10 +50,11 @@ def worker_args(model: Path, mode: str, registries: str) -> list[str]:
             "--num-pages", "256", "--bootstrap", registries]
 
 
-def registered(address: str) -> dict[str, str]:
+def registered(address: str, secret_file: Path | None = None) -> dict[str, str]:
     """worker id -> grpc address, as one registry lists them."""
     async def ask() -> dict[str, str]:
-        client = RegistryClient(address)
+        security = GrpcSecurity(cluster_secret_file=str(secret_file)) if secret_file else None
+        client = RegistryClient(address, security=security)
         try:
             return {info.worker_id: info.grpc_address for info in await client.list()}
         finally:
@@ -134,3 +143,51 @@ def check_failover(cluster: Cluster, tiny_model: Path, etcd_endpoint: str) -> No
                "the gateway to see the new decode worker")
     assert len(registered(second.address)) == 3
     assert ask(0)[1] == reference[0]
+
+
+def test_up_runs_two_registries_on_etcd(tiny_model: Path, tmp_path: Path) -> None:
+    """`pdserve up --etcd-endpoints URL --num-registries 2`: both registries on etcd, workers and the
+    gateway given both, a request served, and Ctrl-C stops all five children."""
+    (tmp_path / "etcd").mkdir()
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("etcd-up-test-secret")
+    with run_etcd(tmp_path / "etcd") as etcd:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        up = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", "--model-path", str(tiny_model), "--port", str(port),
+             "--transfer-backend", BACKEND, "--worker-threads", "1", "--log-dir", str(tmp_path / "logs"),
+             "--etcd-endpoints", etcd.endpoint, "--num-registries", "2"],
+            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret_file.read_text()})
+        children: list[psutil.Process] = []
+        try:
+            assert up.stdout is not None
+            lines = []
+            for line in up.stdout:
+                lines.append(line)
+                if "Press Ctrl-C to stop." in line:
+                    break
+            output = "".join(lines)
+            assert "Press Ctrl-C to stop." in output, output
+            assert output.count("registry on etcd") == 2, output
+            children = psutil.Process(up.pid).children()
+            assert len(children) == 5  # 2 registries, prefill, decode, gateway
+            registries = re.findall(r"bootstrap-\d ready on (\S+)", output)
+            views = [registered(address, secret_file) for address in registries]
+            assert len(views) == 2 and views[0] == views[1] and len(views[0]) == 2
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
+            up.send_signal(signal.SIGINT)
+            rest, _ = up.communicate(timeout=60)
+            assert up.returncode == 0, output + rest
+            assert rest.count("stopped ") == 5 and "killed" not in rest, rest
+        finally:
+            for child in children:
+                if child.is_running():
+                    child.kill()
+            if up.poll() is None:
+                up.kill()
+                up.wait()
