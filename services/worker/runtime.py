@@ -8,6 +8,7 @@ pool (prefill and decode only), the metrics endpoint, the PD queue tracker and t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from engine.engine import Engine
@@ -37,6 +38,17 @@ def _backend_options(config: WorkerConfig) -> dict:
     return options
 
 
+def _exit_worker(engine: Engine, config: WorkerConfig, rank: int, code: int) -> None:
+    """A tensor-parallel rank died: this worker cannot run a step any more. Exit at once (the other
+    ranks are killed, the registry lease expires, callers' RPCs fail and the gateway retries
+    elsewhere) rather than serve errors or hang in a collective."""
+    log.error("%s worker: tp rank %d of %d exited with code %d; exiting", config.role, rank, config.tp_size, code)
+    if engine.tp_followers is not None:
+        engine.tp_followers.kill()
+    logging.shutdown()
+    os._exit(1)
+
+
 @dataclass
 class WorkerRuntime:
     """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
@@ -52,6 +64,8 @@ class WorkerRuntime:
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
         engine = Engine.load(config.engine_config())
+        if engine.tp_followers is not None:
+            engine.tp_followers.watch(lambda rank, code: _exit_worker(engine, config, rank, code))
         backend = None
         if config.role != "colocated":
             backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
