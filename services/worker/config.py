@@ -100,7 +100,9 @@ class WorkerConfig:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
         self.local_prefill_rule()  # refuses negative thresholds
-        if self.tp_size != 1:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.tp_size > 1:
             check_tp_size(self.tp_size, ModelConfig.from_dir(self.model_path))
 
     @property
