@@ -172,7 +172,7 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         group, followers = start_tensor_parallel(config, device)
         try:
-            parts = _in_short_lived_thread(lambda: load_rank(config, device, group))
+            parts = _in_short_lived_thread(lambda: load_rank(config, device, group, followers.controls))
             tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
         except BaseException:
             followers.kill()

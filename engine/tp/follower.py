@@ -18,10 +18,13 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.tp.control import connect_to_rank0, serve
 from engine.tp.group import TPGroup
 from engine.tp.load import load_rank
 from engine.tp.runner import follow
 from engine.tp.setup import RENDEZVOUS_HOST
+from engine.tp.transfer import RankTransfer
+from libkv.transfer import exit_process
 
 log = logging.getLogger("pdserve.tp")
 
@@ -51,16 +54,24 @@ def main(argv: list[str]) -> int:
         device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     group = TPGroup(rank, config.tp_size, RENDEZVOUS_HOST, spec["port"], device)
+    host, port, authkey = spec["control"]
+    control = connect_to_rank0((host, port), bytes.fromhex(authkey), rank)
+    transfer = None
     try:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
+        transfer = RankTransfer(rank_engine.pool)
+        threading.Thread(target=serve, args=(control, transfer), name="pdserve-tp-control", daemon=True).start()
         follow(group, rank_engine.runner)
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group
         log.error("stopping: %s", exc)
         return 1
-    finally:
-        group.close()
+    group.close()
+    if transfer is not None and transfer.backend is not None:
+        transfer.close()
+        logging.shutdown()
+        exit_process(0)  # NIXL agents crash at interpreter exit: leave without the teardown
     return 0
 
 

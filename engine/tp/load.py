@@ -12,8 +12,10 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
+from engine.tp.control import RankControl
 from engine.tp.group import TPGroup
 from engine.tp.shard import TPShard
+from engine.tp.transfer import TPKVPool
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 
@@ -32,8 +34,10 @@ def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dt
                     dtype=str(dtype).removeprefix("torch."))
 
 
-def load_rank(config: EngineConfig, device: torch.device, group: TPGroup) -> RankParts:
-    """Every rank calls this together: rank 0 sizes the pool and the others take its page count."""
+def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
+              controls: list[RankControl] | None = None) -> RankParts:
+    """Every rank calls this together: rank 0 sizes the pool and the others take its page count.
+    Rank 0 passes the followers' `controls`: its pool's checksums then cover every rank's heads."""
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
     layout = rank_layout(config, model_config, dtype)
@@ -41,5 +45,8 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup) -> Ran
                               select_layer_ops(config.cpu_kernels, device),
                               shard=TPShard(group.rank, group.size), all_reduce=group.all_reduce)
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
-    pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
+    if controls is not None:
+        pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
+    else:
+        pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
     return RankParts(model, pool, ModelRunner(model, pool))

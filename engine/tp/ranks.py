@@ -1,7 +1,7 @@
 """FollowerRanks: the processes of TP ranks 1..N-1, started and watched by rank 0's process.
 
 Each follower is `python -m engine.tp.follower` with the engine config; it connects to rank 0's
-rendezvous port, loads its shard and follows the steps (engine.tp.runner). Lifetimes are tied both
+rendezvous port and control listener, loads its shard and follows the steps (engine.tp.runner). Lifetimes are tied both
 ways: a follower exits when rank 0's process goes away (it watches its parent), and rank 0's
 process learns of a follower that exits unexpectedly through `watch` (the worker then exits, so
 its registry lease expires, instead of serving with a rank missing).
@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.tp.control import ControlListener, RankControl
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +37,17 @@ class FollowerRanks:
 
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
+        self.controls: list[RankControl] = []  # rank order; set once every follower has connected
         self._stopping = threading.Event()
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int) -> FollowerRanks:
+    def start(cls, config: EngineConfig, port: int, control: ControlListener) -> FollowerRanks:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         procs = []
         for rank in range(1, config.tp_size):
-            spec = json.dumps({"config": asdict(config), "rank": rank, "port": port, "parent": os.getpid()})
+            spec = json.dumps({"config": asdict(config), "rank": rank, "port": port, "parent": os.getpid(),
+                               "control": [*control.address, control.authkey.hex()]})
             procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp.follower", spec], env=env,
                                           stdin=subprocess.DEVNULL))
         return cls(procs)

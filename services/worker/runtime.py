@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from engine.engine import Engine
+from engine.tp.transfer import TPTransferBackend
 from libkv.transfer import TransferBackend, create_backend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -55,7 +56,7 @@ class WorkerRuntime:
 
     config: WorkerConfig
     engine: Engine
-    backend: TransferBackend | None
+    backend: TransferBackend | TPTransferBackend | None
     metrics: WorkerMetrics
     queues: RoomQueues
     metrics_server: MetricsServer | None = None
@@ -69,6 +70,9 @@ class WorkerRuntime:
         backend = None
         if config.role != "colocated":
             backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
+            if engine.tp_followers is not None:  # every rank moves its own KV heads (engine.tp.transfer)
+                backend = TPTransferBackend(backend, engine.tp_followers.controls,
+                                            config.disaggregation_transfer_backend, _backend_options(config))
             backend.register(engine.pool)
         queues = RoomQueues(PREFILL_QUEUES if config.role == "prefill" else DECODE_QUEUES)
         runtime = cls(config=config, engine=engine, backend=backend,

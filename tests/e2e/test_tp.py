@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.tiny_model import write_tiny_model
-from tests.e2e.cluster import Cluster, wait_until
+from tests.e2e.cluster import Cluster, wait_until, worker_args
 from tests.e2e.worker_client import run_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -102,3 +102,24 @@ def test_tp_size_that_splits_kv_heads_is_refused(tiny_model):
                            "--port", "0", "--tp-size", "4"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--tp-size 4: tp size 4 does not divide the model's 2 KV heads" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
+def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request):
+    model = request.getfixturevalue(model_name)
+    prompts = prompts_of(LENGTHS)
+    tp2 = (*CHUNK, "--tp-size", "2")
+    bootstrap = cluster.bootstrap()
+    prefill, decode = cluster.start_many([
+        ("prefill-tp2", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap, extra=tp2)),
+        ("decode-tp2", worker_args(model, "decode", backend=backend, bootstrap=bootstrap, extra=tp2)),
+    ])
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    expected = hf_greedy(model, prompts)
+    for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
+        assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
+    assert prefill.metric("pdserve:kv_transfer_bytes_total") > 0
+    for proc in (prefill, decode):
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
