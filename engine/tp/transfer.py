@@ -72,10 +72,11 @@ def rank_endpoints(endpoint: TransferEndpoint) -> list[TransferEndpoint]:
     return [TransferEndpoint.from_json(text) for text in json.loads(endpoint.blob[len(_TP_BLOB):])]
 
 
-def check_tp_sizes(mine: int, theirs: int, *, peer: str) -> None:
-    if mine != theirs:
-        raise LayoutMismatch(f"tensor-parallel size mismatch (local vs remote {peer}): {mine} vs {theirs}; "
-                             "KV moves only between workers with the same --tp-size")
+def check_tp_sizes(size: int, peer_size: int, *, mine: str = "local", theirs: str = "remote") -> None:
+    """Refuse a peer whose KV heads are split another way, naming both TP sizes."""
+    if size != peer_size:
+        raise LayoutMismatch(f"tensor-parallel size mismatch ({mine} vs {theirs}): --tp-size {size} vs "
+                             f"{peer_size}; KV moves only between workers with the same --tp-size")
 
 
 class RankTransfer:
@@ -188,7 +189,7 @@ class TPTransferBackend:
     # ---- sender side -----------------------------------------------------------------------
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
         theirs = rank_endpoints(endpoint)
-        check_tp_sizes(self.size, len(theirs), peer=endpoint.host)
+        check_tp_sizes(self.size, len(theirs), theirs=f"remote {endpoint.host}")
         with self._lock:
             known = self._by_endpoint.get(endpoint)
         if known is not None:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import grpc
 
+from engine.tp.transfer import check_tp_sizes, rank_endpoints
 from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, GrantRefused, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
@@ -125,6 +126,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
         try:
             endpoint = endpoint_from_proto(request.dst)
+            # Before the backend's own layout check, which would only name the per-rank head counts.
+            check_tp_sizes(self.config.tp_size, len(rank_endpoints(endpoint)), mine="prefill", theirs="decode")
             return await asyncio.to_thread(self.backend.connect, endpoint)
         except (LayoutMismatch, BackendMismatch) as exc:
             self.metrics.failure("bootstrap")

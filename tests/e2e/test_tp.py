@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -121,5 +122,22 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
     assert prefill.metric("pdserve:kv_transfer_bytes_total") > 0
+    for proc in (prefill, decode):
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_pd_with_different_tp_sizes_is_refused_naming_both(cluster: Cluster, tiny_model, prefill_tp, decode_tp):
+    # Moving KV between different head splits is not implemented: the handshake refuses it on both
+    # sides (prefill answers FAILED_PRECONDITION, decode passes it to its caller), nothing is written.
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(tiny_model, "prefill", backend="mooncake",
+                                extra=(*CHUNK, "--tp-size", str(prefill_tp)))),
+        ("decode", worker_args(tiny_model, "decode", backend="mooncake",
+                               extra=(*CHUNK, "--tp-size", str(decode_tp)))),
+    ])
+    [result] = run_all(decode.address, prompts_of([40]), [prefill.address], max_new_tokens=4)
+    assert result.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"tensor-parallel size mismatch (prefill vs decode): --tp-size {prefill_tp} vs {decode_tp}" in result.details
     for proc in (prefill, decode):
         wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
