@@ -10,6 +10,7 @@ leaves no rank behind. A --tp-size that does not divide the KV heads is refused 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,9 +122,14 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
-    assert prefill.metric("pdserve:kv_transfer_bytes_total") > 0
+    total = prefill.metric("pdserve:kv_transfer_bytes_total")
     for proc in (prefill, decode):
         wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+    prefill.kill(signal.SIGTERM)  # a graceful stop logs each rank's share of the bytes
+    match = re.search(r"KV bytes written per tp rank: rank 0 (\d+), rank 1 (\d+)", prefill.log())
+    assert match, prefill.log()[-3000:]
+    rank0, rank1 = int(match[1]), int(match[2])
+    assert rank0 == rank1 > 0 and rank0 + rank1 == total  # each rank wrote its own half of every page
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
