@@ -46,8 +46,14 @@ class TPGroup:
         self._store = store
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the ranks, in place."""
-        dist.all_reduce(tensor)
+        """Sum `tensor` over the ranks, in place. Half-precision partial sums are added in fp32 and
+        rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each add)."""
+        if tensor.dtype == torch.float32:
+            dist.all_reduce(tensor)
+            return
+        wide = tensor.float()
+        dist.all_reduce(wide)
+        tensor.copy_(wide)
 
     def broadcast(self, obj: object) -> object:
         """Rank 0 sends `obj`, every other rank returns rank 0's. One size message plus one payload."""
