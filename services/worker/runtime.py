@@ -88,6 +88,10 @@ class WorkerRuntime:
         metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
         metrics.counter_from("retractions_total", "Requests retracted under memory pressure",
                              lambda: engine.stats().total_retractions)
+        if isinstance(self.backend, TPTransferBackend):
+            for rank in range(self.backend.size):
+                metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
+                              lambda rank=rank: self.backend.bytes_per_rank[rank], rank=str(rank))
         for name in self.queues.names:
             if name in ("waiting", "running") and self.config.role != "prefill":
                 continue  # the engine's own queues, below

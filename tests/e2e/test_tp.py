@@ -123,6 +123,8 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
     total = prefill.metric("pdserve:kv_transfer_bytes_total")
+    per_rank = [prefill.metric("pdserve:kv_transfer_rank_bytes", rank=str(rank)) for rank in (0, 1)]
+    assert per_rank[0] == per_rank[1] == total / 2
     for proc in (prefill, decode):
         wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
     prefill.kill(signal.SIGTERM)  # a graceful stop logs each rank's share of the bytes
