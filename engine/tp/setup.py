@@ -25,6 +25,8 @@ RENDEZVOUS_HOST = "127.0.0.1"
 def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[TPGroup, FollowerRanks]:
     """Start ranks 1..tp_size-1, join them as rank 0 and accept their control connections; raise
     (with the followers killed) if one of them exits first, instead of waiting for a timeout."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
     port = free_port(RENDEZVOUS_HOST)
     control = ControlListener()
     followers = FollowerRanks.start(config, port, control)
