@@ -26,7 +26,6 @@ from collections import OrderedDict
 
 import grpc
 
-from engine.tp.transfer import check_tp_sizes, rank_endpoints
 from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, GrantRefused, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
@@ -121,13 +120,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
-            transfer_seconds=elapsed, page_checksums=state.checksums)
+            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.tp_size)
 
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
         try:
             endpoint = endpoint_from_proto(request.dst)
-            # Before the backend's own layout check, which would only name the per-rank head counts.
-            check_tp_sizes(self.config.tp_size, len(rank_endpoints(endpoint)), mine="prefill", theirs="decode")
             return await asyncio.to_thread(self.backend.connect, endpoint)
         except (LayoutMismatch, BackendMismatch) as exc:
             self.metrics.failure("bootstrap")
@@ -190,11 +187,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self._aborted.popitem(last=False)
         state = self._rooms.get(room)
         if state is None:  # finished, or already stopped (decode cancelling the call comes first)
-            return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []))
+            return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []),
+                                            tp_size=self.config.tp_size)
         if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
-        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums)
+        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums, tp_size=self.config.tp_size)
 
 
 def _check_destination(request: worker_pb2.PrefillRequest, needed: int) -> None:

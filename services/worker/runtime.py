@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.engine import Engine
 from engine.tp.transfer import TPTransferBackend
-from libkv.transfer import TransferBackend, create_backend
+from libkv.layout import KVLayout
+from libkv.transfer import create_backend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
 from services.bootstrap.client import RegistryClient
@@ -56,7 +57,7 @@ class WorkerRuntime:
 
     config: WorkerConfig
     engine: Engine
-    backend: TransferBackend | TPTransferBackend | None
+    backend: TPTransferBackend | None
     metrics: WorkerMetrics
     queues: RoomQueues
     metrics_server: MetricsServer | None = None
@@ -70,9 +71,10 @@ class WorkerRuntime:
         backend = None
         if config.role != "colocated":
             backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
-            if engine.tp_followers is not None:  # every rank moves its own KV heads (engine.tp.transfer)
-                backend = TPTransferBackend(backend, engine.tp_followers.controls,
-                                            config.disaggregation_transfer_backend, _backend_options(config))
+            # Every rank moves its own KV heads, to peers of any TP size (engine.tp.transfer).
+            controls = engine.tp_followers.controls if engine.tp_followers is not None else []
+            backend = TPTransferBackend(backend, controls, config.disaggregation_transfer_backend,
+                                        _backend_options(config))
             backend.register(engine.pool)
         queues = RoomQueues(PREFILL_QUEUES if config.role == "prefill" else DECODE_QUEUES)
         runtime = cls(config=config, engine=engine, backend=backend,
@@ -117,13 +119,19 @@ class WorkerRuntime:
         self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port,
                                                    self.config.host)
 
+    def model_layout(self) -> KVLayout:
+        """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
+        compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it)."""
+        layout = self.engine.kv_layout
+        return replace(layout, num_kv_heads=layout.num_kv_heads * self.config.tp_size)
+
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""
         if not self.config.bootstrap:
             return
         worker = bootstrap_pb2.WorkerInfo(
             role=_ROLES[self.config.role], model=self.config.model_name,
-            kv_layout=layout_to_proto(self.engine.kv_layout), grpc_address=grpc_address,
+            kv_layout=layout_to_proto(self.model_layout()), grpc_address=grpc_address,
             metrics_address=self.metrics_server.address if self.metrics_server else "",
             load=self.load(), local_prefill=self.config.local_prefill_rule().enabled)
         if self.backend is not None:

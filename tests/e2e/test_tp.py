@@ -134,18 +134,39 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
     assert rank0 == rank1 > 0 and rank0 + rank1 == total  # each rank wrote its own half of every page
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_pd_with_different_tp_sizes_is_refused_naming_both(cluster: Cluster, tiny_model, prefill_tp, decode_tp):
-    # Moving KV between different head splits is not implemented: the handshake refuses it on both
-    # sides (prefill answers FAILED_PRECONDITION, decode passes it to its caller), nothing is written.
+def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, prefill_tp, decode_tp, request):
+    # Each prefill rank writes to each decode rank only the KV heads both hold (byte pieces of pages);
+    # checksums over max(sizes) head parts let decode check every page without gathering it.
+    model = request.getfixturevalue(model_name)
+    prompts = prompts_of(LENGTHS)
+    bootstrap = cluster.bootstrap()  # the registry takes workers of one model with different TP sizes
     prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", backend="mooncake",
+        ("prefill", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap,
                                 extra=(*CHUNK, "--tp-size", str(prefill_tp)))),
-        ("decode", worker_args(tiny_model, "decode", backend="mooncake",
+        ("decode", worker_args(model, "decode", backend=backend, bootstrap=bootstrap,
                                extra=(*CHUNK, "--tp-size", str(decode_tp)))),
+    ])
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    expected = hf_greedy(model, prompts)
+    for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
+        assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD {prefill_tp} -> {decode_tp} differs from HF"
+    for proc in (prefill, decode):
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+
+
+def test_unmappable_tp_sizes_are_refused_naming_both(cluster: Cluster, kv4_model):
+    # 4 KV heads: 2 and 4 map, but ucx moves whole pages only, so 1 -> 2 over ucx is refused on both
+    # sides (prefill answers FAILED_PRECONDITION, decode passes it on), naming both sizes.
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(kv4_model, "prefill", backend="ucx", extra=(*CHUNK, "--tp-size", "1"))),
+        ("decode", worker_args(kv4_model, "decode", backend="ucx", extra=(*CHUNK, "--tp-size", "2"))),
     ])
     [result] = run_all(decode.address, prompts_of([40]), [prefill.address], max_new_tokens=4)
     assert result.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"tensor-parallel size mismatch (prefill vs decode): --tp-size {prefill_tp} vs {decode_tp}" in result.details
+    assert "KV between --tp-size 1 and --tp-size 2 needs mooncake or nixl" in result.details
     for proc in (prefill, decode):
         wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
