@@ -332,10 +332,17 @@ class TPTransferBackend:
 
     async def wait(self, handle: TransferHandle) -> None:
         delay = _POLL_FIRST_S
-        while not (await asyncio.to_thread(self.poll, handle)).finished:
+        while not (await self._poll_async(handle)).finished:
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
         self._finish(handle)
+
+    async def _poll_async(self, handle: TransferHandle) -> TransferState:
+        # Followers answer over a socket (a blocking call: off the event loop); a TP-1 worker polls
+        # its engine in place, as a plain backend's wait does.
+        if self.size == 1:
+            return self.poll(handle)
+        return await asyncio.to_thread(self.poll, handle)
 
     def wait_blocking(self, handle: TransferHandle) -> None:
         delay = _POLL_FIRST_S
