@@ -11,10 +11,14 @@
 #               local Debian bookworm base `pdserve-base:bookworm` made once with debootstrap
 #               (python3 3.11, python3-venv and Mooncake's libraries) and `docker import`.
 #   OFFLINE     1: wheels are downloaded on the host (its pip, its index and certificates) into
-#               docker/wheels/ and the images install only those (--no-index). Default: 1 when the
+#               $CACHE/wheels and the images install only those (--no-index). Default: 1 when the
 #               local base is used, else 0 (pip inside the build uses PyPI + PyTorch's CPU index).
-# Idempotent: the base is made once, wheels are downloaded once per pyproject.toml, and image
-# layers come from Docker's cache when nothing changed. Heavy steps run under `nice -n 10`.
+#   CACHE       where the local base's root file system (a tarball) and the wheels are kept between
+#               runs on this machine, outside any checkout: default /var/cache/pdserve-docker.
+# Idempotent: the base is made once (debootstrap once per package list; a later `docker import`
+# from the cached tarball takes seconds if Docker's images were wiped), wheels are downloaded once
+# per pyproject.toml, and image layers come from Docker's cache when nothing changed. Heavy steps
+# run under `nice -n 10`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -28,7 +32,8 @@ DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # the Dockerfile installs with apt on a public base).
 BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,libnuma1,libcurl4
 HOST_PYTHON=${HOST_PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-WHEELS=docker/wheels
+CACHE=${CACHE:-/var/cache/pdserve-docker}
+WHEELS=$CACHE/wheels
 CONTEXT=docker/.context
 SERVICES=(bootstrap gateway prefill decode)
 
@@ -42,17 +47,24 @@ make_local_base() {
         say "base: $LOCAL_BASE (already imported)"
         return
     fi
-    command -v debootstrap >/dev/null || { say "debootstrap missing: apt-get install -y debootstrap"; exit 1; }
-    [ "$(id -u)" -eq 0 ] || { say "debootstrap needs root"; exit 1; }
-    local rootfs
-    rootfs=$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)
-    say "base: debootstrap bookworm into $rootfs (about two minutes)"
-    nice -n 10 debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" "$DEBIAN_MIRROR" \
-        >"$rootfs.log" 2>&1 || { tail -20 "$rootfs.log"; rm -rf "$rootfs"; exit 1; }
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | "$DOCKER" import --change "LABEL pdserve.packages=$BASE_PACKAGES" \
-        --change 'CMD ["/bin/bash"]' - "$LOCAL_BASE" >/dev/null
-    rm -rf "$rootfs" "$rootfs.log"
+    local tarball
+    tarball=$CACHE/base-bookworm-$(echo "$BASE_PACKAGES" | sha1sum | cut -c1-12).tar
+    if [ ! -s "$tarball" ]; then
+        command -v debootstrap >/dev/null || { say "debootstrap missing: apt-get install -y debootstrap"; exit 1; }
+        [ "$(id -u)" -eq 0 ] || { say "debootstrap needs root"; exit 1; }
+        mkdir -p "$CACHE"
+        local rootfs
+        rootfs=$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)
+        say "base: debootstrap bookworm into $rootfs (about a minute)"
+        nice -n 10 debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" "$DEBIAN_MIRROR" \
+            >"$rootfs.log" 2>&1 || { tail -20 "$rootfs.log"; rm -rf "$rootfs"; exit 1; }
+        rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+        tar -C "$rootfs" -cf "$tarball.part" . && mv "$tarball.part" "$tarball"
+        rm -rf "$rootfs" "$rootfs.log"
+        say "base: root file system cached in $tarball"
+    fi
+    "$DOCKER" import --change "LABEL pdserve.packages=$BASE_PACKAGES" --change 'CMD ["/bin/bash"]' \
+        "$tarball" "$LOCAL_BASE" >/dev/null
     say "base: imported $LOCAL_BASE"
 }
 
@@ -101,9 +113,12 @@ stage_context() {
     git ls-files -z --cached --others --exclude-standard \
         | "$HOST_PYTHON" -c 'import os, sys; sys.stdout.write("".join(p + "\0" for p in sys.stdin.read().split("\0") if p and os.path.isfile(p) and not p.startswith("docker/.context/")))' \
         | tar --null -T - -c | tar -x -C "$CONTEXT"
-    mkdir -p "$CONTEXT/$WHEELS"
-    if [ "$OFFLINE" = 1 ]; then
-        cp -al "$WHEELS"/*.whl "$CONTEXT/$WHEELS/" 2>/dev/null || cp "$WHEELS"/*.whl "$CONTEXT/$WHEELS/"
+    mkdir -p "$CONTEXT/docker/wheels"
+    if [ "$OFFLINE" = 1 ]; then  # the Dockerfile takes them from docker/wheels in the context
+        cp -al "$WHEELS"/*.whl "$CONTEXT/docker/wheels/" 2>/dev/null || cp "$WHEELS"/*.whl "$CONTEXT/docker/wheels/"
+        # the repository's .dockerignore keeps a checkout's docker/wheels out of a context made
+        # from the repository root; here they are meant to go in
+        sed -i '\#^docker/wheels/\?$#d' "$CONTEXT/.dockerignore"
     fi
     say "context: $CONTEXT ($(du -sh "$CONTEXT" | cut -f1))"
 }
@@ -116,7 +131,7 @@ build_images() {
     for target in "${SERVICES[@]}"; do
         say "image: pdserve-$target:$IMAGE_TAG"
         local log=/tmp/pdserve-docker-build-$target.log
-        nice -n 10 "$DOCKER" build -f "$CONTEXT/docker/Dockerfile" --target "$target" \
+        nice -n 10 "$DOCKER" build --force-rm -f "$CONTEXT/docker/Dockerfile" --target "$target" \
             --build-arg "BASE_IMAGE=$BASE_IMAGE" "${pip_args[@]}" -t "pdserve-$target:$IMAGE_TAG" "$CONTEXT" \
             >"$log" 2>&1 || { tail -40 "$log"; say "image pdserve-$target failed: full log in $log"; exit 1; }
     done

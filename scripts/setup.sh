@@ -17,6 +17,10 @@ command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 # g++ builds the engine's C++ CPU kernels (below).
 command -v g++ >/dev/null || missing+=(g++)
+# tests/e2e/test_grafana_dashboards.py runs the dashboards' queries against a real Prometheus (Debian's
+# 2.42); tests/docker validates docker/compose.yaml with docker-compose 1.29.
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[setup] apt-get install ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

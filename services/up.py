@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address every process binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     parser.add_argument("--policy", default="cache_aware", help="gateway routing policy (default cache_aware)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights and KV dtype of every worker (default auto: the checkpoint's)")
     parser.add_argument("--worker-threads", type=int, default=None,
                         help="torch CPU threads per worker (default: torch's choice)")
     parser.add_argument("--etcd-endpoints", default=None,
@@ -145,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
                 worker = start_child(name, [
                     "launch-server", "--model-path", model_path, "--disaggregation-mode", role,
                     "--disaggregation-transfer-backend", args.transfer_backend, "--host", args.host,
-                    "--port", "0", "--bootstrap", registry_addresses, *threads], args.log_dir, env)
+                    "--port", "0", "--bootstrap", registry_addresses, "--dtype", args.dtype, *threads],
+                    args.log_dir, env)
                 workers.append(worker)
                 children.append(worker)
         for worker in workers:

@@ -94,3 +94,27 @@ class PrefillResponse(_message.Message):
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
     tp_size: int
     def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("served_model_name", "context_length", "files", "files_sha256")
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILES_SHA256_FIELD_NUMBER: _ClassVar[int]
+    served_model_name: str
+    context_length: int
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    files_sha256: str
+    def __init__(self, served_model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., files_sha256: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/pdserve.v1.Worker/GetModelInfo',
+                request_serializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -76,6 +81,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The model this worker serves: its name, context length and the tokenizer files the gateway
+        tokenizes and templates with (a gateway started without --model-path takes them from here,
+        and refuses workers whose ModelInfo differs from the one it serves).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_v1_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +205,33 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/GetModelInfo',
+            protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillStub:
     """Missing associated documentation comment in .proto file."""
@@ -205,6 +251,11 @@ class PrefillStub:
                 '/pdserve.v1.Prefill/Abort',
                 request_serializer=protos_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/pdserve.v1.Prefill/GetModelInfo',
+                request_serializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -231,6 +282,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """Same as Worker.GetModelInfo: a gateway given only prefill addresses learns the model here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +301,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -299,6 +362,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Abort',
             protos_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             protos_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/GetModelInfo',
+            protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,8 @@ metadata={"help": "..."})` becomes `--heartbeat-interval FLOAT` whose default is
 default (a factory is called when the parser is built, so environment knobs are read at start-up,
 not on import). bool fields become `--flag/--no-flag`. A field whose type is itself a config
 dataclass (a sub-config shared by several services, e.g. GrpcSecurity) contributes its own fields'
-flags, unprefixed, and is rebuilt from them.
+flags, unprefixed, and is rebuilt from them. `metadata={"flags": ("--a", "--b")}` spells a field's
+flag otherwise (several spellings: aliases, the first is the one help shows first).
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
             continue
         kind, nullable = _scalar_type(hints[f.name])
         default = field_default(f)
-        flag = "--" + f.name.replace("_", "-")
+        flags = tuple(f.metadata.get("flags", ("--" + f.name.replace("_", "-"),)))
         help_ = f.metadata.get("help", "")
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=default,
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default,
                                 metavar=kind.__name__.upper(),
                                 help=f"{help_} (default: {default}{', or unset' if nullable else ''})")
 

@@ -36,6 +36,7 @@ from services.decode.landing import wait_landed
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
+from services.worker.model_info import ModelInfoServicer
 from services.worker.relay import relay_token_batches, relay_tokens
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
@@ -47,7 +48,7 @@ log = logging.getLogger("pdserve.decode")
 FAILED_PEER_KEY = "pdserve-failed-peer"
 
 
-class DecodeServicer(worker_pb2_grpc.WorkerServicer):
+class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker for a decode worker. Called by the gateway; calls prefill workers."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:

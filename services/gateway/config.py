@@ -42,9 +42,14 @@ class GatewayConfig:
 
     model_path: str = field(default="", metadata=_help(
         "checkpoint folder the workers serve: the gateway reads its tokenizer.json, chat template and "
-        "config.json (context length) from it"))
-    model_name: str | None = field(default=None, metadata=_help(
-        "served model name; default: the checkpoint folder's name (what workers default to)"))
+        "config.json (context length) from it; unset: the gateway takes these files and the served "
+        "name from the workers (GetModelInfo) and routes only to workers that report the same"))
+    model_name: str | None = field(default=None, metadata={
+        "help": "served model name; default: the checkpoint folder's name (what workers default to), or "
+                "without --model-path the name the workers report",
+        "flags": ("--served-model-name", "--model-name")})
+    model_info_timeout: float = field(default=600.0, metadata=_help(
+        "without --model-path: seconds to wait at start-up for a worker to report its model"))
     host: str = field(default="127.0.0.1", metadata=_help("HTTP address to bind"))
     port: int = field(default=8000, metadata=_help("HTTP port; 0 picks a free port"))
     bootstrap: str | None = field(default=None, metadata=_help(
@@ -108,9 +113,7 @@ class GatewayConfig:
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("--model-path is required: the gateway tokenizes with the checkpoint's tokenizer")
-        if not Path(self.model_path, "tokenizer.json").is_file():
+        if self.model_path and not Path(self.model_path, "tokenizer.json").is_file():
             raise ValueError(f"--model-path {self.model_path!r} has no tokenizer.json")
         for flag, value in (("--policy", self.policy), ("--prefill-policy", self.prefill_policy),
                             ("--decode-policy", self.decode_policy)):
@@ -127,15 +130,19 @@ class GatewayConfig:
                              ("--max-concurrent-requests", self.max_concurrent_requests),
                              ("--tokenizer-threads", self.tokenizer_threads),
                              ("--body-read-timeout", self.body_read_timeout),
-                             ("--queue-timeout", self.queue_timeout)):
+                             ("--queue-timeout", self.queue_timeout),
+                             ("--model-info-timeout", self.model_info_timeout)):
             if not number > 0:
                 raise ValueError(f"{flag} must be > 0, got {number}")
         if self.queue_size < 0 or self.retry_after < 0:
             raise ValueError("--queue-size and --retry-after must be >= 0")
 
     @property
-    def served_model_name(self) -> str:
-        return self.model_name or Path(self.model_path).resolve().name
+    def served_model_name(self) -> str | None:
+        """The name clients use; None until the workers tell it (no --model-path, no --served-model-name)."""
+        if self.model_name:
+            return self.model_name
+        return Path(self.model_path).resolve().name if self.model_path else None
 
     @property
     def prefill_policy_name(self) -> str:

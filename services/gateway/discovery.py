@@ -4,7 +4,9 @@ Registry: one Watch stream (RegistryClient.watch reconnects and reconciles by it
 UPDATED add or refresh a worker (UPDATED carries its heartbeat load), LEFT removes it, so joins
 and leaves take effect without a restart. Only workers of the served model are routed to (the
 gateway tokenizes with that model's tokenizer); others are logged once and ignored. A static
-worker stays in the pool even if the registry reports it gone.
+worker stays in the pool even if the registry reports it gone. With a `check` (a gateway that
+learned its model from the workers), a new worker joins the pool only once its GetModelInfo
+matches that model, tokenizer files included.
 
 LEFT depends on its reason:
 - "lease expired": the worker stopped heartbeating (frozen, cut off). It is removed and the calls
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,12 +52,27 @@ def add_static_workers(pool: WorkerPool, workers: Iterable[StaticWorker], model:
         pool.add(worker.address, worker.role, model, static=True)
 
 
+class WorkerCheck(Protocol):
+    """Decides whether a newly discovered worker may be routed to (services.gateway.model_source)."""
+
+    def submit(self, address: str, role: str, worker_id: str, admit: Callable[[], object]) -> None:
+        """Check the worker in the background; call `admit` if it passes. Repeated submits of a
+        worker being checked or refused already are ignored."""
+
+    def forget(self, address: str, worker_id: str) -> None:
+        """The worker left: drop its pending check or refusal."""
+
+    async def close(self) -> None: ...
+
+
 class RegistryDiscovery:
     """Keeps `pool` equal to the registry's workers of `model` (plus the static ones)."""
 
     def __init__(self, pool: WorkerPool, registry_address: str, model: str, *,
-                 security: GrpcSecurity | None = None, rejoin_grace_s: float = 15.0) -> None:
+                 security: GrpcSecurity | None = None, rejoin_grace_s: float = 15.0,
+                 check: WorkerCheck | None = None) -> None:
         self.pool = pool
+        self.check = check
         self.registry_address = registry_address
         self.model = model
         self.security = security or GrpcSecurity()
@@ -99,6 +117,15 @@ class RegistryDiscovery:
                             info.model, self.model)
             return
         address = info.grpc_address
+        current = self.pool.get(address)
+        new_process = current is None or current.worker_id not in ("", info.worker_id)
+        if event.type in (_JOINED, _UPDATED) and self.check is not None and new_process:
+            # a worker the gateway does not route to yet (or a new process at a known address):
+            # it joins once its model info matches
+            self.check.submit(address, role, info.worker_id, lambda: self.pool.add(
+                address, role, info.model, worker_id=info.worker_id, reported=ReportedLoad.from_proto(info.load),
+                local_prefill=info.local_prefill))
+            return
         if event.type in (_JOINED, _UPDATED):
             pending = self._pending_removal.pop(address, None)
             if pending is not None:
@@ -107,6 +134,8 @@ class RegistryDiscovery:
             self.pool.add(address, role, info.model, worker_id=info.worker_id,
                           reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill)
         elif event.type == _LEFT:
+            if self.check is not None:
+                self.check.forget(address, info.worker_id)
             current = self.pool.get(address)
             # a LEFT for an older process at the same address must not remove its successor
             if current is None or current.static or current.worker_id not in ("", info.worker_id):
@@ -135,6 +164,8 @@ class RegistryDiscovery:
         self._pending_removal[worker.address] = asyncio.get_running_loop().call_later(self.rejoin_grace_s, remove)
 
     async def close(self) -> None:
+        if self.check is not None:
+            await self.check.close()
         for pending in self._pending_removal.values():
             pending.cancel()
         self._pending_removal.clear()

@@ -2,7 +2,9 @@
 
 Logs `[time] gateway listening on HOST:PORT (metrics :PORT), http://HOST:PORT, model M, ...` once it
 accepts requests
-(launchers and tests read the bound port from it when started with --port 0).
+(launchers and tests read the bound port from it when started with --port 0). Without --model-path
+it first learns the model from its workers (services.gateway.model_source), so the seeds' router
+command line (worker addresses only) works as is.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import uvicorn
 import uvloop
@@ -28,7 +32,9 @@ from services.gateway.config import (
     static_workers_from_args,
     with_env_api_key,
 )
-from services.gateway.state import build_state
+from services.gateway.model_files import ModelFiles
+from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
+from services.gateway.state import GatewayState, build_state
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -43,6 +49,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = with_env_api_key(config_from_args(GatewayConfig, args))
         workers = static_workers_from_args(args)
+        if not config.model_path and not workers and not config.bootstrap:
+            raise ValueError("give --model-path, or workers (--prefill/--decode/--worker or --bootstrap) to "
+                             "learn the model from")
     except ValueError as exc:
         log.error("gateway: %s", exc)
         return 2
@@ -50,6 +59,9 @@ def main(args: argparse.Namespace) -> int:
         uvloop.run(serve(config, workers))
     except OSError as exc:  # port in use, bad host
         log.error("gateway failed to start: %s", exc)
+        return 1
+    except ModelUnknown as exc:
+        log.error("gateway: %s", exc)
         return 1
     return 0
 
@@ -81,27 +93,51 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> None:
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     sock = bind_socket(config.host, config.port)
-    state = build_state(config, workers)
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=config.graceful_shutdown, loop="none"))
-    server_task = asyncio.create_task(server.serve(sockets=[sock]))
     signal_task = asyncio.create_task(shutdown.wait())
     try:
-        while not server.started and not server_task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            host, port = sock.getsockname()[:2]
-            sources = [f"{len(workers)} static worker(s)"] + ([f"registry {config.bootstrap}"] if config.bootstrap else [])
-            # same shape as the other services' ready line; /metrics is on the HTTP port itself
-            log.info("gateway listening on %s:%d (metrics :%d), http://%s:%d, model %s, %s, policy prefill=%s "
-                     "decode=%s", host, port, port, host, port, state.model_name, ", ".join(sources),
-                     config.prefill_policy_name, config.decode_policy_name)
-        done, _ = await asyncio.wait({server_task, signal_task}, return_when=asyncio.FIRST_COMPLETED)
-        if signal_task in done:
-            log.info("gateway got %s: shutting down", signal_task.result().name)
-            server.should_exit = True
-        await server_task
+        with tempfile.TemporaryDirectory(prefix="pdserve-gateway-model-") as folder:
+            if config.model_path:
+                await _serve(config, signal_task, sock, build_state(config, workers), workers)
+                return
+            learning = asyncio.create_task(learn_model(
+                workers, config.bootstrap, config.security, Path(folder), wanted_name=config.model_name,
+                timeout_s=config.model_info_timeout))
+            await asyncio.wait({learning, signal_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not learning.done():  # a signal while waiting for the workers
+                learning.cancel()
+                log.info("gateway got %s while waiting for its workers' model: exiting", signal_task.result().name)
+                return
+            model = learning.result()
+            state = build_state(config, (), model_files=ModelFiles(folder), model_name=model.name,
+                                worker_check=RegistryWorkerCheck(model, config.security))
+            check = StaticWorkerCheck(state.pool, workers, model, config.security)
+            check.start()
+            try:
+                await _serve(config, signal_task, sock, state, workers)
+            finally:
+                await check.close()
     finally:
         signal_task.cancel()
         shutdown.remove()
         sock.close()
+
+
+async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.socket, state: GatewayState,
+                 workers: Sequence[StaticWorker]) -> None:
+    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=config.graceful_shutdown, loop="none"))
+    server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not server_task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        sources = [f"{len(workers)} static worker(s)"] + ([f"registry {config.bootstrap}"] if config.bootstrap else [])
+        # same shape as the other services' ready line; /metrics is on the HTTP port itself
+        log.info("gateway listening on %s:%d (metrics :%d), http://%s:%d, model %s, %s, policy prefill=%s "
+                 "decode=%s", host, port, port, host, port, state.model_name, ", ".join(sources),
+                 config.prefill_policy_name, config.decode_policy_name)
+    done, _ = await asyncio.wait({server_task, signal_task}, return_when=asyncio.FIRST_COMPLETED)
+    if signal_task in done:
+        log.info("gateway got %s: shutting down", signal_task.result().name)
+        server.should_exit = True
+    await server_task

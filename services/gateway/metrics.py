@@ -23,6 +23,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
                     10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.5, 5.0)
+# Exported at 0 from the start (see GatewayMetrics.start_at_zero): the dispatcher's retry reasons
+# (services/gateway/dispatcher.py) and the admission queue's shed reasons (admission.py).
+RETRY_REASONS = ("prefill_failed", "unavailable", "resource_exhausted", "deadline_exceeded", "worker_abort",
+                 "truncated", "worker_lost", "first_token_timeout")
+SHED_REASONS = ("queue_full", "queue_timeout")
 
 
 class _PoolCollector(Collector):
@@ -97,6 +102,14 @@ class GatewayMetrics:
                             "Requests refused with 429 by admission control, by model and reason "
                             "(queue_full, queue_timeout)", ["model", "reason"], registry=self.registry)
         self.registry.register(_PoolCollector(pool))
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason=reason)
+
+    def start_at_zero(self, model: str) -> None:
+        """Export the shed counters of `model` at 0 before the first shed: a rate over a series that
+        does not exist yet is no data, not 0 (dashboards and alerts would see nothing)."""
+        for reason in SHED_REASONS:
+            self.shed.labels(model=model, reason=reason)
 
     def watch_admission(self, admission: AdmissionControl) -> None:
         """Export the admission queues' occupancy (read at scrape time)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from services.common.model_info import context_length
 from services.gateway.chat_template import ChatTemplate
 
 # Unicode normal forms shrink a text's UTF-8 at most about 3x (three Hangul jamo compose into one
@@ -109,23 +110,13 @@ class ModelFiles:
                                if (text := _token_text(tokenizer_config.get(name))) is not None}
         source = _template_source(self.folder, tokenizer_config)
         self.chat_template = ChatTemplate(source, self.special_tokens) if source is not None else None
-        self.context_length = self._context_length(model_config, tokenizer_config)
+        self.context_length = context_length(model_config, tokenizer_config)
         # the model's embedding rows (may exceed the tokenizer's vocabulary: padded checkpoints)
         vocab = model_config.get("vocab_size")
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else \
             self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._token_text_cache: dict[int, TokenText] = {}
         self._bytes_per_token_bound = _bytes_per_token_bound(json.loads(self.tokenizer.to_str()))
-
-    @staticmethod
-    def _context_length(model_config: dict[str, Any], tokenizer_config: dict[str, Any]) -> int | None:
-        for source, key in ((model_config, "max_position_embeddings"), (model_config, "max_sequence_length"),
-                            (model_config, "seq_length"), (tokenizer_config, "model_max_length")):
-            value = source.get(key)
-            # tokenizer_config's "no limit" is a huge sentinel (int(1e30)), not a real length
-            if isinstance(value, int) and 0 < value < 10**9:
-                return value
-        return None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

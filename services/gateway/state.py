@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.config import GatewayConfig, StaticWorker
-from services.gateway.discovery import HealthProber, RegistryDiscovery, add_static_workers
+from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
@@ -74,19 +74,29 @@ class GatewayState:
         return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = ()) -> GatewayState:
-    model_name = config.served_model_name
+def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = (), *,
+                model_files: ModelFiles | None = None, model_name: str | None = None,
+                worker_check: WorkerCheck | None = None) -> GatewayState:
+    """The gateway's objects. `model_files`/`model_name`: the model learned from the workers when
+    there is no --model-path (services.gateway.model_source), and `worker_check` admits registry
+    workers only once they report that model; default: read from --model-path."""
+    model_name = model_name or config.served_model_name
+    if model_name is None or (model_files is None and not config.model_path):
+        raise ValueError("the gateway needs --model-path, or a model learned from its workers")
     pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown),
                       security=config.security)
     add_static_workers(pool, static_workers, model_name)
     router = Router(pool, make_policy(config.prefill_policy_name, config), make_policy(config.decode_policy_name, config))
     metrics = GatewayMetrics(pool)
+    metrics.start_at_zero(model_name)
     discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,
-                                  rejoin_grace_s=config.registry_rejoin_grace) if config.bootstrap else None
+                                  rejoin_grace_s=config.registry_rejoin_grace,
+                                  check=worker_check) if config.bootstrap else None
     dispatcher = Dispatcher(router, metrics, DispatchSettings(
         max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff,
         first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),
         synced=discovery.synced if discovery is not None else None)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
-    return GatewayState(config=config, model_name=model_name, model_files=ModelFiles(config.model_path), pool=pool,
+    return GatewayState(config=config, model_name=model_name, model_files=model_files or ModelFiles(config.model_path),
+                        pool=pool,
                         router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery, prober=prober)

@@ -33,6 +33,7 @@ from services.common.convert import endpoint_from_proto, token_to_proto
 from services.common.tasks import finish_despite_cancel
 from services.prefill.room import PrefillRoom
 from services.prefill.transfer_queues import TransferQueues
+from services.worker.model_info import ModelInfoServicer
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
 
@@ -41,7 +42,7 @@ log = logging.getLogger("pdserve.prefill")
 _TOMBSTONES = 4096  # recently aborted rooms remembered
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
     """pdserve.v1.Prefill over the engine's prefill hook and the transfer backend."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:

@@ -11,12 +11,13 @@ import time
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.model_info import ModelInfoServicer
 from services.worker.relay import relay_token_batches
 from services.worker.requests import BadRequest, parse_request
 from services.worker.runtime import WorkerRuntime
 
 
-class ColocatedServicer(worker_pb2_grpc.WorkerServicer):
+class ColocatedServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker over an engine that does both phases. Called by the gateway."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:

@@ -31,8 +31,9 @@ class WorkerConfig:
     """Flags of `pdserve launch-server`. `engine_config()` derives the engine's own config."""
 
     model_path: str = field(default="", metadata=_help("HF-format checkpoint folder (local path)"))
-    served_model_name: str | None = field(default=None, metadata=_help(
-        "model name clients use; default: the checkpoint folder's name"))
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients use; default: the checkpoint folder's name",
+        "flags": ("--served-model-name", "--model-name")})
     disaggregation_mode: str = field(default="null", metadata=_help(
         "prefill | decode | null (null = colocated: one worker runs both phases)"))
     disaggregation_transfer_backend: str = field(default="mooncake", metadata=_help(

@@ -16,6 +16,10 @@ from services.common.metrics import metric_name as m
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# The PD failure stages each role counts (services/prefill/servicer.py, services/decode/servicer.py
+# and prefill_client.py), exported at 0 until they first happen.
+FAILURE_STAGES = {"prefill": ("bootstrap", "grant", "transfer"),
+                  "decode": ("prealloc", "bootstrap", "prefill", "checksum")}
 
 
 class WorkerMetrics:
@@ -55,6 +59,9 @@ class WorkerMetrics:
                                        "prefill worker (conditional disaggregation), by rule",
                                        labelnames=[*labels, "reason"], registry=r)
         self._gauges: dict[str, Gauge] = {}
+        # at 0 from the start: a rate over a series that does not exist yet is no data, not 0
+        for stage in FAILURE_STAGES.get(role, ()):
+            self._failures.labels(**labels, stage=stage)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
         return Histogram(m(name), doc, labelnames=list(self._labels), buckets=buckets,

@@ -65,7 +65,8 @@ def test_compose_commands_parse_with_pdserve_flags():
     for name in ("prefill", "decode"):
         assert parsed[name].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
         assert parsed[name].host == "auto"  # replaced by the entrypoint with the container's address
-        assert parsed[name].model_path == parsed["gateway"].model_path
+        assert parsed[name].model_path == parsed["prefill"].model_path == "/models/tiny"
+    assert parsed["gateway"].model_path == ""  # the gateway learns the model from the workers
     assert parsed["gateway"].bootstrap == f"bootstrap:{parsed['bootstrap'].port}"
     # The health checks probe the ports the services are told to listen on.
     assert services["bootstrap"]["healthcheck"]["test"][-1] == str(parsed["bootstrap"].port)
@@ -188,13 +189,37 @@ def test_healthcheck_http_needs_200():
     assert _run([sys.executable, str(DOCKER / "healthcheck.py"), "tcp", "1"]).returncode == 2
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
-def test_compose_file_is_valid_for_docker_compose():
-    out = _run(["docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", "-q"])
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="docker-compose not installed (scripts/setup.sh installs it)")
+@pytest.mark.parametrize("profiles", [(), ("monitoring",)])
+def test_compose_file_is_valid_for_docker_compose(profiles: tuple[str, ...]):
+    flags = [arg for profile in profiles for arg in ("--profile", profile)]
+    base = ["docker-compose", "-f", str(DOCKER / "compose.yaml"), *flags]
+    out = _run([*base, "config", "-q"])
     assert out.returncode == 0, out.stderr
-    profile = _run(["docker-compose", "-f", str(DOCKER / "compose.yaml"), "--profile", "monitoring",
-                    "config", "--services"])
-    assert set(profile.stdout.split()) == {"bootstrap", "prefill", "decode", "gateway", "prometheus"}
+    # compose 1.29 lists the profiled services with or without --profile
+    services = set(_run([*base, "config", "--services"]).stdout.split())
+    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana"}
+
+
+def test_grafana_provisioning_matches_the_dashboards_and_compose():
+    """The datasource uid the dashboards use is the provisioned one; the folders compose mounts
+    are the ones the provisioning files name."""
+    datasources = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((DOCKER / "grafana/provisioning/dashboards/pdserve.yml").read_text())["providers"]
+    grafana = _compose()["services"]["grafana"]
+    assert f"./grafana/dashboards:{providers[0]['options']['path']}:ro" in grafana["volumes"]
+    assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    uids = set()
+    for path in sorted((DOCKER / "grafana/dashboards").glob("*.json")):
+        dashboard = json.loads(path.read_text())
+        uids.add(dashboard["uid"])
+        for panel in dashboard["panels"]:
+            assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, (path.name, panel["title"])
+            assert panel["targets"] and all(target["expr"] for target in panel["targets"])
+    assert len(uids) == 3
 
 
 def test_build_and_smoke_scripts_are_valid_bash():

@@ -32,5 +32,21 @@ def test_two_servers_two_registries() -> None:
             server.stop()
 
 
+def test_text_format_even_when_openmetrics_is_asked_for() -> None:
+    """Prometheus asks for OpenMetrics; prometheus_client's writer would turn `pdserve:` into `pdserve_`."""
+    registry = CollectorRegistry()
+    Counter(metric_name("requests"), "requests served", registry=registry).inc()
+    server = start_metrics_server(registry)
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers={
+            "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            assert "pdserve:requests_total 1.0" in response.read().decode()
+    finally:
+        server.stop()
+
+
 def test_metric_name() -> None:
     assert metric_name("time_to_first_token_seconds") == "pdserve:time_to_first_token_seconds"

@@ -57,13 +57,26 @@ def test_seed_router_command_line(tmp_path: Path) -> None:
     assert config.served_model_name == tmp_path.name and config.port == 8000 and config.pd_disaggregation
 
 
+def test_seed_router_command_needs_no_model_path() -> None:
+    """The seeds' router command verbatim: the gateway learns the model from the workers."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--decode", "http://127.0.0.1:30001",
+        "--policy", "round_robin", "--host", "0.0.0.0", "--port", "8000"])
+    config = config_from_args(GatewayConfig, args)
+    assert config.model_path == "" and config.served_model_name is None
+    for flag in ("--served-model-name", "--model-name"):
+        assert config_from_args(GatewayConfig, parser.parse_args([flag, "m"])).served_model_name == "m"
+
+
 def test_bad_flags(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     with pytest.raises(ValueError, match="bootstrap port must be a number"):
         static_workers_from_args(parser.parse_args(["--prefill", "h:1", "x"]))
-    with pytest.raises(ValueError, match="--model-path is required"):
-        GatewayConfig()
+    assert GatewayConfig().served_model_name is None  # learned from the workers (model_source)
+    assert GatewayConfig(model_name="m").served_model_name == "m"
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         GatewayConfig(model_path=str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{}")
