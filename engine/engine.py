@@ -153,7 +153,8 @@ class Engine:
         # happens in a short-lived thread whose workers go away with it.
         model, pool = _in_short_lived_thread(load_tensors)
         tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
-        return cls(config, model_config, model, tokenizer, pool, PageManager(pool.num_pages, config.page_size))
+        pages = PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
+        return cls(config, model_config, model, tokenizer, pool, pages)
 
     @property
     def allocator(self):
@@ -275,13 +276,18 @@ class Engine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
+        cache = self.pages.cache
         return EngineStats(
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
             used_pages=self.pages.used_pages, total_pages=self.pages.num_pages,
             held_rooms=self.pages.num_rooms, reserved_pages=self.pages.reserved_pages,
             running_tokens=sum(r.num_tokens for r in list(scheduler.running)),
-            generated_tokens=self._generated_tokens, steps=self._steps)
+            generated_tokens=self._generated_tokens, steps=self._steps,
+            cached_pages=cache.num_pages if cache else 0,
+            prefix_query_tokens=cache.stats.query_tokens if cache else 0,
+            prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
 
     def live_rooms(self) -> set[str]:
         """Rooms of the requests the engine is working on now (a snapshot; PD holds not included)."""
