@@ -15,7 +15,8 @@ finish the request (`_Finish`). Tokens the engine sampled meanwhile are dropped.
 pages that no forward pass uses.
 
 PD hooks: the prefill side calls `prefill` (pages held after it returns until `release`); the
-decode side calls `reserve`, lets the transfer fill the pages, then `generate_prefilled`.
+decode side calls `reserve` (or `reserve_prompt`, reusing cached leading pages), lets the
+transfer fill the pages, then `generate_prefilled`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
-from engine.page_manager import PageManager
+from engine.page_manager import PageManager, Reservation
 from engine.request import Request
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -266,6 +267,11 @@ class Engine:
     def reserve(self, room: str, num_tokens: int) -> list[int] | None:
         """Pre-allocate pages for a prompt of `num_tokens` whose K/V will arrive by transfer."""
         return self.pages.reserve(room, num_tokens)
+
+    def reserve_prompt(self, room: str, prompt_ids: list[int]) -> Reservation | None:
+        """Like `reserve`, but the prompt's leading full pages come from the prefix cache when it
+        holds them: only `Reservation.tail` must be filled by transfer."""
+        return self.pages.reserve_prompt(room, prompt_ids)
 
     def release(self, room: str) -> bool:
         """Free the pages reserved or held under `room`; False if it has none."""
