@@ -56,7 +56,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class PrefillRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -75,18 +76,21 @@ class PrefillRequest(_message.Message):
     model: str
     grant: bytes
     page_checksums: bool
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ...) -> None: ...
+    skip_pages: int
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums")
+    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "num_pages_skipped")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     first_token: _common_pb2.TokenOutput
     num_pages_written: int
     bytes_transferred: int
     transfer_seconds: float
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_pages_skipped: int
+    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., num_pages_skipped: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,16 @@ class WorkerRuntime:
         metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
         metrics.counter_from("retractions_total", "Requests retracted under memory pressure",
                              lambda: engine.stats().total_retractions)
+        # The prefix cache's totals (hit / query is the hit rate); on decode, "hit" tokens are
+        # prompt tokens whose pages were reused instead of transferred.
+        metrics.counter_from("prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache",
+                             lambda: engine.stats().prefix_query_tokens)
+        metrics.counter_from("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache "
+                             "(not computed; on decode: not transferred)", lambda: engine.stats().prefix_hit_tokens)
+        metrics.counter_from("prefix_cache_evicted_pages_total", "Idle cached KV pages evicted to make room",
+                             lambda: engine.stats().prefix_evicted_pages)
+        metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
+                      lambda: engine.stats().cached_pages)
         for name in self.queues.names:
             if name in ("waiting", "running") and self.config.role != "prefill":
                 continue  # the engine's own queues, below
