@@ -105,6 +105,22 @@ class PageManager:
         with self._lock:
             self.cache.insert(token_ids, page_ids, hashes, first)
 
+    def watch_cache(self, listener) -> list[int]:
+        """Call `listener(kind, hashes)` on every change of the cache from now on (under this
+        manager's lock: keep it short) and return the hashes cached now: taken together, so no
+        change is missed or seen twice. Empty, and nothing called, when the cache is off."""
+        if self.cache is None:
+            return []
+        with self._lock:
+            self.cache.listeners.append(listener)
+            return self.cache.hashes()
+
+    def unwatch_cache(self, listener) -> None:
+        if self.cache is not None:
+            with self._lock:
+                if listener in self.cache.listeners:
+                    self.cache.listeners.remove(listener)
+
     def count_query(self, query_tokens: int, hit_tokens: int) -> None:
         """Record one prompt's lookup (for the hit-rate metrics)."""
         if self.cache is not None:

@@ -1,11 +1,21 @@
 from protos.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_STORED: KvEventKind
+KV_EVENT_KIND_REMOVED: KvEventKind
 
 class GenerateRequest(_message.Message):
     __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address")
@@ -94,3 +104,25 @@ class PrefillResponse(_message.Message):
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
     num_pages_skipped: int
     def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., num_pages_skipped: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "page_hashes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEventKind
+    page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("snapshot", "events", "page_size")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    page_size: int
+    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ...) -> None: ...
