@@ -64,7 +64,8 @@ class WorkerRuntime:
 
     def _add_gauges(self) -> None:
         engine, metrics = self.engine, self.metrics
-        metrics.gauge("kv_pages_used", "KV pages in use (held by requests or reserved)",
+        metrics.gauge("kv_pages_used", "KV pages in use (held by requests or reserved); idle pages of the "
+                      "prefix cache count as free",
                       lambda: engine.stats().used_pages)
         metrics.gauge("kv_pages_total", "KV pages in the pool", lambda: engine.stats().total_pages)
         metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
