@@ -271,17 +271,26 @@ def main(args: argparse.Namespace) -> int:
     ratio_rows = ratios(results)
     print("\n" + table(results, ratio_rows))
     print(f"\ngreedy outputs identical across all runs: {'yes' if identical else 'NO'}")
+    for result in results.values():
+        differ = sum(1 for key, answer in result.outputs.items() if reference.get(key) != answer)
+        if differ:
+            print(f"  {result.name}: {differ} of {len(result.outputs)} answers differ from {RUNS[0].name!r}"
+                  + (" (bf16/fp16 matmuls round differently when a prompt is split at another point; "
+                     "compare with --dtype float32)" if args.dtype != "float32" else ""))
     summary = {"model": args.model_path.resolve().name, "dtype": args.dtype, "cores": cores,
                "transfer_backend": args.transfer_backend,
                "workload": {"users": args.users, "turns": args.turns, "system_len": args.system_len,
                             "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size},
                "rows": [r.row() for r in results.values()], "ratios": ratio_rows, "outputs_identical": identical,
+               "outputs": {name: {f"user{u}-turn{t}": ids for (u, t), ids in sorted(r.outputs.items())}
+                           for name, r in results.items()},
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "prefix-cache", *sys.argv[3:]])}
     report.write_json(args.output_dir / "prefix_cache.json", summary)
     print(f"wrote {args.output_dir / 'prefix_cache.json'}; logs in {log_dir}")
     failed = any(r.failures for r in results.values())
-    return 0 if identical and not failed else 1
+    # Exactness is a hard requirement in fp32; in bf16/fp16 the outputs are reported, not enforced.
+    return 0 if not failed and (identical or args.dtype != "float32") else 1
 
 
 if __name__ == "__main__":
