@@ -92,11 +92,12 @@ async def test_eviction_pressure_and_retraction(qwen3_ckpt, reference):
         engine.shutdown()
 
 
-async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, reference):
+@pytest.mark.parametrize("prefill_pages,decode_pages", [(128, 128), (5, 8)], ids=["roomy", "evicting"])
+async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, reference, prefill_pages, decode_pages):
     prompts = prompt_family(seed=41)
     expected = await expected_outputs(reference, prompts)
-    prefill = start_engine(qwen3_ckpt, chunked_prefill_size=32, num_pages=128, page_size=PAGE)
-    decode = start_engine(qwen3_ckpt, chunked_prefill_size=32, num_pages=128, page_size=PAGE)
+    prefill = start_engine(qwen3_ckpt, chunked_prefill_size=32, num_pages=prefill_pages, page_size=PAGE)
+    decode = start_engine(qwen3_ckpt, chunked_prefill_size=32, num_pages=decode_pages, page_size=PAGE)
     copied = []
     try:
         assert decode.reserve("spacer", 40) is not None  # page ids differ between the two sides
@@ -121,6 +122,8 @@ async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, ref
                         "pages reused on decode)")
         assert sum(copied) < sum(-(-len(p) // PAGE) for p in prompts)  # decode reuse saved writes
         assert prefill.stats().prefix_hit_tokens > 0 and decode.stats().prefix_hit_tokens > 0
+        if prefill_pages < 16:
+            assert prefill.stats().prefix_evicted_pages > 0 and decode.stats().prefix_evicted_pages > 0
         assert decode.release("spacer")
         assert prefill.stats().used_pages == 0 and decode.stats().used_pages == 0
     finally:
