@@ -69,7 +69,9 @@ class KvEventSubscriptions:
             worker.kv_cache.forget()
 
     async def _follow(self, worker: WorkerHandle) -> None:
-        while True:
+        # Stop once the worker left the pool: its channel is closed, and asking for it would open
+        # a new one nobody closes.
+        while self.pool.get(worker.address) is worker:
             try:
                 stream = worker_pb2_grpc.KvEventsStub(worker.channel).Subscribe(worker_pb2.KvEventsRequest())
                 async for batch in stream:
