@@ -48,6 +48,7 @@ from engine.request import Request
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from libkv.layout import KVLayout
+from libkv.page_hash import page_hashes
 from libkv.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -268,10 +269,18 @@ class Engine:
         """Pre-allocate pages for a prompt of `num_tokens` whose K/V will arrive by transfer."""
         return self.pages.reserve(room, num_tokens)
 
-    def reserve_prompt(self, room: str, prompt_ids: list[int]) -> Reservation | None:
+    def reserve_prompt(self, room: str, prompt_ids: list[int],
+                       hashes: list[int] | None = None) -> Reservation | None:
         """Like `reserve`, but the prompt's leading full pages come from the prefix cache when it
-        holds them: only `Reservation.tail` must be filled by transfer."""
-        return self.pages.reserve_prompt(room, prompt_ids)
+        holds them: only `Reservation.tail` must be filled by transfer. `hashes`: the prompt's
+        page hashes (`prompt_hashes`), for a caller that tries again until pages are free."""
+        return self.pages.reserve_prompt(room, prompt_ids, hashes)
+
+    def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
+        """The chained hashes of the prompt's full pages; None when the prefix cache is off."""
+        if self.pages.cache is None:
+            return None
+        return page_hashes(prompt_ids, self.pages.page_size)
 
     def release(self, room: str) -> bool:
         """Free the pages reserved or held under `room`; False if it has none."""

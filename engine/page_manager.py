@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.prefix_cache import PrefixCache
 from libkv.allocator import PageAllocator
+from libkv.page_hash import page_hashes
 
 
 @dataclass(frozen=True)
@@ -128,16 +129,20 @@ class PageManager:
                 self.cache.stats.query_tokens += query_tokens
                 self.cache.stats.hit_tokens += hit_tokens
 
-    def reserve_prompt(self, room: str, token_ids: Sequence[int]) -> Reservation | None:
+    def reserve_prompt(self, room: str, token_ids: Sequence[int],
+                       hashes: Sequence[int] | None = None) -> Reservation | None:
         """Set aside pages for a prompt under `room`, its leading full pages from the cache when
         they are there; None if not enough pages are free. Every full page may come from the
-        cache: nothing is computed here, and decoding writes only past the prompt."""
+        cache: nothing is computed here, and decoding writes only past the prompt. `hashes`:
+        the prompt's page hashes, if the caller has them (a caller that retries passes them)."""
+        if self.cache is not None and hashes is None:
+            hashes = page_hashes(token_ids, self.page_size)  # outside the lock
         with self._lock:
             if room in self._by_room:
                 raise ValueError(f"room {room!r} already has reserved or held pages")
             cached: list[int] = []
             if self.cache is not None:
-                cached = self.cache.match(token_ids, len(token_ids) // self.page_size)
+                cached = self.cache.match(token_ids, len(token_ids) // self.page_size, hashes)
                 self.allocator.retain(cached)
             need = self.pages_for(len(token_ids)) - len(cached)
             if not self.allocator.can_allocate(need):

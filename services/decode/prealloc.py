@@ -38,8 +38,9 @@ class PreallocQueue:
         except TimeoutError:
             raise PreallocTimeout(f"no KV pages for {num_tokens} tokens within {timeout_s:.0f}s") from None
         try:
+            hashes = self.engine.prompt_hashes(prompt_ids)  # once, not at every poll
             while True:
-                reservation = self.engine.reserve_prompt(room, prompt_ids)
+                reservation = self.engine.reserve_prompt(room, prompt_ids, hashes)
                 if reservation is not None:
                     return reservation
                 if time.monotonic() >= deadline:
