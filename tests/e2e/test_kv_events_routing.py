@@ -87,3 +87,39 @@ def test_cache_aware_gateway_routes_to_the_worker_holding_the_prefix(cluster: Cl
     assert holder.metric("pdserve:prefix_cache_hit_tokens_total") == 6 * PAGE * len(questions)
     assert other.metric("pdserve:prefix_cache_query_tokens_total") == 0  # it got nothing
     assert_pages_idle(*workers)
+
+
+def test_cache_aware_matches_prefill_and_decode_workers_on_their_own_caches(cluster: Cluster, tiny_model):
+    bootstrap = cluster.bootstrap("--heartbeat-interval", "1")
+    pool = ("--num-pages", "256")
+    procs = cluster.start_many(
+        [(f"prefill-{i}", worker_args(tiny_model, "prefill", backend="mooncake", bootstrap=bootstrap, extra=pool))
+         for i in range(2)]
+        + [(f"decode-{i}", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap, extra=pool))
+           for i in range(2)])
+    prefills, decodes = procs[:2], procs[2:]
+    (gateway,) = cluster.start_many([("gateway", [
+        "launch-router", "--model-path", str(tiny_model), "--port", "0", "--bootstrap", bootstrap.address,
+        "--policy", "cache_aware"])])
+
+    def views() -> list[float]:
+        return [v for k, v in gateway.metrics().items() if k.startswith("pdserve:gateway_worker_cached_pages")]
+
+    wait_until(lambda: views() == [0, 0, 0, 0], 30, "the gateway to follow all four workers' KV events")
+    # Warm the prefill and the decode worker the gateway would pick last, as a pair, behind its back.
+    last = lambda procs: max(procs, key=lambda p: p.address)  # noqa: E731
+    prefill, decode = last(prefills), last(decodes)
+    system, *questions = prompts_of([96, 9, 11], seed=19)
+    run_all(decode.address, [system + [5]], [prefill.address], max_new_tokens=2)
+    # Both now cache the prompt's 6 full pages (97 tokens + 2 generated: still 6 full pages on decode).
+    wait_until(lambda: sorted(views()) == [0, 0, 6, 6], 30, "the gateway to see both caches")
+    for question in questions:
+        reply = httpx.post(f"http://{gateway.address}/generate", timeout=60, json={
+            "input_ids": system + question, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+        assert reply.status_code == 200, reply.text
+    assert prefill.metric("pdserve:prefix_cache_hit_tokens_total") == 6 * PAGE * len(questions)
+    assert decode.metric("pdserve:prefix_cache_hit_tokens_total") == 6 * PAGE * len(questions)
+    assert decode.metric("pdserve:kv_transfer_bytes_saved_total") > 0
+    for other in (p for p in procs if p not in (prefill, decode)):
+        assert other.metric("pdserve:prefix_cache_query_tokens_total") == 0, other.name
+    assert_pages_idle(*procs)
