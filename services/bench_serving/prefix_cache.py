@@ -94,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-len", type=int, default=64, help="tokens of each user message")
     parser.add_argument("--output-len", type=int, default=32, help="tokens of each answer")
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
+    parser.add_argument("--runs", default="1,2,3,4,5",
+                        help="which of the five runs to do, by number in the order above (default all)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-prefix-cache"))
     parser.add_argument("--log-dir", type=Path, help="worker logs (default: a temporary folder)")
@@ -255,18 +257,23 @@ def main(args: argparse.Namespace) -> int:
             return 2
         subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "small",
                         "--out", str(args.model_path)], check=True)
+    try:
+        chosen = [RUNS[int(n) - 1] for n in args.runs.split(",")]
+    except (ValueError, IndexError):
+        print(f"pdserve bench prefix-cache: --runs {args.runs!r}: numbers from 1 to {len(RUNS)}", file=sys.stderr)
+        return 2
     cores = parse_cores(args.cores)
     workload = Workload(args)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-prefix-cache-"))
     results: dict[str, RunResult] = {}
     try:
-        for run in RUNS:
+        for run in chosen:
             print(f"### {run.name}", flush=True)
             results[run.name] = run_one(run, workload, args, cores, log_dir)
     except NotReady as exc:
         print(f"pdserve bench prefix-cache: a worker did not start: {exc}\nlogs: {log_dir}", file=sys.stderr)
         return 1
-    reference = results[RUNS[0].name].outputs
+    reference = results[chosen[0].name].outputs
     identical = all(r.outputs == reference for r in results.values())
     ratio_rows = ratios(results)
     print("\n" + table(results, ratio_rows))
@@ -274,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     for result in results.values():
         differ = sum(1 for key, answer in result.outputs.items() if reference.get(key) != answer)
         if differ:
-            print(f"  {result.name}: {differ} of {len(result.outputs)} answers differ from {RUNS[0].name!r}"
+            print(f"  {result.name}: {differ} of {len(result.outputs)} answers differ from {chosen[0].name!r}"
                   + (" (bf16/fp16 matmuls round differently when a prompt is split at another point; "
                      "compare with --dtype float32)" if args.dtype != "float32" else ""))
     summary = {"model": args.model_path.resolve().name, "dtype": args.dtype, "cores": cores,
