@@ -14,6 +14,7 @@ import pytest
 
 from libkv.page_hash import page_hashes
 from protos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
@@ -67,7 +68,11 @@ def test_worker_streams_snapshot_then_deltas(cluster: Cluster, tiny_model):
     assert_pages_idle(worker)
 
 
-def test_cache_aware_gateway_routes_to_the_worker_holding_the_prefix(cluster: Cluster, tiny_model):
+def test_cache_aware_gateway_routes_to_the_worker_holding_the_prefix(cluster: Cluster, tiny_model, tmp_path):
+    # With a cluster secret: the gateway's event streams carry it like its other calls.
+    cluster.env["PDSERVE_CLUSTER_SECRET"] = "kv-events-test-secret"
+    (tmp_path / "secret").write_text("kv-events-test-secret")
+    member = GrpcSecurity(cluster_secret_file=str(tmp_path / "secret"))
     bootstrap = cluster.bootstrap("--heartbeat-interval", "1")
     workers = cluster.start_many([
         (f"colocated-{i}", worker_args(tiny_model, "null", bootstrap=bootstrap, extra=("--num-pages", "256")))
@@ -86,7 +91,7 @@ def test_cache_aware_gateway_routes_to_the_worker_holding_the_prefix(cluster: Cl
     # Warm the worker the gateway would pick last (candidates go in address order, ties to the
     # first), behind its back: only the KV events can tell the gateway.
     holder, other = sorted(workers, key=lambda w: w.address, reverse=True)
-    run_all(holder.address, [system + [5]], max_new_tokens=2)
+    run_all(holder.address, [system + [5]], max_new_tokens=2, security=member)
     wait_until(lambda: sorted(views().values()) == [0, 6], 30, "the gateway to see the cached system prompt")
     for question in questions:
         reply = httpx.post(f"http://{gateway.address}/generate", timeout=60, json={
