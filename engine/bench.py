@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="python of an environment with vLLM's CPU build: also measure vLLM's offline engine")
     parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
                         help="pdserve's fused C++ CPU kernels (engine config cpu_kernels)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="pdserve's tensor-parallel ranks; --threads is shared out between them")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,10 +66,11 @@ class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
+        threads = max(1, threads // tp_size)  # per rank: the ranks share the `threads` cores
         torch.set_num_threads(threads)
         self.prompts, self.new_tokens = prompts, new_tokens
         page_size = 16
@@ -75,7 +78,7 @@ class PdserveSystem:
         self.engine = Engine.load(EngineConfig(
             model_path=model, dtype=dtype, num_threads=threads, page_size=page_size,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
-            chunked_prefill_size=512, cpu_kernels=cpu_kernels,
+            chunked_prefill_size=512, cpu_kernels=cpu_kernels, tp_size=tp_size,
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
             disable_radix_cache=True))
@@ -112,7 +115,7 @@ class HfSystem:
     """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -249,13 +252,13 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
-        cpu_kernels: str = "auto") -> dict[str, dict]:
+        cpu_kernels: str = "auto", tp_size: int = 1) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
     systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
-        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels))
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -285,9 +288,9 @@ def main(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
-                    "dtype": args.dtype}
+                    "dtype": args.dtype, "tp_size": args.tp_size}
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels)
+                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size)
     report.update(results)
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):

@@ -28,6 +28,7 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_kernels: str = "auto"  # auto | on | off: the fused C++ CPU kernels (engine.models.layer_ops)
+    tp_size: int = 1  # tensor-parallel ranks, one process each (engine.tp); 1 = no collectives at all
     disable_radix_cache: bool = False  # SGLang's name: turns the prefix cache off (engine.prefix_cache)
 
     def __post_init__(self) -> None:
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"cpu_kernels must be auto, on or off, got {self.cpu_kernels!r}")
 
@@ -54,6 +57,7 @@ _HELP = {
     "chunked_prefill_size": "prompt tokens per step (a longer prompt spans several steps)",
     "num_threads": "torch intra-op threads",
     "cpu_kernels": "fused C++ CPU kernels built by `make setup`: auto (if built), on (required) or off",
+    "tp_size": "tensor-parallel ranks (processes) sharing the model's heads and MLP columns",
     "disable_radix_cache": "turn the prefix cache off: every prompt is computed in full",
 }
 

@@ -47,6 +47,8 @@ from engine.page_manager import PageManager, Reservation
 from engine.request import Request
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tp.ranks import FollowerRanks
+from engine.tp.runner import DriverRunner
 from libkv.layout import KVLayout
 from libkv.page_hash import page_hashes
 from libkv.pool import KVPool
@@ -113,7 +115,8 @@ class Engine:
         self.pool = pool
         self.pages = pages
         self.kv_layout: KVLayout = pool.layout
-        self.runner = ModelRunner(model, pool)
+        self.runner: ModelRunner | DriverRunner = ModelRunner(model, pool)
+        self.tp_followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size,
@@ -142,6 +145,8 @@ class Engine:
                           dtype=str(dtype).removeprefix("torch."))
 
         layer_ops = select_layer_ops(config.cpu_kernels, device)
+        if config.tp_size > 1:
+            return cls._load_tensor_parallel(config, model_config, device)
 
         def load_tensors() -> tuple[DecoderModel, KVPool]:
             model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
@@ -157,6 +162,29 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
         pages = PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
         return cls(config, model_config, model, tokenizer, pool, pages)
+
+    @classmethod
+    def _load_tensor_parallel(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Engine:
+        """Rank 0 of `config.tp_size`: start the follower ranks, load this rank's shard, drive the group."""
+        from transformers import AutoTokenizer
+
+        from engine.tp.load import load_rank
+        from engine.tp.setup import prepare_config, start_tensor_parallel
+
+        config = prepare_config(config, model_config)
+        torch.set_num_threads(config.num_threads)
+        group, followers = start_tensor_parallel(config, device)
+        try:
+            parts = _in_short_lived_thread(lambda: load_rank(config, device, group, followers.controls))
+            tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
+        except BaseException:
+            followers.kill()
+            raise
+        engine = cls(config, model_config, parts.model, tokenizer, parts.pool,
+                     PageManager(parts.pool.num_pages, config.page_size))
+        engine.runner = DriverRunner(parts.runner, group)
+        engine.tp_followers = followers
+        return engine
 
     @property
     def allocator(self):
@@ -180,6 +208,18 @@ class Engine:
         for room in list(self.scheduler.requests):
             self._abort(room)
         self._deliver()
+        if self.tp_followers is not None:
+            self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        followers, self.tp_followers = self.tp_followers, None
+        try:
+            self.runner.close()  # type: ignore[union-attr]
+        except RuntimeError as exc:  # the group is broken (a rank died): nothing to tell
+            log.warning("tp group already broken at shutdown: %s", exc)
+            followers.kill()  # type: ignore[union-attr]
+            return
+        followers.stop()  # type: ignore[union-attr]
 
     # ---- caller API -----------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams,

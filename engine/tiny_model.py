@@ -62,6 +62,11 @@ PRESETS: dict[str, TinyPreset] = {
     "small": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                         head_dim=64, intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False,
                         corpus_bytes=4_000_000),
+    # Four KV heads (eight query heads of 32) so tensor parallelism splits KV heads 2 and 4 ways;
+    # written as a Llama (`--arch llama`) by the TP tests. Untied, like small.
+    "tiny-kv4": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=32, intermediate_size=768, vocab_size=4096, tie_word_embeddings=False,
+                           corpus_bytes=1_000_000),
 }
 
 
@@ -180,7 +185,8 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: about 4M parameters (tests); small: about 125M (benchmarks)")
+                        help="tiny: about 4M parameters (tests); tiny-kv4: tiny with 8/4 heads, untied "
+                        "(tensor-parallel tests); small: about 125M (benchmarks)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
 

@@ -49,6 +49,25 @@ class KVPool:
         """The whole pool as a flat uint8 view (for transfer engines that address bytes)."""
         return self.buffer.view(-1).view(torch.uint8)
 
+    def head_part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
+        """For each page, xxh3_64 of each of `parts` equal KV-head ranges of it (the bytes of heads
+        [k*h/parts, (k+1)*h/parts) in page order, as if that range were a page of its own).
+
+        Why: peers that split a model's KV heads over different numbers of processes (engine.tp)
+        can both compute these for the heads they hold, without gathering a page in one process.
+        """
+        heads = self.layout.num_kv_heads
+        if parts < 1 or heads % parts:
+            raise ValueError(f"cannot split {heads} KV heads into {parts} parts")
+        width = heads // parts
+        pages = self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
+        result = []
+        for page in pages:
+            part_bytes = [page[..., k * width:(k + 1) * width, :].contiguous().view(-1).view(torch.uint8).cpu()
+                          for k in range(parts)]
+            result.append([xxhash.xxh3_64_intdigest(memoryview(b.numpy())) for b in part_bytes])
+        return result
+
     def page_checksums(self, page_ids: list[int]) -> list[int]:
         """xxh3_64 of each page's bytes, in the order given: the KV integrity check.
 

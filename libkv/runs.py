@@ -14,6 +14,16 @@ class PageRun:
     length: int
 
 
+@dataclass(frozen=True)
+class ByteRun:
+    """`nbytes` bytes at byte offset `src` of the local pool into offset `dst` of the peer's: a piece
+    of a page (e.g. some KV heads of one layer's slot, for peers that split heads another way)."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
 def coalesce(src_pages: list[int], dst_pages: list[int]) -> list[PageRun]:
     """Pair src_pages[i] with dst_pages[i] and merge neighbours that are consecutive on both sides."""
     if len(src_pages) != len(dst_pages):

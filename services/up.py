@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="cache_aware", help="gateway routing policy (default cache_aware)")
     parser.add_argument("--worker-threads", type=int, default=None,
                         help="torch CPU threads per worker (default: torch's choice)")
+    parser.add_argument("--etcd-endpoints", default=None,
+                        help="keep the registry in this etcd (comma-separated http://HOST:PORT; default: "
+                             "the registry's own memory)")
+    parser.add_argument("--num-registries", type=int, default=1,
+                        help="registry processes (default 1; more than 1 needs --etcd-endpoints): workers "
+                             "and the gateway get every address and fail over between them")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/up-logs"), help="one log file per process")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each step may take to come up")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds each process gets to stop")
@@ -108,6 +114,9 @@ def wait_healthy(url: str, timeout_s: float, children: list[Child], stop: _Stop)
 def main(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         raise SystemExit("pdserve up: --num-prefill and --num-decode must be >= 1")
+    if args.num_registries < 1 or (args.num_registries > 1 and not args.etcd_endpoints):
+        raise SystemExit("pdserve up: --num-registries must be >= 1, and above 1 needs --etcd-endpoints "
+                         "(registries share their workers only through etcd)")
     stop = _Stop()
     ensure_model(args.model_path)
     model_path = str(args.model_path)
@@ -115,11 +124,17 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     env = {envs.CLUSTER_SECRET.name: envs.CLUSTER_SECRET.get() or secrets.token_urlsafe(32)}
     try:
-        say(f"starting bootstrap registry (logs in {args.log_dir}/) ...")
-        registry = start_child("bootstrap", ["bootstrap", "--host", args.host, "--port", "0"], args.log_dir, env)
-        children.append(registry)
-        registry.wait_ready(args.ready_timeout, lambda: bool(stop))
-        say(f"  bootstrap ready on {registry.address}")
+        store = ["--registry-store", "etcd", "--etcd-endpoints", args.etcd_endpoints] if args.etcd_endpoints else []
+        registries = []
+        for index in range(args.num_registries):
+            name = "bootstrap" if args.num_registries == 1 else f"bootstrap-{index}"
+            say(f"starting {name} registry{' on etcd' if store else ''} (logs in {args.log_dir}/) ...")
+            registry = start_child(name, ["bootstrap", "--host", args.host, "--port", "0", *store], args.log_dir, env)
+            children.append(registry)
+            registry.wait_ready(args.ready_timeout, lambda: bool(stop))
+            say(f"  {name} ready on {registry.address}")
+            registries.append(registry.address)
+        registry_addresses = ",".join(registries)
 
         workers = []
         threads = ["--num-threads", str(args.worker_threads)] if args.worker_threads else []
@@ -130,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
                 worker = start_child(name, [
                     "launch-server", "--model-path", model_path, "--disaggregation-mode", role,
                     "--disaggregation-transfer-backend", args.transfer_backend, "--host", args.host,
-                    "--port", "0", "--bootstrap", registry.address, *threads], args.log_dir, env)
+                    "--port", "0", "--bootstrap", registry_addresses, *threads], args.log_dir, env)
                 workers.append(worker)
                 children.append(worker)
         for worker in workers:
@@ -139,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
 
         say("starting gateway ...")
         gateway = start_child("gateway", [
-            "launch-router", "--model-path", model_path, "--bootstrap", registry.address, "--host", args.host,
+            "launch-router", "--model-path", model_path, "--bootstrap", registry_addresses, "--host", args.host,
             "--port", str(args.port), "--policy", args.policy], args.log_dir, env)
         children.append(gateway)
         gateway.wait_ready(args.ready_timeout, lambda: bool(stop))

@@ -9,6 +9,7 @@ only for the rows the caller asks for, so a long prompt never materializes [T, v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from engine.models.layer_ops import HeadShape, TorchLayerOps
 from engine.models.linear import Linear
 from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader
+from engine.tp.shard import TPShard
 
 
 @dataclass
@@ -37,14 +39,21 @@ class LayerWeights:
 
 
 class DecoderModel:
-    """Embedding, N pre-norm decoder layers (GQA attention + SwiGLU MLP), final norm, LM head."""
+    """Embedding, N pre-norm decoder layers (GQA attention + SwiGLU MLP), final norm, LM head.
+
+    Tensor-parallel (engine.tp): loaded with a `TPShard`, the model holds one rank's heads and MLP
+    columns, and `all_reduce` (in place) sums the row-parallel o_proj/down outputs across ranks.
+    Without one (TP 1) no collective is called.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: Linear, layer_ops: TorchLayerOps | None = None) -> None:
+                 lm_head: Linear, layer_ops: TorchLayerOps | None = None, tp_size: int = 1,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         self.config = config
         self.ops = layer_ops or TorchLayerOps()
-        self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.heads = HeadShape(config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim)
+        self.all_reduce = all_reduce
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -57,8 +66,11 @@ class DecoderModel:
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
-             device: torch.device, layer_ops: TorchLayerOps | None = None) -> DecoderModel:
+             device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
+             all_reduce: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
         reader = CheckpointReader(model_dir)
+        column_parallel = shard.rows if shard else (lambda tensor: tensor)
+        row_parallel = shard.columns if shard else (lambda tensor: tensor)
 
         def get(name: str) -> torch.Tensor:
             return reader.get(name).to(device=device, dtype=dtype)
@@ -66,13 +78,16 @@ class DecoderModel:
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in reader else None
 
+        def row_bias(name: str) -> torch.Tensor | None:
+            return shard.row_bias(maybe(name)) if shard else maybe(name)
+
         def cat_maybe(names: list[str]) -> torch.Tensor | None:
             parts = [maybe(n) for n in names]
             if all(p is None for p in parts):
                 return None
             if any(p is None for p in parts):
                 raise ValueError(f"checkpoint has only some of the biases {names}")
-            return torch.cat(parts)  # type: ignore[arg-type]
+            return torch.cat([column_parallel(p) for p in parts])  # type: ignore[arg-type]
 
         layers = []
         for i in range(config.num_layers):
@@ -80,15 +95,16 @@ class DecoderModel:
             attn, mlp = p + "self_attn.", p + "mlp."
             layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"]),
+                qkv=Linear(torch.cat([column_parallel(get(attn + f"{x}_proj.weight")) for x in "qkv"]),
                            cat_maybe([attn + f"{x}_proj.bias" for x in "qkv"])),
                 q_norm=maybe(attn + "q_norm.weight") if config.qk_norm else None,
                 k_norm=maybe(attn + "k_norm.weight") if config.qk_norm else None,
-                o_proj=Linear(get(attn + "o_proj.weight"), maybe(attn + "o_proj.bias")),
+                o_proj=Linear(row_parallel(get(attn + "o_proj.weight")), row_bias(attn + "o_proj.bias")),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+                gate_up=Linear(torch.cat([column_parallel(get(mlp + "gate_proj.weight")),
+                                          column_parallel(get(mlp + "up_proj.weight"))]),
                                cat_maybe([mlp + "gate_proj.bias", mlp + "up_proj.bias"])),
-                down=Linear(get(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias")),
+                down=Linear(row_parallel(get(mlp + "down_proj.weight")), row_bias(mlp + "down_proj.bias")),
             ))
             if config.qk_norm and (layers[-1].q_norm is None or layers[-1].k_norm is None):
                 raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
@@ -99,7 +115,8 @@ class DecoderModel:
             lm_head = Linear(embed)  # packing copies: the embedding table itself stays plain
         final_norm = get("model.norm.weight")
         reader.close()
-        return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops)
+        return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops,
+                   shard.size if shard else 1, all_reduce)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_buffer: torch.Tensor,
@@ -117,9 +134,13 @@ class DecoderModel:
             q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps, self.heads,
                                              kv_buffer, index, meta.slots)
             attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale, ops.paged_decode_attention)
-            x = ops.add_rms_norm(hidden, layer.o_proj(attended.view(num_tokens, self.heads.q_size)),
-                                 layer.post_norm, eps)
+            attn_out = layer.o_proj(attended.view(num_tokens, self.heads.q_size))
+            if self.all_reduce is not None:
+                self.all_reduce(attn_out)
+            x = ops.add_rms_norm(hidden, attn_out, layer.post_norm, eps)
             mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if self.all_reduce is not None:
+                self.all_reduce(mlp)
             if index + 1 < len(self.layers):
                 x = ops.add_rms_norm(hidden, mlp, self.layers[index + 1].input_norm, eps)
             else:

@@ -48,12 +48,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from base64 import b64decode, b64encode
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NewType
 
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
-from libkv.runs import PageRun, coalesce
+from libkv.runs import ByteRun, PageRun, coalesce
 from libkv.transfer.grant_reads import GrantReader, ReadFailed
 from libkv.transfer.grants import GrantTable, Refusal, check_grant, grant_tag
 from libkv.transfer.state import TransferState
@@ -145,7 +145,7 @@ class Transfer:
     xfer handles); only the backend that created the record looks inside it."""
 
     handle: TransferHandle | None  # set right after the handle is made (they refer to each other)
-    runs: list[PageRun]
+    runs: list[PageRun] | list[ByteRun]
     deadline: float
     owner: int = 0  # id() of the backend that made it
     state: TransferState = TransferState.PENDING
@@ -216,8 +216,10 @@ class TransferBackend(ABC):
         pool = self._require_pool()
         return TransferEndpoint(self.name, pool.layout, self.host, pool.num_pages, self._engine_blob())
 
-    def connect(self, endpoint: TransferEndpoint) -> PeerId:
-        """Make a peer writable. Refuses a different backend or KV layout, naming both values.
+    def connect(self, endpoint: TransferEndpoint, *, heads_may_differ: bool = False) -> PeerId:
+        """Make a peer writable. Refuses a different backend or KV layout, naming both values
+        (but for the KV head count with `heads_may_differ`: a tensor-parallel peer that splits the
+        heads another way, written with write_regions; engine.tp checked the whole model's layout).
 
         Connecting to an endpoint already connected returns the same peer while it is usable (a
         prefill connects once per request: without this, every request would repeat the engine
@@ -227,7 +229,8 @@ class TransferBackend(ABC):
         if endpoint.backend != self.name:
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
-        pool.layout.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
+        mine = replace(pool.layout, num_kv_heads=endpoint.layout.num_kv_heads) if heads_may_differ else pool.layout
+        mine.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
         existing = self._live_peer_for(endpoint)
         if existing is not None:
             return existing
@@ -392,6 +395,43 @@ class TransferBackend(ABC):
             self._finish(record, TransferState.FAILED, PeerUnreachable(f"{self.name} write failed: {exc}"))
         return handle
 
+    # Engines that write any list of byte regions (one-sided RMA); UCX's protocol moves pages.
+    writes_regions: ClassVar[bool] = False
+
+    def write_regions(self, peer: PeerId, regions: list[ByteRun], src_pages: list[int], dst_pages: list[int], *,
+                      key: str = "", grant: bytes = b"") -> TransferHandle:
+        """Start writing byte regions of the local pages `src_pages` into the peer's `dst_pages`
+        (a peer whose pages hold other KV heads: engine.tp); returns at once, like write().
+        The caller made the regions from those pages; every region must lie inside them."""
+        if not self.writes_regions:
+            raise TransferError(f"{self.name} backend writes whole pages only")
+        pool = self._require_pool()
+        grant = check_grant(grant)
+        target = self._usable_peer(peer)
+        _check_pages("source", src_pages, pool.num_pages)
+        _check_pages("destination", dst_pages, target.endpoint.num_pages)
+        _check_regions(regions, src_pages, pool.layout.page_nbytes, dst_pages, target.endpoint.layout.page_nbytes)
+        record = Transfer(None, list(regions), time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
+        handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(regions),
+                                sum(r.nbytes for r in regions), record)
+        record.handle = handle
+        if not regions:
+            record.state = TransferState.DONE
+            return handle
+        with self._lock:
+            self._transfers[handle.transfer_id] = record
+        try:
+            record.engine = self._engine_write(target, record)
+        except TransferError as exc:
+            self._finish(record, TransferState.FAILED, exc)
+        except Exception as exc:
+            self._finish(record, TransferState.FAILED, PeerUnreachable(f"{self.name} write failed: {exc}"))
+        return handle
+
+    def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
+        """Checksums of local pages as the peer will compute them on arrival (landing check)."""
+        return self._require_pool().page_checksums(page_ids)
+
     def poll(self, handle: TransferHandle) -> TransferState:
         """Advance and report a transfer. Non-blocking; past the deadline it becomes FAILED."""
         record = self._record(handle)
@@ -507,9 +547,11 @@ class TransferBackend(ABC):
                     peer.dead = str(error)
         self._finish(record, TransferState.FAILED, error)
 
-    def _run_bytes(self, run: PageRun) -> tuple[int, int, int]:
+    def _run_bytes(self, run: PageRun | ByteRun) -> tuple[int, int, int]:
         """(source byte offset, destination byte offset, byte length) of a run; both pools have
-        the same page size because connect() checked the layouts."""
+        the same page size because connect() checked the layouts (a ByteRun carries its own)."""
+        if isinstance(run, ByteRun):
+            return run.src, run.dst, run.nbytes
         page_nbytes = self._require_pool().layout.page_nbytes
         return run.src_page * page_nbytes, run.dst_page * page_nbytes, run.length * page_nbytes
 
@@ -580,6 +622,18 @@ class TransferBackend(ABC):
 
     def _engine_close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+
+def _check_regions(regions: list[ByteRun], src_pages: list[int], src_page_nbytes: int, dst_pages: list[int],
+                   dst_page_nbytes: int) -> None:
+    """Every region inside one of the named pages on both sides: a caller bug cannot write elsewhere."""
+    src_set, dst_set = set(src_pages), set(dst_pages)
+    for region in regions:
+        src_page, dst_page = region.src // src_page_nbytes, region.dst // dst_page_nbytes
+        if (region.nbytes <= 0 or src_page not in src_set or dst_page not in dst_set
+                or (region.src + region.nbytes - 1) // src_page_nbytes != src_page
+                or (region.dst + region.nbytes - 1) // dst_page_nbytes != dst_page):
+            raise ValueError(f"byte region {region} is not inside the pages it writes")
 
 
 def _check_pages(side: str, pages: list[int], num_pages: int) -> None:

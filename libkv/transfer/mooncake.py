@@ -94,6 +94,7 @@ class MooncakeBackend(TransferBackend):
     """
 
     name = "mooncake"
+    writes_regions = True
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", protocol: str = "",
                  ib_device: str = "", max_queued_per_peer: int = 32768) -> None:

@@ -72,6 +72,7 @@ class NixlBackend(TransferBackend):
     """
 
     name = "nixl"
+    writes_regions = True
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", nixl_backend: str = "UCX",
                  agent_name: str = "", num_threads: int = 0, progress_thread: bool = False) -> None:

@@ -54,12 +54,14 @@ class AbortRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("found", "page_checksums")
+    __slots__ = ("found", "page_checksums", "tp_size")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     found: bool
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, found: _Optional[bool] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, found: _Optional[bool] = ..., page_checksums: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -90,20 +92,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "num_pages_skipped")
+    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "tp_size", "num_pages_skipped")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     first_token: _common_pb2.TokenOutput
     num_pages_written: int
     bytes_transferred: int
     transfer_seconds: float
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
+    tp_size: int
     num_pages_skipped: int
-    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., num_pages_skipped: _Optional[int] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., num_pages_skipped: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()

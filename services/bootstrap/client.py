@@ -12,12 +12,18 @@ heartbeat gets NOT_FOUND and the client registers again under a new worker id (`
 changes; `on_registered` is called). If the registry is unreachable, heartbeats keep being tried
 every interval.
 
+Several registries: `RegistryClient("10.0.0.1:8998,10.0.0.2:8998")` names registry processes that
+share one store (`pdserve bootstrap --registry-store etcd`). A call that finds its registry
+unreachable (UNAVAILABLE, or no answer in time) is tried on the next one, and the client stays
+there; a heartbeat through another registry renews the same lease, so the worker keeps its id.
+
 Gateway:
     async for event in registry.watch(): ...           # JOINED / UPDATED / LEFT, SYNCED
 
-`watch()` reconnects by itself and reconciles, so its consumer sees one consistent stream: after a
-reconnect it gets JOINED for new workers, UPDATED for changed ones and LEFT (reason "left while
-the registry was unreachable") for workers that vanished, then SYNCED again.
+`watch()` reconnects by itself (to the next registry, when given several) and reconciles, so its
+consumer sees one consistent stream: after a reconnect it gets JOINED for new workers, UPDATED for
+changed ones and LEFT (reason "left while the registry was unreachable") for workers that
+vanished, then SYNCED again.
 
 This module imports neither torch nor libkv (the gateway must stay torch-free).
 """
@@ -36,6 +42,9 @@ from services.common.security import GrpcSecurity
 
 log = logging.getLogger("pdserve.registry_client")
 
+# Codes after which another registry (sharing the store) may answer.
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 REASON_UNREACHABLE = "left while the registry was unreachable"
 
 _JOINED = bootstrap_pb2.WORKER_EVENT_TYPE_JOINED
@@ -46,11 +55,14 @@ _SYNCED = bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
 
 class RegistryClient:
     """A client of pdserve.v1.Bootstrap for one worker (register/heartbeat/deregister) or one
-    gateway (list/watch). Create it inside the event loop that will use it."""
+    gateway (list/watch). `address`: HOST:PORT, or several comma-separated (registries sharing a
+    store; see the module docstring). Create it inside the event loop that will use it."""
 
     def __init__(self, address: str, *, security: GrpcSecurity | None = None, rpc_timeout_s: float = 5.0,
                  on_registered: Callable[[str], None] | None = None) -> None:
-        self.address = address
+        self.addresses = [part.strip() for part in address.split(",") if part.strip()]
+        if not self.addresses:
+            raise ValueError(f"no registry address in {address!r}")
         self.rpc_timeout_s = rpc_timeout_s
         self.on_registered = on_registered
         self.worker_id: str | None = None
@@ -58,8 +70,39 @@ class RegistryClient:
         self._worker: bootstrap_pb2.WorkerInfo | None = None
         self._load: Callable[[], common_pb2.WorkerLoad] | None = None
         self._heartbeat_task: asyncio.Task | None = None
-        self._channel = open_channel(address, security or GrpcSecurity())
-        self._stub = bootstrap_pb2_grpc.BootstrapStub(self._channel)
+        self._channels = [open_channel(one, security or GrpcSecurity()) for one in self.addresses]
+        self._stubs = [bootstrap_pb2_grpc.BootstrapStub(channel) for channel in self._channels]
+        self._current = 0
+
+    @property
+    def address(self) -> str:
+        """The registry calls go to now."""
+        return self.addresses[self._current]
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> bootstrap_pb2_grpc.BootstrapStub:
+        return self._stubs[self._current]
+
+    def _fail_over(self) -> None:
+        if len(self.addresses) > 1:
+            previous = self.address
+            self._current = (self._current + 1) % len(self.addresses)
+            log.warning("registry %s unreachable: switching to %s", previous, self.address)
+
+    async def _unary(self, method: str, request, *, timeout_s: float, wait_for_ready: bool = False):
+        """Call `method` on the current registry; on a failover code, on each other one in turn."""
+        for attempt in range(len(self.addresses)):
+            try:
+                return await getattr(self._stub, method)(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _FAILOVER_CODES or attempt == len(self.addresses) - 1:
+                    raise
+                self._fail_over()
+        raise AssertionError("unreachable")
 
     async def __aenter__(self) -> RegistryClient:
         return self
@@ -83,13 +126,31 @@ class RegistryClient:
         request = bootstrap_pb2.RegisterRequest(worker=self._worker)
         if self._load is not None:
             request.worker.load.CopyFrom(self._current_load())
-        response = await self._stub.Register(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        if len(self.addresses) == 1:
+            response = await self._stub.Register(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        else:
+            response = await self._register_any(request, timeout_s=timeout_s, wait_for_ready=wait_for_ready)
         self.worker_id, self.lease = response.worker_id, response.lease
         log.info("registered with %s as %s (heartbeat every %.1fs, lease %.1fs)", self.address,
                  self.worker_id, self.lease.heartbeat_interval_seconds, self.lease.ttl_seconds)
         if self.on_registered is not None:
             self.on_registered(self.worker_id)
         return self.lease
+
+    async def _register_any(self, request: bootstrap_pb2.RegisterRequest, *, timeout_s: float,
+                            wait_for_ready: bool) -> bootstrap_pb2.RegisterResponse:
+        """Register through whichever registry answers; with `wait_for_ready`, keep going round
+        them until `timeout_s` (waiting on one that is down would never try the others)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            left_s = deadline - asyncio.get_running_loop().time()
+            try:
+                return await self._unary("Register", request, timeout_s=max(min(left_s, self.rpc_timeout_s), 0.01))
+            except grpc.aio.AioRpcError as exc:
+                if not wait_for_ready or exc.code() not in _FAILOVER_CODES or left_s <= 0.5:
+                    raise
+            self._fail_over()
+            await asyncio.sleep(0.5)
 
     def start_heartbeat(self, load: Callable[[], common_pb2.WorkerLoad] | None = None) -> None:
         """Renew the lease every heartbeat interval from a background task, sending `load()`
@@ -117,7 +178,7 @@ class RegistryClient:
         if self._load is not None:
             request.load.CopyFrom(self._current_load())
         try:
-            response = await self._stub.Heartbeat(request, timeout=self.rpc_timeout_s)
+            response = await self._unary("Heartbeat", request, timeout_s=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -154,8 +215,8 @@ class RegistryClient:
         if lease is None:
             return
         try:
-            await self._stub.Deregister(bootstrap_pb2.DeregisterRequest(lease_id=lease.lease_id),
-                                        timeout=self.rpc_timeout_s)
+            await self._unary("Deregister", bootstrap_pb2.DeregisterRequest(lease_id=lease.lease_id),
+                              timeout_s=self.rpc_timeout_s)
             log.info("deregistered %s from %s", self.worker_id, self.address)
         except grpc.aio.AioRpcError as exc:
             log.warning("deregister %s from %s failed: %s %s", self.worker_id, self.address,
@@ -164,14 +225,15 @@ class RegistryClient:
     async def close(self) -> None:
         """Deregister if registered, then close the channel."""
         await self.deregister()
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     # -- gateway side --------------------------------------------------------------------------
 
     async def list(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
                    *, wait_for_ready: bool = False) -> list[bootstrap_pb2.WorkerInfo]:
-        response = await self._stub.List(bootstrap_pb2.ListRequest(role=role, model=model),
-                                         timeout=self.rpc_timeout_s, wait_for_ready=wait_for_ready)
+        response = await self._unary("List", bootstrap_pb2.ListRequest(role=role, model=model),
+                                     timeout_s=self.rpc_timeout_s, wait_for_ready=wait_for_ready)
         return list(response.workers)
 
     async def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "", *,
@@ -186,7 +248,9 @@ class RegistryClient:
         backoff_s = min_backoff_s
         while True:
             snapshot: dict[str, bootstrap_pb2.WorkerInfo] | None = {}  # None once SYNCED
-            call = self._stub.Watch(bootstrap_pb2.WatchRequest(role=role, model=model), wait_for_ready=True)
+            # With several registries, do not wait on one that is down: fail, and try the next.
+            call = self._stub.Watch(bootstrap_pb2.WatchRequest(role=role, model=model),
+                                    wait_for_ready=len(self.addresses) == 1)
             try:
                 async for event in call:
                     if snapshot is not None and event.type != _SYNCED:
@@ -208,6 +272,8 @@ class RegistryClient:
                     raise
                 log.warning("watch on registry %s failed: %s %s; retrying in %.1fs", self.address,
                             exc.code().name, exc.details(), backoff_s)
+                if exc.code() in _FAILOVER_CODES:
+                    self._fail_over()
             finally:
                 call.cancel()
             await asyncio.sleep(backoff_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve import envs
+from services.bootstrap.etcd_client import parse_endpoints
 from services.common.security import GrpcSecurity
 
 
@@ -26,9 +27,22 @@ class BootstrapConfig:
         "help": "missed heartbeats after which a worker's lease expires"})
     grace_period: float = field(default=5.0, metadata={
         "help": "seconds in-flight RPCs get to finish on SIGINT/SIGTERM"})
+    registry_store: str = field(default="memory", metadata={
+        "help": "where workers are kept: memory (this process; one registry per cluster) | etcd (shared: "
+                "several registry processes on one etcd serve the same workers)"})
+    etcd_endpoints: str = field(default="http://127.0.0.1:2379", metadata={
+        "help": "--registry-store etcd: comma-separated etcd client URLs (http://HOST:PORT)"})
+    etcd_cluster: str = field(default="default", metadata={
+        "help": "--registry-store etcd: the cluster's name; workers live under /pdserve/<name>/workers/"})
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
+        if self.registry_store not in ("memory", "etcd"):
+            raise ValueError(f"registry_store must be memory or etcd, got {self.registry_store!r}")
+        if not self.etcd_cluster or "/" in self.etcd_cluster:
+            raise ValueError(f"etcd_cluster must be non-empty and without '/', got {self.etcd_cluster!r}")
+        if self.registry_store == "etcd":
+            parse_endpoints(self.etcd_endpoints)  # raises ValueError naming the bad one
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be positive, got {self.heartbeat_interval}")
         if self.heartbeat_max_failure < 1:

@@ -5,6 +5,7 @@
     pdserve:bootstrap_lease_expiries_total                leases that ran out
     pdserve:bootstrap_registrations_refused_total{reason} invalid | layout_mismatch | backend_mismatch
     pdserve:bootstrap_watchers_dropped_total              watchers dropped for falling behind
+    pdserve:bootstrap_store_up                            1 while the store's view is current (etcd: watch up)
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.bootstrap.registry import REFUSED_BACKEND, REFUSED_INVALID, REFUSED_LAYOUT, Registry
+from services.bootstrap.registry import REFUSED_BACKEND, REFUSED_INVALID, REFUSED_LAYOUT
+from services.bootstrap.store import RegistryStore
 from services.common.metrics import metric_name
 
 
 class RegistryCollector(Collector):
-    """Exposes a Registry's counts. Called on the metrics server's thread: it only reads
+    """Exposes a registry store's counts. Called on the metrics server's thread: it only reads
     snapshots (list copies) of the registry's containers."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: RegistryStore) -> None:
         self._registry = registry
 
     def collect(self) -> Iterator[Metric]:
@@ -45,9 +47,12 @@ class RegistryCollector(Collector):
         yield refused
         yield CounterMetricFamily(metric_name("bootstrap_watchers_dropped"),
                                   "Watch streams dropped for falling behind.", value=stats.watchers_dropped)
+        yield GaugeMetricFamily(metric_name("bootstrap_store_up"),
+                                "1 while the registry's view of its store is current (etcd: its watch is up).",
+                                value=1 if self._registry.healthy else 0)
 
 
-def registry_metrics(registry: Registry) -> CollectorRegistry:
+def registry_metrics(registry: RegistryStore) -> CollectorRegistry:
     """A fresh CollectorRegistry holding the registry's metrics (served by services.common.metrics)."""
     collectors = CollectorRegistry()
     collectors.register(RegistryCollector(registry))

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -79,6 +79,11 @@ class WatcherOverflow(Exception):
     """The watcher fell more than its queue bound behind and was dropped (RESOURCE_EXHAUSTED)."""
 
 
+class StoreUnavailable(Exception):
+    """A shared store (etcd) cannot be reached, or this process lost its view of it (UNAVAILABLE:
+    clients given several registries try the next one)."""
+
+
 def layout_differences(new: common_pb2.KVLayout, registered: common_pb2.KVLayout) -> list[str]:
     """Each differing KVLayout field as 'name: new vs registered' (torch-free twin of
     libkv.KVLayout.differences, so the registry does not import torch)."""
@@ -114,11 +119,12 @@ class Watcher:
     Starts with a JOINED event per matching worker and one SYNCED event, then gets every change.
     Bounded: if more than `max_queued` live events wait unread, the watcher is dropped (iteration
     raises WatcherOverflow) rather than slowing the registry or the other watchers.
-    Iteration ends (StopAsyncIteration) when the watcher or the registry is closed.
+    Iteration ends (StopAsyncIteration) when the watcher or the registry is closed, and raises
+    StoreUnavailable once the registry can no longer vouch for its events (`fail`).
     """
 
-    def __init__(self, registry: Registry, role: int, model: str, max_queued: int) -> None:
-        self._registry = registry
+    def __init__(self, owner: Watchers, role: int, model: str, max_queued: int) -> None:
+        self._owner = owner
         self.role = role
         self.model = model
         self.max_queued = max_queued
@@ -126,6 +132,7 @@ class Watcher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self.overflowed = False
+        self._failure: StoreUnavailable | None = None
 
     def matches(self, info: bootstrap_pb2.WorkerInfo) -> bool:
         return _matches(info, self.role, self.model)
@@ -146,8 +153,13 @@ class Watcher:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._registry._remove_watcher(self)
+            self._owner.discard(self)
             self._wakeup.set()
+
+    def fail(self, failure: StoreUnavailable) -> None:
+        """End the watch with `failure` (after nothing else: queued events may be stale)."""
+        self._failure = failure
+        self.close()
 
     def __aiter__(self) -> Watcher:
         return self
@@ -156,12 +168,65 @@ class Watcher:
         while True:
             if self.overflowed:
                 raise WatcherOverflow(f"watcher fell more than {self.max_queued} events behind")
+            if self._failure is not None:
+                raise self._failure
             if self._events:
                 return self._events.popleft()
             if self._closed:
                 raise StopAsyncIteration
             self._wakeup.clear()
             await self._wakeup.wait()
+
+
+class Watchers:
+    """The open watches of one registry process, and how an event reaches them (both stores use it).
+
+    Called on the event loop thread only; `len()` is read by metrics scrapes."""
+
+    def __init__(self, stats: RegistryStats, max_queued: int) -> None:
+        self.stats = stats
+        self.max_queued = max_queued
+        self.closed = False
+        self._open: set[Watcher] = set()
+
+    def open(self, role: int, model: str, snapshot: Iterable[bootstrap_pb2.WorkerInfo]) -> Watcher:
+        """A watcher whose queue starts with JOINED per matching worker of `snapshot` and SYNCED.
+        Queued at once, so no change between the snapshot and the first live event is missed."""
+        watcher = Watcher(self, role, model, self.max_queued)
+        for info in snapshot:
+            if watcher.matches(info):
+                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=info), bounded=False)
+        watcher._push(bootstrap_pb2.WorkerEvent(type=SYNCED), bounded=False)
+        self._open.add(watcher)
+        if self.closed:
+            watcher.close()
+        return watcher
+
+    def publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
+        for watcher in list(self._open):
+            if watcher.matches(info) and not watcher._push(event):
+                self.stats.watchers_dropped += 1
+                self._open.discard(watcher)
+                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
+                            role_name(watcher.role), watcher.model, watcher.max_queued)
+
+    def discard(self, watcher: Watcher) -> None:
+        self._open.discard(watcher)
+
+    def fail(self, failure: StoreUnavailable) -> None:
+        """End every open watch with `failure` (its subscribers should watch again, elsewhere)."""
+        for watcher in list(self._open):
+            watcher.fail(failure)
+
+    def close(self) -> None:
+        """End every watch; watches opened later end after their snapshot."""
+        self.closed = True
+        for watcher in list(self._open):
+            watcher.close()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 class Registry:
@@ -184,13 +249,12 @@ class Registry:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}  # worker_id -> entry
         self._by_lease: dict[str, str] = {}  # lease_id -> worker_id
-        self._watchers: set[Watcher] = set()
+        self._watchers = Watchers(self.stats, watcher_max_queued)
         self._ids = itertools.count(1)
         # Worker ids are "<role>-<instance>-<n>": readable, and never reused by a restarted registry
         # (a gateway that watched the old one must not mistake a new worker for an old one).
         self.instance = instance if instance is not None else uuid.uuid4().hex[:4]
         self._expiry_task: asyncio.Task | None = None
-        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -199,7 +263,6 @@ class Registry:
 
     async def close(self) -> None:
         """Stop expiring leases and end every watch; later watches end after their snapshot."""
-        self._closed = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             try:
@@ -207,8 +270,7 @@ class Registry:
             except asyncio.CancelledError:
                 pass
             self._expiry_task = None
-        for watcher in list(self._watchers):
-            watcher.close()
+        self._watchers.close()
 
     async def _expire_loop(self) -> None:
         # Sweep often enough that a lease is removed within ~10% of its TTL after it runs out.
@@ -283,15 +345,7 @@ class Registry:
     def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
         """Subscribe to changes. The snapshot is queued at once, so no change between the
         snapshot and the first live event can be missed. Close the watcher when done."""
-        watcher = Watcher(self, role, model, self.watcher_max_queued)
-        for entry in self._entries.values():
-            if watcher.matches(entry.info):
-                watcher._push(bootstrap_pb2.WorkerEvent(type=JOINED, worker=entry.info), bounded=False)
-        watcher._push(bootstrap_pb2.WorkerEvent(type=SYNCED), bounded=False)
-        self._watchers.add(watcher)
-        if self._closed:
-            watcher.close()
-        return watcher
+        return self._watchers.open(role, model, (entry.info for entry in self._entries.values()))
 
     def count_by_role(self) -> dict[str, int]:
         counts = dict.fromkeys(_ROLE_PREFIX.values(), 0)
@@ -321,57 +375,10 @@ class Registry:
 
     @staticmethod
     def _validate(worker: bootstrap_pb2.WorkerInfo) -> None:
-        problems = []
-        if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
-            problems.append("role is unspecified")
-        elif worker.role not in common_pb2.WorkerRole.values():
-            problems.append(f"role {worker.role} is not a known WorkerRole")
-        if not worker.model:
-            problems.append("model is empty")
-        host, _, port = worker.grpc_address.rpartition(":")
-        if not host or not port.isdigit():
-            problems.append(f"grpc_address {worker.grpc_address!r} is not host:port")
-        if not worker.HasField("kv_layout"):
-            problems.append("kv_layout is missing")
-        else:
-            layout = worker.kv_layout
-            for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-                if getattr(layout, name) <= 0:
-                    problems.append(f"kv_layout.{name} must be positive, got {getattr(layout, name)}")
-            if not layout.dtype:
-                problems.append("kv_layout.dtype is empty")
-        endpoint = worker.transfer_endpoint
-        if worker.HasField("transfer_endpoint"):
-            if not endpoint.backend:
-                problems.append("transfer_endpoint.backend is empty")
-            if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
-                problems.append("transfer_endpoint.layout differs from kv_layout: "
-                                + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
-        elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
-            problems.append(f"a {role_name(worker.role)} worker needs a transfer_endpoint")
-        if problems:
-            raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
+        validate_worker(worker)
 
     def _check_consistent(self, worker: bootstrap_pb2.WorkerInfo, ignore: _Entry | None) -> None:
-        """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
-        would fail at their first handshake; refuse the newcomer with both values named."""
-        peers = [e.info for e in self._entries.values() if e is not ignore and e.info.model == worker.model]
-        for peer in peers:
-            diffs = layout_differences(worker.kv_layout, peer.kv_layout)
-            if diffs:
-                raise RegistrationRefused(
-                    f"KV layout mismatch for model {worker.model!r}: {'; '.join(diffs)} "
-                    f"(new worker at {worker.grpc_address}: {describe_layout(worker.kv_layout)}; "
-                    f"registered worker {peer.worker_id} at {peer.grpc_address}: "
-                    f"{describe_layout(peer.kv_layout)})", REFUSED_LAYOUT)
-        mine = worker.transfer_endpoint.backend
-        for peer in peers:
-            theirs = peer.transfer_endpoint.backend
-            if mine and theirs and mine != theirs:
-                raise RegistrationRefused(
-                    f"transfer backend mismatch for model {worker.model!r}: {mine} vs {theirs} "
-                    f"(new worker at {worker.grpc_address} vs registered worker {peer.worker_id} "
-                    f"at {peer.grpc_address})", REFUSED_BACKEND)
+        check_consistent(worker, [e.info for e in self._entries.values() if e is not ignore])
 
     def _remove(self, entry: _Entry, reason: str) -> None:
         del self._entries[entry.info.worker_id]
@@ -380,16 +387,64 @@ class Registry:
         self._publish(LEFT, entry.info, reason)
 
     def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
-        event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
-        for watcher in list(self._watchers):
-            if watcher.matches(info) and not watcher._push(event):
-                self.stats.watchers_dropped += 1
-                self._watchers.discard(watcher)
-                log.warning("dropped a watcher (role=%s model=%r): more than %d events unread",
-                            role_name(watcher.role), watcher.model, watcher.max_queued)
+        self._watchers.publish(event_type, info, reason)
 
-    def _remove_watcher(self, watcher: Watcher) -> None:
-        self._watchers.discard(watcher)
+
+def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
+    """Raise InvalidWorker naming every field a registration lacks or gets wrong."""
+    problems = []
+    if worker.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
+        problems.append("role is unspecified")
+    elif worker.role not in common_pb2.WorkerRole.values():
+        problems.append(f"role {worker.role} is not a known WorkerRole")
+    if not worker.model:
+        problems.append("model is empty")
+    host, _, port = worker.grpc_address.rpartition(":")
+    if not host or not port.isdigit():
+        problems.append(f"grpc_address {worker.grpc_address!r} is not host:port")
+    if not worker.HasField("kv_layout"):
+        problems.append("kv_layout is missing")
+    else:
+        layout = worker.kv_layout
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            if getattr(layout, name) <= 0:
+                problems.append(f"kv_layout.{name} must be positive, got {getattr(layout, name)}")
+        if not layout.dtype:
+            problems.append("kv_layout.dtype is empty")
+    endpoint = worker.transfer_endpoint
+    if worker.HasField("transfer_endpoint"):
+        if not endpoint.backend:
+            problems.append("transfer_endpoint.backend is empty")
+        if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
+            problems.append("transfer_endpoint.layout differs from kv_layout: "
+                            + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
+    elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        problems.append(f"a {role_name(worker.role)} worker needs a transfer_endpoint")
+    if problems:
+        raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
+
+
+def check_consistent(worker: bootstrap_pb2.WorkerInfo, registered: Iterable[bootstrap_pb2.WorkerInfo]) -> None:
+    """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
+    would fail at their first handshake; refuse the newcomer (RegistrationRefused) with both
+    values named. `registered`: the other workers (any model)."""
+    peers = [info for info in registered if info.model == worker.model]
+    for peer in peers:
+        diffs = layout_differences(worker.kv_layout, peer.kv_layout)
+        if diffs:
+            raise RegistrationRefused(
+                f"KV layout mismatch for model {worker.model!r}: {'; '.join(diffs)} "
+                f"(new worker at {worker.grpc_address}: {describe_layout(worker.kv_layout)}; "
+                f"registered worker {peer.worker_id} at {peer.grpc_address}: "
+                f"{describe_layout(peer.kv_layout)})", REFUSED_LAYOUT)
+    mine = worker.transfer_endpoint.backend
+    for peer in peers:
+        theirs = peer.transfer_endpoint.backend
+        if mine and theirs and mine != theirs:
+            raise RegistrationRefused(
+                f"transfer backend mismatch for model {worker.model!r}: {mine} vs {theirs} "
+                f"(new worker at {worker.grpc_address} vs registered worker {peer.worker_id} "
+                f"at {peer.grpc_address})", REFUSED_BACKEND)
 
 
 def _matches(info: bootstrap_pb2.WorkerInfo, role: int, model: str) -> bool:

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from engine.tp.transfer import checksums_in_parts
 from libkv.pool import KVPool
 
 # Bytes a sender has handed to its socket arrive within milliseconds unless this host is starved;
@@ -29,14 +30,15 @@ _MAX_POLL_S = 0.05
 
 
 async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],
-                      timeout_s: float = LANDING_TIMEOUT_S) -> list[int]:
+                      timeout_s: float = LANDING_TIMEOUT_S, sender_tp_size: int = 1) -> list[int]:
     """Wait until every page in `pages` hashes to its checksum in `sent`; return the pages that
-    still differ after `timeout_s` (empty: everything landed)."""
+    still differ after `timeout_s` (empty: everything landed). `sender_tp_size`: the prefill's
+    tensor-parallel size, which decides how a page's checksum splits the KV heads."""
     pages, sent = list(pages), list(sent)
     deadline = time.monotonic() + timeout_s
     delay = _FIRST_POLL_S
     while True:
-        arrived = await asyncio.to_thread(pool.page_checksums, pages)
+        arrived = await asyncio.to_thread(checksums_in_parts, pool, pages, sender_tp_size)
         pending = [(page, want) for page, want, got in zip(pages, sent, arrived, strict=True) if want != got]
         if not pending or time.monotonic() >= deadline:
             return [page for page, _ in pending]

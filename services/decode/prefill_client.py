@@ -41,6 +41,7 @@ class PrefillReply:
 
     first: FirstToken
     page_checksums: list[int]
+    tp_size: int = 1  # the prefill's: how its checksums split the KV heads (engine.tp.transfer)
 
 
 class AbortOutcome(enum.Enum):
@@ -58,6 +59,7 @@ class AbortReply:
 
     outcome: AbortOutcome
     page_checksums: list[int] = field(default_factory=list)
+    tp_size: int = 1  # the prefill's (see PrefillReply)
 
 
 class PrefillClients:
@@ -95,7 +97,7 @@ class PrefillClients:
         return PrefillReply(
             FirstToken(token_id=first.token_id, logprob=first.logprob if params.logprobs else None,
                        top_logprobs=[(t.token_id, t.logprob) for t in first.top_logprobs]),
-            list(response.page_checksums))
+            list(response.page_checksums), response.tp_size or 1)
 
     async def abort(self, address: str, room: str) -> AbortReply:
         """Ask prefill to stop `room`; says whether it can still issue writes for it.
@@ -106,7 +108,7 @@ class PrefillClients:
         refused connection means the process is gone."""
         try:
             reply = await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
-            return AbortReply(AbortOutcome.CONFIRMED, list(reply.page_checksums))
+            return AbortReply(AbortOutcome.CONFIRMED, list(reply.page_checksums), reply.tp_size or 1)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):

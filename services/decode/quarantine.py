@@ -79,7 +79,7 @@ class PageQuarantine:
         while True:
             reply = await self.prefills.abort(prefill_address, room)
             if reply.outcome is AbortOutcome.CONFIRMED:
-                await self._wait_issued_writes(room, pages, reply.page_checksums)
+                await self._wait_issued_writes(room, pages, reply.page_checksums, reply.tp_size)
             elif reply.outcome is AbortOutcome.GONE:
                 await asyncio.sleep(_GONE_LINGER_S)
             if reply.outcome is not AbortOutcome.UNKNOWN:
@@ -99,12 +99,12 @@ class PageQuarantine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, _MAX_RETRY_S)
 
-    async def _wait_issued_writes(self, room: str, pages: list[int], sent: list[int]) -> None:
+    async def _wait_issued_writes(self, room: str, pages: list[int], sent: list[int], sender_tp_size: int) -> None:
         if len(sent) > len(pages):
             log.error("room %s: the prefill reports %d writes for %d pages; not waiting for them", room,
                       len(sent), len(pages))
             return
-        never = await wait_landed(self.engine.pool, pages[:len(sent)], sent)
+        never = await wait_landed(self.engine.pool, pages[:len(sent)], sent, sender_tp_size=sender_tp_size)
         if never:  # a write that failed midway never completes; it cannot land later either
             log.warning("room %s: %d of the %d pages the prefill wrote before the abort never matched "
                         "what it sent (a write cut short); freeing them", room, len(never), len(sent))

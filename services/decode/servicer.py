@@ -165,13 +165,13 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             self._lost.pop(room, None)
         self.backend.release_expectation(room)
         if self._checksums:
-            await self._check_arrived(room, pages, reply.page_checksums, prefill_address, context)
+            await self._check_arrived(room, pages, reply.page_checksums, prefill_address, context, reply.tp_size)
         if reservation.cached_pages:
             self.runtime.metrics.transfer_bytes_saved.inc(reservation.cached_pages * self.engine.kv_layout.page_nbytes)
         return reply.first
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,
-                             context: grpc.aio.ServicerContext) -> None:
+                             context: grpc.aio.ServicerContext, sender_tp_size: int = 1) -> None:
         """Wait until the pages hold what prefill sent (landing.py: the writes may still be on
         their way), bounded; pages that still differ then fail the request (retryable on another
         pair) before it joins the batch. The wait finishes even if the request is cancelled
@@ -180,7 +180,8 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             bad, problem = pages, f"{len(sent)} checksums for {len(pages)} pages"
         else:
             try:
-                bad = await finish_despite_cancel(wait_landed(self.engine.pool, pages, sent))
+                bad = await finish_despite_cancel(wait_landed(self.engine.pool, pages, sent,
+                                                              sender_tp_size=sender_tp_size))
             except BaseException:  # cancelled (client gone) after everything landed or was given up on
                 self.engine.release(room)
                 raise

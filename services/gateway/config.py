@@ -48,7 +48,8 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata=_help("HTTP address to bind"))
     port: int = field(default=8000, metadata=_help("HTTP port; 0 picks a free port"))
     bootstrap: str | None = field(default=None, metadata=_help(
-        "HOST:PORT of the bootstrap registry to discover workers from (joins and leaves apply live)"))
+        "HOST:PORT of the bootstrap registry to discover workers from (joins and leaves apply live); "
+        "several comma-separated for registries sharing an etcd store (fails over between them)"))
     pd_disaggregation: bool = field(default=False, metadata=_help(
         "accepted for compatibility with the seeds' router; PD routing is on whenever prefill and "
         "decode workers are known"))

@@ -61,7 +61,7 @@ class PrefillRoom:
             self.pages_pushed += len(new)
 
     def _issue(self, src: list[int], dst: list[int]) -> TransferHandle:
-        sums = self.backend.pool.page_checksums(src) if self.want_checksums else []
+        sums = self.backend.page_checksums_for(self.peer, src) if self.want_checksums else []
         handle = self.backend.write(self.peer, src, dst, key=self.room, grant=self.grant)
         with self._lock:  # one room's writes run in push order on its queue
             self.checksums.extend(sums)  # only for issued writes: decode waits for these to land

@@ -122,7 +122,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
-            transfer_seconds=elapsed, page_checksums=state.checksums, num_pages_skipped=state.skip_pages)
+            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.tp_size,
+            num_pages_skipped=state.skip_pages)
 
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
         try:
@@ -189,11 +190,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self._aborted.popitem(last=False)
         state = self._rooms.get(room)
         if state is None:  # finished, or already stopped (decode cancelling the call comes first)
-            return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []))
+            return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []),
+                                            tp_size=self.config.tp_size)
         if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
-        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums)
+        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums, tp_size=self.config.tp_size)
 
 
 def _check_destination(request: worker_pb2.PrefillRequest, num_tokens: int, page_size: int) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.decode.local_prefill import LocalPrefillRule
@@ -42,7 +44,9 @@ class WorkerConfig:
     metrics_port: int = field(default=0, metadata=_help("Prometheus /metrics port; 0 picks a free port"))
     bootstrap: str | None = field(default=None, metadata=_help(
         "HOST:PORT of the bootstrap registry; unset = do not register"))
-    tp_size: int = field(default=1, metadata=_help("tensor parallel size (only 1 is supported)"))
+    tp_size: int = field(default=1, metadata=_help(
+        "tensor-parallel ranks: this process (rank 0: gRPC, scheduler) starts tp_size - 1 more, each "
+        "holding 1/tp_size of the attention heads, KV heads and MLP columns (must divide them)"))
     base_gpu_id: int = field(default=0, metadata=_help("first GPU index this worker uses (CUDA only)"))
     device: str = field(default="auto", metadata=_help("auto | cpu | cuda"))
     dtype: str = field(default="auto", metadata=_help("auto | float32 | bfloat16 | float16"))
@@ -99,9 +103,10 @@ class WorkerConfig:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
         self.local_prefill_rule()  # refuses negative thresholds
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size} is not supported yet: pdserve runs one device per "
-                             "worker (tensor parallelism is not implemented); start more workers instead")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.tp_size > 1:
+            check_tp_size(self.tp_size, ModelConfig.from_dir(self.model_path))
 
     @property
     def role(self) -> str:
@@ -130,5 +135,5 @@ class WorkerConfig:
             page_size=self.page_size, num_pages=self.num_pages,
             mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size, num_threads=self.num_threads,
+            chunked_prefill_size=self.chunked_prefill_size, num_threads=self.num_threads, tp_size=self.tp_size,
             disable_radix_cache=self.disable_radix_cache)

@@ -8,10 +8,13 @@ pool (prefill and decode only), the metrics endpoint, the PD queue tracker and t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from engine.engine import Engine
-from libkv.transfer import TransferBackend, create_backend
+from engine.tp.transfer import TPTransferBackend
+from libkv.layout import KVLayout
+from libkv.transfer import create_backend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
 from services.bootstrap.client import RegistryClient
@@ -37,13 +40,24 @@ def _backend_options(config: WorkerConfig) -> dict:
     return options
 
 
+def _exit_worker(engine: Engine, config: WorkerConfig, rank: int, code: int) -> None:
+    """A tensor-parallel rank died: this worker cannot run a step any more. Exit at once (the other
+    ranks are killed, the registry lease expires, callers' RPCs fail and the gateway retries
+    elsewhere) rather than serve errors or hang in a collective."""
+    log.error("%s worker: tp rank %d of %d exited with code %d; exiting", config.role, rank, config.tp_size, code)
+    if engine.tp_followers is not None:
+        engine.tp_followers.kill()
+    logging.shutdown()
+    os._exit(1)
+
+
 @dataclass
 class WorkerRuntime:
     """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
 
     config: WorkerConfig
     engine: Engine
-    backend: TransferBackend | None
+    backend: TPTransferBackend | None
     metrics: WorkerMetrics
     queues: RoomQueues
     metrics_server: MetricsServer | None = None
@@ -52,9 +66,15 @@ class WorkerRuntime:
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
         engine = Engine.load(config.engine_config())
+        if engine.tp_followers is not None:
+            engine.tp_followers.watch(lambda rank, code: _exit_worker(engine, config, rank, code))
         backend = None
         if config.role != "colocated":
             backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
+            # Every rank moves its own KV heads, to peers of any TP size (engine.tp.transfer).
+            controls = engine.tp_followers.controls if engine.tp_followers is not None else []
+            backend = TPTransferBackend(backend, controls, config.disaggregation_transfer_backend,
+                                        _backend_options(config))
             backend.register(engine.pool)
         queues = RoomQueues(PREFILL_QUEUES if config.role == "prefill" else DECODE_QUEUES)
         runtime = cls(config=config, engine=engine, backend=backend,
@@ -81,6 +101,10 @@ class WorkerRuntime:
                              lambda: engine.stats().prefix_evicted_pages)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
                       lambda: engine.stats().cached_pages)
+        if isinstance(self.backend, TPTransferBackend):
+            for rank in range(self.backend.size):
+                metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
+                              lambda rank=rank: self.backend.bytes_per_rank[rank], rank=str(rank))
         for name in self.queues.names:
             if name in ("waiting", "running") and self.config.role != "prefill":
                 continue  # the engine's own queues, below
@@ -106,13 +130,19 @@ class WorkerRuntime:
         self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port,
                                                    self.config.host)
 
+    def model_layout(self) -> KVLayout:
+        """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
+        compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it)."""
+        layout = self.engine.kv_layout
+        return replace(layout, num_kv_heads=layout.num_kv_heads * self.config.tp_size)
+
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""
         if not self.config.bootstrap:
             return
         worker = bootstrap_pb2.WorkerInfo(
             role=_ROLES[self.config.role], model=self.config.model_name,
-            kv_layout=layout_to_proto(self.engine.kv_layout), grpc_address=grpc_address,
+            kv_layout=layout_to_proto(self.model_layout()), grpc_address=grpc_address,
             metrics_address=self.metrics_server.address if self.metrics_server else "",
             load=self.load(), local_prefill=self.config.local_prefill_rule().enabled)
         if self.backend is not None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
+from engine.tiny_model import PRESETS, model_config
 from services.common.config_flags import config_from_args
 from services.launch_server import add_arguments
 from services.worker.config import WorkerConfig
@@ -45,13 +47,21 @@ def test_env_knobs_are_the_defaults(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--tp-size", "2"), "--tp-size 2 is not supported yet"),
+    (("--tp-size", "0"), "--tp-size must be at least 1"),
     (("--disaggregation-mode", "both"), "--disaggregation-mode must be one of"),
     (("--disaggregation-transfer-backend", "rdma"), "--disaggregation-transfer-backend must be one of"),
 ])
 def test_bad_flags_are_refused_with_a_message(model_dir, flags, message):
     with pytest.raises(ValueError, match=message):
         parse(model_dir, *flags)
+
+
+def test_tp_size_must_split_the_heads(tmp_path):
+    # The tiny preset's shape: 4 attention heads, 2 KV heads, MLP width 768.
+    (tmp_path / "config.json").write_text(json.dumps(model_config(PRESETS["tiny"])))
+    assert parse(tmp_path, "--tp-size", "2").engine_config().tp_size == 2
+    with pytest.raises(ValueError, match="--tp-size 4: tp size 4 does not divide the model's 2 KV heads"):
+        parse(tmp_path, "--tp-size", "4")
 
 
 def test_model_path_must_be_a_checkpoint(tmp_path):

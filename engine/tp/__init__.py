@@ -1,0 +1,6 @@
+"""Tensor parallelism: N ranks in N processes, each holding 1/N of the heads and MLP columns.
+
+`shard` says which slice of every weight and KV head a rank owns (and refuses layouts that do not
+split), `group` wraps the torch.distributed collectives, `ranks` starts and watches the follower
+processes, `runner` keeps them in step with rank 0's scheduler, `follower` is a follower's main.
+"""

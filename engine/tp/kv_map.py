@@ -1,0 +1,64 @@
+"""How KV heads map between a prefill and a decode worker with different TP sizes.
+
+Rank i of a worker with TP a holds global KV heads [i*H/a, (i+1)*H/a). Between TP a and TP b,
+sender rank i writes to every receiver rank j whose heads overlap its own, the overlap only:
+in each page `[layers, K/V, slot, heads, head_dim]` that is one piece per (layer, K/V, slot), at
+the overlap's head offset on each side. The larger size must be a multiple of the smaller, so
+each rank of the smaller side holds whole head parts of the larger (what the checksums need).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libkv.layout import KVLayout, LayoutMismatch
+from libkv.runs import ByteRun
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """`num_heads` heads from head `src_head` of the sender rank's page into head `dst_head` of
+    receiver rank `dst_rank`'s page (head indices local to each rank)."""
+
+    dst_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def check_mappable(num_kv_heads: int, sender_tp: int, receiver_tp: int) -> None:
+    """Refuse TP sizes whose head splits cannot be mapped, naming both values."""
+    big, small = max(sender_tp, receiver_tp), min(sender_tp, receiver_tp)
+    if num_kv_heads % big or big % small:
+        raise LayoutMismatch(
+            f"cannot map KV heads between --tp-size {sender_tp} (prefill) and --tp-size {receiver_tp} "
+            f"(decode) for {num_kv_heads} KV heads: the larger size must divide the KV heads and be a "
+            "multiple of the smaller")
+
+
+def head_slices(num_kv_heads: int, sender_tp: int, receiver_tp: int, sender_rank: int) -> list[HeadSlice]:
+    """What sender rank `sender_rank` writes to which receiver rank."""
+    check_mappable(num_kv_heads, sender_tp, receiver_tp)
+    per_sender, per_receiver = num_kv_heads // sender_tp, num_kv_heads // receiver_tp
+    start, end = sender_rank * per_sender, (sender_rank + 1) * per_sender
+    slices = []
+    for rank in range(receiver_tp):
+        low, high = max(start, rank * per_receiver), min(end, (rank + 1) * per_receiver)
+        if low < high:
+            slices.append(HeadSlice(rank, low - start, low - rank * per_receiver, high - low))
+    return slices
+
+
+def slice_regions(cut: HeadSlice, src_pages: list[int], dst_pages: list[int], src_layout: KVLayout,
+                  dst_layout: KVLayout) -> list[ByteRun]:
+    """The byte pieces of `cut` for each page pair (src_pages[k] -> dst_pages[k])."""
+    unit = src_layout.head_dim * src_layout.itemsize  # bytes of one head of one slot
+    blocks = src_layout.num_layers * 2 * src_layout.page_size
+    src_stride, dst_stride = src_layout.num_kv_heads * unit, dst_layout.num_kv_heads * unit
+    nbytes = cut.num_heads * unit
+    regions = []
+    for src_page, dst_page in zip(src_pages, dst_pages, strict=True):
+        src = src_page * src_layout.page_nbytes + cut.src_head * unit
+        dst = dst_page * dst_layout.page_nbytes + cut.dst_head * unit
+        regions.extend(ByteRun(src + b * src_stride, dst + b * dst_stride, nbytes) for b in range(blocks))
+    return regions

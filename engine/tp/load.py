@@ -1,0 +1,52 @@
+"""Loading one rank: its shard of the weights and its KV pool (its KV heads, rank 0's page count)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.memory import kv_pages
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig, resolve_dtype
+from engine.models.decoder import DecoderModel
+from engine.models.layer_ops import select_layer_ops
+from engine.tp.control import RankControl
+from engine.tp.group import TPGroup
+from engine.tp.shard import TPShard
+from engine.tp.transfer import TPKVPool
+from libkv.layout import KVLayout
+from libkv.pool import KVPool
+
+
+@dataclass
+class RankParts:
+    model: DecoderModel
+    pool: KVPool
+    runner: ModelRunner
+
+
+def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
+    """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1)."""
+    return KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads // config.tp_size,
+                    head_dim=model_config.head_dim, page_size=config.page_size,
+                    dtype=str(dtype).removeprefix("torch."))
+
+
+def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
+              controls: list[RankControl] | None = None) -> RankParts:
+    """Every rank calls this together: rank 0 sizes the pool and the others take its page count.
+    Rank 0 passes the followers' `controls`: its pool's checksums then cover every rank's heads."""
+    model_config = ModelConfig.from_dir(config.model_path)
+    dtype = resolve_dtype(config.dtype, model_config)
+    layout = rank_layout(config, model_config, dtype)
+    model = DecoderModel.load(config.model_path, model_config, dtype, device,
+                              select_layer_ops(config.cpu_kernels, device),
+                              shard=TPShard(group.rank, group.size), all_reduce=group.all_reduce)
+    num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
+    if controls is not None:
+        pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
+    else:
+        pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
+    return RankParts(model, pool, ModelRunner(model, pool))

@@ -1,0 +1,53 @@
+"""Keeping the ranks in step: rank 0 sends each step's plan, followers run the same forward pass.
+
+Rank 0's scheduler alone decides what runs (pages, chunks, retractions); the SchedulerOutput it
+hands its model runner is the whole plan of a step, so broadcasting it is all a follower needs to
+run the same step on its shard: same page ids (every rank's pool is indexed the same), same
+tokens, and the same all-reduces in the same order. Followers compute the (replicated) logits and
+drop them; only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.batch import SchedulerOutput
+from engine.model_runner import ModelRunner
+from engine.tp.group import TPGroup
+
+log = logging.getLogger(__name__)
+
+
+class DriverRunner:
+    """Rank 0's model runner: broadcasts the step, then runs its own shard (the engine thread calls it)."""
+
+    def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
+        self.runner = runner
+        self.group = group
+
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        self.group.broadcast(batch)
+        return self.runner.forward(batch)
+
+    def close(self) -> None:
+        """Tell the followers to leave their loop (after the engine thread has stopped) and leave the
+        group, so this process can form another one later. Raises RuntimeError if the group is broken."""
+        try:
+            self.group.broadcast(None)
+        finally:
+            self.group.close()
+
+
+def follow(group: TPGroup, runner: ModelRunner) -> None:
+    """A follower's loop: run every step rank 0 broadcasts until it sends None."""
+    steps = 0
+    with torch.inference_mode():
+        while True:
+            batch = group.broadcast(None)
+            if batch is None:
+                log.info("rank 0 closed the group after %d steps", steps)
+                return
+            runner.forward(batch)  # type: ignore[arg-type]
+            steps += 1

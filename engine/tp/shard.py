@@ -1,0 +1,64 @@
+"""TPShard: which slice of each weight and of the KV heads one tensor-parallel rank owns.
+
+The usual Megatron split for Llama/Qwen: q/k/v and gate/up are column-parallel (each rank computes
+its heads and its MLP columns), o_proj and down are row-parallel (each rank multiplies its slice of
+the input; the partial outputs are summed by an all-reduce). Embeddings, norms and the LM head are
+replicated, so every rank holds the full residual stream and the same logits; only rank 0 samples.
+Rank r owns query heads [r*Hq/N, (r+1)*Hq/N) and the KV heads those queries read,
+[r*Hkv/N, (r+1)*Hkv/N): its KV pool holds only those heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class UnshardableModel(ValueError):
+    """The model's heads or MLP width do not divide by the TP size; the message names both values."""
+
+
+def check_divisible(tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+    """Refuse a TP size that would split a head, or give a rank no KV head (no replication here)."""
+    if tp_size < 1:
+        raise UnshardableModel(f"tp size must be at least 1, got {tp_size}")
+    if num_kv_heads % tp_size:
+        raise UnshardableModel(f"tp size {tp_size} does not divide the model's {num_kv_heads} KV heads "
+                               "(each rank must own whole KV heads; KV-head replication is not supported)")
+    if num_heads % tp_size:
+        raise UnshardableModel(f"tp size {tp_size} does not divide the model's {num_heads} attention heads")
+    if intermediate_size % tp_size:
+        raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {intermediate_size}")
+
+
+def check_tp_size(tp_size: int, model_config) -> None:
+    """`check_divisible` for a loaded ModelConfig, naming the flag in the message."""
+    try:
+        check_divisible(tp_size, model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)
+    except UnshardableModel as exc:
+        raise UnshardableModel(f"--tp-size {tp_size}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank `rank` of `size`; the slicing helpers take full checkpoint tensors and return this rank's part."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tp rank {self.rank} outside 0..{self.size - 1}")
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's block of dim 0 (output features of a column-parallel weight, or a bias)."""
+        return tensor.chunk(self.size, dim=0)[self.rank].contiguous()
+
+    def columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's block of dim 1 (input features of a row-parallel weight)."""
+        return tensor.chunk(self.size, dim=1)[self.rank].contiguous()
+
+    def row_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A row-parallel layer's bias is added once, on rank 0, before the partial sums are reduced."""
+        return bias if self.rank == 0 else None
