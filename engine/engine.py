@@ -180,8 +180,10 @@ class Engine:
         except BaseException:
             followers.kill()
             raise
+        # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
+        # ids and start positions), so a page cached here holds its K/V head slice on every rank.
         engine = cls(config, model_config, parts.model, tokenizer, parts.pool,
-                     PageManager(parts.pool.num_pages, config.page_size))
+                     PageManager(parts.pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache))
         engine.runner = DriverRunner(parts.runner, group)
         engine.tp_followers = followers
         return engine

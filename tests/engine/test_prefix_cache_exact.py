@@ -129,3 +129,21 @@ async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, ref
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+async def test_tensor_parallel_cache_on_equals_tp1_off(qwen3_ckpt, reference):
+    # Rank 0's page manager holds the cache; followers run its plan, so each rank's head slice of a
+    # cached page is there. Tolerance as in test_tp.py (TP reorders the o_proj/down sums).
+    prompts = prompt_family(seed=51)
+    expected = await expected_outputs(reference, prompts)
+    engine = start_engine(qwen3_ckpt, chunked_prefill_size=64, num_pages=256, page_size=PAGE, tp_size=2)
+    try:
+        for i, prompt in enumerate(prompts):
+            got = await colocated(engine, prompt, GREEDY, f"tp{i}")
+            assert [t for t, _, _ in got] == [t for t, _, _ in expected[i]], f"prompt {i}"
+            for (_, lp, _), (_, ref, _) in zip(got, expected[i], strict=True):
+                assert lp == pytest.approx(ref, abs=1e-3), f"prompt {i}"
+        stats = engine.stats()
+        assert stats.prefix_hit_tokens > 0 and stats.used_pages == 0
+    finally:
+        engine.shutdown()
