@@ -78,7 +78,10 @@ class PdserveSystem:
         self.engine = Engine.load(EngineConfig(
             model_path=model, dtype=dtype, num_threads=threads, page_size=page_size,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
-            chunked_prefill_size=512, cpu_kernels=cpu_kernels, tp_size=tp_size))
+            chunked_prefill_size=512, cpu_kernels=cpu_kernels, tp_size=tp_size,
+            # Every round repeats the same prompts: with the prefix cache, rounds after the first would
+            # skip their prefill, which the systems compared with do not.
+            disable_radix_cache=True))
         self.engine.start()
 
     def round(self, index: int) -> dict:

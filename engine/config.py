@@ -29,6 +29,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_kernels: str = "auto"  # auto | on | off: the fused C++ CPU kernels (engine.models.layer_ops)
     tp_size: int = 1  # tensor-parallel ranks, one process each (engine.tp); 1 = no collectives at all
+    disable_radix_cache: bool = False  # SGLang's name: turns the prefix cache off (engine.prefix_cache)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -57,6 +58,7 @@ _HELP = {
     "num_threads": "torch intra-op threads",
     "cpu_kernels": "fused C++ CPU kernels built by `make setup`: auto (if built), on (required) or off",
     "tp_size": "tensor-parallel ranks (processes) sharing the model's heads and MLP columns",
+    "disable_radix_cache": "turn the prefix cache off: every prompt is computed in full",
 }
 
 
@@ -66,6 +68,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.default is MISSING:
             parser.add_argument(flag, required=True, help=_HELP[f.name])
+            continue
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"{_HELP[f.name]} (default: {f.default})")
             continue
         kind = int if f.default is None else type(f.default)  # every optional field is a count
         parser.add_argument(flag, type=kind, default=f.default, help=f"{_HELP[f.name]} (default: {f.default})")

@@ -15,7 +15,8 @@ finish the request (`_Finish`). Tokens the engine sampled meanwhile are dropped.
 pages that no forward pass uses.
 
 PD hooks: the prefill side calls `prefill` (pages held after it returns until `release`); the
-decode side calls `reserve`, lets the transfer fill the pages, then `generate_prefilled`.
+decode side calls `reserve` (or `reserve_prompt`, reusing cached leading pages), lets the
+transfer fill the pages, then `generate_prefilled`.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
-from engine.page_manager import PageManager
+from engine.page_manager import PageManager, Reservation
 from engine.request import Request
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tp.ranks import FollowerRanks
 from engine.tp.runner import DriverRunner
 from libkv.layout import KVLayout
+from libkv.page_hash import page_hashes
 from libkv.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,8 @@ class Engine:
         # happens in a short-lived thread whose workers go away with it.
         model, pool = _in_short_lived_thread(load_tensors)
         tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
-        return cls(config, model_config, model, tokenizer, pool, PageManager(pool.num_pages, config.page_size))
+        pages = PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
+        return cls(config, model_config, model, tokenizer, pool, pages)
 
     @classmethod
     def _load_tensor_parallel(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Engine:
@@ -177,8 +180,10 @@ class Engine:
         except BaseException:
             followers.kill()
             raise
+        # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
+        # ids and start positions), so a page cached here holds its K/V head slice on every rank.
         engine = cls(config, model_config, parts.model, tokenizer, parts.pool,
-                     PageManager(parts.pool.num_pages, config.page_size))
+                     PageManager(parts.pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache))
         engine.runner = DriverRunner(parts.runner, group)
         engine.tp_followers = followers
         return engine
@@ -306,6 +311,19 @@ class Engine:
         """Pre-allocate pages for a prompt of `num_tokens` whose K/V will arrive by transfer."""
         return self.pages.reserve(room, num_tokens)
 
+    def reserve_prompt(self, room: str, prompt_ids: list[int],
+                       hashes: list[int] | None = None) -> Reservation | None:
+        """Like `reserve`, but the prompt's leading full pages come from the prefix cache when it
+        holds them: only `Reservation.tail` must be filled by transfer. `hashes`: the prompt's
+        page hashes (`prompt_hashes`), for a caller that tries again until pages are free."""
+        return self.pages.reserve_prompt(room, prompt_ids, hashes)
+
+    def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
+        """The chained hashes of the prompt's full pages; None when the prefix cache is off."""
+        if self.pages.cache is None:
+            return None
+        return page_hashes(prompt_ids, self.pages.page_size)
+
     def release(self, room: str) -> bool:
         """Free the pages reserved or held under `room`; False if it has none."""
         released = self.pages.release(room)
@@ -315,13 +333,18 @@ class Engine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
+        cache = self.pages.cache
         return EngineStats(
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
             used_pages=self.pages.used_pages, total_pages=self.pages.num_pages,
             held_rooms=self.pages.num_rooms, reserved_pages=self.pages.reserved_pages,
             running_tokens=sum(r.num_tokens for r in list(scheduler.running)),
-            generated_tokens=self._generated_tokens, steps=self._steps)
+            generated_tokens=self._generated_tokens, steps=self._steps,
+            cached_pages=cache.num_pages if cache else 0,
+            prefix_query_tokens=cache.stats.query_tokens if cache else 0,
+            prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
 
     def live_rooms(self) -> set[str]:
         """Rooms of the requests the engine is working on now (a snapshot; PD holds not included)."""

@@ -59,6 +59,11 @@ class EngineStats:
     running_tokens: int  # tokens (prompt + generated) of the running requests
     generated_tokens: int
     steps: int
+    # Prefix cache (zero when it is off): pages indexed now, and running totals.
+    cached_pages: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evicted_pages: int = 0
 
 
 class RequestAborted(Exception):

@@ -1,10 +1,31 @@
-"""PageManager: KV pages of requests, reservations and held pages, on top of libkv's PageAllocator."""
+"""PageManager: KV pages of requests, reservations and held pages, on top of libkv's PageAllocator,
+with the prefix cache (engine.prefix_cache) when it is on."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from engine.prefix_cache import PrefixCache
 from libkv.allocator import PageAllocator
+from libkv.page_hash import page_hashes
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages set aside under a room for a prompt whose K/V arrives by transfer (decode side).
+
+    `pages` covers the whole prompt in order; its first `cached_pages` come from this worker's
+    prefix cache (already holding the prompt's K/V, shared read-only), so only `tail` needs writing.
+    """
+
+    pages: list[int]
+    cached_pages: int = 0
+
+    @property
+    def tail(self) -> list[int]:
+        return self.pages[self.cached_pages:]
 
 
 class PageManager:
@@ -16,12 +37,18 @@ class PageManager:
     - a hold (prefill side of PD): the pages of a finished prefill, kept by `hold` until the
       KV transfer is done and the service calls `release`.
 
+    With `prefix_cache`, full pages whose K/V is computed are indexed by content (`cache_pages`)
+    and a new prompt starts from the longest cached run of its leading pages (`acquire_prefix`,
+    `reserve_prompt`). Cached pages nobody uses are idle: they count as free (`free_pages`,
+    `used_pages`), and allocation evicts them, least recently released first, when it must.
+
     Methods are thread-safe: the engine thread grows and frees, service threads reserve and release.
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False) -> None:
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
+        self.cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
         self._lock = threading.Lock()
         self._by_room: dict[str, list[int]] = {}  # reservations and holds
 
@@ -53,10 +80,80 @@ class PageManager:
         return True
 
     def free(self, page_ids: list[int]) -> None:
-        """Give back every page in the list and empty it."""
+        """Give back every page in the list and empty it. Released last page first, so of a
+        sequence's cached pages the later ones (leaves of the prefix tree) are evicted first."""
         with self._lock:
-            self.allocator.release(page_ids)
+            self.allocator.release(reversed(page_ids))
         page_ids.clear()
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+    def acquire_prefix(self, token_ids: Sequence[int], max_pages: int,
+                       hashes: Sequence[int] | None = None) -> list[int]:
+        """The cached pages of the longest run of `token_ids`' leading full pages (at most
+        `max_pages`), each retained for the caller (who frees them like its other pages)."""
+        if self.cache is None or max_pages <= 0:
+            return []
+        with self._lock:
+            pages = self.cache.match(token_ids, max_pages, hashes)
+            self.allocator.retain(pages)
+        return pages
+
+    def cache_pages(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int],
+                    first: int = 0) -> None:
+        """Index the full computed pages `first`..len(hashes) of a sequence (see PrefixCache.insert)."""
+        if self.cache is None:
+            return
+        with self._lock:
+            self.cache.insert(token_ids, page_ids, hashes, first)
+
+    def watch_cache(self, listener) -> list[int]:
+        """Call `listener(kind, hashes)` on every change of the cache from now on (under this
+        manager's lock: keep it short) and return the hashes cached now: taken together, so no
+        change is missed or seen twice. Empty, and nothing called, when the cache is off."""
+        if self.cache is None:
+            return []
+        with self._lock:
+            self.cache.listeners.append(listener)
+            return self.cache.hashes()
+
+    def unwatch_cache(self, listener) -> None:
+        if self.cache is not None:
+            with self._lock:
+                if listener in self.cache.listeners:
+                    self.cache.listeners.remove(listener)
+
+    def count_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """Record one prompt's lookup (for the hit-rate metrics)."""
+        if self.cache is not None:
+            with self._lock:
+                self.cache.stats.query_tokens += query_tokens
+                self.cache.stats.hit_tokens += hit_tokens
+
+    def reserve_prompt(self, room: str, token_ids: Sequence[int],
+                       hashes: Sequence[int] | None = None) -> Reservation | None:
+        """Set aside pages for a prompt under `room`, its leading full pages from the cache when
+        they are there; None if not enough pages are free. Every full page may come from the
+        cache: nothing is computed here, and decoding writes only past the prompt. `hashes`:
+        the prompt's page hashes, if the caller has them (a caller that retries passes them)."""
+        if self.cache is not None and hashes is None:
+            hashes = page_hashes(token_ids, self.page_size)  # outside the lock
+        with self._lock:
+            if room in self._by_room:
+                raise ValueError(f"room {room!r} already has reserved or held pages")
+            cached: list[int] = []
+            if self.cache is not None:
+                cached = self.cache.match(token_ids, len(token_ids) // self.page_size, hashes)
+                self.allocator.retain(cached)
+            need = self.pages_for(len(token_ids)) - len(cached)
+            if not self.allocator.can_allocate(need):
+                self.allocator.release(reversed(cached))
+                return None
+            pages = cached + self.allocator.allocate(need)
+            self._by_room[room] = pages
+            if self.cache is not None:
+                self.cache.stats.query_tokens += len(token_ids)
+                self.cache.stats.hit_tokens += len(cached) * self.page_size
+            return Reservation(list(pages), len(cached))
 
     def reserve(self, room: str, num_tokens: int) -> list[int] | None:
         """Set aside pages for `num_tokens` under `room`; None if not enough pages are free."""
@@ -91,7 +188,7 @@ class PageManager:
             pages = self._by_room.pop(room, None)
             if pages is None:
                 return False
-            self.allocator.release(pages)
+            self.allocator.release(reversed(pages))
             return True
 
     def has_room(self, room: str) -> bool:

@@ -40,6 +40,10 @@ class Request:
     admit_order: int = -1
     num_retractions: int = 0
     finish_reason: str | None = None
+    # Prefix cache: hashes of the full pages of token_ids known so far (content only, so they
+    # survive retraction), and how many of page_ids were offered to the cache.
+    page_hashes: list[int] = field(default_factory=list)
+    pages_cached: int = 0
     # Engine-loop state (never read by the scheduler).
     generator: torch.Generator | None = None
     stop_token_ids: frozenset[int] = frozenset()  # sampling one ends the request ("stop"); eos included

@@ -10,6 +10,12 @@ Each step (`schedule`) builds one SchedulerOutput:
    pages allow. Admission allocates pages for every known token at once, so a half-prefilled
    request never waits for memory.
 Decodes and prefill chunks share the forward pass, so neither starves the other.
+
+Prefix cache (when the PageManager has one): admission starts a request from the cached pages of
+its longest cached run of leading full pages and computes only the rest. At least one token is
+always computed (its logits give the next token), so a prompt cached to its end recomputes its
+last page. Full pages enter the cache as soon as their K/V is computed (after each prefill
+chunk), and when a request leaves (finished, aborted or retracted) with the pages it decoded.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.page_manager import PageManager
 from engine.request import Request, RequestStatus
+from libkv.page_hash import page_hashes
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.room, None)
+        self._cache_computed(request)
         if request.prefill_only and reason != "abort":
             self.pages.hold(request.room, request.page_ids)
         else:
@@ -106,7 +114,9 @@ class Scheduler:
     def retract(self, request: Request) -> None:
         """Free a running request's pages and queue it (first in line) to be recomputed."""
         self.running.remove(request)
+        self._cache_computed(request)
         self.pages.free(request.page_ids)
+        request.pages_cached = 0
         request.num_computed = 0
         request.status = RequestStatus.WAITING
         request.num_retractions += 1
@@ -130,14 +140,46 @@ class Scheduler:
                 budget -= self._add_chunk(batch, request, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
-            # Keep one page of slack per running request so admitting this one does not force
-            # an immediate retraction at the next page boundary.
-            if not self.pages.grow(request.page_ids, request.num_tokens, keep_free=len(self.running)):
+            if not self._allocate(request):
                 break
             self.waiting.popleft()
             self._admit(request)
             budget -= self._add_chunk(batch, request, budget)
         return batch
+
+    def _allocate(self, request: Request) -> bool:
+        """Pages for every known token of a waiting request, its leading pages from the prefix
+        cache; False (and nothing held) if they do not fit. Keeps one page of slack per running
+        request so admitting this one does not force a retraction at the next page boundary."""
+        size = self.pages.page_size
+        cached: list[int] = []
+        if self.pages.cache is not None:
+            request.page_hashes = page_hashes(request.token_ids, size, request.page_hashes)
+            cached = self.pages.acquire_prefix(request.token_ids, (request.num_tokens - 1) // size,
+                                               request.page_hashes)
+        num_cached = len(cached)
+        request.page_ids = cached  # grown in place below
+        if not self.pages.grow(request.page_ids, request.num_tokens, keep_free=len(self.running)):
+            self.pages.free(request.page_ids)
+            return False
+        request.num_computed = num_cached * size
+        request.pages_cached = num_cached
+        self.pages.count_query(request.num_tokens, request.num_computed)
+        return True
+
+    def _cache_computed(self, request: Request) -> None:
+        """Offer the request's full pages whose K/V is computed to the prefix cache."""
+        if self.pages.cache is None or not request.page_ids:
+            return
+        full = min(request.num_computed // self.pages.page_size, len(request.page_ids))
+        if full <= request.pages_cached:
+            return
+        if len(request.page_hashes) < full:
+            request.page_hashes = page_hashes(request.token_ids[:full * self.pages.page_size],
+                                              self.pages.page_size, request.page_hashes)
+        self.pages.cache_pages(request.token_ids, request.page_ids, request.page_hashes[:full],
+                               request.pages_cached)
+        request.pages_cached = full
 
     def _schedule_decodes(self, batch: SchedulerOutput) -> None:
         for request in list(self.running):
@@ -174,7 +216,9 @@ class Scheduler:
         for chunk in batch.decodes:
             self.requests[chunk.room].num_computed = chunk.end_pos
         for chunk in batch.extends:
-            self.requests[chunk.room].num_computed = chunk.end_pos
+            request = self.requests[chunk.room]
+            request.num_computed = chunk.end_pos
+            self._cache_computed(request)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

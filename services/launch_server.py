@@ -17,6 +17,7 @@ from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.worker.config import WorkerConfig
+from services.worker.kv_events import KvEventsServicer
 from services.worker.leak_detector import LeakDetector
 from services.worker.runtime import WorkerRuntime
 
@@ -76,7 +77,11 @@ async def serve(runtime: WorkerRuntime) -> None:
     try:
         runtime.start_metrics()
         binding = _binding(runtime)
-        server = await start_grpc_server([binding], config.host, config.port, security=config.security)
+        kv_events = KvEventsServicer(runtime.engine)
+        server = await start_grpc_server(
+            [binding, ServiceBinding(service_name(worker_pb2, "KvEvents"), kv_events,
+                                     worker_pb2_grpc.add_KvEventsServicer_to_server)],
+            config.host, config.port, security=config.security)
         await runtime.register(server.address)
         detector = LeakDetector(runtime.engine, binding.servicer.live_rooms,
                                 lambda leak: runtime.metrics.leak_detections.inc())
@@ -95,6 +100,7 @@ async def serve(runtime: WorkerRuntime) -> None:
         log.info("%s worker got %s: shutting down", config.role, received.name)
         for task in background:
             task.cancel()
+        kv_events.close()
         await server.stop(config.grace_period)
     finally:
         shutdown.remove()

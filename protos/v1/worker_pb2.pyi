@@ -1,11 +1,21 @@
 from protos.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_STORED: KvEventKind
+KV_EVENT_KIND_REMOVED: KvEventKind
 
 class GenerateRequest(_message.Message):
     __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address")
@@ -58,7 +68,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +78,7 @@ class PrefillRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -77,23 +88,48 @@ class PrefillRequest(_message.Message):
     model: str
     grant: bytes
     page_checksums: bool
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ...) -> None: ...
+    skip_pages: int
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "tp_size")
+    __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "tp_size", "num_pages_skipped")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     first_token: _common_pb2.TokenOutput
     num_pages_written: int
     bytes_transferred: int
     transfer_seconds: float
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
     tp_size: int
-    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    num_pages_skipped: int
+    def __init__(self, first_token: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., num_pages_written: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., page_checksums: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., num_pages_skipped: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "page_hashes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEventKind
+    page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("snapshot", "events", "page_size")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    page_size: int
+    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -398,3 +398,96 @@ class Prefill:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvEventsStub:
+    """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
+    cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
+    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
+    cached now); every later batch carries the changes since, in order. A subscriber that falls too
+    far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose
+    cache is off (--disable-radix-cache) sends an empty snapshot and nothing else.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Subscribe = channel.unary_stream(
+                '/pdserve.v1.KvEvents/Subscribe',
+                request_serializer=protos_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+
+
+class KvEventsServicer:
+    """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
+    cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
+    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
+    cached now); every later batch carries the changes since, in order. A subscriber that falls too
+    far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose
+    cache is off (--disable-radix-cache) sends an empty snapshot and nothing else.
+    """
+
+    def Subscribe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KvEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KvEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvEvents:
+    """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
+    cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
+    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
+    cached now); every later batch carries the changes since, in order. A subscriber that falls too
+    far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose
+    cache is off (--disable-radix-cache) sends an empty snapshot and nothing else.
+    """
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KvEvents/Subscribe',
+            protos_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from engine.engine import Engine
+from engine.page_manager import Reservation
 
 _POLL_S = 0.005
 
@@ -27,17 +28,21 @@ class PreallocQueue:
         self.engine = engine
         self._turn = asyncio.Lock()
 
-    async def reserve(self, room: str, num_tokens: int, timeout_s: float) -> list[int]:
+    async def reserve(self, room: str, prompt_ids: list[int], timeout_s: float) -> Reservation:
+        """Pages for the prompt under `room`, its leading full pages from the prefix cache when
+        there (those need no transfer: `Reservation.tail` is what prefill must write)."""
+        num_tokens = len(prompt_ids)
         deadline = time.monotonic() + timeout_s
         try:
             await asyncio.wait_for(self._turn.acquire(), timeout=timeout_s)
         except TimeoutError:
             raise PreallocTimeout(f"no KV pages for {num_tokens} tokens within {timeout_s:.0f}s") from None
         try:
+            hashes = self.engine.prompt_hashes(prompt_ids)  # once, not at every poll
             while True:
-                pages = self.engine.reserve(room, num_tokens)
-                if pages is not None:
-                    return pages
+                reservation = self.engine.reserve_prompt(room, prompt_ids, hashes)
+                if reservation is not None:
+                    return reservation
                 if time.monotonic() >= deadline:
                     raise PreallocTimeout(f"no KV pages for {num_tokens} tokens within {timeout_s:.0f}s")
                 await asyncio.sleep(_POLL_S)

@@ -1,10 +1,12 @@
 """The decode worker: pdserve.v1.Worker driving a remote prefill (`--disaggregation-mode decode`).
 
 One request, as ARCHITECTURE.md draws it:
-  prealloc  wait (FIFO) until the engine can reserve pages for the prompt
-  transfer  call Prefill(room, prompt, dst pages, our endpoint) on the prefill worker the gateway
-            chose; it runs the prompt and writes the KV into the reserved pages, then replies with
-            the first token. The reply is the completion signal: pages are never read before it.
+  prealloc  wait (FIFO) until the engine can reserve pages for the prompt; its leading full pages
+            come from this worker's prefix cache when they are there (decode-side reuse)
+  transfer  call Prefill(room, prompt, dst pages, skip_pages, our endpoint) on the prefill worker
+            the gateway chose; it runs the prompt and writes the KV of the pages after the
+            `skip_pages` cached ones into the reserved pages, then replies with the first token.
+            The reply is the completion signal: pages are never read before it.
   waiting   the engine takes the reserved pages and the first token...
   running   ...and the request decodes in the running batch; tokens stream back.
 
@@ -121,11 +123,14 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         """prealloc + transfer. Returns the first token with the prompt's KV in the reserved pages."""
         self.queues.move(room, "prealloc")
         try:
-            pages = await self.prealloc.reserve(room, len(prompt), self.config.waiting_timeout)
+            reservation = await self.prealloc.reserve(room, prompt, self.config.waiting_timeout)
         except PreallocTimeout as exc:
             self.runtime.metrics.failure("prealloc")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}")
         self.queues.move(room, "transfer")
+        # Only the pages after the ones reused from our prefix cache are offered to the prefill:
+        # the cached ones are shared with other requests and must never be written.
+        pages = reservation.tail
         # Binds the pages to this room and request: the prefill checks the binding through the
         # transfer engine before it writes (two-sided engines also check every write), so only the
         # prefill given this grant can fill them.
@@ -134,7 +139,8 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         prefill_request = worker_pb2.PrefillRequest(
             room=room, prompt_token_ids=prompt, sampling=sampling_to_proto(params), dst_page_ids=pages,
             dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
-            model=self.config.model_name, grant=grant, page_checksums=self._checksums)
+            model=self.config.model_name, grant=grant, page_checksums=self._checksums,
+            skip_pages=reservation.cached_pages)
         call = asyncio.ensure_future(self.prefills.prefill(
             prefill_address, prefill_request, params,
             timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
@@ -161,6 +167,8 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         self.backend.release_expectation(room)
         if self._checksums:
             await self._check_arrived(room, pages, reply.page_checksums, prefill_address, context, reply.tp_size)
+        if reservation.cached_pages:
+            self.runtime.metrics.transfer_bytes_saved.inc(reservation.cached_pages * self.engine.kv_layout.page_nbytes)
         return reply.first
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,

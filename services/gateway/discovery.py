@@ -132,7 +132,8 @@ class RegistryDiscovery:
                 pending.cancel()
                 log.info("worker %s %s is back in the registry", role, address)
             self.pool.add(address, role, info.model, worker_id=info.worker_id,
-                          reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill)
+                          reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill,
+                          page_size=info.kv_layout.page_size)
         elif event.type == _LEFT:
             if self.check is not None:
                 self.check.forget(address, info.worker_id)

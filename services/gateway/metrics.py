@@ -43,16 +43,22 @@ class _PoolCollector(Collector):
         circuit = GaugeMetricFamily(metric_name("gateway_worker_circuit_state"),
                                     "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open",
                                     labels=["worker", "role"])
+        cached = GaugeMetricFamily(metric_name("gateway_worker_cached_pages"),
+                                   "KV pages each worker's prefix cache holds, as its KV events tell "
+                                   "(-1: not known: no event stream)", labels=["worker", "role"])
         workers = GaugeMetricFamily(metric_name("gateway_workers"), "Known workers by role", labels=["role"])
         counts: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
         for worker in self.pool.all():
             inflight.add_metric([worker.address, worker.role], worker.inflight)
             circuit.add_metric([worker.address, worker.role], worker.breaker.state.gauge_value)
+            view = worker.kv_cache
+            cached.add_metric([worker.address, worker.role], len(view.hashes) if view.synced else -1)
             counts[worker.role] = counts.get(worker.role, 0) + 1
         for role, count in counts.items():
             workers.add_metric([role], count)
         yield inflight
         yield circuit
+        yield cached
         yield workers
 
 

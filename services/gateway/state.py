@@ -12,6 +12,7 @@ from services.gateway.config import GatewayConfig, StaticWorker
 from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
 from services.gateway.errors import GatewayError
+from services.gateway.kv_events import KvEventSubscriptions
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_files import ModelFiles
 from services.gateway.policies import make_policy
@@ -32,6 +33,7 @@ class GatewayState:
     metrics: GatewayMetrics
     discovery: RegistryDiscovery | None = None
     prober: HealthProber | None = None
+    kv_events: KvEventSubscriptions | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
@@ -39,8 +41,12 @@ class GatewayState:
             self.discovery.start()
         if self.prober is not None:
             self.prober.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def close(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.prober is not None:
             await self.prober.close()
         if self.discovery is not None:
@@ -97,6 +103,9 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
         first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),
         synced=discovery.synced if discovery is not None else None)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
+    # Only cache_aware reads the workers' KV events: other policies need no subscription.
+    kv_events = KvEventSubscriptions(pool) if "cache_aware" in (config.prefill_policy_name,
+                                                                config.decode_policy_name) else None
     return GatewayState(config=config, model_name=model_name, model_files=model_files or ModelFiles(config.model_path),
-                        pool=pool,
-                        router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery, prober=prober)
+                        pool=pool, router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery,
+                        prober=prober, kv_events=kv_events)

@@ -19,6 +19,7 @@ from protos.v1 import common_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
 from services.gateway.circuit_breaker import CircuitBreaker
+from services.gateway.kv_view import KvCacheView
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -64,6 +65,8 @@ class WorkerHandle:
     worker_id: str = ""
     static: bool = False
     local_prefill: bool = False  # decode only: runs prompts itself when no prefill worker can
+    page_size: int = 0  # tokens per KV page, from its registration (0: static, not known yet)
+    kv_cache: KvCacheView = field(default_factory=KvCacheView)  # its prefix cache (kv_events.py)
     reported: ReportedLoad = field(default_factory=ReportedLoad)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     security: GrpcSecurity = field(default_factory=GrpcSecurity, repr=False)
@@ -163,7 +166,7 @@ class WorkerPool:
         return sorted({w.model for w in self._workers.values()})
 
     def add(self, address: str, role: str, model: str, *, worker_id: str = "", static: bool = False,
-            reported: ReportedLoad | None = None, local_prefill: bool = False) -> WorkerHandle:
+            reported: ReportedLoad | None = None, local_prefill: bool = False, page_size: int = 0) -> WorkerHandle:
         """Add a worker, or update the one at `address`. A different role or worker id at the same
         address is a new process there: its handle (breaker, channel) is replaced."""
         existing = self._workers.get(address)
@@ -172,6 +175,7 @@ class WorkerPool:
             existing.worker_id = worker_id or existing.worker_id
             existing.static = existing.static or static
             existing.local_prefill = local_prefill
+            existing.page_size = page_size or existing.page_size
             if reported is not None:
                 existing.reported = reported
             return existing
@@ -179,7 +183,7 @@ class WorkerPool:
             self.remove(address, reason="replaced")
         handle = WorkerHandle(address=address, role=role, model=model, worker_id=worker_id, static=static,
                               local_prefill=local_prefill, reported=reported or ReportedLoad(), breaker=self._breaker_factory(),
-                              security=self._security)
+                              security=self._security, page_size=page_size)
         self._workers[address] = handle
         log.info("worker joined: %s %s (model %s%s)", role, address, model,
                  f", id {worker_id}" if worker_id else ", static")

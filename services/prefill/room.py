@@ -22,6 +22,9 @@ class PrefillRoom:
     final, so decode can compare what arrived with what was sent. The servicer awaits `wait_all`
     after the prompt and calls `abort_all` on any failure. `closed` stops new writes the moment an
     abort starts, so nothing is written after Abort has been answered.
+
+    The first `skip_pages` pages of the prompt are never written (decode holds them already):
+    prompt page `skip_pages + i` goes to `dst_page_ids[i]`, and checksums cover written pages only.
     """
 
     room: str
@@ -35,7 +38,8 @@ class PrefillRoom:
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     writes: list[Future[TransferHandle]] = field(default_factory=list)
-    pages_pushed: int = 0
+    skip_pages: int = 0
+    pages_pushed: int = 0  # pages written (issued), after the skipped ones
     bytes_pushed: int = 0
     first_write_at: float | None = None
     closed: bool = False
@@ -47,11 +51,11 @@ class PrefillRoom:
         with self._lock:
             if self.closed:
                 return
-            start = self.pages_pushed
+            start = self.skip_pages + self.pages_pushed
             new = page_ids[start:]
             if not new:
                 return
-            dst = self.dst_page_ids[start:start + len(new)]
+            dst = self.dst_page_ids[self.pages_pushed:self.pages_pushed + len(new)]
             self.first_write_at = self.first_write_at or time.perf_counter()
             self.writes.append(self.queues.submit(self.room, lambda: self._issue(new, dst)))
             self.pages_pushed += len(new)

@@ -5,8 +5,10 @@ One request moves through ARCHITECTURE.md's prefill queues:
              model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION); check
              through the transfer engine that decode reserved exactly `dst_page_ids` for this
              room and grant (PERMISSION_DENIED otherwise: a forged or stale call writes nothing)
-  waiting    the engine runs the prompt in chunks; after each chunk its completed pages are written
-             straight into decode's reserved pages, so the transfer overlaps the compute
+  waiting    the engine runs the prompt in chunks (from its prefix cache where it can); after each
+             chunk its completed pages are written straight into decode's reserved pages, so the
+             transfer overlaps the compute. The first `skip_pages` pages, which decode already
+             holds in its own prefix cache, are not written.
   inflight   after the last chunk (and its partial page), wait until every write has landed,
              then reply with the first token: that reply is decode's completion signal.
 The engine holds the prompt's pages until the writes are finished or aborted, then frees them.
@@ -83,13 +85,13 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
         # Registered before the handshake, so an Abort that arrives during it finds the room.
         state = PrefillRoom(room, self.backend, self.transfer_queues, list(request.dst_page_ids),
                             grant=request.grant, want_checksums=request.page_checksums,
-                            task=asyncio.current_task())
+                            task=asyncio.current_task(), skip_pages=max(request.skip_pages, 0))
         self._rooms[room] = state
         try:
             self.queues.move(room, "bootstrap")
             state.peer = await self._connect(request, context)  # refuses another layout or backend
             try:  # after the handshake: with another page size the page count says nothing
-                _check_destination(request, self.engine.pages.pages_for(len(parsed.prompt_ids)))
+                _check_destination(request, len(parsed.prompt_ids), self.engine.pages.page_size)
             except BadRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await self._check_grant(state, context)
@@ -121,7 +123,8 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
-            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.tp_size)
+            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.tp_size,
+            num_pages_skipped=state.skip_pages)
 
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
         try:
@@ -196,11 +199,20 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
         return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums, tp_size=self.config.tp_size)
 
 
-def _check_destination(request: worker_pb2.PrefillRequest, needed: int) -> None:
-    """The destination pages must be as many as the prompt needs, distinct, and inside decode's pool."""
+def _check_destination(request: worker_pb2.PrefillRequest, num_tokens: int, page_size: int) -> None:
+    """`skip_pages` must name only full pages of the prompt; the destination pages must be as many
+    as the rest of the prompt needs, distinct, and inside decode's pool. A forged skip count cannot
+    make prefill write anything but the pages decode reserved for this room (the grant check
+    comes next), and cannot move a page to another position: it is refused here."""
+    skip, full = request.skip_pages, num_tokens // page_size
+    if not 0 <= skip <= full:
+        raise BadRequest(f"skip_pages: {skip} is not between 0 and the prompt's {full} full pages "
+                         f"({num_tokens} tokens, pages of {page_size})")
+    needed = -(-num_tokens // page_size) - skip
     pages = request.dst_page_ids
     if len(pages) != needed:
-        raise BadRequest(f"dst_page_ids: {len(pages)} destination pages for a prompt that needs {needed}")
+        raise BadRequest(f"dst_page_ids: {len(pages)} destination pages for a prompt that needs {needed}"
+                         + (f" after {skip} skipped pages" if skip else ""))
     if not request.HasField("dst"):
         raise BadRequest("dst: decode's transfer endpoint is required")
     bad = [p for p in pages if not 0 <= p < request.dst.num_pages]

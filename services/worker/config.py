@@ -85,6 +85,9 @@ class WorkerConfig:
     local_prefill_max_prefill_queue: int = field(default=0, metadata=_help(
         "decode, with --conditional-disaggregation: run locally when this worker already has this many "
         "Prefill calls open on the chosen prefill worker (0 = never)"))
+    disable_radix_cache: bool = field(default=False, metadata=_help(
+        "turn the prefix cache off (SGLang's flag name): every prompt is computed in full, a decode "
+        "worker reuses none of its cached pages, and no KV events are published"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     grace_period: float = field(default=5.0, metadata=_help("seconds in-flight RPCs get on SIGTERM"))
@@ -133,4 +136,5 @@ class WorkerConfig:
             page_size=self.page_size, num_pages=self.num_pages,
             mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size, num_threads=self.num_threads, tp_size=self.tp_size)
+            chunked_prefill_size=self.chunked_prefill_size, num_threads=self.num_threads, tp_size=self.tp_size,
+            disable_radix_cache=self.disable_radix_cache)

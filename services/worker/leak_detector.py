@@ -6,6 +6,11 @@ Every `interval_s` it compares who holds KV pages with which rooms are live:
   running);
 - a reservation or hold (PageManager) whose room is not live is a leak, and so are pages in use
   beyond the idle value while no room is live at all (pages nobody can name).
+Pages in use are those with a reference count (libkv.allocator): a request's, a reservation's or a
+hold's. The prefix cache's idle pages (cached, used by nobody, evictable) are not in use: they
+count as free, as they can be handed out at once, so a worker whose cache holds many pages is idle
+at 0 pages in use like one without a cache. A leaked reference on a cached page still shows: the
+page stays in use.
 A leak seen twice in a row (a room finishing between the two reads is not one) is logged as an
 error naming the rooms and their pages, and counted in `pdserve:kv_leak_detections_total`, once
 per leak. The e2e tests fail when that counter is not zero. It never frees anything: a leak is a

@@ -47,6 +47,10 @@ class WorkerMetrics:
             _LATENCY_BUCKETS)
         self.transfer_bytes = Counter(m("kv_transfer_bytes_total"), "KV bytes written to decode workers",
                                       labelnames=list(labels), registry=r).labels(**labels)
+        self.transfer_bytes_saved = Counter(
+            m("kv_transfer_bytes_saved_total"), "Decode: KV bytes not transferred because the prompt's "
+            "leading pages were already in this worker's prefix cache", labelnames=list(labels),
+            registry=r).labels(**labels)
         self.transfer_speed = self._histogram("kv_transfer_speed_gb_s", "KV transfer speed per request (GB/s)",
                                               (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
         self._failures = Counter(m("pd_failures_total"), "PD failures by stage (bootstrap, transfer, prefill)",

@@ -84,12 +84,23 @@ class WorkerRuntime:
 
     def _add_gauges(self) -> None:
         engine, metrics = self.engine, self.metrics
-        metrics.gauge("kv_pages_used", "KV pages in use (held by requests or reserved)",
+        metrics.gauge("kv_pages_used", "KV pages in use (held by requests or reserved); idle pages of the "
+                      "prefix cache count as free",
                       lambda: engine.stats().used_pages)
         metrics.gauge("kv_pages_total", "KV pages in the pool", lambda: engine.stats().total_pages)
         metrics.gauge("num_running_reqs", "Requests in the decode batch", lambda: engine.stats().running)
         metrics.counter_from("retractions_total", "Requests retracted under memory pressure",
                              lambda: engine.stats().total_retractions)
+        # The prefix cache's totals (hit / query is the hit rate); on decode, "hit" tokens are
+        # prompt tokens whose pages were reused instead of transferred.
+        metrics.counter_from("prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache",
+                             lambda: engine.stats().prefix_query_tokens)
+        metrics.counter_from("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache "
+                             "(not computed; on decode: not transferred)", lambda: engine.stats().prefix_hit_tokens)
+        metrics.counter_from("prefix_cache_evicted_pages_total", "Idle cached KV pages evicted to make room",
+                             lambda: engine.stats().prefix_evicted_pages)
+        metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
+                      lambda: engine.stats().cached_pages)
         if isinstance(self.backend, TPTransferBackend):
             for rank in range(self.backend.size):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",

@@ -43,7 +43,7 @@ def test_grpcurl_lists_describes_and_calls_every_worker(cluster: Cluster, tiny_m
                           (prefill, "pdserve.v1.Prefill")):
         listed = grpcurl(proc.address, "list")
         assert listed.returncode == 0, listed.stderr
-        assert set(listed.stdout.split()) == {service, HEALTH, REFLECTION}
+        assert set(listed.stdout.split()) == {service, "pdserve.v1.KvEvents", HEALTH, REFLECTION}
         described = grpcurl(proc.address, "describe", service)
         assert described.returncode == 0, described.stderr
         assert "rpc Abort" in described.stdout

@@ -69,7 +69,10 @@ def test_corrupted_pages_fail_the_request_and_free_its_pages(cluster: Cluster, t
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend="mooncake", bootstrap=bootstrap)),
-        ("decode", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap)),
+        # The prompt repeats: without its prefix cache decode reuses no page, so all 7 are written
+        # every time (with it, only the last one would be: test_prefix_cache_pd.py).
+        ("decode", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap,
+                               extra=("--disable-radix-cache",))),
     ])
     prompt = prompts_of([100])[0]  # 7 pages of 16 tokens
 

@@ -154,3 +154,64 @@ def test_make_policy_by_name() -> None:
     assert isinstance(make_policy("cache_aware"), CacheAwarePolicy)
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         make_policy("fastest")
+
+
+def synced(worker: WorkerHandle, page_size: int, *prompts: list[int]) -> WorkerHandle:
+    """`worker` publishing a prefix cache that holds every full page of `prompts`."""
+    from libkv.page_hash import page_hashes
+
+    worker.kv_cache.page_size = page_size
+    worker.kv_cache.apply(True, stored=[h for p in prompts for h in page_hashes(p, page_size)])
+    worker.kv_cache.synced = True
+    return worker
+
+
+def test_cache_aware_routes_on_published_cache_state() -> None:
+    a, b = workers(0, 0)
+    policy = CacheAwarePolicy(cache_threshold=0.5)
+    system = list(range(100, 164))  # 4 pages of 16
+    synced(a, 16, [7] * 64)
+    synced(b, 16, system)
+    # b holds the prompt's 4 leading pages (64 of 70 tokens): b, though a is first and as loaded.
+    assert policy.choose([a, b], system + [1] * 6) is b
+    # The chain stops at the first page b lacks: a prompt differing in page 0 matches nothing there.
+    assert policy.choose([a, b], [1] + system[1:]) is a
+    # Real state wins over the guess: routing to b did not make b "cache" this prompt.
+    other = list(range(500, 564))
+    assert policy.choose([a, b], other) is a
+    a.inflight = 1
+    assert policy.choose([a, b], other) is b  # nothing cached anywhere: least loaded
+    # Evictions count: once b's pages are removed, b no longer attracts the system prompt.
+    from libkv.page_hash import page_hashes
+
+    b.kv_cache.apply(False, removed=page_hashes(system, 16)[:1])
+    a.inflight, b.inflight = 0, 1
+    assert policy.choose([a, b], system + [1] * 6) is a
+
+
+def test_cache_aware_hashes_with_each_workers_page_size() -> None:
+    a, b = workers(1, 0)
+    policy = CacheAwarePolicy(cache_threshold=0.5)
+    prompt = list(range(200, 264))
+    synced(a, 32, prompt)  # a caches the prompt, in pages of 32
+    synced(b, 16, prompt[:16])
+    assert policy.choose([a, b], prompt) is a  # 64 tokens on a beat 16 on b and b's lighter load
+
+
+def test_kv_event_batches_apply_snapshot_then_deltas() -> None:
+    from protos.v1 import worker_pb2
+    from services.gateway.kv_events import apply_batch
+
+    (a,) = workers(0)
+    a.page_size = 16
+    a.kv_cache.hashes = {99}  # stale: a snapshot replaces it
+    stored, removed = worker_pb2.KV_EVENT_KIND_STORED, worker_pb2.KV_EVENT_KIND_REMOVED
+    apply_batch(a, worker_pb2.KvEventBatch(snapshot=True, page_size=16, events=[
+        worker_pb2.KvEvent(kind=stored, page_hashes=[1, 2, 3])]))
+    assert a.kv_cache.synced and a.kv_cache.hashes == {1, 2, 3} and a.kv_cache.page_size == 16
+    apply_batch(a, worker_pb2.KvEventBatch(events=[
+        worker_pb2.KvEvent(kind=removed, page_hashes=[2]), worker_pb2.KvEvent(kind=stored, page_hashes=[2, 4]),
+        worker_pb2.KvEvent(kind=removed, page_hashes=[1])]))
+    assert a.kv_cache.hashes == {2, 3, 4}  # in order: 2 removed, then stored again
+    a.kv_cache.forget()
+    assert not a.kv_cache.synced and a.kv_cache.hashes == set()

@@ -66,3 +66,23 @@ def test_pages_in_use_with_no_live_room_and_no_owner_are_reported(engine):
         assert check.check() == Leak(rooms=(), unowned_pages=2) and len(found) == 1
     finally:
         engine.allocator.release(pages)
+
+
+async def test_idle_cached_pages_are_not_a_leak_but_a_leaked_reference_on_one_is(engine):
+    from engine.sampling import SamplingParams
+
+    found: list[Leak] = []
+    check = detector(engine, set(), found)
+    prompt = list(range(100, 150))  # 3 full pages stay cached after the request
+    async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=2), "cached"):
+        pass
+    assert engine.stats().cached_pages >= 3 and engine.allocator.idle_pages >= 3
+    assert engine.stats().used_pages == 0
+    assert check.check() is None and check.check() is None and found == []
+    page = engine.allocator.idle_order()[0]
+    engine.allocator.retain([page])  # a reference nobody gives back
+    try:
+        check.check()
+        assert check.check() == Leak(rooms=(), unowned_pages=1)
+    finally:
+        engine.allocator.release([page])

@@ -1,0 +1,38 @@
+"""Chained page hashes: the name of a full KV page by its content and everything before it.
+
+The hash of page i is blake2b-64 of (hash of page i-1, the page's token ids), so equal hashes mean
+equal prefixes up to that page, whatever else is in the cache. Workers key their prefix caches by
+these hashes and publish them as KV events; the gateway computes them for a prompt (with the
+worker's page size, from its registration) and counts how many leading hashes a worker holds.
+Both import this one function. Pure standard library: the gateway must not import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+
+ROOT_HASH = 0  # the "parent" of a prompt's first page
+
+
+def page_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The hash of a page holding `tokens`, after the page whose hash is `parent`; an unsigned 64-bit int."""
+    digest = hashlib.blake2b(struct.pack("<Q", parent), digest_size=8)
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] = ()) -> list[int]:
+    """Hashes of every full page of `token_ids` (a trailing partial page has none).
+
+    `start`: hashes already known for the leading pages (extended, not recomputed)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    hashes = list(start)
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for index in range(len(hashes), len(token_ids) // page_size):
+        parent = page_hash(parent, token_ids[index * page_size:(index + 1) * page_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,104 @@
+"""pdserve.v1.KvEvents on every worker: the prefix cache's stored/removed page hashes, streamed.
+
+The engine's PageManager calls a subscription's listener on every cache change (from the engine
+thread or a service thread, under its lock), so the listener only appends to a buffer and wakes
+the subscriber's event loop when the buffer was empty; the stream sends what piled up as one
+batch. A snapshot taken with the registration (PageManager.watch_cache) goes first, so the
+subscriber's view is exact from then on. A subscriber more than `max_pending` hashes behind is
+dropped with RESOURCE_EXHAUSTED: it resubscribes and gets a fresh snapshot, instead of the worker
+buffering without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+import grpc
+
+from engine.engine import Engine
+from protos.v1 import worker_pb2, worker_pb2_grpc
+
+_KINDS = {"stored": worker_pb2.KV_EVENT_KIND_STORED, "removed": worker_pb2.KV_EVENT_KIND_REMOVED}
+
+
+class _Subscription:
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
+        self._loop = loop
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._events: deque[tuple[str, list[int]]] = deque()
+        self._pending = 0
+        self.overflowed = False
+        self.closed = False
+        self.ready = asyncio.Event()
+
+    def __call__(self, kind: str, hashes: list[int]) -> None:  # the cache's listener
+        with self._lock:
+            if self.overflowed or self.closed:
+                return
+            wake = not self._events
+            self._events.append((kind, list(hashes)))
+            self._pending += len(hashes)
+            if self._pending > self._max_pending:
+                self.overflowed, wake = True, True
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self.ready.set)
+            except RuntimeError:
+                pass  # the loop is closed: the worker is shutting down
+
+    def take(self) -> list[tuple[str, list[int]]]:
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            self._pending = 0
+            self.ready.clear()
+        return events
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        self._loop.call_soon_threadsafe(self.ready.set)
+
+
+class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
+    """Streams one worker's prefix-cache events to each subscriber (see the module docstring)."""
+
+    def __init__(self, engine: Engine, max_pending: int = 1_000_000) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self._subscriptions: set[_Subscription] = set()
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscriptions)
+
+    def close(self) -> None:
+        """End every stream (before the server's graceful stop, which would wait for them)."""
+        for subscription in list(self._subscriptions):
+            subscription.close()
+
+    async def Subscribe(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext):
+        pages = self.engine.pages
+        subscription = _Subscription(asyncio.get_running_loop(), self.max_pending)
+        snapshot = pages.watch_cache(subscription)
+        self._subscriptions.add(subscription)
+        try:
+            yield worker_pb2.KvEventBatch(snapshot=True, page_size=pages.page_size, events=[
+                worker_pb2.KvEvent(kind=worker_pb2.KV_EVENT_KIND_STORED, page_hashes=snapshot)] if snapshot else [])
+            while True:
+                await subscription.ready.wait()
+                if subscription.overflowed:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"more than {self.max_pending} KV events behind: subscribe again")
+                if subscription.closed:
+                    return
+                events = subscription.take()
+                if events:
+                    yield worker_pb2.KvEventBatch(page_size=pages.page_size, events=[
+                        worker_pb2.KvEvent(kind=_KINDS[kind], page_hashes=hashes) for kind, hashes in events])
+        finally:
+            pages.unwatch_cache(subscription)
+            self._subscriptions.discard(subscription)
