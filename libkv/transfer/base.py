@@ -378,11 +378,15 @@ class TransferBackend(ABC):
         _check_pages("source", src_pages, pool.num_pages)
         _check_pages("destination", dst_pages, target.endpoint.num_pages)
         page_nbytes = pool.layout.page_nbytes
-        record = Transfer(None, runs, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
-        handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(runs),
-                                len(src_pages) * page_nbytes, record)
+        return self._start_write(target, peer, key, grant, runs, len(src_pages), len(src_pages) * page_nbytes)
+
+    def _start_write(self, target, peer: PeerId, key: str, grant: bytes, pieces: list, num_pages: int,
+               nbytes: int) -> TransferHandle:
+        """Record a transfer of `pieces` (page runs or byte regions) and hand it to the engine."""
+        record = Transfer(None, pieces, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
+        handle = TransferHandle(next(self._ids), peer, key, num_pages, len(pieces), nbytes, record)
         record.handle = handle
-        if not runs:
+        if not pieces:
             record.state = TransferState.DONE
             return handle
         with self._lock:
@@ -411,22 +415,7 @@ class TransferBackend(ABC):
         _check_pages("source", src_pages, pool.num_pages)
         _check_pages("destination", dst_pages, target.endpoint.num_pages)
         _check_regions(regions, src_pages, pool.layout.page_nbytes, dst_pages, target.endpoint.layout.page_nbytes)
-        record = Transfer(None, list(regions), time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
-        handle = TransferHandle(next(self._ids), peer, key, len(src_pages), len(regions),
-                                sum(r.nbytes for r in regions), record)
-        record.handle = handle
-        if not regions:
-            record.state = TransferState.DONE
-            return handle
-        with self._lock:
-            self._transfers[handle.transfer_id] = record
-        try:
-            record.engine = self._engine_write(target, record)
-        except TransferError as exc:
-            self._finish(record, TransferState.FAILED, exc)
-        except Exception as exc:
-            self._finish(record, TransferState.FAILED, PeerUnreachable(f"{self.name} write failed: {exc}"))
-        return handle
+        return self._start_write(target, peer, key, grant, list(regions), len(src_pages), sum(r.nbytes for r in regions))
 
     def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
         """Checksums of local pages as the peer will compute them on arrival (landing check)."""
