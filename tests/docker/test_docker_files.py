@@ -107,6 +107,47 @@ def test_dockerfile_cmds_parse_with_pdserve_flags():
     assert {"bootstrap", "gateway", "prefill", "decode"} <= set(targets)
 
 
+def _copied_sources(text: str, target: str) -> list[str]:
+    """Repository paths the Dockerfile copies into `target` and the stages it is built FROM
+    (COPY --from=... copies from another stage, not from the repository, and is left out)."""
+    stages: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for line in text.replace("\\\n", " ").splitlines():
+        words = line.split()
+        if line.startswith("FROM "):
+            current = words[3] if len(words) >= 4 and words[2].upper() == "AS" else None
+            if current:
+                stages[current] = (words[1], [])
+        elif line.startswith("COPY ") and current and not any(w.startswith("--from") for w in words):
+            stages[current][1].extend(w for w in words[1:-1] if not w.startswith("--"))
+    sources, stage = [], target
+    while stage in stages:
+        parent, copied = stages[stage]
+        sources += copied
+        stage = parent
+    return sources
+
+
+@pytest.mark.parametrize("target,modules", [
+    ("gateway", "services.gateway.main, services.gateway.app, services.gateway.state, "
+                "services.gateway.policies.cache_aware, services.gateway.model_source"),
+    ("bootstrap", "services.bootstrap.main"),
+])
+def test_light_images_copy_every_module_their_service_imports(target: str, modules: str):
+    """The gateway and registry images carry a hand-picked part of the repository (no torch): every
+    project module their service imports must be in it, or the container restarts in a loop."""
+    code = ("import sys\n"
+            f"import {modules}\n"
+            "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))\n")
+    loaded = _run([sys.executable, "-c", code], env={"PYTHONPATH": str(ROOT)})
+    assert loaded.returncode == 0, loaded.stderr
+    files = {Path(f).resolve().relative_to(ROOT).as_posix() for f in loaded.stdout.split()
+             if Path(f).resolve().is_relative_to(ROOT) and ".venv" not in Path(f).parts}
+    copied = [src.rstrip("/") for src in _copied_sources((DOCKER / "Dockerfile").read_text(), target)]
+    missing = sorted(f for f in files if not any(f == src or f.startswith(src + "/") for src in copied))
+    assert not missing, f"the {target} image lacks {missing}: add them to its COPY lines in docker/Dockerfile"
+
+
 def test_requirements_come_from_pyproject_and_gateway_has_no_torch():
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     light = _run([sys.executable, str(DOCKER / "requirements.py"), "light"]).stdout.split()
