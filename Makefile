@@ -29,7 +29,7 @@ e2e: setup
 	$(PY) -m pytest -q -m e2e tests
 
 test: setup lint check-protos
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 # Container images of the four services, and a compose up + one request + down (needs a Docker engine).
 docker:
