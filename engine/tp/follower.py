@@ -1,6 +1,6 @@
-"""A follower rank's process: `python -m engine.tp.follower SPEC` (started by engine.tp.ranks).
+"""A follower rank's process: `python -m engine.tp.follower`, its spec (JSON) on stdin (started by engine.tp.ranks).
 
-SPEC is JSON: the engine config, this rank, rank 0's rendezvous port and rank 0's pid. The
+The spec is JSON: the engine config, this rank, rank 0's rendezvous port and rank 0's pid. The
 follower loads its shard of the weights, makes its KV pool the size rank 0 chose (same page ids
 on every rank), then runs the steps rank 0 broadcasts until told to stop. It exits when its
 parent goes away, so a killed worker never leaves ranks behind.
@@ -40,8 +40,8 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=run, name="pdserve-tp-parent", daemon=True).start()
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[%(asctime)s] tp rank {rank}: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
@@ -76,4 +76,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

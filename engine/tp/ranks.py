@@ -48,8 +48,12 @@ class FollowerRanks:
         for rank in range(1, config.tp_size):
             spec = json.dumps({"config": asdict(config), "rank": rank, "port": port, "parent": os.getpid(),
                                "control": [*control.address, control.authkey.hex()]})
-            procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp.follower", spec], env=env,
-                                          stdin=subprocess.DEVNULL))
+            # The spec goes through a pipe, not argv: it carries the control socket's key, and any
+            # local user can read a process's argv.
+            proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env, stdin=subprocess.PIPE)
+            proc.stdin.write(spec.encode())
+            proc.stdin.close()
+            procs.append(proc)
         return cls(procs)
 
     def exited(self) -> tuple[int, int] | None:
