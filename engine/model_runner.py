@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
-from engine.models.attention import AttentionMetadata, ExtendSpan, extend_mask, padded_decode
+from engine.models.attention import AttentionMetadata, ExtendSpan, extend_mask
 from engine.models.decoder import DecoderModel
 from libkv.pool import KVPool
 
@@ -37,16 +37,12 @@ class ModelRunner:
             input_ids.append(chunk.token_ids[0])
             positions.append(chunk.start_pos)
             slots.extend(self._slots(chunk))
-        page_table = seq_lens = padded = None
+        page_table = seq_lens = None
         if batch.decodes:
-            lens = [c.end_pos for c in batch.decodes]
-            if not self.model.ops.reads_pages:  # a kernel that reads pages needs no padded plan
-                padded = padded_decode(lens, [c.page_ids for c in batch.decodes], self.page_size, self.device)
-            if padded is None:
-                width = max(len(c.page_ids) for c in batch.decodes)
-                page_table = self._tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in batch.decodes],
-                                          torch.int32)
-                seq_lens = self._tensor(lens, torch.int32)
+            width = max(len(c.page_ids) for c in batch.decodes)
+            page_table = self._tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in batch.decodes],
+                                      torch.int32)
+            seq_lens = self._tensor([c.end_pos for c in batch.decodes], torch.int32)
 
         spans: list[ExtendSpan] = []
         logit_rows = list(range(len(batch.decodes)))
@@ -63,8 +59,7 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
 
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
-                                 decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans,
-                                 decode_padded=padded)
+                                 decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)
         return self.model.forward(
             self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,

@@ -2,9 +2,14 @@
 
 The batch's rows are laid out as: first `num_decode` decode tokens (one per sequence), then each
 extend span's new tokens back to back. Decode rows go through one batched decode op (the engine's
-choice: the C++ kernel that reads the pages, or `kernels.ops.paged_decode_attention`, or on CPU
-when the sequences have similar lengths the padded batch below); each extend span attends to its
-cached prefix (gathered from its pages) plus causally over its own new tokens.
+choice: the C++ kernel that reads the pages, or `kernels.ops.paged_decode_attention`); each extend
+span attends to its cached prefix (gathered from its pages) plus causally over its own new tokens.
+
+Both decode paths compute a sequence's attention from that sequence alone, in an order that does
+not depend on the rest of the batch, so that a request's greedy tokens need not depend on the load
+it is served under (tests/engine/test_batch_invariance.py). This is why there is no padded-batch
+decode path: padding every sequence to the longest one was faster for the torch ops on CPU, but
+changed each sequence's sums with its neighbours' lengths.
 """
 
 from __future__ import annotations
@@ -42,51 +47,6 @@ class AttentionMetadata:
     decode_page_table: torch.Tensor | None  # [num_decode, max_pages]
     decode_seq_lens: torch.Tensor | None  # [num_decode], including the token being decoded
     extends: list[ExtendSpan]
-    decode_padded: PaddedDecode | None = None  # set when the padded CPU path is used
-
-
-@dataclass
-class PaddedDecode:
-    """Decode batch padded to its longest sequence: `page_ids` [B * pages] (short rows padded
-    with page 0) and `mask` [B, 1, 1, pages * page_size] (True = a real key)."""
-
-    page_ids: torch.Tensor
-    mask: torch.Tensor
-    num_pages: int
-
-
-# Padding waste up to which the padded batch beats kernels.ops' per-sequence CPU loop. Measured
-# (2 threads, 16 sequences, 12/4 heads, head_dim 64): equal lengths ~170, padded SDPA 0.51 ms
-# vs 0.95 ms per layer; lengths uniform in 100..700 (1.7x padding), the per-sequence loop wins.
-MAX_PADDING_RATIO = 1.25
-
-
-def padded_decode(seq_lens: list[int], page_tables: list[list[int]], page_size: int,
-                  device: torch.device) -> PaddedDecode | None:
-    """The padded-batch plan for a CPU decode batch, or None when padding would waste too much."""
-    longest = max(seq_lens)
-    if device.type != "cpu" or longest * len(seq_lens) > MAX_PADDING_RATIO * sum(seq_lens):
-        return None
-    num_pages = -(-longest // page_size)
-    ids = [pages[:num_pages] + [0] * (num_pages - len(pages[:num_pages])) for pages in page_tables]
-    lens = torch.tensor(seq_lens)
-    mask = torch.arange(num_pages * page_size)[None, :] < lens[:, None]
-    return PaddedDecode(page_ids=torch.tensor(ids).view(-1), mask=mask[:, None, None, :], num_pages=num_pages)
-
-
-def _padded_decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, plan: PaddedDecode,
-                             scale: float) -> torch.Tensor:
-    # One page gather per K and V into [B, Hkv, len, D] views, then SDPA with the `group` query
-    # heads of a KV head as its query rows: no K/V repeat for GQA, no Python loop per sequence.
-    batch, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = buffer.shape[3], buffer.shape[4]
-    length = plan.num_pages * page_size
-    k = buffer[:, layer, 0].index_select(0, plan.page_ids).view(batch, length, num_kv_heads, head_dim)
-    v = buffer[:, layer, 1].index_select(0, plan.page_ids).view(batch, length, num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim),
-        k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=plan.mask, scale=scale)
-    return out.reshape(batch, num_q_heads, head_dim)
 
 
 # decode_op(q, buffer, layer, page_table, seq_lens, scale): kernels.ops.paged_decode_attention's contract.
@@ -95,8 +55,6 @@ DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor
 
 def decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, meta: AttentionMetadata,
                      scale: float, decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
-    if meta.decode_padded is not None:
-        return _padded_decode_attention(q, buffer, layer, meta.decode_padded, scale)
     return decode_op(q, buffer, layer, meta.decode_page_table, meta.decode_seq_lens, scale)
 
 

@@ -45,9 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchLayerOps:
-    """Torch op chains for every device. `reads_pages` False: decode attention may gather/pad."""
-
-    reads_pages = False
+    """Torch op chains for every device."""
 
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
         """Per-forward rotary inputs, passed to every layer's `qk_norm_rope_store`."""
@@ -91,8 +89,6 @@ class TorchLayerOps:
 
 class CpuKernelLayerOps(TorchLayerOps):
     """The fused C++ kernels of kernels/csrc (CPU tensors only)."""
-
-    reads_pages = True
 
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
         return positions, *table.tables(max_position)

@@ -1,12 +1,20 @@
 // Decode attention read straight from the page-major KV pool (libkv/pool.py):
 // buffer[page, layer, k|v, slot, kv_head, dim]. One query token per sequence.
 //
-// Work item = (sequence, split). An item walks its pages in order, reads each token's K and V row
+// Work item = (sequence, span). An item walks its pages in order, reads each token's K and V row
 // (all KV heads, contiguous) once, front to back with the next block prefetched, and uses each KV
 // head's values for all `group` query heads that share it (GQA), keeping an online softmax per
 // query head (running max, running sum, fp32 accumulator), so nothing is gathered or padded. Long
-// sequences are split into page-aligned spans when there are too few items to keep every thread
-// busy; the spans' partial results are merged afterwards with the usual max/sum rescaling.
+// sequences are split into spans, which threads take independently; the spans' partial results
+// are merged afterwards with the usual max/sum rescaling.
+//
+// Batch invariance: a sequence's output must not depend on what else is in the batch, or on the
+// thread count, or a request's greedy tokens would change with the load it was served under (the
+// chaos suite caught one: a 300-token sequence split in two when the batch was small, whole when
+// it was not, 2e-7 apart, and the argmax flipped later). So the summation order is a function of
+// the sequence alone: spans are fixed kSpanTokens-long ranges of token positions, and blocks
+// within a span are aligned to multiples of kBlock positions (and to page ends), whatever the
+// batch.
 // (An earlier version made one item per (sequence, KV head): it read 128 of every 512 bytes of a
 // row, which the hardware prefetchers did not follow; 2.4 GB/s from memory in a decode step.)
 #include <ATen/Parallel.h>
@@ -23,8 +31,11 @@ namespace {
 
 // Tokens scored at once: scores of a block stay in L1 between the softmax and the V pass.
 constexpr int kBlock = 16;
-// A split covers at least this many tokens: below that, merging costs more than it saves.
-constexpr int64_t kMinSplitTokens = 128;
+// Token positions [k * kSpanTokens, (k+1) * kSpanTokens) of a sequence form its k-th work item.
+// Long enough that merging the spans costs little (one rescale of Hq x D floats per span), short
+// enough that a single long sequence still spreads over the threads.
+constexpr int64_t kSpanTokens = 256;
+static_assert(kSpanTokens % kBlock == 0, "spans must hold whole blocks");
 
 struct Geometry {
   int64_t page_stride, kv_stride, slot_stride;  // element strides of the pool
@@ -65,14 +76,17 @@ void attend_span(const Geometry& g, const T* pool, const int32_t* pages, const f
   int64_t token = begin;
   while (token < end) {
     const int64_t slot = token % g.page_size;
-    const int64_t count = std::min<int64_t>({end - token, g.page_size - slot, kBlock});
+    // Blocks end at multiples of kBlock positions (and at page ends): the same blocks whatever the
+    // span's start, so the order of the online softmax's updates is a function of positions only.
+    const int64_t count = std::min<int64_t>({end - token, g.page_size - slot, kBlock - token % kBlock});
     const T* k_rows = pool + pages[token / g.page_size] * g.page_stride + g.layer_offset + slot * g.slot_stride;
     const T* v_rows = k_rows + g.kv_stride;
     const int64_t next = token + count;
     if (next < end) {  // the next block is usually on another page: start fetching it now
       const T* next_k = pool + pages[next / g.page_size] * g.page_stride + g.layer_offset +
                         (next % g.page_size) * g.slot_stride;
-      const int64_t next_count = std::min<int64_t>({end - next, g.page_size - next % g.page_size, kBlock});
+      const int64_t next_count =
+          std::min<int64_t>({end - next, g.page_size - next % g.page_size, kBlock - next % kBlock});
       prefetch_rows(next_k, next_count * row_bytes);
       prefetch_rows(next_k + g.kv_stride, next_count * row_bytes);
     }
@@ -167,16 +181,17 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
                 pages_used, " pages but the page table has ", table_width, " columns");
   }
 
-  // Splits per sequence: enough items for every thread several times over, never spans shorter
-  // than kMinSplitTokens, always whole pages.
-  const int64_t threads = at::get_num_threads();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, lens[b]);
-  int64_t splits = 1;
-  if (batch < 4 * threads) {
-    splits = std::max<int64_t>(1, std::min<int64_t>((4 * threads + batch - 1) / batch, longest / kMinSplitTokens));
+  // Items: one per kSpanTokens-long range of each sequence's positions (at least one per sequence).
+  // item_start[b] is sequence b's first item; the items of a sequence are consecutive.
+  std::vector<int64_t> item_start(static_cast<size_t>(batch + 1), 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    item_start[b + 1] = item_start[b] + std::max<int64_t>(1, (lens[b] + kSpanTokens - 1) / kSpanTokens);
   }
-  const int64_t items = batch * splits;
+  const int64_t items = item_start[batch];
+  std::vector<int64_t> item_sequence(static_cast<size_t>(items));
+  for (int64_t b = 0; b < batch; ++b) {
+    std::fill(item_sequence.begin() + item_start[b], item_sequence.begin() + item_start[b + 1], b);
+  }
   // Partial results of every item: m [Hq], l [Hq], then acc [Hq, D].
   const int64_t partial_size = 2 * Hq + Hq * D;
   std::vector<float> partials(static_cast<size_t>(items * partial_size));
@@ -185,12 +200,10 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
     std::vector<float> q_scaled(static_cast<size_t>(Hq * D));
     std::vector<float> scores(static_cast<size_t>(Hq * kBlock));
     for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / splits, split = item % splits;
+      const int64_t b = item_sequence[item], span = item - item_start[b];
       const int64_t len = lens[b];
-      const int64_t pages_used = (len + g.page_size - 1) / g.page_size;
-      const int64_t pages_per_split = (pages_used + splits - 1) / splits;
-      const int64_t begin = std::min(len, split * pages_per_split * g.page_size);
-      const int64_t end = std::min(len, (split + 1) * pages_per_split * g.page_size);
+      const int64_t begin = std::min(len, span * kSpanTokens);
+      const int64_t end = std::min(len, (span + 1) * kSpanTokens);
       float* m = partials.data() + item * partial_size;
       float* l = m + Hq;
       float* acc = l + Hq;
@@ -202,19 +215,23 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
     }
   });
 
-  // Normalize (merging the splits of each sequence) and write out in q's dtype. Without splits this
-  // is cheap enough for the calling thread: no second parallel region.
-  const int64_t merge_grain = splits == 1 ? batch + 1 : std::max<int64_t>(1, 64 / splits);  // > range: inline
+  // Normalize (merging the spans of each sequence, in order) and write out in q's dtype. When no
+  // sequence has more than one span this is cheap enough for the calling thread: no second
+  // parallel region. A single span merges to exactly its own acc / l (weight exp(0) = 1).
+  const bool merges = items > batch;
+  const int64_t merge_grain = merges ? 4 : batch + 1;  // > range: inline
   at::parallel_for(0, batch, merge_grain, [&](int64_t first, int64_t last) {
     std::vector<float> merged(static_cast<size_t>(D));
     for (int64_t b = first; b < last; ++b) {
       for (int64_t i = 0; i < Hq; ++i) {
         float max_all = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < splits; ++s) max_all = std::max(max_all, partials[(b * splits + s) * partial_size + i]);
+        for (int64_t s = item_start[b]; s < item_start[b + 1]; ++s) {
+          max_all = std::max(max_all, partials[s * partial_size + i]);
+        }
         std::fill(merged.begin(), merged.end(), 0.0f);
         float total = 0.0f;
-        for (int64_t s = 0; s < splits; ++s) {
-          const float* m = partials.data() + (b * splits + s) * partial_size;
+        for (int64_t s = item_start[b]; s < item_start[b + 1]; ++s) {
+          const float* m = partials.data() + s * partial_size;
           const float* l = m + Hq;
           const float* acc = l + Hq + i * D;
           if (l[i] == 0.0f) continue;  // an empty span (short sequence, or length 0)

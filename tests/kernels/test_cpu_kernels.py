@@ -56,6 +56,32 @@ def test_paged_decode_attention_splits_long_sequences():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_is_batch_invariant(dtype):
+    # A sequence's output must be bit-identical alone, in any batch and at any thread count: greedy
+    # tokens that depend on the load a request was served under are wrong answers. Lengths cover
+    # one span, several spans (300, 700 > 256-token spans) and a page size (24) that is not a
+    # multiple of the 16-token blocks.
+    for page_size in (16, 24):
+        case = make_case([300, 40, 700, 1, 257, 90], num_q_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype,
+                         page_size=page_size, num_layers=1, seed=page_size)
+        threads = torch.get_num_threads()
+        try:
+            outputs = []
+            for num_threads in (1, 2):
+                torch.set_num_threads(num_threads)
+                outputs.append(cpu_kernels.paged_decode_attention(case.q, case.buffer, 0, case.page_table,
+                                                                  case.seq_lens, 0.125))
+                for b in range(len(case.seq_lens)):
+                    rows = slice(b, b + 1)
+                    alone = cpu_kernels.paged_decode_attention(case.q[rows], case.buffer, 0, case.page_table[rows],
+                                                               case.seq_lens[rows], 0.125)
+                    assert torch.equal(alone[0], outputs[-1][b]), (page_size, num_threads, b)
+            assert torch.equal(outputs[0], outputs[1])
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_paged_decode_attention_zero_length_gives_zeros():
     case = make_case([4, 6], page_size=4)
     lens = torch.tensor([0, 6], dtype=torch.int32)
