@@ -26,6 +26,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench serving": ("services.bench_serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
     "bench pd-vs-colocated": ("services.bench_serving.pd_vs_colocated",
                               "PD against colocated on the prefill-interruption workload, swept over rate"),
+    "bench serving-vs-vllm": ("services.bench_serving.vs_peer",
+                              "pdserve colocated and PD against vLLM's CPU server on one uniform load, with TPOT "
+                              "against the engine's step"),
     "bench prefix-cache": ("services.bench_serving.prefix_cache",
                            "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, cache off/on"),
 }

@@ -88,3 +88,22 @@ def test_pd_vs_colocated_smoke_writes_json_and_png(tiny_model, tmp_path):
     assert (out / "pd_vs_colocated.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "pd-conditional-rate4.png").read_bytes().startswith(PNG_MAGIC)
     assert "ratios to colocated" in done.stdout
+
+
+def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    common = ("--model-path", str(tiny_model), "--dtype", "float32", "--transfer-backend", "mooncake",
+              "--num-pages", "256", "--input-len", "16", "--output-len", "6", "--num-prompts", "3",
+              "--max-concurrency", "2", "--rounds", "1", "--output-dir", str(out))
+    done = pdserve("bench", "serving-vs-vllm", *common, "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "serving_vs_vllm.json").read_text())
+    assert [row["deployment"] for row in summary["rows"]] == ["colocated", "pd"]
+    for row in summary["rows"]:
+        assert row["engine_step_ms"] > 0 and row["tpot_over_step"] > 0 and len(row["request_throughput"]) == 1
+    assert "| deployment | req/s" in done.stdout
+
+    # A "peer" python without vLLM: its server exits at once, and the run says so instead of waiting.
+    done = pdserve("bench", "serving-vs-vllm", *common, "--peer-python", sys.executable,
+                   "--log-dir", str(tmp_path / "logs-peer"))
+    assert done.returncode == 1 and "vLLM's server exited" in done.stderr, done.stdout + done.stderr
