@@ -167,6 +167,25 @@ void scores_tile(const uint16_t* q, int64_t D, const uint16_t* k, float* scores)
     for (int c = 0; c < kKeyVectors; ++c) _mm512_storeu_ps(scores + r * kKeyBlock + c * kLanes, acc[r][c]);
 }
 
+// exp(x) for x <= 0 (or -inf) on the bf16 path: the degree-5 polynomial of torch's exp_u20 (what
+// its CPU flash attention uses; about 20 ulp) with 2^n applied by scalef, about half the
+// instructions of numerics.h's exp. The weights are rounded to bf16 (2^-9) before P @ V anyway.
+// Below -87 the result is exactly 0, as with numerics.h's exp.
+inline Vec16 exp_nonpositive(Vec16 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x.v, lo, _CMP_GE_OQ);
+  const __m512 v = _mm512_max_ps(x.v, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), v);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  return {_mm512_maskz_scalef_ps(live, p, n)};
+}
+
 template <int R, int NV>
 void values_tile(const uint16_t* p, const uint16_t* v, float* out) {
   constexpr int64_t D = NV * kLanes;
@@ -217,7 +236,7 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
                   int64_t queries, int64_t prefix_len, float scale, const Operand<T>* k_blocks,
                   const Operand<T>* v_blocks, T* out_data, std::vector<Operand<T>>& q_rows,
                   std::vector<float>& scores, std::vector<Operand<T>>& probs, std::vector<float>& acc,
-                  std::vector<float>& row_max, std::vector<float>& row_sum) {
+                  std::vector<float>& row_max, std::vector<float>& row_sum /* [rows][kLanes] */) {
   using P = Operand<T>;
   constexpr int64_t D = NV * kLanes;
   const int64_t rows = queries * group;
@@ -228,22 +247,22 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
   }
   std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
   std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
+  std::fill(row_sum.begin(), row_sum.begin() + rows * kLanes, 0.0f);
 
   const int64_t last_position = prefix_len + first_query + queries - 1;
   const int64_t blocks = last_position / kKeyBlock + 1;  // the rest lie above the diagonal
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t first_key = block * kKeyBlock;
-    scores_rows<kScoreRows>(q_rows.data(), D, k_blocks + block * kKeyBlock * D, scores.data(), rows);
-    for (int64_t r = 0; r < rows; ++r) {
+    // Rows at positions before the block's first key see none of it (only in the last blocks).
+    const int64_t first_row = std::max<int64_t>(0, (first_key - prefix_len - first_query) * group);
+    const int64_t live_rows = rows - first_row;
+    scores_rows<kScoreRows>(q_rows.data() + first_row * D, D, k_blocks + block * kKeyBlock * D,
+                            scores.data() + first_row * kKeyBlock, live_rows);
+    for (int64_t r = first_row; r < rows; ++r) {
       float* s = scores.data() + r * kKeyBlock;
       // Keys this row may see in the block (causal; the span's end is at or past every position).
       const int64_t visible = std::clamp<int64_t>(prefix_len + first_query + r / group - first_key + 1, 0, kKeyBlock);
       P* p = probs.data() + r * kKeyBlock;
-      if (visible == 0) {
-        std::fill(p, p + kKeyBlock, P{});
-        continue;
-      }
       Vec16 x[kKeyVectors];
       Vec16 maxes = Vec16::fill(-std::numeric_limits<float>::infinity());
       for (int c = 0; c < kKeyVectors; ++c) {
@@ -259,25 +278,39 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
         maxes = Vec16::max(maxes, x[c]);
       }
       const float new_max = std::max(row_max[r], maxes.max());
-      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first block
+      // Once a row's max has settled most blocks leave it unchanged: no exp, no rescaling then.
+      const float correction = new_max == row_max[r] ? 1.0f : std::exp(row_max[r] - new_max);  // 0 at first
       Vec16 sums = Vec16::zero();
       for (int c = 0; c < kKeyVectors; ++c) {
-        const Vec16 e = exp(x[c] - Vec16::fill(new_max));  // exactly 0 where masked
+        Vec16 e;  // exactly 0 where masked
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<P, uint16_t>) {
+          e = exp_nonpositive(x[c] - Vec16::fill(new_max));
+        } else {
+          e = exp(x[c] - Vec16::fill(new_max));
+        }
+#else
+        e = exp(x[c] - Vec16::fill(new_max));
+#endif
         sums = sums + e;
         store_operand(p + c * kLanes, e);
       }
-      row_sum[r] = row_sum[r] * correction + sums.sum();
+      // The row's sum stays 16 lane sums until the end: one horizontal add per row, not per block.
+      float* lane_sums = row_sum.data() + r * kLanes;
+      (Vec16::load(lane_sums) * Vec16::fill(correction) + sums).store(lane_sums);
       row_max[r] = new_max;
       if (correction != 1.0f) {
         float* a = acc.data() + r * D;
         for (int c = 0; c < NV; ++c) (Vec16::load(a + c * kLanes) * Vec16::fill(correction)).store(a + c * kLanes);
       }
     }
-    values_rows<value_rows<NV>(), NV>(probs.data(), v_blocks + block * kKeyBlock * D, acc.data(), rows);
+    values_rows<value_rows<NV>(), NV>(probs.data() + first_row * kKeyBlock, v_blocks + block * kKeyBlock * D,
+                                      acc.data() + first_row * D, live_rows);
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out_data + ((first_query + r / group) * num_q_heads + head * group + r % group) * D;
-    const Vec16 inverse = Vec16::fill(1.0f / row_sum[r]);  // > 0: key 0 is visible to every row
+    const Vec16 inverse = Vec16::fill(1.0f / Vec16::load(row_sum.data() + r * kLanes).sum());  // > 0: key 0 is
+                                                                                           // seen by every row
     for (int c = 0; c < NV; ++c) (Vec16::load(acc.data() + r * D + c * kLanes) * inverse).store(dst + c * kLanes);
   }
 }
@@ -312,7 +345,7 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
     const int64_t max_rows = kQueryBlock * group;
     std::vector<P> q_rows(static_cast<size_t>(max_rows * D)), probs(static_cast<size_t>(max_rows * kKeyBlock));
     std::vector<float> scores(static_cast<size_t>(max_rows * kKeyBlock)), acc(static_cast<size_t>(max_rows * D));
-    std::vector<float> row_max(static_cast<size_t>(max_rows)), row_sum(static_cast<size_t>(max_rows));
+    std::vector<float> row_max(static_cast<size_t>(max_rows)), row_sum(static_cast<size_t>(max_rows * kLanes));
     for (int64_t item = first; item < last; ++item) {
       const int64_t head = item % num_kv_heads, query_block = query_blocks - 1 - item / num_kv_heads;
       const int64_t first_query = query_block * kQueryBlock;
