@@ -194,23 +194,21 @@ void scores_tile(const uint16_t* q, int64_t D, const uint16_t* k, float* scores)
     for (int c = 0; c < kKeyVectors; ++c) _mm512_storeu_ps(scores + r * kKeyBlock + c * kLanes, acc[r][c]);
 }
 
-// exp(x) for x <= 0 (or -inf) on the bf16 path: the degree-5 polynomial of torch's exp_u20 (what
-// its CPU flash attention uses; about 20 ulp) with 2^n applied by scalef, about half the
-// instructions of numerics.h's exp. The weights are rounded to bf16 (2^-9) before P @ V anyway.
-// Below -87 the result is exactly 0, as with numerics.h's exp.
-inline Vec16 exp_nonpositive(Vec16 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 live = _mm512_cmp_ps_mask(x.v, lo, _CMP_GE_OQ);
-  const __m512 v = _mm512_max_ps(x.v, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), v);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-  return {_mm512_maskz_scalef_ps(live, p, n)};
+// 2^t for t <= 0 (or -inf) on the bf16 path: the degree-5 polynomial of torch's exp_u20 (what
+// its CPU flash attention uses; about 20 ulp), rewritten for 2^f (coefficients times ln2^k) so the
+// caller folds the softmax scale, the max and log2(e) into one fmsub, with 2^n applied by scalef:
+// about half the instructions of numerics.h's exp. The weights are rounded to bf16 (2^-9) before
+// P @ V anyway. Below 2^-125.5 (e^-87) the result is exactly 0, as with numerics.h's exp.
+inline __m512 exp2_nonpositive(__m512 t) {
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.5f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // exact, in [-0.5, 0.5]
+  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.00132630886f), _mm512_set1_ps(0.00967148789f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.0555073904f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.240222426f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.693146973f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);  // NaN lanes of t = -inf are masked to 0
 }
 
 template <int R, int NV>
@@ -293,7 +291,7 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
       Vec16 x[kKeyVectors];
       Vec16 maxes = Vec16::fill(-std::numeric_limits<float>::infinity());
       for (int c = 0; c < kKeyVectors; ++c) {
-        x[c] = Vec16::load(s + c * kLanes) * Vec16::fill(scale);
+        x[c] = Vec16::load(s + c * kLanes);  // unscaled: max(s) * scale == max(s * scale)
         if ((c + 1) * kLanes > visible) {  // mask the keys past the diagonal
           float lanes[kLanes];
           x[c].store(lanes);
@@ -304,7 +302,7 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
         }
         maxes = Vec16::max(maxes, x[c]);
       }
-      const float new_max = std::max(row_max[r], maxes.max());
+      const float new_max = std::max(row_max[r], maxes.max() * scale);
       // Once a row's max has settled most blocks leave it unchanged: no exp, no rescaling then.
       const float correction = new_max == row_max[r] ? 1.0f : std::exp(row_max[r] - new_max);  // 0 at first
       Vec16 sums = Vec16::zero();
@@ -312,12 +310,14 @@ void attend_block(const T* q_data, int64_t num_q_heads, int64_t group, int64_t h
         Vec16 e;  // exactly 0 where masked
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<P, uint16_t>) {
-          e = exp_nonpositive(x[c] - Vec16::fill(new_max));
+          constexpr float kLog2e = 1.44269504088896341f;
+          e = {exp2_nonpositive(_mm512_fmsub_ps(x[c].v, _mm512_set1_ps(scale * kLog2e),
+                                                _mm512_set1_ps(new_max * kLog2e)))};
         } else {
-          e = exp(x[c] - Vec16::fill(new_max));
+          e = exp(x[c] * Vec16::fill(scale) - Vec16::fill(new_max));
         }
 #else
-        e = exp(x[c] - Vec16::fill(new_max));
+        e = exp(x[c] * Vec16::fill(scale) - Vec16::fill(new_max));
 #endif
         sums = sums + e;
         store_operand(p + c * kLanes, e);
