@@ -373,14 +373,17 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
   const int64_t query_blocks = (length + kQueryBlock - 1) / kQueryBlock;
   const T* q_data = q.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
-  // Items in descending query block order: the longest (last, most KV blocks) start first.
+  // at::parallel_for gives each thread one contiguous range of items, and a query block's work
+  // grows with its position (causal): items take the query blocks in zigzag order (last, first,
+  // second last, second, ...) so every range holds about the same work.
   at::parallel_for(0, num_kv_heads * query_blocks, 1, [&](int64_t first, int64_t last) {
     const int64_t max_rows = kQueryBlock * group;
     std::vector<P> q_rows(static_cast<size_t>(max_rows * D)), probs(static_cast<size_t>(max_rows * kKeyBlock));
     std::vector<float> scores(static_cast<size_t>(max_rows * kKeyBlock)), acc(static_cast<size_t>(max_rows * D));
     std::vector<float> row_max(static_cast<size_t>(max_rows)), row_sum(static_cast<size_t>(max_rows * kLanes));
     for (int64_t item = first; item < last; ++item) {
-      const int64_t head = item % num_kv_heads, query_block = query_blocks - 1 - item / num_kv_heads;
+      const int64_t head = item % num_kv_heads, rank = item / num_kv_heads;
+      const int64_t query_block = rank % 2 == 0 ? query_blocks - 1 - rank / 2 : rank / 2;
       const int64_t first_query = query_block * kQueryBlock;
       const int64_t queries = std::min(kQueryBlock, length - first_query);
       const size_t offset = static_cast<size_t>(head * key_blocks * block_size);
