@@ -39,6 +39,9 @@ constexpr int64_t kKeyBlock = 64;
 // accumulators (24 KB) stay in L2 across the KV blocks, with enough items for every thread.
 constexpr int64_t kQueryBlock = 32;
 constexpr int kKeyVectors = kKeyBlock / kLanes;
+// The packed K/V copy a thread keeps between calls, at most (16 MB: K and V of 8 KV heads of
+// 128 dims over 4096 tokens in bf16).
+constexpr size_t kKeptPackedBytes = size_t{16} << 20;
 
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Dot = true;
@@ -392,6 +395,9 @@ void run(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at:
                           q_rows, scores, probs, acc, row_max, row_sum);
     }
   });
+  // A very long span's copy is not kept: at that length the page faults are small against the
+  // attention, and the memory would stay with the thread for good.
+  if (storage.size() * sizeof(P) > kKeptPackedBytes) std::vector<P>().swap(storage);
 }
 
 template <typename T>
