@@ -129,3 +129,13 @@ def test_engine_extend_path_matches_torch_path(dtype):
     got = paged_attention(q[2:42], k[2:42], v[2:42], buffer, 1, alone, 0.125, extend_op=fused.extend_attention)
     assert got.is_contiguous()
     torch.testing.assert_close(got.float(), want[2:42].float(), **TOLERANCE[dtype])
+
+
+def test_extend_attention_after_a_span_too_long_to_keep_its_copy():
+    # 20,000 fp32 tokens of 2 KV heads pack to 20 MB, more than a thread keeps between calls: the
+    # copy is freed after the call, and the next call packs into a new one.
+    for prefix_len, length in [(20_000, 3), (40, 30)]:
+        buffer, page_ids, k, v = make_pool(prefix_len + length, 2, 64, torch.float32, prefix_len)
+        q = torch.randn(length, 6, 64, generator=torch.Generator().manual_seed(length))
+        got = cpu_kernels.extend_attention(q, buffer, 1, page_ids, prefix_len, 0.125)
+        torch.testing.assert_close(got, sdpa_fp32(q, k, v, prefix_len, 0.125), **TOLERANCE[torch.float32])
