@@ -1,7 +1,8 @@
 """Python entry points of the C++ CPU kernels in kernels/csrc (see kernels.cpu_ext for the build).
 
 Each function has a torch counterpart it is tested against: `paged_decode_attention` against
-kernels.torch_ops.paged_decode_attention_torch, the layer ops against the torch op chains of
+kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch SDPA over the
+gathered pages (engine.models.attention's torch extend path), the layer ops against the torch op chains of
 engine.models.layer_ops.TorchLayerOps. Call `available()` first: without the built library
 `torch.ops.pdserve_cpu` has none of these ops.
 """
@@ -26,6 +27,14 @@ def paged_decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, pa
     """Same contract as kernels.ops.paged_decode_attention, read straight from the pages (no gather)."""
     return torch.ops.pdserve_cpu.paged_decode_attention(q, buffer, layer, _int32(page_table),
                                                         _int32(seq_lens), scale)
+
+
+def extend_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_ids: torch.Tensor,
+                     prefix_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one extend span's queries q [L, Hq, D] (positions prefix_len ..
+    prefix_len + L - 1) over the span's prefix_len + L keys, read straight from its pages
+    `page_ids` (the new tokens' K/V already stored there). head_dim 32, 64, 128 or 256."""
+    return torch.ops.pdserve_cpu.extend_attention(q, buffer, layer, _int32(page_ids), prefix_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

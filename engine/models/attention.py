@@ -3,7 +3,9 @@
 The batch's rows are laid out as: first `num_decode` decode tokens (one per sequence), then each
 extend span's new tokens back to back. Decode rows go through one batched decode op (the engine's
 choice: the C++ kernel that reads the pages, or `kernels.ops.paged_decode_attention`); each extend
-span attends to its cached prefix (gathered from its pages) plus causally over its own new tokens.
+span attends to its cached prefix plus causally over its own new tokens, by one extend op per span
+(the engine's choice again: the C++ kernel that reads the pages, or torch SDPA over the gathered
+pages).
 
 Both decode paths compute a sequence's attention from that sequence alone, in an order that does
 not depend on the rest of the batch, so that a request's greedy tokens need not depend on the load
@@ -67,27 +69,43 @@ def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Ten
     return keys[None, :] <= queries[:, None]
 
 
+def extend_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor, layer: int,
+                           span: ExtendSpan, scale: float) -> torch.Tensor:
+    """One span's attention by torch SDPA over its K/V gathered from the pages: q [L, Hq, D], the
+    span's own k/v [L, Hkv, D] -> [L, Hq, D]. The reference the C++ kernel is tested against."""
+    if span.prefix_len == 0:
+        # The chunk's own K/V are exactly what was just stored: skip the round trip via pages.
+        keys, values = k, v
+    else:
+        keys, values = ops.gather_kv(buffer, layer, span.page_ids, span.prefix_len + span.length)
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True)
+    return attended[0].transpose(0, 1)
+
+
+# extend_op(q, k, v, buffer, layer, span, scale): extend_attention_torch's contract, rows of one span.
+ExtendOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, ExtendSpan, float], torch.Tensor]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
                     layer: int, meta: AttentionMetadata, scale: float,
-                    decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
+                    decode_op: DecodeOp = ops.paged_decode_attention,
+                    extend_op: ExtendOp = extend_attention_torch) -> torch.Tensor:
     """q [T, Hq, D], this step's k/v [T, Hkv, D] (already stored in the pool) -> [T, Hq, D]."""
     num_decode = meta.num_decode
     if num_decode and not meta.extends:
         return decode_attention(q, buffer, layer, meta, scale, decode_op)
+    if not num_decode and len(meta.extends) == 1 and meta.extends[0].length == q.shape[0]:
+        # One prompt chunk alone (the usual prefill step): no copy into `out` when the op's result
+        # is already contiguous (the C++ kernel's is; torch SDPA's is transposed).
+        return extend_op(q, k, v, buffer, layer, meta.extends[0], scale).contiguous()
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = decode_attention(q[:num_decode], buffer, layer, meta, scale, decode_op)
     for span in meta.extends:
         rows = slice(span.start, span.start + span.length)
-        if span.prefix_len == 0:
-            # The chunk's own K/V are exactly what was just stored: skip the round trip via pages.
-            keys, values = k[rows], v[rows]
-        else:
-            keys, values = ops.gather_kv(buffer, layer, span.page_ids, span.prefix_len + span.length)
-        attended = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True)
-        out[rows] = attended[0].transpose(0, 1)
+        out[rows] = extend_op(q[rows], k[rows], v[rows], buffer, layer, span, scale)
     return out

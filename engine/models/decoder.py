@@ -133,7 +133,8 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps, self.heads,
                                              kv_buffer, index, meta.slots)
-            attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale, ops.paged_decode_attention)
+            attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale, ops.paged_decode_attention,
+                                       ops.extend_attention)
             attn_out = layer.o_proj(attended.view(num_tokens, self.heads.q_size))
             if self.all_reduce is not None:
                 self.all_reduce(attn_out)

@@ -1,7 +1,7 @@
 """The non-matmul ops of a decoder layer, in two interchangeable implementations.
 
 `TorchLayerOps` chains torch ops (any device; the reference). `CpuKernelLayerOps` runs each op as
-one fused C++ kernel (kernels.cpu_kernels) and reads decode K/V straight from the pages. Both
+one fused C++ kernel (kernels.cpu_kernels) and reads decode and extend K/V straight from the pages. Both
 round at the same points as HF transformers, so fp32 results agree to summation order and bf16
 results to an occasional last-bit difference. `select_layer_ops` picks one for an engine.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.attention import ExtendSpan, extend_attention_torch
 from engine.models.rope import RotaryTable, apply_rotary
 from kernels import cpu_ext, cpu_kernels, ops
 
@@ -86,6 +87,14 @@ class TorchLayerOps:
                                page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return ops.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
 
+    def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
+                         layer: int, span: ExtendSpan, scale: float) -> torch.Tensor:
+        return extend_attention_torch(q, k, v, buffer, layer, span, scale)
+
+
+# Head dims the C++ extend kernel is compiled for (others keep torch SDPA).
+EXTEND_KERNEL_HEAD_DIMS = (32, 64, 128, 256)
+
 
 class CpuKernelLayerOps(TorchLayerOps):
     """The fused C++ kernels of kernels/csrc (CPU tensors only)."""
@@ -115,6 +124,12 @@ class CpuKernelLayerOps(TorchLayerOps):
     def paged_decode_attention(self, q: torch.Tensor, buffer: torch.Tensor, layer: int,
                                page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
+
+    def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
+                         layer: int, span: ExtendSpan, scale: float) -> torch.Tensor:
+        if q.shape[-1] not in EXTEND_KERNEL_HEAD_DIMS:
+            return extend_attention_torch(q, k, v, buffer, layer, span, scale)
+        return cpu_kernels.extend_attention(q, buffer, layer, span.page_ids, span.prefix_len, scale)
 
 
 def select_layer_ops(mode: str, device: torch.device) -> TorchLayerOps:
