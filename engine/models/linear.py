@@ -43,11 +43,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.float32 and x.numel() == self.in_features:
-            # oneDNN runs a single fp32 row through another kernel than two or more rows (measured:
-            # a different sum for inputs wider than 1024), so a request's tokens would change with
-            # whether it decoded alone or in a batch. Two rows cost what one does (the step streams
-            # the weights either way); every other row count agreed bit for bit, bf16 at all counts.
+        if x.numel() == self.in_features:
+            # oneDNN runs a single row through another kernel than two or more rows (measured: a
+            # different sum for inputs wider than 1024, in fp32 and, after rounding, in about one
+            # bf16 output in 3,000), so a request's tokens would change with whether it decoded
+            # alone or in a batch. Two rows cost what one does (the step streams the weights either
+            # way); every other row count agreed bit for bit.
             pair = torch.cat([x.reshape(1, -1)] * 2)
             out = torch.ops.mkldnn._linear_pointwise(pair, self.weight, self.bias, "none", [], "")
             return out[:1].reshape(*x.shape[:-1], self.out_features)
