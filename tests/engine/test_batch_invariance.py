@@ -1,4 +1,5 @@
-"""A request's greedy tokens and logprobs are bit-identical whether it runs alone or in a batch.
+"""A request's greedy tokens and logprobs are bit-identical whether it runs alone or in a batch,
+and whether its prompt is prefilled whole or in chunks.
 
 Under load the same request decodes next to other sequences; if any op's summation order depended
 on the batch (how decode attention splits a long sequence, which oneDNN kernel a row count picks),
@@ -52,3 +53,20 @@ async def test_alone_equals_in_a_batch(wide_mlp_ckpt, dtype):
         assert engine.stats().used_pages == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_whole_prompt_equals_chunked_prompt(wide_mlp_ckpt, dtype):
+    # The extend kernel's key blocks are aligned to positions, so a prompt prefilled in one chunk or
+    # in chunks of 64 or 100 tokens (each later chunk attending to the earlier ones from the pages)
+    # gives bit-identical logits: this is what makes a prefix cache hit, and PD, exact.
+    prompt = random_prompts([300], seed=6)[0]
+    outputs = []
+    for chunk in (2048, 64, 100):
+        engine = start_engine(wide_mlp_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2, chunked_prefill_size=chunk,
+                              num_pages=512, disable_radix_cache=True)
+        try:
+            outputs.append(await run(engine, prompt, f"chunk{chunk}"))
+        finally:
+            engine.shutdown()
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]

@@ -1,9 +1,11 @@
 """Greedy output and logprobs with the prefix cache on equal those with it off, on the tiny
 checkpoint: colocated and PD (the in-process PD path of test_pd_hooks.py, with decode-side
 reuse), on prompts sharing prefixes of every length around page boundaries, under eviction
-pressure and with retraction. Tokens must be identical; logprobs equal to 1e-4, the bound the
-PD-vs-colocated tests use (computing a suffix against cached K/V is chunked prefill: a different
-matmul split, measured at most 4e-6 apart on this model, most often bit-identical).
+pressure and with retraction. Tokens must be identical, and with the C++ kernels logprobs too, bit
+for bit: their attention sums follow token positions, so a suffix computed against cached K/V
+gives what computing the whole prompt gives. Where that cannot hold (the torch ops, whose SDPA
+splits differently by chunk; a retracted request, whose generated tokens are recomputed by the
+extend kernel instead of the decode kernel) logprobs agree to 1e-4.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import pytest
 
 from engine.sampling import SamplingParams
-from kernels import ops
+from kernels import cpu_kernels, ops
 from tests.engine.conftest import random_prompts, start_engine
 
 PAGE = 16
@@ -35,11 +37,16 @@ async def colocated(engine, prompt, params, room):
             async for o in engine.generate(prompt, params, room)]
 
 
-def assert_same(got, expected, what: str) -> None:
+def assert_same(got, expected, what: str, bitwise: bool = True) -> None:
     assert [t for t, _, _ in got] == [t for t, _, _ in expected], what
     assert [top for _, _, top in got] == [top for _, _, top in expected], what
     for (_, lp, _), (_, ref, _) in zip(got, expected, strict=True):
-        assert lp == pytest.approx(ref, abs=1e-4), what
+        if bitwise and cpu_kernels.available():
+            # The C++ kernels' sums follow token positions, not chunk or batch boundaries: a prefix
+            # attended from cached pages gives exactly what computing it again gives.
+            assert lp == ref, what
+        else:
+            assert lp == pytest.approx(ref, abs=1e-4), what
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +89,12 @@ async def test_eviction_pressure_and_retraction(qwen3_ckpt, reference):
     try:
         got = await asyncio.gather(*(colocated(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
         for i in range(len(prompts)):
-            assert_same(got[i], expected[i], f"prompt {i}")
+            # bitwise=False: a retracted request recomputes its generated tokens as a prompt, and
+            # the extend kernel rounds a position differently from the decode kernel.
+            assert_same(got[i], expected[i], f"prompt {i}", bitwise=False)
         for i, prompt in enumerate(prompts):  # one at a time too: hits on what survived eviction
-            assert_same(await colocated(engine, prompt, params, f"s{i}"), expected[i], f"prompt {i} again")
+            assert_same(await colocated(engine, prompt, params, f"s{i}"), expected[i], f"prompt {i} again",
+                        bitwise=False)
         stats = engine.stats()
         assert stats.total_retractions > 0 and stats.prefix_evicted_pages > 0 and stats.prefix_hit_tokens > 0
         assert stats.used_pages == 0 and engine.allocator.free_pages == 12
