@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="runs per deployment, alternating")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per deployment, alternating order, each round with new prompts")
     parser.add_argument("--num-pages", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-serving-vs-vllm"))
@@ -114,7 +115,10 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = datasets.load_tokenizer(args.model_path)
     load = RequestClass("uniform", args.input_len, args.output_len, args.num_prompts,
                         concurrency=args.max_concurrency)
-    prompts = datasets.random_prompts(load, tokenizer, random.Random(args.seed))
+    # Fresh prompts each round (the same for every deployment within it): a round repeating the last
+    # one's prompts would measure prefix caches, which pdserve and vLLM both have on by default.
+    rng = random.Random(args.seed)
+    prompts_by_round = [datasets.random_prompts(load, tokenizer, rng) for _ in range(args.rounds)]
     settings = deployments.WorkerSettings(model_path=str(args.model_path), backend=args.transfer_backend,
                                           dtype=args.dtype, num_pages=args.num_pages)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-serving-vs-vllm-"))
@@ -144,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
                                                       max_duration_s=900, drain_s=60.0, seed=args.seed,
                                                       progress=False)
                     print(f"\n### {kind}, round {round_index + 1}")
-                    payload = benchmark([(load, prompts)], run_settings, metrics.Slo(), output_dir=args.output_dir,
+                    payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(), output_dir=args.output_dir,
                                         tag=f"{kind}-round{round_index + 1}", backend=kind, request_rate=float("inf"))
                     payload["load_average"] = os.getloadavg()[0]
                     runs.setdefault(kind, []).append(payload)
