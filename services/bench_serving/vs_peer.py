@@ -125,22 +125,21 @@ def main(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     model = args.model_path.resolve().name
     _, decode_cores = deployments.split_cores(cores)
-    steps = {"colocated": engine_step_ms(args, len(cores), cores),
-             "pd": engine_step_ms(args, len(decode_cores), decode_cores)}
-    print(f"engine decode step, batch {args.max_concurrency}, context {args.input_len + args.output_len // 2}: "
-          f"{steps['colocated']} ms on {len(cores)} threads, {steps['pd']} ms on {len(decode_cores)} (PD decode)")
     runs: dict[str, list[dict]] = {}
     vllm = None
     try:
+        urls: dict[str, str] = {}
+        if args.peer_python:  # first: a peer that cannot serve ends the run before anything is measured
+            vllm, urls["vllm"] = start_vllm(args, cores, log_dir)
+            wait_vllm(vllm, urls["vllm"], log_dir)
+        steps = {"colocated": engine_step_ms(args, len(cores), cores),
+                 "pd": engine_step_ms(args, len(decode_cores), decode_cores)}
+        print(f"engine decode step, batch {args.max_concurrency}, context {args.input_len + args.output_len // 2}: "
+              f"{steps['colocated']} ms on {len(cores)} threads, {steps['pd']} ms on {len(decode_cores)} (PD decode)")
         with ProcessGroup(log_dir) as group:
-            urls = {kind: deployments.start(group, kind, settings, cores).url for kind in ("colocated", "pd")}
-            if args.peer_python:
-                vllm, urls["vllm"] = start_vllm(args, cores, log_dir)
-            for kind, url in urls.items():
-                if kind == "vllm":
-                    wait_vllm(vllm, url, log_dir)
-                else:
-                    wait_healthy(url)
+            for kind in ("colocated", "pd"):
+                urls[kind] = deployments.start(group, kind, settings, cores).url
+                wait_healthy(urls[kind])
             for round_index in range(args.rounds):
                 order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
                 for kind in order:
@@ -148,8 +147,9 @@ def main(args: argparse.Namespace) -> int:
                                                       max_duration_s=900, drain_s=60.0, seed=args.seed,
                                                       progress=False)
                     print(f"\n### {kind}, round {round_index + 1}")
-                    payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(), output_dir=args.output_dir,
-                                        tag=f"{kind}-round{round_index + 1}", backend=kind, request_rate=float("inf"))
+                    payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(),
+                                        output_dir=args.output_dir, tag=f"{kind}-round{round_index + 1}",
+                                        backend=kind, request_rate=float("inf"))
                     payload["load_average"] = os.getloadavg()[0]
                     runs.setdefault(kind, []).append(payload)
     except NotReady as exc:
