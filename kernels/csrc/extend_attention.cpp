@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "numerics.h"
+#include "pool_checks.h"
 
 namespace pdserve {
 namespace {
@@ -414,15 +415,7 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& buffer, int64_t la
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& buffer, int64_t layer, const at::Tensor& page_ids,
                             int64_t prefix_len, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && buffer.device().is_cpu(), "pdserve_cpu kernels take CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && buffer.dim() == 6, "q [L, Hq, D] and buffer [pages, layers, 2, P, Hkv, D] expected");
-  TORCH_CHECK(q.scalar_type() == buffer.scalar_type(), "q and the KV pool must have one dtype, got ",
-              q.scalar_type(), " and ", buffer.scalar_type());
-  TORCH_CHECK(buffer.stride(5) == 1 && buffer.stride(4) == buffer.size(5),
-              "a token's K (and V) for all KV heads must be one contiguous row of the pool");
-  TORCH_CHECK(q.size(2) == buffer.size(5) && q.size(1) % buffer.size(4) == 0,
-              "q heads must be a multiple of the KV heads with the same head_dim");
-  TORCH_CHECK(layer >= 0 && layer < buffer.size(1), "layer ", layer, " out of range");
+  check_queries_and_pool(q, buffer, layer);
   TORCH_CHECK(page_ids.scalar_type() == at::kInt && page_ids.dim() == 1, "page_ids must be 1-d int32");
   TORCH_CHECK(prefix_len >= 0, "prefix_len must be >= 0");
   const int64_t total = prefix_len + q.size(0), page_size = buffer.size(3);
