@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
-from engine.models.attention import AttentionMetadata, ExtendSpan, extend_mask
+from engine.models.attention import AttentionMetadata, ExtendSpan
 from engine.models.decoder import DecoderModel
 from libkv.pool import KVPool
 
@@ -53,8 +53,7 @@ class ModelRunner:
             slots.extend(self._slots(chunk))
             num_pages = -(-chunk.end_pos // self.page_size)
             spans.append(ExtendSpan(start=start, length=len(chunk.token_ids), prefix_len=chunk.start_pos,
-                                    page_ids=self._tensor(chunk.page_ids[:num_pages]),
-                                    mask=extend_mask(chunk.start_pos, len(chunk.token_ids), self.device)))
+                                    page_ids=self._tensor(chunk.page_ids[:num_pages])))
             if chunk.sample:
                 logit_rows.append(len(input_ids) - 1)
 

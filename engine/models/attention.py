@@ -16,6 +16,7 @@ changed each sequence's sums with its neighbours' lengths.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +38,13 @@ class ExtendSpan:
     length: int
     prefix_len: int
     page_ids: torch.Tensor
-    mask: torch.Tensor | None
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        # Built on first use, then shared by every layer of the step: only the torch SDPA path
+        # reads it (the C++ kernel masks by position), and at long contexts it is length x
+        # (prefix + length) bytes per chunk.
+        return extend_mask(self.prefix_len, self.length, self.page_ids.device)
 
 
 @dataclass

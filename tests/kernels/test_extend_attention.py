@@ -21,7 +21,6 @@ from engine.models.attention import (
     AttentionMetadata,
     ExtendSpan,
     extend_attention_torch,
-    extend_mask,
     paged_attention,
 )
 from engine.models.layer_ops import CpuKernelLayerOps
@@ -106,8 +105,8 @@ def test_engine_extend_path_matches_torch_path(dtype):
     gen = torch.Generator().manual_seed(7)
     buffer = (torch.randn(64, 2, 2, PAGE_SIZE, 2, 64, generator=gen)).to(dtype)
     pages = torch.randperm(64, generator=gen)
-    spans = [ExtendSpan(start=2, length=40, prefix_len=0, page_ids=pages[:3], mask=None),
-             ExtendSpan(start=42, length=25, prefix_len=35, page_ids=pages[3:7], mask=extend_mask(35, 25, torch.device("cpu")))]
+    spans = [ExtendSpan(start=2, length=40, prefix_len=0, page_ids=pages[:3]),
+             ExtendSpan(start=42, length=25, prefix_len=35, page_ids=pages[3:7])]
     q = torch.randn(67, 6, 64, generator=gen).to(dtype)
     k = torch.empty(67, 2, 64, dtype=dtype)
     v = torch.empty(67, 2, 64, dtype=dtype)
@@ -125,7 +124,7 @@ def test_engine_extend_path_matches_torch_path(dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
     # One span alone takes the no-copy path and still returns a contiguous [T, Hq, D].
     alone = AttentionMetadata(slots=torch.zeros(40, dtype=torch.long), num_decode=0, decode_page_table=None,
-                              decode_seq_lens=None, extends=[ExtendSpan(0, 40, 0, pages[:3], None)])
+                              decode_seq_lens=None, extends=[ExtendSpan(0, 40, 0, pages[:3])])
     got = paged_attention(q[2:42], k[2:42], v[2:42], buffer, 1, alone, 0.125, extend_op=fused.extend_attention)
     assert got.is_contiguous()
     torch.testing.assert_close(got.float(), want[2:42].float(), **TOLERANCE[dtype])
