@@ -355,7 +355,11 @@ class TransferBackend(ABC):
         _check_pages("destination", dst_pages, target.endpoint.num_pages)
         if not dst_pages:
             return
-        refusal = self._engine_verify_grant(target, list(dst_pages), key, check_grant(grant), tag)
+        try:
+            refusal = self._engine_verify_grant(target, list(dst_pages), key, check_grant(grant), tag)
+        except PeerUnreachable as exc:
+            self._declare_dead(peer, exc)
+            raise
         if refusal is not None:
             raise GrantRefused(
                 f"{self.name} peer {peer} ({target.endpoint.host}) did not reserve page {refusal.first_page} "
@@ -394,9 +398,13 @@ class TransferBackend(ABC):
         try:
             record.engine = self._engine_write(target, record)
         except TransferError as exc:
+            if isinstance(exc, PeerUnreachable):
+                self._declare_dead(peer, exc)
             self._finish(record, TransferState.FAILED, exc)
         except Exception as exc:  # an engine refusing a request is a failed transfer, not a crash
-            self._finish(record, TransferState.FAILED, PeerUnreachable(f"{self.name} write failed: {exc}"))
+            error = PeerUnreachable(f"{self.name} write failed: {exc}")
+            self._declare_dead(peer, error)
+            self._finish(record, TransferState.FAILED, error)
         return handle
 
     # Engines that write any list of byte regions (one-sided RMA); UCX's protocol moves pages.
@@ -520,8 +528,8 @@ class TransferBackend(ABC):
             log.exception("%s: releasing transfer %d failed", self.name, record.handle.transfer_id)
 
     def _fail_locked(self, record: Transfer, error: TransferError, *, timed_out: bool = False) -> None:
-        """Fail a transfer whose lock is held: cancel what is still in flight, and on a timeout
-        declare the peer dead so later writes fail at once instead of waiting again."""
+        """Fail a transfer whose lock is held: cancel what is still in flight, and on a timeout or
+        an unreachable peer declare the peer dead (see _declare_dead)."""
         # A timed-out peer is presumed dead: give in-flight operations a short grace, not another
         # full timeout.
         grace = 1.0 if timed_out else min(self.timeout_s, 5.0)
@@ -529,12 +537,22 @@ class TransferBackend(ABC):
             self._engine_cancel(record, time.monotonic() + grace)
         except Exception:
             log.exception("%s: cancelling failed transfer %d", self.name, record.handle.transfer_id)
-        if timed_out:
-            with self._lock:
-                peer = self._peers.get(record.handle.peer)
-                if peer is not None:
-                    peer.dead = str(error)
+        if timed_out or isinstance(error, PeerUnreachable):
+            self._declare_dead(record.handle.peer, error)
         self._finish(record, TransferState.FAILED, error)
+
+    def _declare_dead(self, peer_id: PeerId, error: TransferError) -> None:
+        """Stop using this connection: later writes to it fail at once, and the next connect() to
+        the same endpoint makes a fresh one. Why a fresh one: an engine that saw its peer vanish
+        (a network cut, a frozen process) may keep the connection marked broken after the peer is
+        back (NIXL answers every later request with NIXL_ERR_REMOTE_DISCONNECT), so reusing it
+        would fail every request of that (prefill, decode) pair for good."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if peer is not None and not peer.dead:
+                peer.dead = str(error)
+                log.warning("%s: %s (%s) declared dead, next use reconnects: %s", self.name, peer_id,
+                            peer.endpoint.host, error)
 
     def _run_bytes(self, run: PageRun | ByteRun) -> tuple[int, int, int]:
         """(source byte offset, destination byte offset, byte length) of a run; both pools have
