@@ -29,7 +29,7 @@ from collections import OrderedDict
 import grpc
 
 from libkv.layout import LayoutMismatch
-from libkv.transfer import BackendMismatch, GrantRefused, TransferError
+from libkv.transfer import BackendMismatch, GrantRefused, PeerUnreachable, TransferError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_from_proto, token_to_proto
 from services.common.tasks import finish_despite_cancel
@@ -94,7 +94,7 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
                 _check_destination(request, len(parsed.prompt_ids), self.engine.pages.page_size)
             except BadRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            await self._check_grant(state, context)
+            await self._check_grant(state, request, context)
             self.queues.move(room, "waiting")
             result = await self.engine.prefill(parsed.prompt_ids, parsed.params, room, state.push)
             self.queues.move(room, "inflight")
@@ -140,22 +140,39 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"room {request.room}: cannot reach decode's transfer endpoint: {exc}")
 
-    async def _check_grant(self, state: PrefillRoom, context) -> None:
+    async def _check_grant(self, state: PrefillRoom, request: worker_pb2.PrefillRequest, context) -> None:
         """Decode must have reserved exactly these pages for this room and request: read through
         the transfer engine (the same endpoint the writes go to), so a forged or stale call that
-        names pages of other rooms is refused before anything is computed or written."""
-        try:
-            await asyncio.to_thread(self.backend.verify_grant, state.peer, state.dst_page_ids,
-                                    key=state.room, grant=state.grant)
-        except GrantRefused as exc:
-            self.metrics.failure("grant")
-            log.warning("room %s: refused: %s", state.room, exc)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"room {state.room}: decode did not reserve these pages for this room: {exc}")
-        except TransferError as exc:
-            self.metrics.failure("bootstrap")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"room {state.room}: cannot check decode's reservation: {exc}")
+        names pages of other rooms is refused before anything is computed or written.
+
+        The connection is usually one kept from earlier requests. If the engine reports that peer
+        unreachable (after a network cut NIXL keeps a connection marked broken even when the peer
+        is back), the backend drops it and one fresh connection is tried before the request fails:
+        a stale connection is this worker's state, not the client's problem."""
+        for attempt in (1, 2):
+            try:
+                await asyncio.to_thread(self.backend.verify_grant, state.peer, state.dst_page_ids,
+                                        key=state.room, grant=state.grant)
+                return
+            except GrantRefused as exc:
+                self.metrics.failure("grant")
+                log.warning("room %s: refused: %s", state.room, exc)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"room {state.room}: decode did not reserve these pages for this room: {exc}")
+            except PeerUnreachable as exc:
+                if attempt == 1:
+                    stale = state.peer
+                    await asyncio.to_thread(self.backend.disconnect, stale)  # never handed out again
+                    state.peer = await self._connect(request, context)
+                    log.warning("room %s: %s; reconnected (%s -> %s)", state.room, exc, stale, state.peer)
+                    continue
+                self.metrics.failure("bootstrap")
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"room {state.room}: cannot check decode's reservation: {exc}")
+            except TransferError as exc:
+                self.metrics.failure("bootstrap")
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"room {state.room}: cannot check decode's reservation: {exc}")
 
     async def _cleanup(self, state: PrefillRoom, *, aborted: bool) -> None:
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.

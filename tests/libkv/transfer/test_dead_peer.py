@@ -16,39 +16,11 @@ import pytest
 
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
-from libkv.transfer.base import Peer, PeerUnreachable, Refusal, Transfer, TransferState
+from libkv.transfer.base import PeerUnreachable, TransferState
 from libkv.transfer.fake import FakeBackend
+from tests.libkv.transfer.broken_connections import BrokenConnections
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
-
-
-class BrokenConnections(FakeBackend):
-    """Each connection made while `break_next` is set refuses every request, as NIXL does after
-    it saw the peer disconnect; connections made later work."""
-
-    def __init__(self) -> None:
-        super().__init__(timeout_s=5.0)
-        self.break_next = False
-        self.connections = 0
-
-    def _engine_connect(self, endpoint):
-        self.connections += 1
-        return {"broken": self.break_next}
-
-    def _check(self, peer: Peer) -> None:
-        if peer.engine["broken"]:
-            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
-
-    def _engine_write(self, peer: Peer, record: Transfer):
-        self._check(peer)
-        return super()._engine_write(peer, record)
-
-    def _engine_verify_grant(self, peer: Peer, pages, key, grant, tag) -> Refusal | None:
-        try:
-            self._check(peer)
-        except RuntimeError as exc:
-            raise PeerUnreachable(f"fake: reading the grants failed: {exc}") from exc
-        return None
 
 
 @pytest.fixture
