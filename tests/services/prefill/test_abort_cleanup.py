@@ -18,19 +18,15 @@ import time
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from libkv.transfer.base import Transfer, TransferState
 from libkv.transfer.fake import FakeBackend
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_to_proto
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.prefill.servicer import PrefillServicer
-from services.worker.config import WorkerConfig
-from services.worker.metrics import WorkerMetrics
-from services.worker.queues import PREFILL_QUEUES, RoomQueues
-from services.worker.runtime import WorkerRuntime
+from services.worker.queues import PREFILL_QUEUES
 from tests.engine.conftest import random_prompts
+from tests.services.prefill.runtime import prefill_runtime as make_prefill_runtime
 
 ABORT_TAKES_S = 0.5
 
@@ -47,21 +43,8 @@ class HeldWritesBackend(FakeBackend):
 
 @pytest.fixture(scope="module")
 def prefill_runtime(tmp_path_factory):
-    from engine.tiny_model import write_tiny_model
-
-    model = write_tiny_model(tmp_path_factory.mktemp("prefill") / "tiny", preset="tiny", seed=0)
-    config = WorkerConfig(model_path=str(model), disaggregation_mode="prefill",
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
-    backend = HeldWritesBackend(timeout_s=30)
-    backend.register(engine.pool)
-    engine.start()
-    runtime = WorkerRuntime(config=config, engine=engine, backend=backend,
-                            metrics=WorkerMetrics("prefill", config.model_name),
-                            queues=RoomQueues(PREFILL_QUEUES))
-    yield runtime
-    engine.shutdown()
-    backend.close()
+    with make_prefill_runtime(tmp_path_factory.mktemp("prefill"), HeldWritesBackend(timeout_s=30)) as runtime:
+        yield runtime
 
 
 async def _wait_for(condition, timeout_s: float, what: str) -> None:

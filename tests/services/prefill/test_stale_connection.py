@@ -12,18 +12,14 @@ import time
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_to_proto
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.prefill.servicer import PrefillServicer
-from services.worker.config import WorkerConfig
-from services.worker.metrics import WorkerMetrics
-from services.worker.queues import PREFILL_QUEUES, RoomQueues
-from services.worker.runtime import WorkerRuntime
+from services.worker.queues import PREFILL_QUEUES
 from tests.engine.conftest import random_prompts
 from tests.libkv.transfer.broken_connections import BrokenConnections
+from tests.services.prefill.runtime import prefill_runtime
 
 
 class BrokenUntilReconnected(BrokenConnections):
@@ -44,19 +40,8 @@ class BrokenUntilReconnected(BrokenConnections):
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
-    from engine.tiny_model import write_tiny_model
-
-    model = write_tiny_model(tmp_path_factory.mktemp("prefill") / "tiny", preset="tiny", seed=0)
-    config = WorkerConfig(model_path=str(model), disaggregation_mode="prefill",
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
-    backend = BrokenUntilReconnected(timeout_s=10)
-    backend.register(engine.pool)
-    engine.start()
-    yield WorkerRuntime(config=config, engine=engine, backend=backend,
-                        metrics=WorkerMetrics("prefill", config.model_name), queues=RoomQueues(PREFILL_QUEUES))
-    engine.shutdown()
-    backend.close()
+    with prefill_runtime(tmp_path_factory.mktemp("prefill"), BrokenUntilReconnected(timeout_s=10)) as started:
+        yield started
 
 
 async def prefill(runtime, room: str):

@@ -1,0 +1,35 @@
+"""A prefill worker's runtime in-process, over a transfer backend the test chooses (one whose
+engine misbehaves in a given way), for tests that drive the real Prefill gRPC service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.tiny_model import write_tiny_model
+from libkv.transfer.base import TransferBackend
+from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
+from services.worker.queues import PREFILL_QUEUES, RoomQueues
+from services.worker.runtime import WorkerRuntime
+
+
+@contextmanager
+def prefill_runtime(folder: Path, backend: TransferBackend) -> Iterator[WorkerRuntime]:
+    """A started tiny-model prefill engine of 64 pages whose KV moves through `backend`; both are
+    shut down on exit."""
+    model = write_tiny_model(folder / "tiny", preset="tiny", seed=0)
+    config = WorkerConfig(model_path=str(model), disaggregation_mode="prefill",
+                          disaggregation_transfer_backend="fake", num_pages=64)
+    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
+    backend.register(engine.pool)
+    engine.start()
+    try:
+        yield WorkerRuntime(config=config, engine=engine, backend=backend,
+                            metrics=WorkerMetrics("prefill", config.model_name), queues=RoomQueues(PREFILL_QUEUES))
+    finally:
+        engine.shutdown()
+        backend.close()
