@@ -18,6 +18,8 @@ The costs of the two safety checks the PD services run on every request:
   process. Counting them as not overlapping the write is the worst case (a prefill can
   checksum a chunk while the previous one is on the wire), so the checked time is the sum of
   the three medians; timing the sum directly only buried a few percent in the write's noise.
+  With it, the prompt row also shows decode's poisoning of the prompt's pages before it offers
+  them to a one-sided writer (KVPool.poison: what makes the landing check sound).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class PromptResult:
     layer_major_ms: float
     verify_grant_ms: float  # one verify_grant of the prompt's destination pages (warm)
     checksum_ms: float | None = None  # --checksum: both sides' checksums of the prompt's pages
+    poison_ms: float | None = None  # --checksum: decode poisoning the prompt's pages (KVPool.poison)
 
 
 @dataclass
@@ -157,6 +160,12 @@ class _Pair:
         proc.call("bench_checksums", pages=pages, repeats=1, timeout=600)
         return statistics.median(proc.call("bench_checksums", pages=pages, repeats=repeats, timeout=600)["seconds"])
 
+    def time_poison(self, pages: list[int], repeats: int) -> float:
+        """Median seconds of the receiver poisoning `pages`, after one warm-up."""
+        self.receiver.call("bench_poison", pages=pages, repeats=1, timeout=600)
+        return statistics.median(self.receiver.call("bench_poison", pages=pages, repeats=repeats,
+                                                    timeout=600)["seconds"])
+
     def time_verify(self, dst: list[int], repeats: int) -> float:
         """Median seconds of one verify_grant of `dst`, after one warm-up."""
         self.sender.call("verify", peer=self.peer, pages=dst, key="bench", grant=self.grant)
@@ -196,6 +205,7 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
         verify_s = pair.time_verify(dst, args.repeats)
         prompt_checksum_s = (pair.time_checksums(pair.sender, src, args.repeats)
                              + pair.time_checksums(pair.receiver, dst, args.repeats)) if args.checksum else None
+        poison_s = pair.time_poison(dst, args.repeats) if args.checksum else None
     finally:
         pair.close()
 
@@ -214,7 +224,8 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
         pair.close()
     prompt = PromptResult(PROMPT_TOKENS, prompt_pages * layout.page_nbytes, page_major_runs,
                           page_major_s * 1e3, layer_major_runs, layer_major_s * 1e3, verify_s * 1e3,
-                          None if prompt_checksum_s is None else prompt_checksum_s * 1e3)
+                          None if prompt_checksum_s is None else prompt_checksum_s * 1e3,
+                          None if poison_s is None else poison_s * 1e3)
     return BackendResult(backend, sizes, prompt)
 
 
@@ -233,7 +244,7 @@ def render_table(results: list[BackendResult]) -> str:
                 line += (f" {size.checked_gbps:.2f} | {size.gbps / size.checked_gbps - 1:+.0%} | "
                          f"{size.sender_checksum_ms:.2f} | {size.receiver_checksum_ms:.2f} |")
             lines.append(line)
-    extra = " checksums ms (both sides) |" if checked else ""
+    extra = " checksums ms (both sides) | poison ms (decode) |" if checked else ""
     lines += ["", f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms "
               "| verify_grant ms |" + extra, "|---|---|---|---|---|---|---|" + "---|" * extra.count("|")]
     for result in results:
@@ -241,7 +252,7 @@ def render_table(results: list[BackendResult]) -> str:
             p = result.prompt
             lines.append(f"| {result.backend} | {p.nbytes / MIB:.0f} MiB | {p.page_major_writes} | "
                          f"{p.page_major_ms:.1f} | {p.layer_major_writes} | {p.layer_major_ms:.1f} | "
-                         f"{p.verify_grant_ms:.3f} |" + (f" {p.checksum_ms:.2f} |" if p.checksum_ms is not None else ""))
+                         f"{p.verify_grant_ms:.3f} |" + (f" {p.checksum_ms:.2f} | {p.poison_ms:.2f} |" if p.checksum_ms is not None else ""))
     return "\n".join(lines)
 
 

@@ -91,6 +91,24 @@ class KVPool:
         return [xxhash.xxh3_64_intdigest(pages[i * page_nbytes:(i + 1) * page_nbytes])
                 for i in range(len(page_ids))]
 
+    def poison(self, page_ids: list[int]) -> None:
+        """Fill pages with 0xFF bytes (a NaN in every float dtype), before they are offered to a
+        one-sided writer.
+
+        Why: the landing check (services.decode.landing) takes "the page hashes to what the sender
+        sent" as proof that the write has landed. A page reused for the same prompt can already
+        hold those exact bytes from its previous owner, so the check would pass while the write is
+        still on its way, and the page could be freed and handed on before the late bytes land in
+        it. No computed K/V is all NaN, so a poisoned page matches only once this write arrived.
+        """
+        for page in page_ids:
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page {page} outside pool of {self.num_pages} pages")
+        if not page_ids:
+            return
+        pages = self.as_bytes().view(self.num_pages, self.layout.page_nbytes)
+        pages.index_fill_(0, torch.tensor(page_ids, dtype=torch.long, device=self.device), 0xFF)
+
     @staticmethod
     def num_pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
         return max(budget_bytes // layout.page_nbytes, 0)

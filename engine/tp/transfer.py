@@ -80,6 +80,11 @@ class TPKVPool(KVPool):
         mine = super().page_checksums(page_ids)
         return combine_checksums([mine, *(c.call("page_checksums", list(page_ids)) for c in self.controls)])
 
+    def poison(self, page_ids: list[int]) -> None:
+        super().poison(page_ids)
+        for control in self.controls:
+            control.call("poison", list(page_ids))
+
     def part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
         """Per page, the checksums of `parts` equal KV-head parts of the whole model's page."""
         per_rank = parts // self.tp_size
@@ -176,6 +181,9 @@ class RankTransfer:
 
     def head_part_checksums(self, pages: list[int], parts: int) -> list[list[int]]:
         return self.pool.head_part_checksums(pages, parts)
+
+    def poison(self, pages: list[int]) -> None:
+        self.pool.poison(pages)
 
     def close(self) -> None:
         if self.backend is not None:

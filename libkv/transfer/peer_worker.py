@@ -143,6 +143,16 @@ class PeerWorker:
             seconds.append(time.perf_counter() - start)
         return {"seconds": seconds}
 
+    def op_bench_poison(self, pages: list[int], repeats: int) -> dict:
+        """Seconds of each of `repeats` poisonings of `pages` (KVPool.poison, decode's step before
+        it offers pages to a one-sided writer)."""
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.pool.poison(pages)
+            seconds.append(time.perf_counter() - start)
+        return {"seconds": seconds}
+
     def op_close(self) -> dict:
         if self.backend is not None:
             self.backend.close()

@@ -8,6 +8,9 @@ Bytes that land after decode reused their pages would corrupt another request's 
 receiver can see arrival itself, with no help from the engine: prefill checksums each page right
 before writing it (xxh3, services/prefill/room.py), and once decode's copy of a page hashes to the
 same value the page holds exactly what was sent, so nothing still in flight can change it.
+That holds only if the page could not match before the write: decode poisons the pages it offers
+a one-sided writer (KVPool.poison), since a page reused for the same prompt can already hold the
+very bytes on their way.
 
 `wait_landed` polls that, bounded: on success before the request joins the batch, and after an
 aborted request before its pages are freed (with the checksums of the writes prefill issued).

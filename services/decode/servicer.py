@@ -131,6 +131,11 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         # Only the pages after the ones reused from our prefix cache are offered to the prefill:
         # the cached ones are shared with other requests and must never be written.
         pages = reservation.tail
+        if self._checksums and self.backend.one_sided:
+            # The landing check takes matching bytes as proof of arrival; a page that held this
+            # same prompt before would match before the write lands (KVPool.poison). Inline, not
+            # in a thread: no await between reserving and the try below that frees on failure.
+            self.engine.pool.poison(pages)
         # Binds the pages to this room and request: the prefill checks the binding through the
         # transfer engine before it writes (two-sided engines also check every write), so only the
         # prefill given this grant can fill them.

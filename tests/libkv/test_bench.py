@@ -27,3 +27,4 @@ def test_bench_transfer_reports_checksum_and_grant_costs(backend, module):
     assert size["gbps"] > 0 and size["checked_gbps"] > 0
     assert size["sender_checksum_ms"] > 0 and size["receiver_checksum_ms"] > 0
     assert result["prompt"]["verify_grant_ms"] > 0 and result["prompt"]["checksum_ms"] > 0
+    assert result["prompt"]["poison_ms"] > 0

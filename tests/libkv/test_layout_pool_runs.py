@@ -37,6 +37,20 @@ def test_page_checksums_are_xxh3_of_each_page_and_see_one_byte(dtype):
         pool.page_checksums([5])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_poisoned_pages_are_nan_everywhere_and_no_other_page_changes(dtype):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=dtype)
+    pool = KVPool(layout, num_pages=5)
+    pool.buffer.normal_(generator=torch.Generator().manual_seed(0))
+    before = pool.buffer.clone()
+    pool.poison([3, 1])
+    assert pool.buffer[[1, 3]].isnan().all()
+    assert torch.equal(pool.buffer[[0, 2, 4]], before[[0, 2, 4]])
+    pool.poison([])
+    with pytest.raises(IndexError):
+        pool.poison([5])
+
+
 def test_mismatch_names_both_values():
     a = KVLayout(4, 2, 64, 16, "float32")
     b = KVLayout(4, 2, 64, 32, "bfloat16")
