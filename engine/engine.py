@@ -76,6 +76,14 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _Stop:
+    """The caller of a prefill with a transfer hook stopped listening: stop the request but keep
+    its pages held under the room, since transfers may still be reading them (see `prefill`)."""
+
+    room: str
+
+
+@dataclass(frozen=True)
 class _Finish:
     """The caller found a stop string: finish the request without emitting anything more."""
 
@@ -87,7 +95,7 @@ class _Wake:
     """Pages were released elsewhere: waiting requests may fit now."""
 
 
-_Command = _Add | _AddPrefilled | _Abort | _Finish | _Wake
+_Command = _Add | _AddPrefilled | _Abort | _Stop | _Finish | _Wake
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -288,6 +296,9 @@ class Engine:
         `on_pages_filled(page_ids, num_tokens_done)` is called from the engine thread after each
         chunk with the pages completely filled so far (in order), and once at the end with all
         the prompt's pages (the last one possibly partial). Raises RequestAborted if aborted.
+        If the caller is cancelled, the request stops; with `on_pages_filled` its pages then stay
+        held under `room` (writes of them may still be reading them) until the caller's
+        `abort(room)` or `release(room)`, as after a finished prefill.
         """
         params.validate()
         self.scheduler.check_fits(len(prompt_ids), 1)
@@ -408,7 +419,10 @@ class Engine:
                 yield batch
         finally:
             if not done:
-                self.abort(request.room)
+                if request.on_pages_filled is not None:
+                    self._inbox.put(_Stop(request.room))
+                else:
+                    self.abort(request.room)
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -443,6 +457,8 @@ class Engine:
                 self._emit_token(command.request, first.logprob, first.top_logprobs)
             elif isinstance(command, _Abort):
                 self._abort(command.room)
+            elif isinstance(command, _Stop):
+                self._stop(command.room)
             elif isinstance(command, _Finish):
                 request = self.scheduler.requests.get(command.room)
                 if request is not None:
@@ -531,8 +547,8 @@ class Engine:
         try:
             request.on_pages_filled(list(page_ids), num_tokens)
         except Exception:
-            log.exception("room %s: on_pages_filled failed; aborting the prefill", request.room)
-            self._abort(request.room)
+            log.exception("room %s: on_pages_filled failed; stopping the prefill", request.room)
+            self._stop(request.room)  # earlier writes may still read the pages: the caller frees them
 
     def _abort(self, room: str) -> None:
         request = self.scheduler.abort(room)
@@ -546,6 +562,14 @@ class Engine:
             request.emit(TokenOutput(token_id=-1, text="", logprob=None, top_logprobs=[],
                                      finish_reason="abort", prompt_tokens=request.num_prompt,
                                      completion_tokens=request.num_generated))
+
+    def _stop(self, room: str) -> None:
+        request = self.scheduler.requests.get(room)
+        if request is None:
+            return  # finished: a prefill's pages are held already, or it was aborted
+        self.scheduler.finish(request, "abort", keep_pages=True)
+        self._release_room(room)
+        request.emit(None)
 
     def _deliver(self) -> None:
         deliveries, self._deliveries = self._deliveries, defaultdict(list)

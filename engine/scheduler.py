@@ -88,8 +88,9 @@ class Scheduler:
         self._admissions += 1
         self.running.append(request)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Take a request out; a prefill-only request's pages are held under its room, others freed."""
+    def finish(self, request: Request, reason: str, keep_pages: bool = False) -> None:
+        """Take a request out; a prefill-only request's pages are held under its room (aborted too
+        with `keep_pages`), others freed."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -98,7 +99,7 @@ class Scheduler:
         request.finish_reason = reason
         self.requests.pop(request.room, None)
         self._cache_computed(request)
-        if request.prefill_only and reason != "abort":
+        if request.prefill_only and (reason != "abort" or keep_pages):
             self.pages.hold(request.room, request.page_ids)
         else:
             self.pages.free(request.page_ids)

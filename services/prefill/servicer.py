@@ -177,8 +177,11 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
     async def _cleanup(self, state: PrefillRoom, *, aborted: bool) -> None:
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.
 
-        On abort the engine frees the pages itself, between steps, so a forward pass still using
-        them is never raced; after success the held pages are released here. Runs to the end even
+        On abort the engine stops the request between steps, so a forward pass still using the
+        pages is never raced, and keeps them held under the room (engine.prefill with a transfer
+        hook): a queued or running write may still read them, and a page freed and recomputed
+        for another prompt under it would send that prompt's KV with this one's checksum. They
+        are freed here once no write of the room is left. Runs to the end even
         when the handler is cancelled again meanwhile (decode's Abort arriving while the cancelled
         call is still being cleaned up), then re-raises that cancellation.
         """

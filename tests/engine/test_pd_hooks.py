@@ -139,7 +139,19 @@ async def test_failing_hook_aborts_prefill(engines):
 
     with pytest.raises(RequestAborted):
         await prefill.prefill(random_prompts([100], seed=15)[0], GREEDY, "fails", on_pages_filled)
-    assert prefill.stats().used_pages == 0
+    # Writes the hook issued before it failed may still read the pages: they stay held under the
+    # room until the caller, having stopped its writes, frees them.
+    assert prefill.stats().held_rooms == 1
+    prefill.abort("fails")
+    await _until_idle(prefill)
+    assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
+
+
+async def _until_idle(engine) -> None:
+    for _ in range(300):
+        if engine.stats().used_pages == 0 and engine.stats().running == 0:
+            return
+        await asyncio.sleep(0.01)
 
 
 async def test_cancelled_prefill_frees_pages(engines):
@@ -153,4 +165,30 @@ async def test_cancelled_prefill_frees_pages(engines):
         if prefill.stats().used_pages == 0 and prefill.stats().running == 0:
             break
         await asyncio.sleep(0.01)
+    assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
+
+
+async def test_cancelled_prefill_with_a_transfer_hook_keeps_its_pages_until_freed(engines):
+    """A cancelled caller may still have writes reading the prompt's pages (queued on a transfer
+    thread, or read by the engine after it said "done"): the engine must not hand the pages to
+    another prompt, which would send that prompt's KV under this one's checksum, until the caller
+    frees them."""
+    prefill, _ = engines
+    filled = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(prefill.prefill(random_prompts([600], seed=17)[0], GREEDY, "cancel-hooked",
+                                               lambda pages, tokens: loop.call_soon_threadsafe(filled.set)))
+    await asyncio.wait_for(filled.wait(), 60)  # the first pages are out, a write of them may be running
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(300):
+        if prefill.stats().running == 0 and prefill.stats().waiting == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert prefill.stats().running == 0, "the cancelled prefill kept computing"
+    assert prefill.stats().held_rooms == 1 and prefill.stats().used_pages > 0, \
+        "the engine freed pages a transfer may still be reading"
+    prefill.abort("cancel-hooked")
+    await _until_idle(prefill)
     assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
