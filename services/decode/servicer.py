@@ -214,11 +214,19 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
                         call.cancel()
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
-        task = self._tasks.get(request.room)
+        """Stop a room. A room this servicer works on is cancelled and cleans up after itself: its
+        reserved pages go to the quarantine while a prefill may still write into them. Only a room
+        it does not hold (a local prefill, running in the engine alone) is aborted in the engine,
+        since the engine's abort frees a room's reservation at once, which must never happen to
+        pages a one-sided write may still land in (the gateway sends Abort when a client leaves)."""
+        room = request.room
+        task = self._tasks.get(room)
+        quarantined = room in self.quarantine.rooms()
+        found = task is not None or quarantined or self.engine.is_live(room)
         if task is not None:
             task.cancel()
-        found = task is not None or self.engine.is_live(request.room)
-        self.engine.abort(request.room)
+        elif not quarantined:
+            self.engine.abort(room)
         return worker_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> common_pb2.WorkerLoad:

@@ -191,8 +191,10 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
     async def _stop_and_free(self, state: PrefillRoom, aborted: bool) -> None:
         try:
             if aborted:
-                await asyncio.to_thread(state.abort_all)
-                self.engine.abort(state.room)
+                try:
+                    await asyncio.to_thread(state.abort_all)
+                finally:  # the engine holds the pages until told: never leave them held
+                    self.engine.abort(state.room)
             else:
                 self.engine.release(state.room)
         finally:
