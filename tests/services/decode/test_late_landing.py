@@ -149,43 +149,27 @@ async def test_decode_waits_for_bytes_its_page_already_seemed_to_hold(pair: Pair
         assert await reading == expected
 
 
-async def test_a_cancelled_request_keeps_its_page_until_the_bytes_landed(pair: Pair):
+@pytest.mark.parametrize("gateway_abort", [False, True], ids=["cancelled", "cancelled-and-aborted"])
+async def test_a_request_the_client_left_keeps_its_page_until_the_bytes_landed(pair: Pair, gateway_abort: bool):
+    """The client goes away while the KV is on its way. With `gateway_abort`, as the gateway does:
+    the call is cancelled and Worker.Abort sent. That Abort used to abort the room in the engine,
+    which freed its reserved pages at once behind the quarantine's back, so the next request got
+    the page while the write was in flight."""
     sender: LateLandingBackend = pair.prefill.backend  # type: ignore[assignment]
     pages = pair.decode.engine.pages
+    room = f"left-{gateway_abort}"
     async with _served(pair) as served:
         idle = pages.used_pages
-        _expected, call, reading = await _held_write_of_repeat(pair, served, "cancelled")
-        try:
-            call.cancel()  # the client goes away while the KV is on its way
-            await asyncio.gather(reading, return_exceptions=True)
-            await asyncio.sleep(1.0)
-            assert pages.has_room("cancelled"), \
-                "decode freed the page while bytes for it were still on their way"
-        finally:
-            sender.hold_writes = False
-            sender.land()
-        await _until(lambda: not pages.has_room("cancelled") and pages.used_pages == idle,
-                     "the cancelled request's pages to be free again")
-
-
-async def test_the_gateways_abort_keeps_the_page_until_the_bytes_landed(pair: Pair):
-    """What the gateway does when a client leaves: cancel the call and send Worker.Abort. The
-    Abort used to abort the room in the engine too, which freed its reserved pages at once,
-    behind the quarantine's back: the next request got the page while the write was in flight."""
-    sender: LateLandingBackend = pair.prefill.backend  # type: ignore[assignment]
-    pages = pair.decode.engine.pages
-    async with _served(pair) as served:
-        idle = pages.used_pages
-        _expected, call, reading = await _held_write_of_repeat(pair, served, "aborted")
+        _expected, call, reading = await _held_write_of_repeat(pair, served, room)
         try:
             call.cancel()
-            reply = await served.decode.Abort(worker_pb2.AbortRequest(room="aborted"), timeout=30)
-            assert reply.found
+            if gateway_abort:
+                assert (await served.decode.Abort(worker_pb2.AbortRequest(room=room), timeout=30)).found
             await asyncio.gather(reading, return_exceptions=True)
             await asyncio.sleep(1.0)
-            assert pages.has_room("aborted"), "decode freed the page while bytes for it were still on their way"
+            assert pages.has_room(room), "decode freed the page while bytes for it were still on their way"
         finally:
             sender.hold_writes = False
             sender.land()
-        await _until(lambda: not pages.has_room("aborted") and pages.used_pages == idle,
-                     "the aborted request's pages to be free again")
+        await _until(lambda: not pages.has_room(room) and pages.used_pages == idle,
+                     "the pages of the request the client left to be free again")
