@@ -6,6 +6,7 @@ import torch
 import xxhash
 
 from libkv.layout import KVLayout
+from libkv.runs import coalesce
 
 
 class KVPool:
@@ -107,11 +108,8 @@ class KVPool:
         pages = self.as_bytes().view(self.num_pages, self.layout.page_nbytes)
         # One fill per run of consecutive pages: a memset (index_fill_ went byte by byte: 17x slower).
         ordered = sorted(set(page_ids))
-        start = 0
-        for i in range(1, len(ordered) + 1):
-            if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
-                pages[ordered[start]:ordered[i - 1] + 1].fill_(0xFF)
-                start = i
+        for run in coalesce(ordered, ordered):
+            pages[run.src_page:run.src_page + run.length].fill_(0xFF)
 
     @staticmethod
     def num_pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:

@@ -136,27 +136,27 @@ class PeerWorker:
 
     def op_bench_checksums(self, pages: list[int], repeats: int) -> dict:
         """Seconds of each of `repeats` checksums of `pages` (KVPool.page_checksums)."""
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self.pool.page_checksums(pages)
-            seconds.append(time.perf_counter() - start)
-        return {"seconds": seconds}
+        return {"seconds": _timed(repeats, lambda: self.pool.page_checksums(pages))}
 
     def op_bench_poison(self, pages: list[int], repeats: int) -> dict:
         """Seconds of each of `repeats` poisonings of `pages` (KVPool.poison, decode's step before
         it offers pages to a one-sided writer)."""
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self.pool.poison(pages)
-            seconds.append(time.perf_counter() - start)
-        return {"seconds": seconds}
+        return {"seconds": _timed(repeats, lambda: self.pool.poison(pages))}
 
     def op_close(self) -> dict:
         if self.backend is not None:
             self.backend.close()
         return {}
+
+
+def _timed(repeats: int, work) -> list[float]:
+    """Seconds of each of `repeats` calls of `work`."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def main() -> None:

@@ -161,10 +161,7 @@ async def test_cancelled_prefill_frees_pages(engines):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(300):
-        if prefill.stats().used_pages == 0 and prefill.stats().running == 0:
-            break
-        await asyncio.sleep(0.01)
+    await _until_idle(prefill)
     assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
 
 
