@@ -132,10 +132,12 @@ def _copied_sources(text: str, target: str) -> list[str]:
     ("gateway", "services.gateway.main, services.gateway.app, services.gateway.state, "
                 "services.gateway.policies.cache_aware, services.gateway.model_source"),
     ("bootstrap", "services.bootstrap.main"),
+    ("model", "pdserve.cli, tools.models.tiny_model"),  # the stage that runs `pdserve make-tiny-model`
 ])
 def test_light_images_copy_every_module_their_service_imports(target: str, modules: str):
     """The gateway and registry images carry a hand-picked part of the repository (no torch): every
-    project module their service imports must be in it, or the container restarts in a loop."""
+    project module their service imports must be in it, or the container restarts in a loop. The
+    model stage likewise carries only the checkpoint builder of tools/."""
     code = ("import sys\n"
             f"import {modules}\n"
             "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))\n")
