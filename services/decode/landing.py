@@ -6,7 +6,7 @@ transports and versions (Mooncake's TCP transport, as its source reads, complete
 the sender's socket took it, and the receiver's transfer thread copies it into the pool later).
 Bytes that land after decode reused their pages would corrupt another request's KV silently. The
 receiver can see arrival itself, with no help from the engine: prefill checksums each page right
-before writing it (xxh3, services/prefill/room.py), and once decode's copy of a page hashes to the
+before writing it (xxh3, services/prefill/writes.py), and once decode's copy of a page hashes to the
 same value the page holds exactly what was sent, so nothing still in flight can change it.
 That holds only if the page could not match before the write: decode poisons the pages it offers
 a one-sided writer (KVPool.poison), since a page reused for the same prompt can already hold the
