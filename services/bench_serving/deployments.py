@@ -5,7 +5,7 @@ Same model, same dtype, same KV pages per worker and the same cores for each:
 - `pd`: one prefill worker on the first half of the cores and one decode worker on the other half
   (threads = cores each), the KV moving over a real transfer engine;
 - `pd+conditional`: `pd` with the decode worker running short prompts itself
-  (`--conditional-disaggregation`, services/decode/local_prefill.py).
+  (`--conditional-disaggregation`, services/worker/local_prefill.py).
 Each has its own gateway (static worker lists, round robin). Workers are pinned with `taskset`;
 the gateways and the load generator are not pinned (they share every core, alike for all).
 Processes come from services.chaos.processes (the e2e tests' code): ports are picked free, logs go

@@ -20,12 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.config_flags import add_config_arguments, config_from_args
 from services.chaos.config import ChaosConfig
 from services.chaos.prompts import make_prompts
 from services.chaos.report import Row, to_json, to_table
 from services.chaos.runner import run_backend, say
 from services.chaos.scenarios import SCENARIOS, select
-from services.common.config_flags import add_config_arguments, config_from_args
 from services.up import ensure_model
 
 

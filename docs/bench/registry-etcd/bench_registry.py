@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from protos.v1 import common_pb2  # noqa: E402
-from services.bootstrap.client import RegistryClient  # noqa: E402
+from services.common.registry_client import RegistryClient  # noqa: E402
 from tests.services.bootstrap.etcd import run_etcd  # noqa: E402
 from tests.services.bootstrap.process import start_bootstrap  # noqa: E402
 from tests.services.bootstrap.workers import worker_info  # noqa: E402

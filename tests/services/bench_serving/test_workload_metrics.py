@@ -10,7 +10,7 @@ from services.bench_serving.client import RequestResult
 from services.bench_serving.metrics import Slo, peak_output_throughput, summarize
 from services.bench_serving.report import result_text
 from services.bench_serving.workload import RequestClass, WorkloadError, interruption_workload, parse_workload
-from services.decode.local_prefill import LocalPrefillRule
+from services.worker.local_prefill import LocalPrefillRule
 
 
 def test_the_mixed_spec_parses_into_classes() -> None:
