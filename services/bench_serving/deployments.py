@@ -18,7 +18,9 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
 from services.chaos.processes import ProcessGroup, Service
+from services.worker.local_prefill import LocalPrefillRule
 
 KINDS = ("colocated", "pd", "pd+conditional")
 
@@ -31,8 +33,8 @@ class WorkerSettings:
     backend: str = "nixl"
     dtype: str = "bfloat16"
     num_pages: int = 2048
-    chunked_prefill_size: int = 512
-    local_prefill_max_tokens: int = 256
+    chunked_prefill_size: int = EngineConfig.chunked_prefill_size  # the worker defaults
+    local_prefill_max_tokens: int = LocalPrefillRule.max_tokens
     ready_timeout_s: float = 300.0
 
 
