@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.tiny_model import PRESETS, model_config
 from pdserve.config_flags import config_from_args
 from services.launch_server import add_arguments
 from services.worker.config import WorkerConfig
 from services.worker.local_prefill import LocalPrefillRule
+from tools.models.tiny_model import PRESETS, model_config
 
 
 def parse(model_dir, *flags: str) -> WorkerConfig:

@@ -1,0 +1,3 @@
+"""Everything that is run by hand or by tests and is not deployed: the process launcher (launch),
+`pdserve up` (up), the built-in model builders and `pdserve generate` (models/), every benchmark
+(bench/) and the chaos suite (chaos/). Nothing outside tools/ and tests/ imports this package."""
