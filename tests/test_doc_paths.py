@@ -11,7 +11,7 @@ every tracked Python file (generated protobuf modules aside) its comments and it
    trailing `.`, `,` of a sentence are dropped; a `*` makes it a glob that must match something.
    So `.cache/models/tiny` (not tracked), `/tmp/kv4` and `prefill/decode` (no such top-level
    folder) are prose, not paths.
-2. A root document: a word ending in `.md` with no `/` (`README.md`, `ARCHITECTURE.md`) must exist at
+2. A root document: a word ending in `.md` with no `/` (such as `README.md`) must exist at
    the repository root or beside the file that names it.
 3. A Markdown link: the target of `[text](target)` or `![alt](target)`, unless it is a URL
    (`scheme:`) or an anchor (`#...`), must exist relative to the Markdown file's own folder.
@@ -38,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Named by the documentation, not in the tree yet: their code is being moved there. Empty it.
 EXPECTED_MISSING: frozenset[str] = frozenset({
+    "pdserve/page_hash.py",              # the page hash, moving from libkv/ into pdserve/
+    "tests/test_layering.py",            # the dependency rule's test
+    "tools.bench.decode_attention",      # the benchmarks, moving into tools/bench/
+    "tools.bench.profile_step",
+    "tools.bench.registry",
 })
 
 # Files the docs tell an operator to create; the repository never holds them.
