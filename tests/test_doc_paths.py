@@ -40,9 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_MISSING: frozenset[str] = frozenset({
     "pdserve/page_hash.py",              # the page hash, moving from libkv/ into pdserve/
     "tests/test_layering.py",            # the dependency rule's test
-    "tools.bench.decode_attention",      # the benchmarks, moving under tools
-    "tools.bench.profile_step",
-    "tools.bench.registry",
 })
 
 # Files the docs tell an operator to create; the repository never holds them.
