@@ -7,21 +7,24 @@ every tracked Python file (generated protobuf modules aside) its comments and it
 1. A repository path: a run of the characters `A-Z a-z 0-9 _ . * / -` that holds a `/`, does not
    start with one (absolute paths and the tails of URLs are not the repository's), and whose first
    part is a top-level folder of the repository (one that holds tracked files), e.g.
-   `services/decode/servicer.py`, `engine/tp/`, `docs/architecture.md`. A leading `./` and the
-   trailing `.`, `,` of a sentence are dropped; a `*` makes it a glob that must match something.
+   `services/launch_server.py`, `engine/tp/`, `docs/architecture.md`. A leading `./` and the
+   trailing `.` `,` `:` `;` of a sentence are dropped; a `*` makes it a glob that must match something.
    So `.cache/models/tiny` (not tracked), `/tmp/kv4` and `prefill/decode` (no such top-level
    folder) are prose, not paths.
 2. A root document: a word ending in `.md` with no `/` (such as `README.md`) must exist at
    the repository root or beside the file that names it.
 3. A Markdown link: the target of `[text](target)` or `![alt](target)`, unless it is a URL
-   (`scheme:`) or an anchor (`#...`), must exist relative to the Markdown file's own folder.
+   (`scheme:`), must exist relative to the Markdown file's own folder, and its `#anchor`, if any,
+   must name a heading of the Markdown file it points to (as GitHub spells it: lower case,
+   punctuation dropped, spaces as `-`).
 4. A module run with `python -m NAME` whose first part is a top-level folder must be a module of
    the repository (NAME/ as a package or NAME.py, dots read as `/`).
 
 Each must exist in the working tree, unless git ignores it (a build's output, such as
-docker/.context/) or it is a file the operator writes (`WRITTEN_BY_THE_OPERATOR`). `EXPECTED_MISSING` lists paths the documentation names ahead
-of code that is still moving into the layout docs/architecture.md describes; each entry leaves the
-list when its code lands (a test fails while a listed path exists), and the list ends empty.
+docker/.context/) or it is a file the operator writes (`WRITTEN_BY_THE_OPERATOR`).
+`EXPECTED_MISSING` lists paths the documentation names ahead of code that is still moving into the
+layout docs/architecture.md describes; each entry leaves the list when its code lands (a test fails
+while a listed path exists), and the list ends empty.
 """
 
 from __future__ import annotations
@@ -123,9 +126,28 @@ def _offenders_in(relative_file: str, numbered_lines: Iterator[tuple[int, str]],
                 yield where, name
         if markdown:
             for match in _LINK.finditer(line):
-                target = match.group(1).split("#", 1)[0]
-                if target and not _SCHEME.match(target) and not (folder / target).exists():
+                if not _link_resolves(folder, relative_file, match.group(1)):
                     yield where, f"link {match.group(1)}"
+
+
+def _anchors(markdown: Path) -> set[str]:
+    """GitHub's ids for the headings of a Markdown file."""
+    ids = set()
+    for line in markdown.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            ids.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return ids
+
+
+def _link_resolves(folder: Path, relative_file: str, link: str) -> bool:
+    if _SCHEME.match(link):
+        return True
+    target, _, anchor = link.partition("#")
+    path = folder / target if target else ROOT / relative_file
+    if not path.exists():
+        return False
+    return not anchor or path.suffix != ".md" or anchor in _anchors(path)
 
 
 def _all_offenders() -> list[tuple[str, str]]:
@@ -166,3 +188,8 @@ def test_the_rule_reads_paths_as_documented():
         "prefill/decode or http://127.0.0.1:8000/v1/chat; run python -m engine.bench_x.", top)]
     assert refs == ["services/gateway/app.py", "engine/tp/", "docs/x.md", "engine/bench_x"]
     assert [m.group(0) for m in _ROOT_DOC.finditer("cites ARCHITECTURE.md and docs/a.md")] == ["ARCHITECTURE.md"]
+    docs = ROOT / "docs"
+    assert _link_resolves(docs, "docs/failures.md", "architecture.md#the-engine")
+    assert not _link_resolves(docs, "docs/failures.md", "architecture.md#no-such-heading")
+    assert not _link_resolves(docs, "docs/failures.md", "no-such-page.md")
+    assert _link_resolves(docs, "docs/failures.md", "https://example.com/x.md")
