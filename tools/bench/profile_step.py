@@ -6,7 +6,7 @@ the stepping thread: with --threads 1 that figure barely moves when other proces
 machine) and profiles `--profile-steps` more with torch.profiler, printing each op's time per step.
 
 It uses only Engine.load, Engine.scheduler and Engine.step, so the same file also profiles an
-older checkout: `PYTHONPATH=OLD_TREE python tools/bench/profile_step.py ...` (the README's "before").
+older checkout: `PYTHONPATH=OLD_TREE python tools/bench/profile_step.py ...`, to compare two trees.
 
 `--prefill` times whole prefills instead: one `--prompt-len` prompt at a time, in chunks of
 `--chunk` tokens, `--repeats` times (wall and stepping-thread CPU time), then profiles one more and
