@@ -46,7 +46,7 @@ from engine.request import EngineRequest
 from engine.sampling import sample
 from engine.scheduler import Request, Scheduler, SchedulerConfig
 from engine.stream import OutputStream, TextStream
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 
 log = logging.getLogger(__name__)
 

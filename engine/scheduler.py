@@ -31,7 +31,7 @@ import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.page_manager import PageManager
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 
 
 class RequestStatus(Enum):
@@ -95,11 +95,12 @@ class Request:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits. `max_seq_len` is the model's context length."""
+    """Batching limits, taken from EngineConfig (where their defaults live) by the engine;
+    `max_seq_len` is the model's context length."""
 
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512
-    max_seq_len: int = 4096
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_seq_len: int
 
 
 class Scheduler:

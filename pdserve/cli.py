@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench serving-vs-vllm": ("tools.bench.serving.vs_peer",
                               "pdserve colocated and PD against vLLM's CPU server on one uniform load, with TPOT "
                               "against the engine's step"),
+    "bench request-path": ("tools.bench.request_path",
+                           "the files one streaming PD chat request passes through, per process"),
+    "bench grpc-messages": ("tools.bench.grpc_messages",
+                            "gRPC messages per request, PD against colocated, on one load"),
     "bench prefix-cache": ("tools.bench.serving.prefix_cache",
                            "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, cache off/on"),
 }

@@ -38,7 +38,7 @@ from engine.outputs import FirstToken
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
-from services.bootstrap.client import RegistryClient
+from services.common.registry_client import RegistryClient
 from services.decode.landing import wait_landed
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine

@@ -5,7 +5,7 @@ has checked, with gRPC errors for bad input: every check a client can fail is he
 servicers abort with INVALID_ARGUMENT and a message instead of letting a bad request reach the
 engine thread. Tokens out: `relay` turns an engine's stream of token batches into Generate
 responses, one message per batch, for every worker role, with the latency metrics. And the
-protobuf <-> engine/libkv dataclass conversions (KV layout, transfer endpoint, sampling params,
+protobuf <-> engine and libkv dataclass conversions (KV layout, transfer endpoint, sampling params,
 finish reasons, token outputs), in one place: libkv and engine never import protos. Imports engine
 and libkv (and so torch): the gateway and the registry never import it.
 """

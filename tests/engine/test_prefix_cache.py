@@ -8,7 +8,7 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from libkv.allocator import PageAllocator
-from libkv.page_hash import ROOT_HASH, page_hash, page_hashes
+from pdserve.page_hash import ROOT_HASH, page_hash, page_hashes
 from tests.engine.test_scheduler import run_step, spans
 
 

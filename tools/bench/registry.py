@@ -3,7 +3,7 @@ etcd store (a real etcd on free ports), with 50 workers registered. Run from the
 
     .venv/bin/python -m tools.bench.registry
 
-docs/registry-on-etcd.md quotes its figures.
+docs/benchmarks.md quotes its figures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from protos.v1 import common_pb2
-from services.bootstrap.client import RegistryClient
+from services.common.registry_client import RegistryClient
 from tests.services.bootstrap.etcd import run_etcd
 from tests.services.bootstrap.process import start_bootstrap
 from tests.services.bootstrap.workers import worker_info

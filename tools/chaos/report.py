@@ -103,7 +103,7 @@ def to_table(rows: Sequence[Row]) -> str:
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    """The table as Markdown, for the README."""
+    """The table as Markdown, as docs/benchmarks.md shows it."""
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     return "\n".join(lines)

@@ -7,10 +7,11 @@ import asyncio
 import sys
 import uuid
 
-from engine.config import add_engine_arguments, engine_config_from_args
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
+from pdserve.config_flags import add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=SamplingParams.top_k)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    add_engine_arguments(parser)
+    add_config_arguments(parser, EngineConfig)
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -48,7 +49,7 @@ async def _stream(engine: Engine, request: EngineRequest) -> str | None:
 def main(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    engine = Engine.load(engine_config_from_args(args))
+    engine = Engine.load(config_from_args(EngineConfig, args))
     engine.start()
     try:
         request = engine.check(EngineRequest(f"cli-{uuid.uuid4().hex[:8]}",

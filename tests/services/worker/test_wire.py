@@ -1,4 +1,4 @@
-"""The worker's wire: protobuf <-> libkv/engine conversion."""
+"""The worker's wire: protobuf <-> libkv and engine conversion."""
 
 from __future__ import annotations
 

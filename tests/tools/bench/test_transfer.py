@@ -1,4 +1,4 @@
-"""`pdserve bench transfer` end to end on one backend, small: the figures the README quotes
+"""`pdserve bench transfer` end to end on one backend, small: the figures docs/benchmarks.md quotes
 (bandwidth, checksum cost, verify_grant time) come out of a real run."""
 
 import importlib.util
