@@ -10,11 +10,13 @@ held under a room (its page manager) and the grants a transfer backend expects a
 own records, not copies of this one.
 
 Stages (`Stage`; a stage's value is its label in `queue_requests{queue}`):
-  decode     PREALLOC -> TRANSFER -> WAITING -> RUNNING; QUARANTINED when it failed after its pages
-             were offered to a prefill, until no write for them can land (services/decode/quarantine.py).
+  decode     PREALLOC -> TRANSFER -> RUNNING; QUARANTINED when it failed after its pages were
+             offered to a prefill, until no write for them can land (services/decode/quarantine.py).
              A prompt run on the decode worker itself (conditional disaggregation) is RUNNING at once.
   prefill    HANDSHAKE -> WAITING -> INFLIGHT
   colocated  RUNNING
+A decode or colocated worker's `waiting` and `running` queues are its engine's (requests waiting
+for admission, the running batch): WorkerRuntime.queue_counts.
 A room leaves the table when it is done (`close`). Where the role asks for it (prefill), done rooms
 are remembered, a bounded number, as DONE: whether an Abort named the room (then a new request for
 it is refused: its pages on decode may be in other hands by now) and the checksums of the writes it
@@ -45,14 +47,14 @@ class Stage(enum.Enum):
     PREALLOC = "prealloc"  # decode: waiting for pages to reserve for the prompt
     TRANSFER = "transfer"  # decode: a prefill runs the prompt and writes its KV into the pages
     HANDSHAKE = HANDSHAKE  # prefill: meeting decode's transfer endpoint, checking its reservation
-    WAITING = "waiting"  # prefill: the prompt runs, its pages sent as chunks finish; decode: handed to the engine
+    WAITING = "waiting"  # prefill: the prompt runs, its pages sent as chunks finish
     INFLIGHT = "inflight"  # prefill: the prompt ran; its last writes are landing
-    RUNNING = "running"  # decode, colocated: in the engine, tokens streaming
+    RUNNING = "running"  # decode, colocated: in the engine, tokens streaming back
     QUARANTINED = "quarantined"  # decode: failed; its pages wait until no write of the room can land
     DONE = "done"  # ended, and remembered (prefill)
 
 
-# The stages each role counts in `queue_requests{queue}`, in the order they are exported.
+# The queues each role exports in `queue_requests{queue}`, in this order.
 QUEUES = {"prefill": (Stage.HANDSHAKE, Stage.WAITING, Stage.INFLIGHT),
           "decode": (Stage.PREALLOC, Stage.TRANSFER, Stage.WAITING, Stage.RUNNING)}
 _REMEMBERED = {"prefill": 4096}  # done rooms kept per role
@@ -118,12 +120,12 @@ class RoomTable:
             return self._rooms.get(room_id)
 
     def close(self, room: Room, checksums: list[int] | None = None) -> None:
-        """`room` is done: it leaves the table (remembered as DONE where the role keeps done rooms,
-        with the checksums of the writes it issued) and `room.ended` is set."""
+        """`room` is done: it leaves the table and `room.ended` is set. Where the role keeps done
+        rooms, one an Abort named or that issued writes (their `checksums`) is remembered as DONE."""
         with self._lock:
             if self._rooms.get(room.id) is room:
                 del self._rooms[room.id]
-                if self._remember:
+                if self._remember and (room.aborted or checksums):
                     self._remember_done(Room(room.id, Stage.DONE, aborted=room.aborted, checksums=checksums or []))
         room.ended.set()
 

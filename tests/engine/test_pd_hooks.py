@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from engine.outputs import RequestAborted
+from engine.outputs import FirstToken, RequestAborted
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from kernels import cpu_kernels, ops
 from tests.engine.conftest import generate, prefill_first_token, random_prompts, start_engine
@@ -191,3 +192,51 @@ async def test_cancelled_prefill_with_a_transfer_hook_keeps_its_pages_until_free
     prefill.abort("cancel-hooked")
     await _until_idle(prefill)
     assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
+
+
+async def test_a_prefill_only_request_streams_its_first_token_and_makes_no_text(engines, monkeypatch):
+    prefill, _ = engines
+    import engine.engine as engine_module
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("a prefill-only request built a detokenizer")
+
+    monkeypatch.setattr(engine_module, "TextStream", no_text)
+    prompt = random_prompts([40], seed=18)[0]
+    outputs = [o async for o in generate(prefill, prompt, GREEDY, "first", prefill_only=True)]
+    assert len(outputs) == 1
+    first = outputs[0]
+    assert first.token_id >= 0 and first.text == "" and first.finish_reason == "stop"
+    assert (first.prompt_tokens, first.completion_tokens) == (40, 1) and len(first.top_logprobs) == 2
+    assert prefill.stats().held_rooms == 1  # held until released
+    assert prefill.release("first") and prefill.stats().used_pages == 0
+
+
+async def test_check_refuses_a_request_of_two_kinds(engines):
+    _, decode = engines
+    with pytest.raises(ValueError, match="prefill-only"):
+        decode.check(EngineRequest("both", [1, 2, 3], GREEDY, first_token=FirstToken(5), prefill_only=True))
+    with pytest.raises(ValueError, match="on_pages_filled"):
+        decode.check(EngineRequest("hook", [1, 2, 3], GREEDY, on_pages_filled=lambda pages, tokens: None))
+    with pytest.raises(ValueError, match="invalid sampling params: temperature"):
+        decode.check(EngineRequest("bad", [1, 2, 3], SamplingParams(temperature=-1)))
+
+
+async def test_a_refused_prefilled_request_leaves_no_page_reserved(engines):
+    """A prefilled request takes over the pages reserved under its room; one the engine refuses
+    frees them (its caller cannot: the reservation is the request's)."""
+    _, decode = engines
+    prompt = random_prompts([40], seed=19)[0]
+    assert decode.reserve("short", 16) is not None  # one page for a three-page prompt
+    with pytest.raises(ValueError, match="cannot hold"):
+        [o async for o in generate(decode, prompt, GREEDY, "short", first_token=FirstToken(5))]
+    with pytest.raises(KeyError):
+        [o async for o in generate(decode, prompt, GREEDY, "none", first_token=FirstToken(5))]
+    running = generate(decode, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "busy")
+    await running.__anext__()
+    assert decode.reserve("busy", len(prompt)) is not None  # a reservation under a running room
+    with pytest.raises(ValueError, match="already in use"):
+        [o async for o in generate(decode, prompt, GREEDY, "busy", first_token=FirstToken(5))]
+    await running.aclose()
+    await _until_idle(decode)
+    assert decode.stats().used_pages == 0 and decode.stats().held_rooms == 0
