@@ -37,14 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
 from engine.outputs import EngineStats, FirstToken, TokenOutput
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
 from engine.sampling import sample
-from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stream import OutputStream, TextStream
 from pdserve.page_hash import page_hashes
 
