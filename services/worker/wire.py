@@ -23,7 +23,7 @@ from engine.outputs import TokenOutput
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
-from libkv.transfer.base import TransferEndpoint
+from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2, worker_pb2
 from services.worker.metrics import WorkerMetrics
 

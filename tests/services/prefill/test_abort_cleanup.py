@@ -7,7 +7,7 @@ in flight until aborted, and an abort takes a while. So the call is cancelled wh
 writes are in flight (inflight queue), and decode's Abort arrives while that cancellation is
 still being cleaned up, the second cancellation that used to skip freeing the pages. Either
 Abort reply carries the checksums of the writes issued, which decode waits on before reusing the
-pages (landing.py).
+pages (services/decode/landing.py).
 """
 
 from __future__ import annotations
