@@ -27,7 +27,7 @@ import uvloop
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.launcher import ChildFailed, start_child, stop_children
-from services.gateway.model_files import ModelFiles
+from services.gateway.prompts import ModelFiles
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog near the river bank." for i in range(16)]

@@ -1,58 +1,77 @@
-"""The OpenAI endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""The HTTP endpoints: the OpenAI API (POST /v1/chat/completions, POST /v1/completions,
+GET /v1/models) and the seeds' native POST /generate (SGLang's).
 
-Each handler: check the model name, build prompt token ids (chat template or prompt), check them
-against the context, derive the sampling, run n choices per prompt through the dispatcher, and
-answer in the OpenAI wire format, either whole or as server-sent events.
+Each handler: check the model name, the fan-out and the token budget, wait for admission
+(middleware.RequestGuards), build prompt token ids (chat template or prompt, prompts.py), check
+them against the context, turn the body's sampling into one proto per choice (protocol.py), run
+the choices through the dispatcher and answer in the wire format, either whole or as server-sent
+events (responses.py).
+
+/generate body: `text` (string or batch) or `input_ids` (ids or batch), `sampling_params`
+{temperature, max_new_tokens, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, seed}, `stream`.
+Answer: {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"finish_reason": {"type": "stop" | "length" | "abort", ...}}} (a list for a batch). Streaming sends
+the same object with the text so far after every chunk, then `data: [DONE]`, as SGLang does.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from services.gateway.choices import (
-    ChoiceJob,
-    ChoiceResult,
-    collect_choices,
-    stream_choices,
-    until_disconnected,
-)
 from services.gateway.dispatcher import GenerationChunk
-from services.gateway.errors import GatewayError
-from services.gateway.guards import request_guards
-from services.gateway.logprobs import chat_logprobs, completion_logprobs
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from services.gateway.responses import (
+    CLIENT_CLOSED,
+    DONE,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
     ChatMessageOut,
+    ChoiceJob,
+    ChoiceResult,
     Completion,
     CompletionChoice,
     ModelCard,
     ModelList,
+    NativeGenerateResponse,
+    NativeMetaInfo,
     Usage,
+    chat_logprobs,
+    collect_choices,
+    completion_logprobs,
+    event,
+    sse_response,
+    stream_response,
 )
-from services.gateway.sampling import sampling_from_fields
-from services.gateway.sse import DONE, error_event, event, is_end, open_stream, sse_response
 from services.gateway.state import GatewayState
 
 router = APIRouter()
-log = logging.getLogger("pdserve.gateway")
-
-# 499: the nginx convention for "client closed the request"; nobody reads it, metrics do.
-CLIENT_CLOSED = 499
 
 
 def gateway_state(request: Request) -> GatewayState:
     return request.app.state.gateway
+
+
+def served_model(state: GatewayState, requested: str | None) -> str:
+    """The served model name if `requested` names it (or is omitted where that is allowed)."""
+    if requested is None or requested == state.model_name:
+        return state.model_name
+    raise GatewayError(404, f"The model `{requested}` does not exist (this gateway serves "
+                            f"`{state.model_name}`).", param="model", code="model_not_found")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _usage(prompt_lengths: Sequence[int], completion_tokens: Sequence[int]) -> Usage:
@@ -69,7 +88,7 @@ async def list_models(request: Request) -> ModelList:
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
 async def get_model(model_id: str, request: Request) -> ModelCard:
     state = gateway_state(request)
-    state.check_model(model_id)
+    served_model(state, model_id)
     return ModelCard(id=state.model_name, created=state.created, max_model_len=state.model_files.context_length)
 
 
@@ -78,7 +97,7 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
     state, guards = gateway_state(request), request_guards(request)
-    model = state.check_model(body.model)
+    model = served_model(state, body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
     check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
     check_max_tokens(body.max_completion_tokens, state.model_files, param="max_completion_tokens")
@@ -89,12 +108,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     top_n = body.top_logprobs_wanted
-    sampling = sampling_from_fields(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-        max_new_tokens=body.max_new_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, logprobs=body.logprobs, top_logprobs=top_n)
-    request_id = state.new_request_id("chatcmpl")
-    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, sampling.for_choice(i)) for i in range(body.n)]
+    request_id = new_request_id("chatcmpl")
+    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i)) for i in range(body.n)]
     timers = [state.metrics.timer() for _ in jobs]
     created = int(time.time())
 
@@ -110,7 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             return [chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
                     for job in jobs]
 
-        def token_event(position: int, item: GenerationChunk) -> str | None:
+        def token_event(position: int, item: GenerationChunk, _: ChoiceResult) -> str | None:
             if not item.text and item.finish_reason is None and not (body.logprobs and item.tokens):
                 return None  # a token whose text the detokenizer holds back: nothing to show yet
             return chunk([ChatChunkChoice(index=jobs[position].index,
@@ -118,13 +133,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                           logprobs=logprobs_of(item.tokens) if item.tokens else None,
                                           finish_reason=item.finish_reason)])
 
-        def usage_event(completion_tokens: int) -> str:
-            return chunk([], Usage.of(len(prompt_ids), completion_tokens))
+        return await stream_response(request, state.dispatcher, jobs, timers, token_event, first_events=first_events,
+                                     usage_event=_usage_event(chunk, len(prompt_ids), body.include_usage))
 
-        return await _stream(request, state, jobs, timers, first_events, token_event,
-                             usage_event if body.include_usage else None)
-
-    results = await until_disconnected(request, lambda: collect_choices(state.dispatcher, jobs, timers))
+    results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     choices = [ChatChoice(index=r.index, message=ChatMessageOut(content=r.text), logprobs=logprobs_of(r.tokens),
@@ -133,12 +145,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                           usage=_usage([len(prompt_ids)], [r.completion_tokens for r in results]))
 
 
+def _usage_event(chunk, prompt_tokens: int, wanted: bool):
+    """The stream's last chunk before [DONE] when the client asked for usage: no choices, the usage
+    of all of them; None when it did not."""
+    if not wanted:
+        return None
+    return lambda completion_tokens: chunk([], Usage.of(prompt_tokens, completion_tokens))
+
+
 # -- text completions ---------------------------------------------------------------------------
 
 @router.post("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
     state, guards = gateway_state(request), request_guards(request)
-    model = state.check_model(body.model)
+    model = served_model(state, body.model)
     check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
     check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
     candidates = body.candidates
@@ -151,26 +171,23 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
         check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="prompt")
     top_n = body.logprobs or 0
     want_logprobs = body.logprobs is not None
-    sampling = sampling_from_fields(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-        max_new_tokens=body.max_new_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, logprobs=want_logprobs or candidates > body.n, top_logprobs=top_n)
-    request_id = state.new_request_id("cmpl")
-    jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids,
-                      sampling.for_choice(j))
+    request_id = new_request_id("cmpl")
+    jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids, body.sampling(j))
             for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
     timers = [state.metrics.timer() for _ in jobs]
     created = int(time.time())
     prompt_lengths = [len(prompt_ids) for prompt_ids in prompts]
 
+    def logprobs_of(tokens, text_offset: int = 0):
+        return completion_logprobs(tokens, state.model_files, top_n, text_offset) if want_logprobs else None
+
     if candidates > body.n:  # best_of: every candidate must finish before the best are known
-        results = await until_disconnected(request, lambda: collect_choices(state.dispatcher, jobs, timers))
+        results = await collect_choices(request, state.dispatcher, jobs, timers)
         if results is None:
             return Response(status_code=CLIENT_CLOSED)
         best = best_of(results, len(prompts), candidates, body.n)
         choices = [CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason,
-                                    logprobs=completion_logprobs(r.tokens, state.model_files, top_n)
-                                    if want_logprobs else None) for r in best]
+                                    logprobs=logprobs_of(r.tokens)) for r in best]
         usage = _usage(prompt_lengths, [r.completion_tokens for r in results])
         whole = Completion(id=request_id, created=created, model=model, choices=choices, usage=usage)
         if body.stream:
@@ -183,27 +200,22 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             return event(Completion(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
-        def token_event(position: int, item: GenerationChunk) -> str | None:
+        def token_event(position: int, item: GenerationChunk, _: ChoiceResult) -> str | None:
             if not item.text and item.finish_reason is None and not (want_logprobs and item.tokens):
                 return None
-            logprobs = (completion_logprobs(item.tokens, state.model_files, top_n, sent_text[position])
-                        if want_logprobs else None)
+            logprobs = logprobs_of(item.tokens, sent_text[position])
             sent_text[position] += len(item.text)
             return chunk([CompletionChoice(index=jobs[position].index, text=item.text, logprobs=logprobs,
                                            finish_reason=item.finish_reason)])
 
-        def usage_event(completion_tokens: int) -> str:
-            return chunk([], Usage.of(sum(prompt_lengths), completion_tokens))
+        return await stream_response(request, state.dispatcher, jobs, timers, token_event,
+                                     usage_event=_usage_event(chunk, sum(prompt_lengths), body.include_usage))
 
-        return await _stream(request, state, jobs, timers, list, token_event,
-                             usage_event if body.include_usage else None)
-
-    results = await until_disconnected(request, lambda: collect_choices(state.dispatcher, jobs, timers))
+    results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     choices = [CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason,
-                                logprobs=completion_logprobs(r.tokens, state.model_files, top_n)
-                                if want_logprobs else None) for r in results]
+                                logprobs=logprobs_of(r.tokens)) for r in results]
     return Completion(id=request_id, created=created, model=model, choices=choices,
                       usage=_usage(prompt_lengths, [r.completion_tokens for r in results]))
 
@@ -235,47 +247,63 @@ async def _replay(whole: Completion, include_usage: bool) -> AsyncIterator[str]:
     yield DONE
 
 
-# -- streaming ----------------------------------------------------------------------------------
+# -- native /generate ---------------------------------------------------------------------------
 
-async def _stream(request: Request, state: GatewayState, jobs: list[ChoiceJob], timers,
-                  first_events: Callable[[], list[str]],
-                  token_event: Callable[[int, GenerationChunk], str | None],
-                  usage_event: Callable[[int], str] | None) -> Response:
-    """An SSE response over the merged choices. The first chunk is awaited before the response
-    starts (errors before it get a status code); later failures end the stream with an error event."""
-    stream = stream_choices(state.dispatcher, jobs, timers)
-    first = await open_stream(request, stream)
-    if first is None:
+def _finish_reason(result: ChoiceResult) -> dict | None:
+    if result.finish_reason is None:
+        return None
+    if result.finish_reason == "length":
+        return {"type": "length", "length": result.completion_tokens}
+    return {"type": result.finish_reason}
+
+
+def _native_response(result: ChoiceResult, room: str, prompt_tokens: int,
+                     return_logprob: bool) -> NativeGenerateResponse:
+    logprobs = ([[token.logprob, token.token_id, None] for token in result.tokens] if return_logprob else None)
+    return NativeGenerateResponse(
+        text=result.text, output_ids=[token.token_id for token in result.tokens],
+        meta_info=NativeMetaInfo(id=room, prompt_tokens=result.prompt_tokens or prompt_tokens,
+                                 completion_tokens=result.completion_tokens or len(result.tokens),
+                                 finish_reason=_finish_reason(result), output_token_logprobs=logprobs))
+
+
+@router.post("/generate", response_model=NativeGenerateResponse | list[NativeGenerateResponse])
+async def generate(body: NativeGenerateRequest, request: Request):
+    state, guards = gateway_state(request), request_guards(request)
+    model = served_model(state, body.model)
+    params = body.sampling_params
+    check_token_ids(params.stop_token_ids or (), state.model_files, param="sampling_params.stop_token_ids")
+    check_max_tokens(params.max_new_tokens, state.model_files, param="sampling_params.max_new_tokens")
+    if body.stream and body.batched:
+        raise bad_request("stream is supported for one prompt at a time", param="stream")
+    prompt_param = "text" if body.text is not None else "input_ids"
+    generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param, count_param=prompt_param)
+    if not await guards.admit(request, model, generations):
         return Response(status_code=CLIENT_CLOSED)
-    results = [ChoiceResult(index=job.index) for job in jobs]
+    prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,
+                                           param=prompt_param)
+    for prompt_ids in prompts:
+        check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param=prompt_param,
+                     max_tokens_param="sampling_params.max_new_tokens")
+    sampling = body.sampling()
+    # The room is always the gateway's own unique id: a client's rid could collide with another
+    # request's room on the workers (by accident or on purpose); it is only shown back.
+    request_id = new_request_id("gen")
+    jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids, sampling)
+            for i, prompt_ids in enumerate(prompts)]
+    shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
+                 for job in jobs]
+    timers = [state.metrics.timer() for _ in jobs]
 
-    async def body() -> AsyncIterator[str]:
-        try:
-            for line in first_events():
-                yield line
-            pending = [] if is_end(first) else [first]
-            async for item in _chain(pending, stream):
-                position, chunk = item
-                results[position].add(chunk)
-                line = token_event(position, chunk)
-                if line is not None:
-                    yield line
-            if usage_event is not None:
-                yield usage_event(sum(r.completion_tokens for r in results))
-        except GatewayError as exc:
-            yield error_event(exc)
-        except Exception as exc:  # a gateway bug: still end the stream the way clients understand
-            log.exception("stream %s failed", jobs[0].room)
-            yield error_event(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
-        finally:
-            await stream.aclose()
-        yield DONE
+    if body.stream:
+        def token_event(_: int, item: GenerationChunk, so_far: ChoiceResult) -> str:
+            return event(_native_response(so_far, shown_ids[0], len(prompts[0]), body.return_logprob))
 
-    return sse_response(body())
+        return await stream_response(request, state.dispatcher, jobs, timers, token_event)
 
-
-async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
+    results = await collect_choices(request, state.dispatcher, jobs, timers)
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    responses = [_native_response(r, shown_id, len(job.prompt_token_ids), body.return_logprob)
+                 for r, job, shown_id in zip(results, jobs, shown_ids, strict=True)]
+    return responses if body.batched else responses[0]
