@@ -12,7 +12,7 @@ that depend on the served model (vocabulary, context length, model name) and the
 are checked by the handlers and written into the document by openapi.py.
 
 A body's `sampling(...)` is its one conversion into what the workers get: the proto
-SamplingParams of one generation, built straight from the parsed fields (`_SamplingFields.to_proto`).
+SamplingParams of one generation, built straight from the parsed fields (`SamplingFields.to_proto`).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     """The sampling fields every body shares (OpenAI's and SGLang's names agree on these), and the
     one conversion of a body's sampling into the SamplingParams of Worker.Generate.
 
@@ -257,7 +257,7 @@ class _OpenAIHead(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
 
 
-class _OpenAISampling(_SamplingFields, _OpenAIHead):
+class _OpenAISampling(SamplingFields, _OpenAIHead):
     """Sampling and streaming fields shared by chat and text completions."""
 
     presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
@@ -353,7 +353,7 @@ class _NativeHead(_Body):
     max_new_tokens: MaxTokens | None = None
 
 
-class NativeSamplingParams(_SamplingFields, _NativeHead):
+class NativeSamplingParams(SamplingFields, _NativeHead):
     """`sampling_params` of the native /generate body (SGLang's names)."""
 
     n: integer(1, 1) = 1  # SGLang takes n here; one sample per prompt is supported

@@ -27,7 +27,12 @@ from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeGenerateRequest,
+    SamplingFields,
+)
 from services.gateway.responses import (
     CLIENT_CLOSED,
     DONE,
@@ -70,6 +75,15 @@ def served_model(state: GatewayState, requested: str | None) -> str:
                             f"`{state.model_name}`).", param="model", code="model_not_found")
 
 
+def check_limits(state: GatewayState, sampling: SamplingFields, prefix: str = "", **budgets: int | None) -> None:
+    """400 for stop token ids outside the vocabulary or a token budget (`budgets`, by field name)
+    no prompt leaves room for: what is refused before the request waits for admission. `prefix`
+    locates the fields in the body."""
+    check_token_ids(sampling.stop_token_ids or (), state.model_files, param=f"{prefix}stop_token_ids")
+    for name, budget in budgets.items():
+        check_max_tokens(budget, state.model_files, param=f"{prefix}{name}")
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -98,9 +112,7 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
     state, guards = gateway_state(request), request_guards(request)
     model = served_model(state, body.model)
-    check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
-    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
-    check_max_tokens(body.max_completion_tokens, state.model_files, param="max_completion_tokens")
+    check_limits(state, body, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens)
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
@@ -159,8 +171,7 @@ def _usage_event(chunk, prompt_tokens: int, wanted: bool):
 async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
     state, guards = gateway_state(request), request_guards(request)
     model = served_model(state, body.model)
-    check_token_ids(body.stop_token_ids or (), state.model_files, param="stop_token_ids")
-    check_max_tokens(body.max_tokens, state.model_files, param="max_tokens")
+    check_limits(state, body, max_tokens=body.max_tokens)
     candidates = body.candidates
     generations = guards.check_fanout(body.prompt_count(), candidates, prompt_param="prompt",
                                       count_param="best_of" if candidates > body.n else "n")
@@ -272,8 +283,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
     state, guards = gateway_state(request), request_guards(request)
     model = served_model(state, body.model)
     params = body.sampling_params
-    check_token_ids(params.stop_token_ids or (), state.model_files, param="sampling_params.stop_token_ids")
-    check_max_tokens(params.max_new_tokens, state.model_files, param="sampling_params.max_new_tokens")
+    check_limits(state, params, "sampling_params.", max_new_tokens=params.max_new_tokens)
     if body.stream and body.batched:
         raise bad_request("stream is supported for one prompt at a time", param="stream")
     prompt_param = "text" if body.text is not None else "input_ids"
