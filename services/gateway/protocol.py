@@ -251,6 +251,8 @@ def _wrap_int64(value: int) -> int:
 
 
 class _OpenAIHead(_Body):
+    """The OpenAI bodies' fields that come before the shared sampling ones (see SamplingFields)."""
+
     model: Text
     n: integer(1, MAX_N) = 1
     max_tokens: MaxTokens | None = None
@@ -349,6 +351,8 @@ class CompletionRequest(_OpenAISampling):
 
 
 class _NativeHead(_Body):
+    """The native sampling_params' fields that come before the shared ones (see SamplingFields)."""
+
     temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
     max_new_tokens: MaxTokens | None = None
 
