@@ -1,6 +1,6 @@
 """The decode worker: pdserve.v1.Worker driving a remote prefill (`--disaggregation-mode decode`).
 
-One request, as ARCHITECTURE.md draws it:
+One request, as docs/architecture.md draws it:
   prealloc  wait (FIFO) until the engine can reserve pages for the prompt; its leading full pages
             come from this worker's prefix cache when they are there (decode-side reuse)
   transfer  call Prefill(room, prompt, dst pages, skip_pages, our endpoint) on the prefill worker

@@ -1,6 +1,6 @@
 """The prefill worker: pdserve.v1.Prefill (`--disaggregation-mode prefill`), called by decode workers.
 
-One request moves through ARCHITECTURE.md's prefill queues:
+One request moves through docs/architecture.md's prefill queues:
   bootstrap  connect to the decode worker's transfer endpoint (cached per peer); refuse a different
              model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION); check
              through the transfer engine that decode reserved exactly `dst_page_ids` for this

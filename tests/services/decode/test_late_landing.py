@@ -23,7 +23,6 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny_model import write_tiny_model
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.decode.servicer import DecodeServicer
@@ -34,6 +33,7 @@ from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
 from services.worker.runtime import WorkerRuntime
 from tests.engine.conftest import random_prompts
 from tests.libkv.transfer.late_landing import LateLandingBackend
+from tools.models.tiny_model import write_tiny_model
 
 # 40 tokens in pages of 16: two full pages (decode's prefix cache keeps them after the first
 # request) and a partial one, the page a repeated request reserves again and has written.

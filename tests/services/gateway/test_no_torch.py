@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 def test_gateway_app_does_not_import_torch(tiny_model: Path) -> None:
     code = (
         "import sys\n"
-        "import services.gateway.main, services.gateway.app, services.gateway.bench, services.up\n"
+        "import services.gateway.main, services.gateway.app, tools.bench.gateway, tools.up\n"
         "from services.gateway.config import GatewayConfig\n"
         "from services.gateway.app import create_app\n"
         "from services.gateway.state import build_state\n"

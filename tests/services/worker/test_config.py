@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine.tiny_model import PRESETS, model_config
 from services.common.config_flags import config_from_args
 from services.launch_server import add_arguments
 from services.worker.config import WorkerConfig
+from tools.models.tiny_model import PRESETS, model_config
 
 
 def parse(model_dir, *flags: str) -> WorkerConfig:
