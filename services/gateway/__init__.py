@@ -2,12 +2,13 @@
 
 A request's path through the package:
 
-    middleware.py   ASGI: count, 500 on a bug, body size/time (413/408), API key (401), admission
-    routes.py       the endpoint: parse and check the body (protocol.py, errors.py), fan-out,
-                    admission (429), one SamplingParams per choice (protocol.py)
+    middleware.py   ASGI: count, 500 on a bug, body size and time (413/408), API key (401)
+    routes.py       the endpoint: the body (protocol.py, errors.py), fan-out (400) and admission
+                    (429, middleware.RequestGuards), one SamplingParams per choice (protocol.py)
     prompts.py      chat template + tokenizer: prompt text -> token ids, checked against the model
-    responses.py    run the choices, merge their chunks; answer whole or as server-sent events
-    dispatcher.py   one generation: route, Worker.Generate, retries, abort (metrics.py times it)
+    responses.py    run the choices and merge their chunks (each timed by metrics.RequestTimer);
+                    answer whole or as server-sent events
+    dispatcher.py   one generation: route, Worker.Generate, retries, abort
     workers.py      Router + policies/ pick (prefill, decode) among the WorkerPool's workers,
                     whose circuit breakers say which may take traffic
 
