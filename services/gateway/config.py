@@ -1,6 +1,6 @@
 """GatewayConfig: everything `pdserve launch-router` is started with, defaults in one place.
 
-Scalar flags are generated from GatewayConfig's fields (services.common.config_flags). The worker
+Scalar flags are generated from GatewayConfig's fields (pdserve.config_flags). The worker
 lists of the seeds' router (`--prefill URL [BOOTSTRAP_PORT]`, `--decode URL`, `--worker URL`,
 repeatable) are parsed into StaticWorker entries by `static_workers_from_args`.
 """

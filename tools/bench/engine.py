@@ -73,12 +73,11 @@ class PdserveSystem:
         threads = max(1, threads // tp_size)  # per rank: the ranks share the `threads` cores
         torch.set_num_threads(threads)
         self.prompts, self.new_tokens = prompts, new_tokens
-        page_size = 16
-        pages_per_request = -(-(len(prompts[0]) + new_tokens) // page_size) + 1
+        pages_per_request = -(-(len(prompts[0]) + new_tokens) // EngineConfig.page_size) + 1  # its default
         self.engine = Engine.load(EngineConfig(
-            model_path=model, dtype=dtype, num_threads=threads, page_size=page_size,
+            model_path=model, dtype=dtype, num_threads=threads,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
-            chunked_prefill_size=512, cpu_kernels=cpu_kernels, tp_size=tp_size,
+            cpu_kernels=cpu_kernels, tp_size=tp_size,
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
             disable_radix_cache=True))

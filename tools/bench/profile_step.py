@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
+
 if __name__ == "__main__":  # run by path: this folder must not shadow the `engine` package
     sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
@@ -41,20 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=12, help="ops listed in the profile")
     parser.add_argument("--cpu-kernels", default=None, help="auto | on | off (older trees: leave unset)")
     parser.add_argument("--prefill", action="store_true", help="time and profile whole prefills of one prompt")
-    parser.add_argument("--chunk", type=int, default=512, help="--prefill: chunked_prefill_size")
+    parser.add_argument("--chunk", type=int, default=EngineConfig.chunked_prefill_size,
+                        help="--prefill: chunked_prefill_size")
     parser.add_argument("--repeats", type=int, default=3, help="--prefill: timed prefills")
     parser.add_argument("--torch-extend", action="store_true", help="--prefill: torch SDPA for extend attention")
     args = parser.parse_args(argv)
     if args.prefill:
         return profile_prefill(args)
 
-    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     extra = {} if args.cpu_kernels is None else {"cpu_kernels": args.cpu_kernels}
-    pages_per_request = -(-(args.prompt_len + args.steps + args.profile_steps + 16) // 16) + 1
+    pages_per_request = -(-(args.prompt_len + args.steps + args.profile_steps + 16) // EngineConfig.page_size) + 1
     engine = Engine.load(EngineConfig(model_path=args.model, dtype=args.dtype, num_threads=args.threads,
                                       num_pages=args.batch * pages_per_request + 8,
                                       max_running_requests=args.batch, chunked_prefill_size=args.batch * args.prompt_len,
@@ -103,7 +105,6 @@ ATTENTION_RANGE = "extend_attention"
 def profile_prefill(args: argparse.Namespace) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.models.attention import extend_attention_torch
     from engine.sampling import SamplingParams
@@ -111,7 +112,7 @@ def profile_prefill(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     extra = {} if args.cpu_kernels is None else {"cpu_kernels": args.cpu_kernels}
     engine = Engine.load(EngineConfig(model_path=args.model, dtype=args.dtype, num_threads=args.threads,
-                                      num_pages=-(-args.prompt_len // 16) + 8, max_running_requests=1,
+                                      num_pages=-(-args.prompt_len // EngineConfig.page_size) + 8, max_running_requests=1,
                                       chunked_prefill_size=args.chunk, **extra))
     ops = engine.model.ops
     extend_op = extend_attention_torch if args.torch_extend else ops.extend_attention

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from protos.v1 import common_pb2
-from services.bootstrap.client import RegistryClient
+from services.common.registry_client import RegistryClient
 from tests.services.bootstrap.etcd import run_etcd
 from tests.services.bootstrap.process import start_bootstrap
 from tests.services.bootstrap.workers import worker_info

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.common.config_flags import add_config_arguments, config_from_args
+from pdserve.config_flags import add_config_arguments, config_from_args
 from tools.chaos.config import ChaosConfig
 from tools.chaos.prompts import make_prompts
 from tools.chaos.report import Row, to_json, to_table

@@ -46,6 +46,7 @@ class Flag:
     spellings: tuple[str, ...]
     value: str  # what follows the flag ("INT", "URL [BOOTSTRAP_PORT]"), empty for a switch
     repeatable: bool
+    required: bool
     default: object
     help: str
 
@@ -83,7 +84,7 @@ def flags(command: str) -> list[Flag]:
         if action.nargs == 0:
             value = ""
         found.append(Flag(tuple(action.option_strings), value, isinstance(action, argparse._AppendAction),
-                          action.default, _DEFAULT_SUFFIX.sub("", action.help or "")))
+                          action.required, action.default, _DEFAULT_SUFFIX.sub("", action.help or "")))
     return found
 
 
@@ -130,6 +131,8 @@ def _show(value: object) -> str:
 
 
 def _default(flag: Flag, linked: list[str]) -> str:
+    if flag.required:
+        return "required"
     machine = [_MACHINE_DEFAULTS[name] for name in linked if name in _MACHINE_DEFAULTS]
     shown = f"`{machine[0]}`" if machine else _show(flag.default)
     if linked:

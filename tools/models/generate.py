@@ -7,9 +7,10 @@ import asyncio
 import sys
 import uuid
 
-from engine.config import add_engine_arguments, engine_config_from_args
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from pdserve.config_flags import add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=SamplingParams.top_k)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    add_engine_arguments(parser)
+    add_config_arguments(parser, EngineConfig)
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens,
                             ignore_eos=args.ignore_eos).validate()
-    engine = Engine.load(engine_config_from_args(args))
+    engine = Engine.load(config_from_args(EngineConfig, args))
     engine.start()
     try:
         finish = asyncio.run(_stream(engine, prompt_ids(engine.tokenizer, args.prompt, args.chat), params))

@@ -42,9 +42,9 @@ from tools.models.tiny_model import write_tiny_model
 
 @contextmanager
 def _runtime(model: Path, role: str) -> Iterator[WorkerRuntime]:
-    config = WorkerConfig(model_path=str(model), disaggregation_mode=role,
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
+    config = WorkerConfig(engine=EngineConfig(model_path=str(model), num_pages=64, num_threads=1),
+                          disaggregation_mode=role, disaggregation_transfer_backend="fake")
+    engine = Engine.load(config.engine)
     backend = LateLandingBackend()
     backend.register(engine.pool)
     engine.start()

@@ -22,9 +22,9 @@ def prefill_runtime(folder: Path, backend: TransferBackend) -> Iterator[WorkerRu
     """A started tiny-model prefill engine of 64 pages whose KV moves through `backend`; both are
     shut down on exit."""
     model = write_tiny_model(folder / "tiny", preset="tiny", seed=0)
-    config = WorkerConfig(model_path=str(model), disaggregation_mode="prefill",
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
+    config = WorkerConfig(engine=EngineConfig(model_path=str(model), num_pages=64, num_threads=1),
+                          disaggregation_mode="prefill", disaggregation_transfer_backend="fake")
+    engine = Engine.load(config.engine)
     backend.register(engine.pool)
     engine.start()
     try:

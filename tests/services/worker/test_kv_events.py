@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from engine.sampling import SamplingParams
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.worker.kv_events import KvEventsServicer

@@ -5,7 +5,7 @@ Same model, same dtype, same KV pages per worker and the same cores for each:
 - `pd`: one prefill worker on the first half of the cores and one decode worker on the other half
   (threads = cores each), the KV moving over a real transfer engine;
 - `pd+conditional`: `pd` with the decode worker running short prompts itself
-  (`--conditional-disaggregation`, services/decode/local_prefill.py).
+  (`--conditional-disaggregation`, services/worker/local_prefill.py).
 Each has its own gateway (static worker lists, round robin). Workers are pinned with `taskset`;
 the gateways and the load generator are not pinned (they share every core, alike for all).
 Processes come from tools/launch.py (the launcher of every tool and of the e2e tests): ports are
@@ -18,6 +18,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
+from services.worker.local_prefill import LocalPrefillRule
 from tools.launch import ProcessGroup, Service
 
 KINDS = ("colocated", "pd", "pd+conditional")
@@ -31,8 +33,8 @@ class WorkerSettings:
     backend: str = "nixl"
     dtype: str = "bfloat16"
     num_pages: int = 2048
-    chunked_prefill_size: int = 512
-    local_prefill_max_tokens: int = 256
+    chunked_prefill_size: int = EngineConfig.chunked_prefill_size  # the worker defaults
+    local_prefill_max_tokens: int = LocalPrefillRule.max_tokens
     ready_timeout_s: float = 300.0
 
 

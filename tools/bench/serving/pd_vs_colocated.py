@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.config import EngineConfig
+from services.worker.local_prefill import LocalPrefillRule
 from tools.bench.serving import datasets, deployments, metrics, plots, report, runner
 from tools.bench.serving.main import benchmark
 from tools.bench.serving.workload import WorkloadError, interruption_workload
@@ -36,10 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-backend", default="nixl", choices=("mooncake", "nixl", "ucx", "fake"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-pages", type=int, default=2048, help="KV pages per worker (default 2048)")
-    parser.add_argument("--chunked-prefill-size", type=int, default=512)
+    parser.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--no-conditional", action="store_true", help="skip the pd+conditional deployment")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=256,
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=LocalPrefillRule.max_tokens,
                         help="pd+conditional: prompts of at most this many tokens run on the decode worker")
     parser.add_argument("--request-rates", default="1,2,4", help="short requests/s to sweep (default 1,2,4)")
     parser.add_argument("--long-rate", type=float, default=0.2, help="long prompts/s (default 0.2)")
@@ -145,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
         slo = metrics.Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, itl_quantile=args.slo_itl_quantile)
         if not args.duration > 0 or not args.long_rate > 0:
             raise WorkloadError("--duration and --long-rate must be > 0")
-        if args.long_input_len + args.long_output_len > args.num_pages * 16 // 2:
+        if args.long_input_len + args.long_output_len > args.num_pages * EngineConfig.page_size // 2:
             raise WorkloadError("--num-pages is too small for the long prompts")
     except (WorkloadError, ValueError) as exc:
         print(f"pdserve bench pd-vs-colocated: {exc}", file=sys.stderr)

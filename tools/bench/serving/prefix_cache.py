@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from engine.config import EngineConfig
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
@@ -86,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-pages", type=int, default=2048, help="KV pages per worker (default 2048)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--chunked-prefill-size", type=int, default=512)
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-len", type=int, default=512, help="tokens of the shared system prompt")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.decode.local_prefill import LocalPrefillRule
+from services.worker.local_prefill import LocalPrefillRule
 from tools.bench.serving.client import RequestResult
 from tools.bench.serving.metrics import Slo, peak_output_throughput, summarize
 from tools.bench.serving.report import result_text

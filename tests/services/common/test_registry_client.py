@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
-from services.bootstrap.client import REASON_UNREACHABLE, RegistryClient
 from services.bootstrap.registry import Registry
 from services.bootstrap.servicer import BootstrapServicer
 from services.common.grpc_server import GrpcServer, ServiceBinding, service_name, start_grpc_server
+from services.common.registry_client import REASON_UNREACHABLE, RegistryClient
 from tests.services.bootstrap.workers import worker_info
 
 pytestmark = pytest.mark.timeout(60)

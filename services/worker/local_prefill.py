@@ -20,7 +20,7 @@ seeded per token, not per worker. `pdserve:local_prefill_requests_total{reason}`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NO_PREFILL = "no_prefill"
 SHORT_PROMPT = "short_prompt"
@@ -30,11 +30,20 @@ REASONS = (NO_PREFILL, SHORT_PROMPT, PREFILL_QUEUE)
 
 @dataclass(frozen=True)
 class LocalPrefillRule:
-    """The decision above; `enabled=False` always ships the prompt (the plain PD behaviour)."""
+    """The decision above; `enabled=False` always ships the prompt (the plain PD behaviour).
 
-    enabled: bool = False
-    max_tokens: int = 256
-    max_prefill_queue: int = 0
+    Nested in WorkerConfig, whose flags these fields are (the worker's rule is enabled on a decode
+    worker only: WorkerConfig.local_prefill_rule)."""
+
+    enabled: bool = field(default=False, metadata={"flags": ("--conditional-disaggregation",), "help": (
+        "decode: run a prompt on this worker instead of a prefill worker when that is cheaper: no prefill "
+        "worker given, a prompt of at most --local-prefill-max-tokens, or the prefill's queue at "
+        "--local-prefill-max-prefill-queue (services/worker/local_prefill.py)")})
+    max_tokens: int = field(default=256, metadata={"flags": ("--local-prefill-max-tokens",), "help": (
+        "decode, with --conditional-disaggregation: prompts of at most this many tokens run locally")})
+    max_prefill_queue: int = field(default=0, metadata={"flags": ("--local-prefill-max-prefill-queue",), "help": (
+        "decode, with --conditional-disaggregation: run locally when this worker already has this many "
+        "Prefill calls open on the chosen prefill worker (0 = never)")})
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
