@@ -134,6 +134,8 @@ class GrantTable:
         flat = self.memory.numpy()
         self.entries = flat[:table_nbytes].reshape(num_pages, TAG_NBYTES)
         self._slots = flat[table_nbytes:].reshape(READ_SLOTS, READ_SLOT_ENTRIES, TAG_NBYTES)
+        self._expected: dict[str, frozenset[int]] = {}  # key -> its pages bound in the table
+        self._tags: dict[str, bytes] = {}  # key -> tag(key, grant) of its expectation
         self._free = list(range(READ_SLOTS))
         self._retired: list[tuple[int, Callable[[], bool]]] = []
         self._slot_ready = threading.Condition()
@@ -160,6 +162,38 @@ class GrantTable:
         """Compare the entries of pages first_page .. first_page+count-1 with `tag`."""
         return compare_entries(self.entries[first_page:first_page + count],
                                list(range(first_page, first_page + count)), tag)
+
+    # ---- receiver: expectations (the backend's expect / release_expectation) --------------
+
+    def expect(self, key: str, pages: list[int], tag: bytes) -> frozenset[int]:
+        """Bind `pages` to `tag` for `key` and return all the key's pages. Calls for one key
+        accumulate pages but must give the same tag; a page bound to another key is refused
+        (ValueError): a page belongs to one room at a time."""
+        known = self._tags.get(key)
+        if known is not None and known != tag:
+            raise ValueError(f"expect({key!r}): the key is already expected with another grant; "
+                             "release_expectation() first")
+        new = sorted(set(pages))
+        taken = [p for p, owner in zip(new, self.owners(new), strict=True) if owner.any() and owner.tobytes() != tag]
+        if taken:
+            holders = sorted({k for k, held in self._expected.items() if taken[0] in held})
+            raise ValueError(f"expect({key!r}): page {taken[0]} (and {len(taken) - 1} more) already "
+                             f"expected by {', '.join(map(repr, holders)) or 'another key'}")
+        self.bind(new, tag)
+        self._expected[key] = frozenset(new) | self._expected.get(key, frozenset())
+        self._tags[key] = tag
+        return self._expected[key]
+
+    def release(self, key: str) -> frozenset[int] | None:
+        """Zero the entries of the key's pages and forget it; its pages (None if not expected)."""
+        pages = self._expected.pop(key, None)
+        self._tags.pop(key, None)
+        if pages is not None:
+            self.clear(sorted(pages))
+        return pages
+
+    def expected(self, key: str) -> frozenset[int]:
+        return self._expected.get(key, frozenset())
 
     # ---- sender: read slots ----------------------------------------------------------------
 

@@ -4,8 +4,10 @@ backend's and the prefill service's tests of what happens to such a connection."
 
 from __future__ import annotations
 
-from libkv.transfer.base import Peer, PeerUnreachable, Refusal, Transfer
 from libkv.transfer.fake import FakeBackend
+from libkv.transfer.grants import Refusal
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import PeerUnreachable
 
 
 class BrokenConnections(FakeBackend):

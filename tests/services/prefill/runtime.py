@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.tiny_model import write_tiny_model
-from libkv.transfer.base import TransferBackend
+from libkv.transfer import TransferBackend
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.queues import PREFILL_QUEUES, RoomQueues

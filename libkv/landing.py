@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from engine.tp.transfer import checksums_in_parts
+from libkv.checksums import checksums_in_parts
 from libkv.pool import KVPool
 
 # Bytes a sender has handed to its socket arrive within milliseconds unless this host is starved;
