@@ -11,20 +11,17 @@ from __future__ import annotations
 import importlib
 
 from libkv.transfer.base import EngineBackend
-from libkv.transfer.grants import grant_tag
-from libkv.transfer.interface import (
+from libkv.transfer.errors import (
     BackendMismatch,
     EngineUnavailable,
     GrantRefused,
-    PeerId,
     PeerUnreachable,
     TransferAborted,
-    TransferBackend,
-    TransferEndpoint,
     TransferError,
-    TransferHandle,
     TransferTimeout,
 )
+from libkv.transfer.grants import grant_tag
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
 from libkv.transfer.process_exit import exit_process
 from libkv.transfer.state import TransferState
 

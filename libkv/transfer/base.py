@@ -31,21 +31,18 @@ from libkv.checksums import checksums_in_parts
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 from libkv.runs import ByteRun, PageRun, coalesce
+from libkv.transfer.errors import (
+    BackendMismatch,
+    GrantRefused,
+    PeerUnreachable,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+)
 from libkv.transfer.grants import GrantTable, check_grant, grant_tag
 from libkv.transfer.head_map import HeadSlice, sender_slices, slice_regions
 from libkv.transfer.hooks import EngineHooks, Peer, Transfer
-from libkv.transfer.interface import (
-    BackendMismatch,
-    GrantRefused,
-    PeerId,
-    PeerUnreachable,
-    TransferAborted,
-    TransferBackend,
-    TransferEndpoint,
-    TransferError,
-    TransferHandle,
-    TransferTimeout,
-)
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
 from libkv.transfer.state import TransferState
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ from typing import NewType
 
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
-from libkv.transfer.grants import Refusal
+from libkv.transfer.errors import TransferError
 from libkv.transfer.head_map import whole_model
 from libkv.transfer.state import TransferState
 
@@ -70,41 +70,6 @@ PeerId = NewType("PeerId", str)
 _RANKS_BLOB = b"pdserve-tp-endpoints:"
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.002
-
-
-class TransferError(RuntimeError):
-    """A transfer did not complete; subclasses say why."""
-
-
-class PeerUnreachable(TransferError):
-    """The peer refused, dropped or never answered the connection or a write."""
-
-
-class TransferTimeout(TransferError):
-    """A write took longer than the backend's timeout_s; its peer is declared dead."""
-
-
-class TransferAborted(TransferError):
-    """The transfer was aborted by abort() (or the backend was closed under it)."""
-
-
-class GrantRefused(TransferError):
-    """The receiver did not reserve these pages for this room and grant (verify_grant, or a
-    two-sided receiver refusing a write). Nothing was written; the message names the first
-    refused page and how many were refused."""
-
-    def __init__(self, message: str, refusal: Refusal) -> None:
-        super().__init__(message)
-        self.refusal = refusal
-
-
-class BackendMismatch(ValueError):
-    """Two workers use different transfer backends (or TP sizes this backend cannot map); the
-    message names both values."""
-
-
-class EngineUnavailable(ImportError):
-    """The transfer engine's Python package (or a system library it needs) is not installed."""
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ from typing import Any
 from libkv.pool import KVPool
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.bind_host import bind_wildcard_to, is_wildcard
+from libkv.transfer.errors import EngineUnavailable, PeerUnreachable
 from libkv.transfer.grants import TAG_NBYTES
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import EngineUnavailable, PeerUnreachable, TransferEndpoint
+from libkv.transfer.interface import TransferEndpoint
 from libkv.transfer.state import TransferState
 
 log = logging.getLogger(__name__)

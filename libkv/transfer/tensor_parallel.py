@@ -27,15 +27,8 @@ from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank, RankCallFailed, RankChannel
 from libkv.transfer import create_backend
 from libkv.transfer.base import EngineBackend
-from libkv.transfer.interface import (
-    GrantRefused,
-    PeerId,
-    PeerUnreachable,
-    TransferBackend,
-    TransferEndpoint,
-    TransferError,
-    TransferHandle,
-)
+from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
 from libkv.transfer.state import TransferState
 
 log = logging.getLogger(__name__)

@@ -34,33 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from libkv.pool import KVPool
+from libkv.transfer import ucx_wire as wire
 from libkv.transfer.base import EngineBackend
+from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
 from libkv.transfer.grants import Refusal
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import GrantRefused, PeerUnreachable, TransferEndpoint, TransferError
+from libkv.transfer.interface import TransferEndpoint
 from libkv.transfer.state import TransferState
 from libkv.transfer.ucx_env import bind_ucx_to
 from libkv.transfer.ucx_receiver import UcxReceiver
-from libkv.transfer.ucx_wire import (
-    ACK,
-    ACK_OK,
-    ACK_REJECTED,
-    BEGIN,
-    BEGIN_LONG,
-    CTRL,
-    CTRL_NBYTES,
-    CTRL_TAG,
-    END,
-    END_KIND,
-    HELLO,
-    VERIFY,
-    VERIFY_LONG,
-    abort_endpoint,
-    ack_tag,
-    addr_tag,
-    data_tag,
-    import_ucxx,
-)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +71,7 @@ class UcxBackend(EngineBackend):
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1",
                  error_handling: bool = False) -> None:
         super().__init__(timeout_s=timeout_s, host=host)
-        self._ucxx, self._np = import_ucxx()
+        self._ucxx, self._np = wire.import_ucxx()
         self.error_handling = error_handling
         self.uid = random.SystemRandom().randrange(1, 1 << 31)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,8 +143,8 @@ class UcxBackend(EngineBackend):
         ep = await self._ucxx.create_endpoint_from_worker_address(
             ucx_address, endpoint_error_handling=self.error_handling)
         mine = bytearray(self._address)
-        await ep.send(bytearray(CTRL.pack(HELLO, self.uid, 0, len(mine))), tag=CTRL_TAG, force_tag=True)
-        await ep.send(mine, tag=addr_tag(self.uid), force_tag=True)
+        await ep.send(bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine))), tag=wire.CTRL_TAG, force_tag=True)
+        await ep.send(mine, tag=wire.addr_tag(self.uid), force_tag=True)
         return ep
 
     def _engine_write(self, peer: Peer, record: Transfer) -> Any:
@@ -180,20 +162,20 @@ class UcxBackend(EngineBackend):
                      sends: list[asyncio.Task], post) -> None:
         """Send the control message of a request: the header inline if it fits, else after it
         on the request's DATA tag (kinds = (inline kind, long kind))."""
-        if CTRL.size + len(header) <= CTRL_NBYTES:
-            begin = CTRL.pack(kinds[0], self.uid, request_id, len(header)) + header
-            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+        if wire.CTRL.size + len(header) <= wire.CTRL_NBYTES:
+            begin = wire.CTRL.pack(kinds[0], self.uid, request_id, len(header)) + header
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=wire.CTRL_TAG, force_tag=True)))
         else:
-            begin = CTRL.pack(kinds[1], self.uid, request_id, len(header))
-            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+            begin = wire.CTRL.pack(kinds[1], self.uid, request_id, len(header))
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=wire.CTRL_TAG, force_tag=True)))
             post(bytearray(header))
 
     async def _send(self, ep: Any, write: _UcxWrite, transfer_id: int, header: bytes,
                     runs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
-        tag = data_tag(self.uid, transfer_id)
-        ack = bytearray(ACK.size)
+        tag = wire.data_tag(self.uid, transfer_id)
+        ack = bytearray(wire.ACK.size)
         # Post the ack receive first so the ack can never arrive unmatched.
-        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, transfer_id)))
+        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=wire.ack_tag(self.uid, transfer_id)))
         sends: list[asyncio.Task] = []
 
         def post(buffer) -> None:
@@ -202,7 +184,7 @@ class UcxBackend(EngineBackend):
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            self._post_header(ep, (BEGIN, BEGIN_LONG), transfer_id, header, sends, post)
+            self._post_header(ep, (wire.BEGIN, wire.BEGIN_LONG), transfer_id, header, sends, post)
             aborted, sent = 0, 0
             for src, _dst, nbytes in runs:
                 if write.abort_requested:
@@ -215,14 +197,14 @@ class UcxBackend(EngineBackend):
                 # the rest of a long transfer.
                 while len(sends) > 3:
                     await sends.pop(0)
-            post(bytearray(END.pack(END_KIND, aborted, sent)))
+            post(bytearray(wire.END.pack(wire.END_KIND, aborted, sent)))
             await asyncio.gather(*sends)
             await ack_recv
         finally:
             for task in [*sends, ack_recv]:
                 if not task.done():
                     task.cancel()
-        status, refused, _, first_refused = ACK.unpack(ack)
+        status, refused, _, first_refused = wire.ACK.unpack(ack)
         return status, refused, first_refused
 
     def _engine_progress(self, record: Transfer) -> TransferState:
@@ -238,9 +220,9 @@ class UcxBackend(EngineBackend):
                                            f"{record.handle.peer} failed: {exc}")
             return TransferState.FAILED
         status, refused, first_refused = future.result()
-        if status == ACK_OK:
+        if status == wire.ACK_OK:
             return TransferState.DONE
-        if status == ACK_REJECTED:
+        if status == wire.ACK_REJECTED:
             refusal = Refusal(first_refused, refused, record.handle.num_pages)
             record.error = GrantRefused(
                 f"ucx receiver rejected write {record.handle.transfer_id} (key {record.handle.key!r}): "
@@ -273,28 +255,28 @@ class UcxBackend(EngineBackend):
                                   f"{self.timeout_s:g} s") from exc
         except Exception as exc:
             raise PeerUnreachable(f"ucx grant check with {peer.endpoint.host} failed: {exc}") from exc
-        if status == ACK_OK:
+        if status == wire.ACK_OK:
             return None
         return Refusal(first_refused, refused, len(pages))
 
     async def _ask_verify(self, ep: Any, request_id: int, header: bytes) -> tuple[int, int, int]:
-        ack = bytearray(ACK.size)
-        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, request_id)))
+        ack = bytearray(wire.ACK.size)
+        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=wire.ack_tag(self.uid, request_id)))
         sends: list[asyncio.Task] = []
-        tag = data_tag(self.uid, request_id)
+        tag = wire.data_tag(self.uid, request_id)
 
         def post(buffer) -> None:
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            self._post_header(ep, (VERIFY, VERIFY_LONG), request_id, header, sends, post)
+            self._post_header(ep, (wire.VERIFY, wire.VERIFY_LONG), request_id, header, sends, post)
             await asyncio.gather(*sends)
             await ack_recv
         finally:
             for task in [*sends, ack_recv]:
                 if not task.done():
                     task.cancel()
-        status, refused, _, first_refused = ACK.unpack(ack)
+        status, refused, _, first_refused = wire.ACK.unpack(ack)
         return status, refused, first_refused
 
     def _engine_cancel(self, record: Transfer, deadline: float) -> None:
@@ -314,7 +296,7 @@ class UcxBackend(EngineBackend):
     def _engine_disconnect(self, peer: Peer) -> None:
         state: _UcxPeer = peer.engine
         if state is not None and self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(abort_endpoint, state.endpoint)
+            self._loop.call_soon_threadsafe(wire.abort_endpoint, state.endpoint)
 
     # ---- receiver (libkv.transfer.ucx_receiver) ---------------------------------------------
 

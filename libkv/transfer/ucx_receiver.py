@@ -18,28 +18,9 @@ import threading
 import time
 from typing import Any
 
+from libkv.transfer import ucx_wire as wire
+from libkv.transfer.errors import PeerUnreachable
 from libkv.transfer.grants import GrantTable, Refusal, grant_tag
-from libkv.transfer.interface import PeerUnreachable
-from libkv.transfer.ucx_wire import (
-    ACK,
-    ACK_ABORTED,
-    ACK_OK,
-    ACK_REJECTED,
-    BEGIN,
-    BEGIN_LONG,
-    CTRL,
-    CTRL_NBYTES,
-    CTRL_TAG,
-    END,
-    END_KIND,
-    HELLO,
-    VERIFY,
-    VERIFY_LONG,
-    abort_endpoint,
-    ack_tag,
-    addr_tag,
-    data_tag,
-)
 
 log = logging.getLogger("libkv.transfer.ucx")
 
@@ -71,31 +52,31 @@ class UcxReceiver:
         task.add_done_callback(self._background.discard)
 
     async def serve_control(self) -> None:
-        message = bytearray(CTRL_NBYTES)
+        message = bytearray(wire.CTRL_NBYTES)
         while True:
             try:
-                await self._ucxx.recv(message, tag=CTRL_TAG)
+                await self._ucxx.recv(message, tag=wire.CTRL_TAG)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one bad message must not stop every later transfer
                 log.exception("ucx: receiving a control message failed")
                 await asyncio.sleep(0.01)
                 continue
-            kind, sender, transfer_id, length = CTRL.unpack_from(message)
-            if kind == HELLO:
+            kind, sender, transfer_id, length = wire.CTRL.unpack_from(message)
+            if kind == wire.HELLO:
                 route = asyncio.get_running_loop().create_future()
                 old = self._senders.get(sender)
                 self._senders[sender] = route
                 self._spawn(self._accept_sender(sender, length, route, old))
-            elif kind == BEGIN:
-                header = bytes(message[CTRL.size:CTRL.size + length])  # the buffer is reused
+            elif kind == wire.BEGIN:
+                header = bytes(message[wire.CTRL.size:wire.CTRL.size + length])  # the buffer is reused
                 self._spawn(self._receive(sender, transfer_id, header))
-            elif kind == BEGIN_LONG:
+            elif kind == wire.BEGIN_LONG:
                 self._spawn(self._receive(sender, transfer_id, length))
-            elif kind == VERIFY:
-                header = bytes(message[CTRL.size:CTRL.size + length])
+            elif kind == wire.VERIFY:
+                header = bytes(message[wire.CTRL.size:wire.CTRL.size + length])
                 self._spawn(self._answer_verify(sender, transfer_id, header))
-            elif kind == VERIFY_LONG:
+            elif kind == wire.VERIFY_LONG:
                 self._spawn(self._answer_verify(sender, transfer_id, length))
             else:
                 log.warning("ucx: unknown control message kind %d from %x", kind, sender)
@@ -105,7 +86,7 @@ class UcxReceiver:
         """Make the endpoint that carries acks back to a sender that said HELLO."""
         try:
             address = bytearray(length)
-            await asyncio.wait_for(self._ucxx.recv(address, tag=addr_tag(sender)), self._timeout_s)
+            await asyncio.wait_for(self._ucxx.recv(address, tag=wire.addr_tag(sender)), self._timeout_s)
             ep = await self._ucxx.create_endpoint_from_worker_address(
                 self._ucxx.get_ucx_address_from_buffer(bytes(address)),
                 endpoint_error_handling=self._error_handling)
@@ -115,7 +96,7 @@ class UcxReceiver:
             return
         route.set_result(ep)
         if old is not None and old is not route and old.done() and old.exception() is None:
-            abort_endpoint(old.result())
+            wire.abort_endpoint(old.result())
 
     async def _read_header(self, sender: int, request_id: int,
                            header: bytes | int) -> tuple[str, bytes | None, list]:
@@ -124,7 +105,7 @@ class UcxReceiver:
         no page matches."""
         if isinstance(header, int):
             buffer = bytearray(header)
-            await self._ucxx.recv(buffer, tag=data_tag(sender, request_id))
+            await self._ucxx.recv(buffer, tag=wire.data_tag(sender, request_id))
             header = bytes(buffer)
         spec = json.loads(header)
         key = spec["key"]
@@ -141,7 +122,7 @@ class UcxReceiver:
         return self._grants.check(dst, length, tag)
 
     async def _answer_verify(self, sender: int, request_id: int, header: bytes | int) -> None:
-        status, refused, first_refused = ACK_OK, 0, 0
+        status, refused, first_refused = wire.ACK_OK, 0, 0
         try:
             _key, tag, runs = await self._read_header(sender, request_id, header)
             with self._lock:
@@ -150,10 +131,10 @@ class UcxReceiver:
                     if refusal is not None:
                         first_refused = first_refused if refused else refusal.first_page
                         refused += refusal.count
-                        status = ACK_REJECTED
+                        status = wire.ACK_REJECTED
         except Exception as exc:  # a malformed request is refused, never crashes the receiver
             log.warning("ucx: bad grant check %d from %x: %s", request_id, sender, exc)
-            status = ACK_REJECTED
+            status = wire.ACK_REJECTED
         await self._ack(sender, request_id, status, refused, first_refused)
 
     async def _ack(self, sender: int, request_id: int, status: int, refused: int, first_refused: int) -> None:
@@ -163,14 +144,14 @@ class UcxReceiver:
             return
         try:
             ep = await asyncio.wait_for(asyncio.shield(route), self._timeout_s)
-            await ep.send(bytearray(ACK.pack(status, refused, request_id, first_refused)),
-                          tag=ack_tag(sender, request_id), force_tag=True)
+            await ep.send(bytearray(wire.ACK.pack(status, refused, request_id, first_refused)),
+                          tag=wire.ack_tag(sender, request_id), force_tag=True)
         except Exception as exc:
             log.warning("ucx: ack of request %d to sender %x failed: %s", request_id, sender, exc)
 
     async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
         """Receive one transfer; `header` is the header itself, or its length if it follows."""
-        tag = data_tag(sender, transfer_id)
+        tag = wire.data_tag(sender, transfer_id)
         key, run_tag, runs = await self._read_header(sender, transfer_id, header)
         page_nbytes = self._page_nbytes
         targets, scratch_nbytes, in_pool, refused, first_refused = [], 0, 0, 0, 0
@@ -189,15 +170,15 @@ class UcxReceiver:
                 self._inflight[key] = self._inflight.get(key, 0) + in_pool
         # Rejected runs all land in one scratch buffer: their bytes are dropped anyway.
         scratch = self._np.empty(scratch_nbytes, dtype=self._np.uint8) if scratch_nbytes else None
-        end = bytearray(END.size)
+        end = bytearray(wire.END.size)
         receives = [asyncio.ensure_future(self._receive_run(key, target, scratch, tag)) for target in targets]
         end_receive = asyncio.ensure_future(self._ucxx.recv(end, tag=tag))
         await asyncio.gather(*receives, return_exceptions=True)
         await end_receive
-        kind, aborted, _ = END.unpack(end)
-        if kind != END_KIND:
+        kind, aborted, _ = wire.END.unpack(end)
+        if kind != wire.END_KIND:
             log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
-        status = ACK_ABORTED if aborted else (ACK_OK if in_pool == len(targets) else ACK_REJECTED)
+        status = wire.ACK_ABORTED if aborted else (wire.ACK_OK if in_pool == len(targets) else wire.ACK_REJECTED)
         await self._ack(sender, transfer_id, status, refused, first_refused)
 
     async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:
@@ -231,5 +212,5 @@ class UcxReceiver:
             task.cancel()
         for route in self._senders.values():
             if route.done() and not route.cancelled() and route.exception() is None:
-                abort_endpoint(route.result())
+                wire.abort_endpoint(route.result())
         self._senders.clear()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from libkv.transfer.interface import EngineUnavailable
+from libkv.transfer.errors import EngineUnavailable
 
 CTRL_TAG = 0x5044_C7C7_0000_0001
 CTRL = struct.Struct("<IIQQ")  # kind, sender uid, transfer id, length

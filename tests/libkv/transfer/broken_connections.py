@@ -4,10 +4,10 @@ backend's and the prefill service's tests of what happens to such a connection."
 
 from __future__ import annotations
 
+from libkv.transfer.errors import PeerUnreachable
 from libkv.transfer.fake import FakeBackend
 from libkv.transfer.grants import Refusal
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import PeerUnreachable
 
 
 class BrokenConnections(FakeBackend):
