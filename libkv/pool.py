@@ -54,7 +54,7 @@ class KVPool:
         """For each page, xxh3_64 of each of `parts` equal KV-head ranges of it (the bytes of heads
         [k*h/parts, (k+1)*h/parts) in page order, as if that range were a page of its own).
 
-        Why: peers that split a model's KV heads over different numbers of processes (libkv.checksums)
+        Why: peers that split a model's KV heads over different numbers of processes (libkv.landing)
         can both compute these for the heads they hold, without gathering a page in one process.
         """
         heads = self.layout.num_kv_heads

@@ -1,6 +1,6 @@
 """How rank 0 of a tensor-parallel worker reaches its follower ranks' processes.
 
-libkv drives every rank's pool and transfer engine from rank 0 (libkv.checksums.TPKVPool,
+libkv drives every rank's pool and transfer engine from rank 0 (libkv.landing.TPKVPool,
 libkv.transfer.tensor_parallel), but does not own the processes: whoever starts the ranks
 (engine.tp) hands rank 0 one RankChannel per follower, served there by a
 libkv.transfer.tensor_parallel.RankTransfer.

@@ -21,9 +21,8 @@ from libkv.transfer.errors import (
     TransferTimeout,
 )
 from libkv.transfer.grants import grant_tag
-from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 from libkv.transfer.process_exit import exit_process
-from libkv.transfer.state import TransferState
 
 # name -> (module, class). Real engines first; `fake` moves nothing.
 BACKENDS: dict[str, tuple[str, str]] = {

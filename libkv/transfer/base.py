@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from libkv.checksums import checksums_in_parts
+from libkv.landing import checksums_in_parts
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 from libkv.runs import ByteRun, PageRun, coalesce
@@ -42,8 +42,7 @@ from libkv.transfer.errors import (
 from libkv.transfer.grants import GrantTable, check_grant, grant_tag
 from libkv.transfer.head_map import HeadSlice, sender_slices, slice_regions
 from libkv.transfer.hooks import EngineHooks, Peer, Transfer
-from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 
 log = logging.getLogger(__name__)
 

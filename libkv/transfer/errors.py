@@ -6,7 +6,10 @@ libkv.layout.LayoutMismatch in connect); every other TransferError is a failure 
 
 from __future__ import annotations
 
-from libkv.transfer.grants import Refusal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from libkv.transfer.grants import Refusal
 
 
 class TransferError(RuntimeError):

@@ -10,8 +10,7 @@ from libkv.pool import KVPool
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.grants import Refusal
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import TransferEndpoint
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 
 class FakeBackend(EngineBackend):

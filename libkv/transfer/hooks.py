@@ -15,10 +15,8 @@ from typing import Any
 from libkv.pool import KVPool
 from libkv.runs import ByteRun, PageRun
 from libkv.transfer.errors import PeerUnreachable, TransferError
-from libkv.transfer.grant_reads import GrantReader, ReadFailed
-from libkv.transfer.grants import GrantTable, Refusal
-from libkv.transfer.interface import PeerId, TransferEndpoint, TransferHandle
-from libkv.transfer.state import TransferState
+from libkv.transfer.grants import GrantReader, GrantTable, ReadFailed, Refusal
+from libkv.transfer.interface import PeerId, TransferEndpoint, TransferHandle, TransferState
 
 
 @dataclass

@@ -50,6 +50,7 @@ it has no engine, peer table or transfer table of its own and must not inherit t
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from abc import ABC, abstractmethod
@@ -61,7 +62,6 @@ from libkv.layout import KVLayout
 from libkv.pool import KVPool
 from libkv.transfer.errors import TransferError
 from libkv.transfer.head_map import whole_model
-from libkv.transfer.state import TransferState
 
 PeerId = NewType("PeerId", str)
 
@@ -70,6 +70,28 @@ PeerId = NewType("PeerId", str)
 _RANKS_BLOB = b"pdserve-tp-endpoints:"
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.002
+
+
+class TransferState(enum.Enum):
+    """The state of a write (or of a grant read through an engine)."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self is not TransferState.PENDING
+
+    @staticmethod
+    def combined(states: list[TransferState]) -> TransferState:
+        """The state of a write made of parts (one per rank or per engine connection): FAILED as
+        soon as one part failed, else ABORTED if one was aborted, else PENDING while one is."""
+        for state in (TransferState.FAILED, TransferState.ABORTED, TransferState.PENDING):
+            if state in states:
+                return state
+        return TransferState.DONE
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ from libkv.transfer.bind_host import bind_wildcard_to, is_wildcard
 from libkv.transfer.errors import EngineUnavailable, PeerUnreachable
 from libkv.transfer.grants import TAG_NBYTES
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import TransferEndpoint
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import EngineUnavailable, PeerUnreachable
 from libkv.transfer.grants import TAG_NBYTES
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import TransferEndpoint
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import TransferEndpoint, TransferState
 from libkv.transfer.ucx_env import bind_ucx_to
 
 _GENTLE_PROGRESS_S = 0.001

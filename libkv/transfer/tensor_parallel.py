@@ -9,7 +9,7 @@ on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker 
 backend alone: that one pairs with TP-N peers by itself.
 
 Endpoint: the whole model's KV layout, with every rank's endpoint in the blob
-(TransferEndpoint.of_ranks). Checksums: rank 0's pool is a libkv.checksums.TPKVPool, whose page
+(TransferEndpoint.of_ranks). Checksums: rank 0's pool is a libkv.landing.TPKVPool, whose page
 checksums cover every rank's heads.
 """
 
@@ -22,14 +22,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from libkv.checksums import checksums_in_parts
+from libkv.landing import checksums_in_parts
 from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank, RankCallFailed, RankChannel
 from libkv.transfer import create_backend
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
-from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 
 log = logging.getLogger(__name__)
 

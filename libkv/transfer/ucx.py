@@ -39,8 +39,7 @@ from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
 from libkv.transfer.grants import Refusal
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import TransferEndpoint
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import TransferEndpoint, TransferState
 from libkv.transfer.ucx_env import bind_ucx_to
 from libkv.transfer.ucx_receiver import UcxReceiver
 

@@ -16,8 +16,7 @@ from libkv.pool import KVPool
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.grants import Refusal, compare_entries
 from libkv.transfer.hooks import Peer, Transfer
-from libkv.transfer.interface import TransferEndpoint
-from libkv.transfer.state import TransferState
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 _RECEIVERS: dict[int, LateLandingBackend] = {}  # every backend of this process, by id
 _ids = itertools.count(1)

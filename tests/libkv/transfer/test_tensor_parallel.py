@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libkv.checksums import TPKVPool, checksums_in_parts
+from libkv.landing import TPKVPool, checksums_in_parts
 from libkv.layout import KVLayout, LayoutMismatch
 from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank
