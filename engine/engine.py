@@ -50,8 +50,8 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tp.ranks import FollowerRanks
 from engine.tp.runner import DriverRunner
 from libkv.layout import KVLayout
-from libkv.page_hash import page_hashes
 from libkv.pool import KVPool
+from pdserve.page_hash import page_hashes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

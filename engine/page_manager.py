@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.prefix_cache import PrefixCache
 from libkv.allocator import PageAllocator
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 
 
 @dataclass(frozen=True)

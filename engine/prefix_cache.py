@@ -6,7 +6,7 @@ libkv.allocator). `match` finds the longest run of a prompt's leading pages in t
 caller retains them (a reference per request), so they cannot be evicted while in use. Nobody
 writes into a full page, so sharing needs no copy.
 
-Entries are keyed by page_hash (libkv.page_hash), and each also keeps its tokens and its parent's
+Entries are keyed by page_hash (pdserve.page_hash), and each also keeps its tokens and its parent's
 hash: a match compares them, so a hash collision (forged or not) is a miss, never another
 prompt's K/V. Every change is reported to the listeners as a KV event: ("stored", hashes) and
 ("removed", hashes), in the order they happen (the worker publishes them to the gateway).
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from libkv.allocator import PageAllocator
-from libkv.page_hash import ROOT_HASH, page_hashes
+from pdserve.page_hash import ROOT_HASH, page_hashes
 
 KvEventListener = Callable[[str, list[int]], None]  # (kind: "stored" | "removed", page hashes)
 

@@ -26,16 +26,17 @@ from dataclasses import dataclass
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.page_manager import PageManager
 from engine.request import Request, RequestStatus
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits. `max_seq_len` is the model's context length."""
+    """Batching limits, taken from EngineConfig (where their defaults live) by the engine;
+    `max_seq_len` is the model's context length."""
 
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512
-    max_seq_len: int = 4096
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_seq_len: int
 
 
 class Scheduler:

@@ -8,5 +8,6 @@
 - `kernels.cpu_kernels`, `kernels/csrc/`: C++ CPU kernels (paged decode attention read from the
   pages; fused norms, rotary + KV store, SiLU*mul), built by `make setup` through `kernels.cpu_ext`
   and tested against the torch implementations; the engine uses them on CPU when they are built.
-- `kernels.bench_decode_attention`: timing of the torch CPU decode-attention variants considered.
+- The timing of the torch CPU decode-attention variants considered is a benchmark tool:
+  tools/bench/decode_attention.py.
 """

@@ -91,7 +91,7 @@ def paged_decode_attention_torch(q: torch.Tensor, buffer: torch.Tensor, layer: i
     h // (Hq // Hkv). Scores and softmax are computed in fp32; the result has q's dtype. A
     sequence of length 0 gets a zero output.
 
-    How (the fastest of the variants timed in kernels/bench_decode_attention.py on 2 CPU threads):
+    How (the fastest of the variants timed in tools/bench/decode_attention.py on 2 CPU threads):
     one index_select per K and V copies the used pages of all sequences back to back (no padding
     to the longest sequence; whole 16-token pages are contiguous chunks, so the copy runs at
     memcpy speed). Then a short loop over the batch runs two small matmuls per sequence on strided

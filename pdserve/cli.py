@@ -13,23 +13,27 @@ import sys
 
 # name -> (module, one-line help). Two-word names are subcommands of a group ("bench engine").
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny-model": ("engine.tiny_model", "write the built-in random-weight HF checkpoint"),
-    "generate": ("engine.cli_generate", "stream a generation from a local checkpoint in-process"),
+    "make-tiny-model": ("tools.models.tiny_model", "write the built-in random-weight HF checkpoint"),
+    "generate": ("tools.models.generate", "stream a generation from a local checkpoint in-process"),
     "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker"),
     "bootstrap": ("services.bootstrap.main", "start the bootstrap registry"),
     "launch-router": ("services.gateway.main", "start the OpenAI-compatible gateway"),
-    "up": ("services.up", "start registry, prefill, decode and gateway as local processes"),
-    "bench engine": ("engine.bench", "decode throughput of the engine against HF transformers"),
-    "bench transfer": ("libkv.bench", "KV page transfer bandwidth against memcpy"),
-    "bench gateway": ("services.gateway.bench", "latency the gateway adds over a direct worker call"),
-    "bench chaos": ("services.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
-    "bench serving": ("services.bench_serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
-    "bench pd-vs-colocated": ("services.bench_serving.pd_vs_colocated",
+    "up": ("tools.up", "start registry, prefill, decode and gateway as local processes"),
+    "bench engine": ("tools.bench.engine", "decode throughput of the engine against HF transformers"),
+    "bench transfer": ("tools.bench.transfer", "KV page transfer bandwidth against memcpy"),
+    "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
+    "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
+    "bench serving": ("tools.bench.serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
+    "bench pd-vs-colocated": ("tools.bench.serving.pd_vs_colocated",
                               "PD against colocated on the prefill-interruption workload, swept over rate"),
-    "bench serving-vs-vllm": ("services.bench_serving.vs_peer",
+    "bench serving-vs-vllm": ("tools.bench.serving.vs_peer",
                               "pdserve colocated and PD against vLLM's CPU server on one uniform load, with TPOT "
                               "against the engine's step"),
-    "bench prefix-cache": ("services.bench_serving.prefix_cache",
+    "bench request-path": ("tools.bench.request_path",
+                           "the files one streaming PD chat request passes through, per process"),
+    "bench grpc-messages": ("tools.bench.grpc_messages",
+                            "gRPC messages per request, PD against colocated, on one load"),
+    "bench prefix-cache": ("tools.bench.serving.prefix_cache",
                            "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, cache off/on"),
 }
 

@@ -3,7 +3,7 @@
 Names mirror SGLang's `SGLANG_DISAGGREGATION_*` knobs with a `PDSERVE_` prefix where they mean
 the same thing. Code never calls `os.environ` for a PDSERVE_ variable anywhere else: it asks the
 declared `EnvVar` here (`envs.WAITING_TIMEOUT.get()`), and services copy the values into their
-frozen configs once at start-up. `pdserve.envs.describe()` renders the README table.
+frozen configs once at start-up. docs/configuration.md lists them (generated from `ALL`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, E
 
 
 def describe() -> str:
-    """A Markdown table of every knob, for the README."""
+    """A Markdown table of every knob."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{v.name}` | `{v.default}` | {v.doc} |" for v in ALL]
     return "\n".join(rows)

@@ -12,8 +12,8 @@ import logging
 
 import grpc
 
+from pdserve.config_flags import add_config_arguments, config_from_args
 from protos.v1 import worker_pb2, worker_pb2_grpc
-from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.worker.config import WorkerConfig
@@ -81,7 +81,7 @@ async def serve(runtime: WorkerRuntime) -> None:
         server = await start_grpc_server(
             [binding, ServiceBinding(service_name(worker_pb2, "KvEvents"), kv_events,
                                      worker_pb2_grpc.add_KvEventsServicer_to_server)],
-            config.host, config.port, security=config.security)
+            config.server.host, config.server.port, security=config.security)
         await runtime.register(server.address)
         detector = LeakDetector(runtime.engine, binding.servicer.live_rooms,
                                 lambda leak: runtime.metrics.leak_detections.inc())
@@ -101,7 +101,7 @@ async def serve(runtime: WorkerRuntime) -> None:
         for task in background:
             task.cancel()
         kv_events.close()
-        await server.stop(config.grace_period)
+        await server.stop(config.server.grace_period)
     finally:
         shutdown.remove()
         await runtime.close()

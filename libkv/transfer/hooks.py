@@ -94,7 +94,7 @@ class EngineHooks(ABC):
     def _engine_verify_grant(self, peer: Peer, pages: list[int], key: str, grant: bytes,
                              tag: bytes) -> Refusal | None:
         """None if every page's entry on the peer equals `tag`, else the refusal. The default
-        reads the entries through the engine (libkv.transfer.grant_reads) with the read hooks
+        reads the entries through the engine (libkv.transfer.grants.GrantReader) with the read hooks
         below, which one-sided backends implement."""
         reader = GrantReader(self.grants, lambda reads: self._engine_read_grants(peer, reads),
                              self._engine_read_progress, self._engine_read_release, self.timeout_s)

@@ -403,7 +403,7 @@ class Prefill:
 class KvEventsStub:
     """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
     cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
-    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    pdserve/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
     The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
     cached now); every later batch carries the changes since, in order. A subscriber that falls too
     far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose
@@ -426,7 +426,7 @@ class KvEventsStub:
 class KvEventsServicer:
     """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
     cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
-    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    pdserve/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
     The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
     cached now); every later batch carries the changes since, in order. A subscriber that falls too
     far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose
@@ -458,7 +458,7 @@ def add_KvEventsServicer_to_server(servicer, server):
 class KvEvents:
     """Served by every worker (prefill, decode, colocated), called by gateways: what the worker's prefix
     cache holds, as chained page hashes (hash of the previous page's hash and the page's token ids,
-    libkv/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
+    pdserve/page_hash.py; the gateway computes the same for a prompt with the worker's page size).
     The first batch is a snapshot (`snapshot` set: forget what you knew, these are all the pages
     cached now); every later batch carries the changes since, in order. A subscriber that falls too
     far behind gets RESOURCE_EXHAUSTED and should subscribe again (a new snapshot). A worker whose

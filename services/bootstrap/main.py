@@ -12,6 +12,7 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
+from pdserve.config_flags import add_config_arguments, config_from_args
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 from services.bootstrap.config import BootstrapConfig
 from services.bootstrap.etcd_client import EtcdClient, parse_endpoints
@@ -20,7 +21,6 @@ from services.bootstrap.metrics import registry_metrics
 from services.bootstrap.registry import Registry
 from services.bootstrap.servicer import BootstrapServicer
 from services.bootstrap.store import MemoryStore, RegistryStore
-from services.common.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import (
     GrpcServer,
     ServiceBinding,
@@ -82,18 +82,18 @@ async def serve(config: BootstrapConfig) -> None:
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     metrics = None
     try:
-        metrics = start_metrics_server(registry_metrics(registry), config.metrics_port, config.host)
+        metrics = start_metrics_server(registry_metrics(registry), config.server.metrics_port, config.server.host)
         server = await start_grpc_server(
             [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
                             bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],
-            config.host, config.port, security=config.security)
+            config.server.host, config.server.port, security=config.security)
         follow_store_health(registry, server)
         log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs, %s, %s", server.address,
                  metrics.port, registry.ttl_s, config.security.describe(), registry.describe())
         received = await shutdown.wait()
         log.info("bootstrap registry got %s: shutting down", received.name)
         await registry.close()  # ends the Watch streams, which would otherwise hold the grace period
-        await server.stop(config.grace_period)
+        await server.stop(config.server.grace_period)
     finally:
         shutdown.remove()
         await registry.close()

@@ -1,4 +1,4 @@
-"""Protobuf <-> engine/libkv dataclass conversion, in one place (libkv and engine never import protos).
+"""Protobuf <-> engine and libkv dataclass conversion, in one place (libkv and engine never import protos).
 
 KV layout, transfer endpoint, sampling params, finish reasons, token outputs. Imports libkv and
 engine (and so torch): used by the prefill, decode and colocated workers, never by the

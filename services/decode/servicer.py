@@ -1,6 +1,6 @@
 """The decode worker: pdserve.v1.Worker driving a remote prefill (`--disaggregation-mode decode`).
 
-One request, as ARCHITECTURE.md draws it:
+One request, as docs/architecture.md draws it:
   prealloc  wait (FIFO) until the engine can reserve pages for the prompt; its leading full pages
             come from this worker's prefix cache when they are there (decode-side reuse)
   transfer  call Prefill(room, prompt, dst pages, skip_pages, our endpoint) on the prefill worker
@@ -32,8 +32,8 @@ import grpc
 from engine.outputs import FirstToken
 from libkv.landing import wait_landed
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
-from services.bootstrap.client import RegistryClient
 from services.common.convert import endpoint_to_proto, sampling_to_proto
+from services.common.registry_client import RegistryClient
 from services.common.tasks import finish_despite_cancel
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed

@@ -1,6 +1,6 @@
 """GatewayConfig: everything `pdserve launch-router` is started with, defaults in one place.
 
-Scalar flags are generated from GatewayConfig's fields (services.common.config_flags). The worker
+Scalar flags are generated from GatewayConfig's fields (pdserve.config_flags). The worker
 lists of the seeds' router (`--prefill URL [BOOTSTRAP_PORT]`, `--decode URL`, `--worker URL`,
 repeatable) are parsed into StaticWorker entries by `static_workers_from_args`.
 """
@@ -82,7 +82,7 @@ class GatewayConfig:
     abort_timeout: float = field(default=2.0, metadata=_help("seconds an explicit Worker.Abort may take"))
     graceful_shutdown: float = field(default=5.0, metadata=_help(
         "seconds open requests get on SIGINT/SIGTERM"))
-    # -- security and limits (README "Security")
+    # -- security and limits (docs/security.md)
     api_key: str | None = field(default=None, repr=False, metadata=_help(
         "API key clients must send as `Authorization: Bearer KEY` on every route but /health (and /metrics, "
         "see --metrics-require-api-key); default: $PDSERVE_API_KEY, which keeps the key out of `ps`; unset: "

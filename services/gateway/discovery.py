@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.v1 import bootstrap_pb2
-from services.bootstrap.client import REASON_UNREACHABLE, RegistryClient
+from services.common.registry_client import REASON_UNREACHABLE, RegistryClient
 from services.common.security import GrpcSecurity
 from services.gateway.config import StaticWorker
 from services.gateway.workers import ROLE_FROM_PROTO, ReportedLoad, WorkerHandle, WorkerPool

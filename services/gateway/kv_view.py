@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass(eq=False)
 class KvCacheView:
-    """The page hashes a worker caches now (libkv/page_hash.py), kept by kv_events.py.
+    """The page hashes a worker caches now (pdserve/page_hash.py), kept by kv_events.py.
 
     `synced` is true while the worker's event stream is up and its snapshot applied; otherwise the
     view says nothing (a stream that broke may have missed events, so its hashes are dropped)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
-from services.common.config_flags import add_config_arguments, config_from_args
+from pdserve.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ShutdownSignals
 from services.common.logging import setup_logging
 from services.gateway.app import create_app

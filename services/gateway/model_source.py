@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 
 from protos.v1 import worker_pb2, worker_pb2_grpc
-from services.bootstrap.client import RegistryClient
 from services.common.channels import open_channel
 from services.common.model_info import MAX_MODEL_INFO_MESSAGE_BYTES, ModelInfoError, write_model_files
+from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
 from services.gateway.config import StaticWorker
 from services.gateway.workers import ROLE_FROM_PROTO, WorkerPool

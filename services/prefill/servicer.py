@@ -1,6 +1,6 @@
 """The prefill worker: pdserve.v1.Prefill (`--disaggregation-mode prefill`), called by decode workers.
 
-One request moves through ARCHITECTURE.md's prefill queues:
+One request moves through docs/architecture.md's prefill queues:
   bootstrap  connect to the decode worker's transfer endpoint (cached per peer); refuse a different
              model, KV layout or transfer backend, naming both values (FAILED_PRECONDITION); check
              through the transfer engine that decode reserved exactly `dst_page_ids` for this
@@ -123,7 +123,7 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=state.pages_pushed, bytes_transferred=state.bytes_pushed,
-            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.tp_size,
+            transfer_seconds=elapsed, page_checksums=state.checksums, tp_size=self.config.engine.tp_size,
             num_pages_skipped=state.skip_pages)
 
     async def _connect(self, request: worker_pb2.PrefillRequest, context):
@@ -214,11 +214,11 @@ class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
         state = self._rooms.get(room)
         if state is None:  # finished, or already stopped (decode cancelling the call comes first)
             return worker_pb2.AbortResponse(found=False, page_checksums=self._issued.get(room, []),
-                                            tp_size=self.config.tp_size)
+                                            tp_size=self.config.engine.tp_size)
         if state.task is not None and not state.cleaning:
             state.task.cancel()
         await asyncio.shield(state.done.wait())
-        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums, tp_size=self.config.tp_size)
+        return worker_pb2.AbortResponse(found=True, page_checksums=state.checksums, tp_size=self.config.engine.tp_size)
 
 
 def _check_destination(request: worker_pb2.PrefillRequest, num_tokens: int, page_size: int) -> None:

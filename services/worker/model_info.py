@@ -22,7 +22,7 @@ class ModelInfoServicer:
                            context: grpc.aio.ServicerContext) -> worker_pb2.ModelInfo:
         config = self.runtime.config  # type: ignore[attr-defined]
         try:
-            return _cached_model_info(config.model_path, config.model_name)
+            return _cached_model_info(config.engine.model_path, config.model_name)
         except ModelInfoError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except OSError as exc:

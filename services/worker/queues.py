@@ -1,6 +1,6 @@
 """Which PD queue each request (room) is in, for logs, metrics and registry heartbeats.
 
-Queue names are ARCHITECTURE.md's: prefill `bootstrap -> waiting -> inflight`; decode
+Queue names are docs/architecture.md's: prefill `bootstrap -> waiting -> inflight`; decode
 `prealloc -> transfer -> waiting -> running`. The engine's own scheduler knows `waiting`/`running`
 of the requests it holds; this tracker covers the service-side stages before a request reaches it.
 """

@@ -17,9 +17,9 @@ from libkv.transfer import TransferBackend, create_backend
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
-from services.bootstrap.client import RegistryClient
 from services.common.convert import endpoint_to_proto, layout_to_proto
 from services.common.metrics import MetricsServer, start_metrics_server
+from services.common.registry_client import RegistryClient
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
@@ -31,7 +31,7 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 
 
 def _backend_options(config: WorkerConfig) -> dict:
-    options: dict = {"timeout_s": config.transfer_timeout, "host": config.host}
+    options: dict = {"timeout_s": config.transfer_timeout, "host": config.server.host}
     if config.disaggregation_transfer_backend == "mooncake":
         options["ib_device"] = config.disaggregation_ib_device or ""
         options["max_queued_per_peer"] = envs.MOONCAKE_MAX_QUEUED_PER_PEER.get()
@@ -44,7 +44,7 @@ def _exit_worker(engine: Engine, config: WorkerConfig, rank: int, code: int) -> 
     """A tensor-parallel rank died: this worker cannot run a step any more. Exit at once (the other
     ranks are killed, the registry lease expires, callers' RPCs fail and the gateway retries
     elsewhere) rather than serve errors or hang in a collective."""
-    log.error("%s worker: tp rank %d of %d exited with code %d; exiting", config.role, rank, config.tp_size, code)
+    log.error("%s worker: tp rank %d of %d exited with code %d; exiting", config.role, rank, config.engine.tp_size, code)
     if engine.tp_followers is not None:
         engine.tp_followers.kill()
     logging.shutdown()
@@ -65,7 +65,7 @@ class WorkerRuntime:
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        engine = Engine.load(config.engine_config())
+        engine = Engine.load(config.engine)
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda rank, code: _exit_worker(engine, config, rank, code))
         backend: TransferBackend | None = None
@@ -126,14 +126,14 @@ class WorkerRuntime:
             free_pages=stats.total_pages - stats.used_pages, total_pages=stats.total_pages)
 
     def start_metrics(self) -> None:
-        self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port,
-                                                   self.config.host)
+        self.metrics_server = start_metrics_server(self.metrics.registry, self.config.server.metrics_port,
+                                                   self.config.server.host)
 
     def model_layout(self) -> KVLayout:
         """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
         compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it)."""
         layout = self.engine.kv_layout
-        return replace(layout, num_kv_heads=layout.num_kv_heads * self.config.tp_size)
+        return replace(layout, num_kv_heads=layout.num_kv_heads * self.config.engine.tp_size)
 
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""

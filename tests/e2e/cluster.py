@@ -1,7 +1,7 @@
-"""Real pdserve processes for end-to-end tests, on the chaos suite's process code
-(services/chaos/processes.py): every process binds 127.0.0.1 with port 0, its ports are read from
-its ready line, its output goes to a log file that a failing test prints, and `Cluster` kills
-everything it started, whatever happens in the test.
+"""Real pdserve processes for end-to-end tests, on the launcher every tool uses (tools/launch.py):
+every process binds 127.0.0.1 with port 0, its ports are read from its ready line, its output goes
+to a log file that a failing test prints, and `Cluster` kills everything it started, whatever
+happens in the test.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from services.chaos.processes import ProcessGroup, Service
+from tools.launch import ProcessGroup, Service
 
 Proc = Service  # the name the tests use
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny_model import write_tiny_model
 from tests.e2e.cluster import Cluster
+from tools.models.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ Each namespace has one veth link whose other end is a port of a bridge in this (
 namespace, and an address in one /24; the bridge holds the .1 address, so the test process
 reaches every host too. A process on one host reaches the others only through its link (its own
 loopback is private), as on separate machines on one switch. Needs root and iproute2, like
-services.chaos.netns, whose helpers and unavailability error it shares. Names carry the creating
+tools.chaos.netns, whose helpers and unavailability error it shares. Names carry the creating
 process id, so concurrent runs do not collide and a run killed with -9 is cleaned up by the next.
 """
 
@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from services.chaos.netns import NetnsUnavailable, _ip, _pid_alive, _used_networks
+from tools.chaos.netns import NetnsUnavailable, _ip, _pid_alive, _used_networks
 
 PREFIX = "pdhost"  # namespaces pdhost-PID-N; bridge pdhPIDb; veths pdhPIDhN (here) / pdhPIDnN (inside)
 _SUBNETS = ipaddress.ip_network("10.214.0.0/16")

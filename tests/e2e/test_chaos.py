@@ -1,7 +1,7 @@
 """The chaos suite, shortened: `pdserve bench chaos --json` with small numbers, every scenario on both
 real backends, as one command (what an operator runs). Each row must show no hung request, no wrong
 answer, no leaked KV page, every worker serving afterwards, and no other problem the suite reports
-(services/chaos/runner.py: judge). On failure the rows' problems and every process's log tail are
+(tools/chaos/runner.py: judge). On failure the rows' problems and every process's log tail are
 printed; the logs stay in pytest's tmp_path.
 """
 

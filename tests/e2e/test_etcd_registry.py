@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 
-from services.bootstrap.client import RegistryClient
+from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, Proc, wait_until
 from tests.services.bootstrap.etcd import run_etcd

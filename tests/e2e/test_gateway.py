@@ -72,7 +72,7 @@ def gateway_health(system: System) -> dict:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
     with Cluster(tmp_path_factory.mktemp("gateway-e2e")) as cluster:

@@ -46,7 +46,7 @@ def router(model_dir, worker: Proc, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / MODEL, preset="tiny", seed=0)
     with Cluster(tmp_path_factory.mktemp("limits")) as cluster:

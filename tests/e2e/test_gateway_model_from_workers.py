@@ -38,7 +38,7 @@ def _chat_stream(address: str, model: str, content: str) -> str:
 
 def test_seed_router_command_learns_model_from_workers(cluster: Cluster, tiny_model: Path,
                                                        tmp_path: Path) -> None:
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     # same folder name (so the same default served name), another tokenizer
     other_tokenizer = write_tiny_model(tmp_path / "other" / tiny_model.name, preset="tiny", seed=0,
@@ -88,7 +88,7 @@ def test_registry_worker_with_another_tokenizer_is_refused(cluster: Cluster, tin
                                                            tmp_path: Path) -> None:
     """Given only the registry, the gateway learns the model from its workers and admits a worker
     that joins later only if it reports the same model: same name, other tokenizer is refused."""
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     other_tokenizer = write_tiny_model(tmp_path / "other" / tiny_model.name, preset="tiny", seed=0,
                                        tokenizer_vocab_size=1024)

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 

@@ -1,5 +1,5 @@
 """KV events end to end: a worker streams its prefix cache's page hashes (snapshot, then stored
-and removed deltas, equal to libkv.page_hash of the prompt), and a cache_aware gateway routes on
+and removed deltas, equal to pdserve.page_hash of the prompt), and a cache_aware gateway routes on
 that real state: a prompt whose system prompt was cached on a worker behind the gateway's back
 (called directly, so no routing guess could know) goes to that worker.
 """
@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, wait_until, worker_args

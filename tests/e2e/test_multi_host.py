@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from services.chaos.netns import NetnsUnavailable
 from tests.e2e.cluster import Cluster, wait_until
 from tests.e2e.hosts import HostNetwork
+from tools.chaos.netns import NetnsUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.tiny_model import write_tiny_model
 from tests.e2e.cluster import Cluster, wait_until, worker_args
 from tests.e2e.worker_client import run_all
+from tools.models.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

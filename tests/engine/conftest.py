@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny_model import write_tiny_model
+from tools.models.tiny_model import write_tiny_model
 
 # A Llama checkpoint unlike the Qwen3 preset on every switch the decoder has: head_dim 48 with
 # hidden 256 / 4 heads (so head_dim != hidden / heads), GQA ratio 4 (one KV head), untied

@@ -23,8 +23,8 @@ import asyncio
 import pytest
 
 from engine.sampling import SamplingParams
-from engine.tiny_model import write_tiny_model
 from tests.engine.conftest import random_prompts, start_engine
+from tools.models.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
 

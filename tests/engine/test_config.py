@@ -8,27 +8,28 @@ import psutil
 import pytest
 import torch
 
-from engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
+from engine.config import EngineConfig
 from engine.memory import kv_pages
 from libkv.layout import KVLayout
+from pdserve.config_flags import add_config_arguments, config_from_args
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")  # 64 KiB pages
 
 
 def test_flags_default_to_the_dataclass():
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    config = engine_config_from_args(parser.parse_args(["--model-path", "m"]))
+    add_config_arguments(parser, EngineConfig)
+    config = config_from_args(EngineConfig, parser.parse_args(["--model-path", "m"]))
     assert config == EngineConfig(model_path="m")
-    config = engine_config_from_args(parser.parse_args(
+    config = config_from_args(EngineConfig, parser.parse_args(
         ["--model-path", "m", "--num-pages", "7", "--mem-fraction-static", "0.5", "--dtype", "bfloat16"]))
     assert (config.num_pages, config.mem_fraction_static, config.dtype) == (7, 0.5, "bfloat16")
 
 
 def test_invalid_config():
-    with pytest.raises(ValueError, match="mem_fraction_static"):
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
         EngineConfig(model_path="m", mem_fraction_static=1.5)
-    with pytest.raises(ValueError, match="num_pages"):
+    with pytest.raises(ValueError, match="--num-pages"):
         EngineConfig(model_path="m", num_pages=0)
 
 

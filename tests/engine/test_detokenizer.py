@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextStream
 from engine.sampling import SamplingParams
 from engine.stop import StopChecker
-from engine.tokenizer_train import write_tokenizer
+from tools.models.tokenizer_train import write_tokenizer
 
 MULTIBYTE_TEXTS = [
     "Emoji 😀🚀👍🏽🇯🇵 and hearts ❤️ end",

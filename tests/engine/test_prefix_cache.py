@@ -9,7 +9,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from libkv.allocator import PageAllocator
-from libkv.page_hash import ROOT_HASH, page_hash, page_hashes
+from pdserve.page_hash import ROOT_HASH, page_hash, page_hashes
 from tests.engine.test_scheduler import run_step, spans
 
 

@@ -14,10 +14,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny_model import write_tiny_model
 from engine.tp.shard import TPShard, UnshardableModel
 from tests.engine.conftest import random_prompts, start_engine
 from tests.engine.test_parity import NEW_TOKENS, engine_outputs, hf_reference
+from tools.models.tiny_model import write_tiny_model
 
 LENGTHS = [1, 7, 17, 64, 130, 300]
 LOGPROB_TOLERANCE = 1e-3  # fp32; TP changes only the order of the o_proj/down sums

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
 from services.gateway.workers import WorkerHandle

@@ -31,7 +31,7 @@ from tests.libkv.transfer.late_landing import LateLandingBackend
 
 NUM_PAGES = 12
 GRANT = bytes(range(16))
-# A TP-2 worker's endpoint as TPTransferBackend wrote it (registry records and gRPC carry it).
+# A TP-2 worker's endpoint, byte for byte as workers published it before (registries and gRPC carry it).
 GOLDEN_TP2_ENDPOINT = (
     '{"backend": "nixl", "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "page_size": 2, '
     '"dtype": "float32"}, "host": "127.0.0.1", "num_pages": 8, "blob": "cGRzZXJ2ZS10cC1lbmRwb2ludHM6WyJ7XCJiYWNrZW'

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from protos.v1 import bootstrap_pb2
-from services.bootstrap.client import RegistryClient
+from services.common.registry_client import RegistryClient
 from tests.grpcurl import grpcurl
 from tests.services.bootstrap.process import BootstrapProcess, start_bootstrap
 from tests.services.bootstrap.workers import worker_info

@@ -14,13 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, registry_store_pb2
-from services.bootstrap.client import RegistryClient
 from services.bootstrap.config import BootstrapConfig
 from services.bootstrap.etcd_client import EtcdClient, parse_endpoints
 from services.bootstrap.etcd_store import EtcdStore
 from services.bootstrap.registry import LeaseNotFound, RegistrationRefused, StoreUnavailable, WatcherOverflow
 from services.bootstrap.servicer import BootstrapServicer
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
+from services.common.registry_client import RegistryClient
 from tests.services.bootstrap.etcd import EtcdServer, run_etcd
 from tests.services.bootstrap.process import start_bootstrap
 from tests.services.bootstrap.workers import worker_info

@@ -1,4 +1,4 @@
-"""Protobuf <-> libkv/engine conversion."""
+"""Protobuf <-> libkv and engine conversion."""
 
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ def test_registry_client_and_server_plumbing_do_not_import_torch() -> None:
     # The gateway must not import torch; it uses these modules.
     result = run_python(
         "import sys\n"
-        "import services.bootstrap.client, services.bootstrap.main, services.common.grpc_server\n"
-        "import services.common.metrics, services.common.logging, services.common.config_flags\n"
+        "import services.common.registry_client, services.bootstrap.main, services.common.grpc_server\n"
+        "import services.common.metrics, services.common.logging, pdserve.config_flags\n"
         "import protos.v1.worker_pb2_grpc\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n")
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ from services.gateway.model_source import ServedModel
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 

@@ -23,7 +23,6 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny_model import write_tiny_model
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.decode.servicer import DecodeServicer
@@ -34,6 +33,7 @@ from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
 from services.worker.runtime import WorkerRuntime
 from tests.engine.conftest import random_prompts
 from tests.libkv.transfer.late_landing import LateLandingBackend
+from tools.models.tiny_model import write_tiny_model
 
 # 40 tokens in pages of 16: two full pages (decode's prefix cache keeps them after the first
 # request) and a partial one, the page a repeated request reserves again and has written.
@@ -42,9 +42,9 @@ from tests.libkv.transfer.late_landing import LateLandingBackend
 
 @contextmanager
 def _runtime(model: Path, role: str) -> Iterator[WorkerRuntime]:
-    config = WorkerConfig(model_path=str(model), disaggregation_mode=role,
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
+    config = WorkerConfig(engine=EngineConfig(model_path=str(model), num_pages=64, num_threads=1),
+                          disaggregation_mode=role, disaggregation_transfer_backend="fake")
+    engine = Engine.load(config.engine)
     backend = LateLandingBackend()
     backend.register(engine.pool)
     engine.start()

@@ -9,6 +9,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model  # the test side may import torch; the gateway may not
+    from tools.models.tiny_model import (
+        write_tiny_model,  # the test side may import torch; the gateway may not
+    )
 
     return write_tiny_model(tmp_path_factory.mktemp("gateway") / "tiny", preset="tiny", seed=0)

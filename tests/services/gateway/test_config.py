@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_flags import config_from_args
+from pdserve.config_flags import config_from_args
 from services.gateway.addresses import grpc_address
 from services.gateway.config import (
     GatewayConfig,
@@ -86,7 +86,7 @@ def test_bad_flags(tmp_path: Path) -> None:
 
 def test_api_key_comes_from_the_flag_or_the_environment_and_never_shows(tiny_model: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.common.config_flags import config_from_args
+    from pdserve.config_flags import config_from_args
     from services.gateway.config import with_env_api_key
 
     parser = argparse.ArgumentParser()

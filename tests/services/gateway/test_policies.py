@@ -158,7 +158,7 @@ def test_make_policy_by_name() -> None:
 
 def synced(worker: WorkerHandle, page_size: int, *prompts: list[int]) -> WorkerHandle:
     """`worker` publishing a prefix cache that holds every full page of `prompts`."""
-    from libkv.page_hash import page_hashes
+    from pdserve.page_hash import page_hashes
 
     worker.kv_cache.page_size = page_size
     worker.kv_cache.apply(True, stored=[h for p in prompts for h in page_hashes(p, page_size)])
@@ -182,7 +182,7 @@ def test_cache_aware_routes_on_published_cache_state() -> None:
     a.inflight = 1
     assert policy.choose([a, b], other) is b  # nothing cached anywhere: least loaded
     # Evictions count: once b's pages are removed, b no longer attracts the system prompt.
-    from libkv.page_hash import page_hashes
+    from pdserve.page_hash import page_hashes
 
     b.kv_cache.apply(False, removed=page_hashes(system, 16)[:1])
     a.inflight, b.inflight = 0, 1

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny_model import write_tiny_model
 from libkv.transfer import TransferBackend
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.queues import PREFILL_QUEUES, RoomQueues
 from services.worker.runtime import WorkerRuntime
+from tools.models.tiny_model import write_tiny_model
 
 
 @contextmanager
@@ -22,9 +22,9 @@ def prefill_runtime(folder: Path, backend: TransferBackend) -> Iterator[WorkerRu
     """A started tiny-model prefill engine of 64 pages whose KV moves through `backend`; both are
     shut down on exit."""
     model = write_tiny_model(folder / "tiny", preset="tiny", seed=0)
-    config = WorkerConfig(model_path=str(model), disaggregation_mode="prefill",
-                          disaggregation_transfer_backend="fake", num_pages=64)
-    engine = Engine.load(EngineConfig(model_path=str(model), num_pages=64, num_threads=1))
+    config = WorkerConfig(engine=EngineConfig(model_path=str(model), num_pages=64, num_threads=1),
+                          disaggregation_mode="prefill", disaggregation_transfer_backend="fake")
+    engine = Engine.load(config.engine)
     backend.register(engine.pool)
     engine.start()
     try:

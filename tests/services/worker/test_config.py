@@ -6,11 +6,14 @@ import argparse
 import json
 
 import pytest
+import torch
 
-from engine.tiny_model import PRESETS, model_config
-from services.common.config_flags import config_from_args
+from engine.config import EngineConfig
+from pdserve.config_flags import config_from_args
 from services.launch_server import add_arguments
 from services.worker.config import WorkerConfig
+from services.worker.local_prefill import LocalPrefillRule
+from tools.models.tiny_model import PRESETS, model_config
 
 
 def parse(model_dir, *flags: str) -> WorkerConfig:
@@ -28,14 +31,27 @@ def model_dir(tmp_path):
 def test_seed_commands_parse(model_dir):
     prefill = parse(model_dir, "--disaggregation-mode", "prefill", "--port", "30000",
                     "--disaggregation-transfer-backend", "nixl")
-    assert (prefill.role, prefill.port, prefill.disaggregation_transfer_backend) == ("prefill", 30000, "nixl")
+    assert (prefill.role, prefill.server.port, prefill.disaggregation_transfer_backend) == ("prefill", 30000, "nixl")
     decode = parse(model_dir, "--disaggregation-mode", "decode", "--port", "30001", "--base-gpu-id", "1",
                    "--disaggregation-ib-device", "mlx5_roce0", "--mem-fraction-static", "0.8",
                    "--max-running-requests", "128", "--chunked-prefill-size", "4096", "--tp-size", "1")
     assert decode.role == "decode" and decode.base_gpu_id == 1 and decode.disaggregation_ib_device == "mlx5_roce0"
-    engine = decode.engine_config()
+    engine = decode.engine
     assert (engine.mem_fraction_static, engine.max_running_requests, engine.chunked_prefill_size) == (0.8, 128, 4096)
     assert parse(model_dir).role == "colocated"  # --disaggregation-mode null is the default
+
+
+def test_engine_flags_default_to_the_engine_config(model_dir):
+    """The engine's settings are EngineConfig's, defaults included; only --device differs: a worker
+    takes auto (resolved here), the in-process engine cpu."""
+    config = parse(model_dir, "--base-gpu-id", "3")
+    assert config.engine == EngineConfig(model_path=str(model_dir), device=config.engine.device)
+    assert config.engine.device == ("cuda:3" if torch.cuda.is_available() else "cpu")
+    assert parse(model_dir, "--device", "cpu", "--page-size", "32").engine.page_size == 32
+    assert config.local_prefill == LocalPrefillRule() and not config.local_prefill_rule().enabled
+    decode = parse(model_dir, "--disaggregation-mode", "decode", "--conditional-disaggregation",
+                   "--local-prefill-max-tokens", "8")
+    assert decode.local_prefill_rule() == LocalPrefillRule(enabled=True, max_tokens=8)
 
 
 def test_env_knobs_are_the_defaults(model_dir, monkeypatch):
@@ -59,7 +75,7 @@ def test_bad_flags_are_refused_with_a_message(model_dir, flags, message):
 def test_tp_size_must_split_the_heads(tmp_path):
     # The tiny preset's shape: 4 attention heads, 2 KV heads, MLP width 768.
     (tmp_path / "config.json").write_text(json.dumps(model_config(PRESETS["tiny"])))
-    assert parse(tmp_path, "--tp-size", "2").engine_config().tp_size == 2
+    assert parse(tmp_path, "--tp-size", "2").engine.tp_size == 2
     with pytest.raises(ValueError, match="--tp-size 4: tp size 4 does not divide the model's 2 KV heads"):
         parse(tmp_path, "--tp-size", "4")
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from engine.sampling import SamplingParams
-from libkv.page_hash import page_hashes
+from pdserve.page_hash import page_hashes
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.worker.kv_events import KvEventsServicer
@@ -20,7 +20,7 @@ PARAMS = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("kv-events") / "tiny", preset="tiny", seed=0)
     started = start_engine(model, num_pages=64, page_size=16)

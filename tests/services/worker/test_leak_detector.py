@@ -10,7 +10,7 @@ from tests.engine.conftest import start_engine
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.tiny_model import write_tiny_model
+    from tools.models.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("leak") / "tiny", preset="tiny", seed=0)
     started = start_engine(model, num_pages=64, page_size=16)

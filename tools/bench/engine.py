@@ -1,0 +1,335 @@
+"""`pdserve bench engine`: decode throughput of the engine against HF transformers `generate` and,
+with `--peer-python`, vLLM's offline engine.
+
+Every system gets the same checkpoint, the same equal-length random prompts (so HF's batch needs
+no padding), greedy decoding with eos disabled, and the same thread count. Each runs in its
+own child process (peak RSS per system); their rounds alternate so load changes on a shared
+machine hit all alike. vLLM runs under the Python of another environment (`--peer-python`, one
+with vLLM's CPU build; vLLM is never a dependency of pdserve) through tools/bench/peer_vllm.py,
+its OpenMP threads bound to the first `--threads` cores as vLLM's CPU backend expects.
+
+Decode tokens/s excludes prefill. pdserve: tokens emitted after the moment every request has its
+first token, divided by the time from that moment to the last token (all those steps are pure
+decode batches). HF: the time of generate(N) minus generate(1) on the same inputs, for the
+B * (N - 1) tokens after the first; vLLM the same way, prefix caching off. Numbers are medians over
+`--repeats` runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint folder")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and activations of both systems")
+    parser.add_argument("--skip-hf", action="store_true", help="leave HF transformers out")
+    parser.add_argument("--peer-python", default=None,
+                        help="python of an environment with vLLM's CPU build: also measure vLLM's offline engine")
+    parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
+                        help="pdserve's fused C++ CPU kernels (engine config cpu_kernels)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="pdserve's tensor-parallel ranks; --threads is shared out between them")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # Skip the low ids, where the built-in tokenizer keeps its special tokens.
+    return torch.randint(10, vocab_size, (batch, prompt_len), generator=generator).tolist()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class PdserveSystem:
+    """The engine, loaded once; each round generates for every prompt at once."""
+
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
+        from engine.config import EngineConfig
+        from engine.engine import Engine
+
+        threads = max(1, threads // tp_size)  # per rank: the ranks share the `threads` cores
+        torch.set_num_threads(threads)
+        self.prompts, self.new_tokens = prompts, new_tokens
+        pages_per_request = -(-(len(prompts[0]) + new_tokens) // EngineConfig.page_size) + 1  # its default
+        self.engine = Engine.load(EngineConfig(
+            model_path=model, dtype=dtype, num_threads=threads,
+            num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
+            cpu_kernels=cpu_kernels, tp_size=tp_size,
+            # Every round repeats the same prompts: with the prefix cache, rounds after the first would
+            # skip their prefill, which the systems compared with do not.
+            disable_radix_cache=True))
+        self.engine.start()
+
+    def round(self, index: int) -> dict:
+        return asyncio.run(self._round(f"r{index}"))
+
+    async def _round(self, tag: str) -> dict:
+        from engine.sampling import SamplingParams
+
+        params = SamplingParams(temperature=0, max_new_tokens=self.new_tokens, ignore_eos=True)
+        stamps: list[list[float]] = [[] for _ in self.prompts]
+        tokens: list[list[int]] = [[] for _ in self.prompts]
+
+        async def one(index: int) -> None:
+            async for output in self.engine.generate(self.prompts[index], params, room=f"{tag}-{index}"):
+                stamps[index].append(time.perf_counter())
+                tokens[index].append(output.token_id)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(self.prompts))))
+        all_first = max(s[0] for s in stamps)
+        last = max(s[-1] for s in stamps)
+        decoded = sum(1 for s in stamps for t in s if t > all_first)
+        return {"prefill_s": all_first - started, "decode_s": last - all_first, "decode_tokens": decoded,
+                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class HfSystem:
+    """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
+
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        self.model.generation_config.eos_token_id = None  # same as the engine's ignore_eos
+        self.ids = torch.tensor(prompts)
+        self.new_tokens = new_tokens
+
+    def _generate(self, n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+                                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    def round(self, index: int) -> dict:
+        t0 = time.perf_counter()
+        self._generate(1)
+        t1 = time.perf_counter()
+        out = self._generate(self.new_tokens)
+        t2 = time.perf_counter()
+        prefill, total = t1 - t0, t2 - t1
+        decoded = self.ids.shape[0] * (self.new_tokens - 1)
+        return {"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
+                "decode_tokens_per_s": decoded / (total - prefill),
+                "tokens": out[:, self.ids.shape[1]:].tolist()}
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(system_cls, args, conn) -> None:
+    """Child process: load a system, then run one round per request until told to stop."""
+    system = system_cls(*args)
+    conn.send("ready")
+    while True:
+        index = conn.recv()
+        if index is None:
+            system.close()
+            conn.send({"peak_rss_mib": _peak_rss_mib()})
+            return
+        conn.send(system.round(index))
+
+
+class _Child:
+    def __init__(self, system_cls, args) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve, args=(system_cls, args, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.name = system_cls.__name__
+
+    def call(self, message):
+        self.conn.send(message)
+        try:
+            return self.conn.recv()
+        except EOFError as exc:
+            raise RuntimeError(f"{self.name} child process died") from exc
+
+    def wait_ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{self.name} did not start")
+
+    def stop(self) -> float:
+        peak = self.call(None)["peak_rss_mib"]
+        self.process.join(timeout=60)
+        return peak
+
+
+class _PeerChild:
+    """vLLM in a process of `peer_python` speaking tools/bench/peer_vllm.py's JSON-lines protocol."""
+
+    SCRIPT = Path(__file__).with_name("peer_vllm.py")
+    PREFIX = "PDSERVE-PEER "
+
+    def __init__(self, peer_python: str, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str) -> None:
+        self.name = "vllm"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-vllm-", suffix=".log", delete=False)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
+        self.process = subprocess.Popen([peer_python, str(self.SCRIPT)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                        cwd=tempfile.gettempdir())
+        self._send({"model": model, "prompts": prompts, "new_tokens": new_tokens, "dtype": dtype,
+                    "threads": threads})
+
+    def _send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(self.PREFIX):
+                reply = json.loads(line[len(self.PREFIX):])
+                if "error" in reply:
+                    raise RuntimeError(f"vLLM peer failed (log: {self.log.name}):\n{reply['error']}")
+                return reply
+            self.log.write(line)  # vLLM's own log lines
+        raise RuntimeError(f"vLLM peer exited with {self.process.wait()} (log: {self.log.name})")
+
+    def wait_ready(self) -> None:
+        self._receive()
+
+    def call(self, index: int) -> dict:
+        self._send({"round": index})
+        return self._receive()
+
+    def stop(self) -> float | None:
+        try:
+            self._send({"stop": True})
+            self._receive()
+            self.process.wait(timeout=60)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+        self.log.close()
+        return None  # vLLM's work happens in its own worker processes: not measured here
+
+
+def _ms_per_step(result: dict) -> float:
+    return 1000 * result["decode_s"] * len(result["tokens"]) / result["decode_tokens"]
+
+
+def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
+    return {
+        "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in rounds),
+        "decode_ms_per_step": statistics.median(_ms_per_step(r) for r in rounds),
+        # The fastest round: on a shared machine, the one least disturbed by other processes.
+        "best_decode_ms_per_step": min(_ms_per_step(r) for r in rounds),
+        "prefill_s": statistics.median(r["prefill_s"] for r in rounds),
+        "runs_decode_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in rounds],
+        "peak_rss_mib": None if peak_rss_mib is None else round(peak_rss_mib, 1),
+        "tokens": rounds[-1]["tokens"],
+    }
+
+
+def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
+        with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
+        cpu_kernels: str = "auto", tp_size: int = 1) -> dict[str, dict]:
+    """Rounds alternate between the systems (one child process each, only one busy at a time), so
+    a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
+    systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
+    children: dict = {}
+    for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size))
+        children[name].wait_ready()
+    if peer_python:
+        peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
+        try:
+            peer.wait_ready()
+        except RuntimeError:
+            for child in children.values():  # vLLM did not start: leave no engine process behind
+                child.stop()
+            raise
+        children["vllm"] = peer
+    rounds: dict[str, list[dict]] = {name: [] for name in children}
+    try:
+        for index in range(repeats + 1):
+            for name, child in children.items():
+                result = child.call(index)
+                if index > 0:
+                    rounds[name].append(result)
+    finally:
+        peaks = {name: child.stop() for name, child in children.items()}
+    return {name: _summary(rounds[name], peaks[name]) for name in children}
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.models.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    prompts = make_prompts(args.batch, args.prompt_len, vocab)
+    report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
+                    "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+                    "dtype": args.dtype, "tp_size": args.tp_size}
+    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
+                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size)
+    report.update(results)
+    # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
+    for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
+        if peer in results:
+            report.update({prefix + key: value for key, value in _compare(results["pdserve"], results[peer]).items()})
+    for system in ("pdserve", "hf", "vllm"):
+        if system in report:
+            report[system].pop("tokens")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    return 0
+
+
+def _compare(pdserve: dict, peer: dict) -> dict:
+    """pdserve's decode tokens/s over the peer's; rounds alternate, so round i of each system ran
+    under about the same machine load and the median of per-round ratios is the steadier figure."""
+    paired = [a / b for a, b in zip(pdserve["runs_decode_tokens_per_s"], peer["runs_decode_tokens_per_s"],
+                                    strict=True)]
+    same = sum(a == b for a, b in zip(pdserve["tokens"], peer["tokens"], strict=True))
+    return {"ratio": pdserve["decode_tokens_per_s"] / peer["decode_tokens_per_s"],
+            "ratio_median_of_paired_rounds": statistics.median(paired),
+            "ratio_of_best_rounds": peer["best_decode_ms_per_step"] / pdserve["best_decode_ms_per_step"],
+            "greedy_outputs_equal": f"{same}/{len(pdserve['tokens'])}"}
+
+
+def _print_table(report: dict) -> None:
+    out = sys.stdout
+    out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
+              f"{report['threads']} threads, {report['dtype']}\n")
+    for system in ("pdserve", "hf", "vllm"):
+        if system in report:
+            r = report[system]
+            out.write(f"  {system:8s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
+                      f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
+                      + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
+                      + "\n")
+    for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
+        if prefix + "ratio" in report:
+            out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
+                      f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
+                      f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")

@@ -1,0 +1,1 @@
+"""Pages of docs/ that are generated from the code rather than written by hand."""
