@@ -148,10 +148,6 @@ class TensorParallelBackend(TransferBackend):
     def size(self) -> int:
         return len(self.followers) + 1
 
-    @property
-    def pool(self) -> KVPool | None:
-        return self.local.pool
-
     def register(self, pool: KVPool) -> None:
         self.local.register(pool, tp_rank=0, tp_size=self.size)
         self._ranks = [InProcessRank(RankTransfer(pool, 0, self.size, self.local)), *self.followers]
