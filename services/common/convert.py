@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
-from libkv.transfer.base import TransferEndpoint
+from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2
 
 

@@ -25,8 +25,8 @@ import logging
 import time
 
 from engine.engine import Engine
+from libkv.landing import wait_landed
 from libkv.transfer import TransferBackend
-from services.decode.landing import wait_landed
 from services.decode.prefill_client import AbortOutcome, PrefillClients
 
 log = logging.getLogger("pdserve.decode")

@@ -30,11 +30,11 @@ import time
 import grpc
 
 from engine.outputs import FirstToken
+from libkv.landing import wait_landed
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.convert import endpoint_to_proto, sampling_to_proto
 from services.common.registry_client import RegistryClient
 from services.common.tasks import finish_despite_cancel
-from services.decode.landing import wait_landed
 from services.decode.prealloc import PreallocQueue, PreallocTimeout
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
