@@ -54,7 +54,7 @@ class KVPool:
         """For each page, xxh3_64 of each of `parts` equal KV-head ranges of it (the bytes of heads
         [k*h/parts, (k+1)*h/parts) in page order, as if that range were a page of its own).
 
-        Why: peers that split a model's KV heads over different numbers of processes (engine.tp)
+        Why: peers that split a model's KV heads over different numbers of processes (libkv.landing)
         can both compute these for the heads they hold, without gathering a page in one process.
         """
         heads = self.layout.num_kv_heads
@@ -96,7 +96,7 @@ class KVPool:
         """Fill pages with 0xFF bytes (a NaN in every float dtype), before they are offered to a
         one-sided writer.
 
-        Why: the landing check (services.decode.landing) takes "the page hashes to what the sender
+        Why: the landing check (libkv.landing) takes "the page hashes to what the sender
         sent" as proof that the write has landed. A page reused for the same prompt can already
         hold those exact bytes from its previous owner, so the check would pass while the write is
         still on its way, and the page could be freed and handed on before the late bytes land in

@@ -4,8 +4,10 @@ The step loop (engine.tp.runner) owns the torch.distributed group and runs only 
 thread; KV transfers are driven from the worker's other threads (transfer queues, gRPC handlers)
 at any time. So each follower also keeps one authenticated local socket to rank 0
 (multiprocessing.connection) on which rank 0 calls named methods of the follower's handler object
-(engine.tp.transfer.RankTransfer) and gets the result or the exception back. Calls on one
-connection are serialized; they are short (the transfer engines' own calls return at once).
+(libkv.transfer.tensor_parallel.RankTransfer) and gets the result or the exception back: a
+RankControl is the libkv.rank_channel.RankChannel libkv drives the follower's pool and transfer
+engine through. Calls on one connection are serialized; they are short (the transfer engines' own
+calls return at once).
 """
 
 from __future__ import annotations
@@ -16,17 +18,9 @@ import secrets
 import threading
 from multiprocessing.connection import Client, Connection, Listener
 
+from libkv.rank_channel import RankCallFailed
+
 log = logging.getLogger(__name__)
-
-
-class RankCallFailed(RuntimeError):
-    """A follower raised something that cannot be carried back as itself (or is gone); the message
-    names it. `type_name` and `detail` (e.g. a GrantRefused's refusal) let the caller rebuild it."""
-
-    def __init__(self, message: str, type_name: str = "", detail: object = None) -> None:
-        super().__init__(message)
-        self.type_name = type_name
-        self.detail = detail
 
 
 class ControlListener:
@@ -49,7 +43,8 @@ class ControlListener:
 
 
 class RankControl:
-    """Rank 0's handle on one follower: `call(method, *args)` runs `handler.method(*args)` there."""
+    """Rank 0's handle on one follower: `call(method, *args)` runs `handler.method(*args)` there
+    (a libkv.rank_channel.RankChannel)."""
 
     def __init__(self, rank: int, conn: Connection) -> None:
         self.rank = rank

@@ -23,8 +23,8 @@ from engine.tp.group import TPGroup
 from engine.tp.load import load_rank
 from engine.tp.runner import follow
 from engine.tp.setup import RENDEZVOUS_HOST
-from engine.tp.transfer import RankTransfer
 from libkv.transfer import exit_process
+from libkv.transfer.tensor_parallel import RankTransfer
 
 log = logging.getLogger("pdserve.tp")
 
@@ -61,7 +61,7 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        transfer = RankTransfer(rank_engine.pool)
+        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size)
         threading.Thread(target=serve, args=(control, transfer), name="pdserve-tp-control", daemon=True).start()
         follow(group, rank_engine.runner)
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group

@@ -15,7 +15,7 @@ from engine.models.layer_ops import select_layer_ops
 from engine.tp.control import RankControl
 from engine.tp.group import TPGroup
 from engine.tp.shard import TPShard
-from engine.tp.transfer import TPKVPool
+from libkv.landing import TPKVPool
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 

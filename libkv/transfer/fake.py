@@ -7,11 +7,13 @@ import json
 from typing import Any
 
 from libkv.pool import KVPool
-from libkv.transfer.base import Peer, Transfer, TransferBackend, TransferEndpoint, TransferState
+from libkv.transfer.base import EngineBackend
 from libkv.transfer.grants import Refusal
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 
-class FakeBackend(TransferBackend):
+class FakeBackend(EngineBackend):
     """Every write is DONE as soon as it is issued and no byte moves.
 
     It still validates like a real backend (layouts, page ranges, dead peers, abort, timeouts

@@ -25,6 +25,10 @@ code off the transfer network is the deployment's job (engines bind only the wor
 
 Sender side, one-sided backends: a few READ SLOTS, local registered buffers that a verify reads
 the peer's entries into (one slot per verify in flight, so concurrent verifies never share one).
+`GrantReader` reads the entries of the destination pages through the same engine and endpoint the
+writes use, so a caller cannot point the check anywhere else: pages are grouped into spans
+(nearby pages read together) and spans into rounds that fit one slot, one engine operation per
+round, so a prompt's pages cost one read. Comparison happens on the sender.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import torch
+
+from libkv.transfer.interface import TransferState
 
 TAG_NBYTES = 16
 GRANT_MAX_NBYTES = 64
@@ -134,6 +141,8 @@ class GrantTable:
         flat = self.memory.numpy()
         self.entries = flat[:table_nbytes].reshape(num_pages, TAG_NBYTES)
         self._slots = flat[table_nbytes:].reshape(READ_SLOTS, READ_SLOT_ENTRIES, TAG_NBYTES)
+        self._expected: dict[str, frozenset[int]] = {}  # key -> its pages bound in the table
+        self._tags: dict[str, bytes] = {}  # key -> tag(key, grant) of its expectation
         self._free = list(range(READ_SLOTS))
         self._retired: list[tuple[int, Callable[[], bool]]] = []
         self._slot_ready = threading.Condition()
@@ -160,6 +169,38 @@ class GrantTable:
         """Compare the entries of pages first_page .. first_page+count-1 with `tag`."""
         return compare_entries(self.entries[first_page:first_page + count],
                                list(range(first_page, first_page + count)), tag)
+
+    # ---- receiver: expectations (the backend's expect / release_expectation) --------------
+
+    def expect(self, key: str, pages: list[int], tag: bytes) -> frozenset[int]:
+        """Bind `pages` to `tag` for `key` and return all the key's pages. Calls for one key
+        accumulate pages but must give the same tag; a page bound to another key is refused
+        (ValueError): a page belongs to one room at a time."""
+        known = self._tags.get(key)
+        if known is not None and known != tag:
+            raise ValueError(f"expect({key!r}): the key is already expected with another grant; "
+                             "release_expectation() first")
+        new = sorted(set(pages))
+        taken = [p for p, owner in zip(new, self.owners(new), strict=True) if owner.any() and owner.tobytes() != tag]
+        if taken:
+            holders = sorted({k for k, held in self._expected.items() if taken[0] in held})
+            raise ValueError(f"expect({key!r}): page {taken[0]} (and {len(taken) - 1} more) already "
+                             f"expected by {', '.join(map(repr, holders)) or 'another key'}")
+        self.bind(new, tag)
+        self._expected[key] = frozenset(new) | self._expected.get(key, frozenset())
+        self._tags[key] = tag
+        return self._expected[key]
+
+    def release(self, key: str) -> frozenset[int] | None:
+        """Zero the entries of the key's pages and forget it; its pages (None if not expected)."""
+        pages = self._expected.pop(key, None)
+        self._tags.pop(key, None)
+        if pages is not None:
+            self.clear(sorted(pages))
+        return pages
+
+    def expected(self, key: str) -> frozenset[int]:
+        return self._expected.get(key, frozenset())
 
     # ---- sender: read slots ----------------------------------------------------------------
 
@@ -205,3 +246,78 @@ class GrantTable:
             else:
                 still.append((slot, busy))
         self._retired = still
+
+
+# ---- sender: verify_grant of one-sided engines, reading the peer's table ----------------------
+
+_READ_POLL_FIRST_S = 0.00002  # a grant read is a few hundred bytes: usually done within 100 us
+_READ_POLL_MAX_S = 0.002
+
+
+class ReadFailed(Exception):
+    """The engine could not read the peer's entries (the caller turns it into PeerUnreachable)."""
+
+
+@dataclass
+class GrantReader:
+    """Reads through a backend's hooks. `start(reads)` starts one engine operation reading, for
+    each (local address, first page, count), the peer's entries of those pages; `progress(op)`
+    says PENDING, DONE or FAILED without blocking; `release(op)` frees a finished operation."""
+
+    table: GrantTable
+    start: Callable[[list[tuple[int, int, int]]], Any]
+    progress: Callable[[Any], TransferState]
+    release: Callable[[Any], None]
+    timeout_s: float
+
+    def verify(self, pages: list[int], tag: bytes) -> Refusal | None:
+        wanted = numpy.asarray(pages, dtype=numpy.int64)
+        entries = numpy.zeros((len(pages), TAG_NBYTES), dtype=numpy.uint8)
+        deadline = time.monotonic() + self.timeout_s
+        for round_spans in rounds(spans(pages)):
+            inside = (wanted >= round_spans[0][0]) & (wanted < round_spans[-1][0] + round_spans[-1][1])
+            entries[inside] = self._read_round(round_spans, wanted[inside], deadline)
+        return compare_entries(entries, pages, tag)
+
+    def _read_round(self, round_spans: list[tuple[int, int]], pages: numpy.ndarray,
+                    deadline: float) -> numpy.ndarray:
+        """The entries of `pages` (all inside `round_spans`), read in one engine operation."""
+        slot = self.table.acquire_slot(deadline)
+        if slot is None:
+            raise ReadFailed(f"no grant read slot came free within {self.timeout_s:g} s")
+        offsets = numpy.cumsum([0] + [count for _, count in round_spans[:-1]])
+        reads = [(self.table.slot_address(slot) + int(at) * TAG_NBYTES, first, count)
+                 for at, (first, count) in zip(offsets, round_spans, strict=True)]
+        try:
+            op = self.start(reads)
+        except BaseException:
+            self.table.release_slot(slot)
+            raise
+        state = self._wait(op, deadline)
+        if state is TransferState.PENDING:  # abandoned, but the read may still land: keep the slot until then
+            self.table.retire_slot(slot, lambda: self._still_busy(op))
+            raise ReadFailed(f"the read took more than {self.timeout_s:g} s")
+        self.release(op)
+        try:
+            if state is not TransferState.DONE:
+                raise ReadFailed("the read failed in the engine")
+            starts = numpy.asarray([first for first, _ in round_spans], dtype=numpy.int64)
+            span_of = numpy.searchsorted(starts, pages, side="right") - 1
+            return self.table.slot_entries(slot)[offsets[span_of] + pages - starts[span_of]]  # a copy
+        finally:
+            self.table.release_slot(slot)
+
+    def _wait(self, op: Any, deadline: float) -> TransferState:
+        delay = _READ_POLL_FIRST_S
+        while True:
+            state = self.progress(op)
+            if state.finished or time.monotonic() > deadline:
+                return state
+            time.sleep(delay)
+            delay = min(delay * 2, _READ_POLL_MAX_S)
+
+    def _still_busy(self, op: Any) -> bool:
+        if not self.progress(op).finished:
+            return True
+        self.release(op)
+        return False

@@ -33,17 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libkv.pool import KVPool
-from libkv.transfer.base import (
-    EngineUnavailable,
-    Peer,
-    PeerUnreachable,
-    Transfer,
-    TransferBackend,
-    TransferEndpoint,
-    TransferState,
-)
+from libkv.transfer.base import EngineBackend
 from libkv.transfer.bind_host import bind_wildcard_to, is_wildcard
+from libkv.transfer.errors import EngineUnavailable, PeerUnreachable
 from libkv.transfer.grants import TAG_NBYTES
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +77,7 @@ class _MooncakeWrite:
 _MAX_QUEUED_LIMIT = 65535  # the largest MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER Mooncake accepts
 
 
-class MooncakeBackend(TransferBackend):
+class MooncakeBackend(EngineBackend):
     """Mooncake TransferEngine over TCP (or RDMA with `ib_device`).
 
     `max_queued_per_peer` sets MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER in this process's

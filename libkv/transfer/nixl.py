@@ -28,16 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from libkv.pool import KVPool
-from libkv.transfer.base import (
-    EngineUnavailable,
-    Peer,
-    PeerUnreachable,
-    Transfer,
-    TransferBackend,
-    TransferEndpoint,
-    TransferState,
-)
+from libkv.transfer.base import EngineBackend
+from libkv.transfer.errors import EngineUnavailable, PeerUnreachable
 from libkv.transfer.grants import TAG_NBYTES
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import TransferEndpoint, TransferState
 from libkv.transfer.ucx_env import bind_ucx_to
 
 _GENTLE_PROGRESS_S = 0.001
@@ -63,7 +58,7 @@ class _NixlPeer:
     grants_addr: int
 
 
-class NixlBackend(TransferBackend):
+class NixlBackend(EngineBackend):
     """NIXL agent with one plugin (`nixl_backend`, default UCX), DRAM only.
 
     Abort waits (bounded by timeout_s) until the request is no longer in progress and then

@@ -1,10 +1,9 @@
 """`ucx` backend: two-sided UCX tagged messages through ucxx (the successor of ucx-py).
 
-UCX from Python has no one-sided put, so the receiver takes part: it receives each page run
-directly into its pool's page region (a view, no copy), but only where its grant table binds
-every page of the run to tag(key, grant) of the write's header (libkv.transfer.grants), i.e.
-pages that expect() reserved for that key and grant; anything else is received into scratch
-memory and dropped, and the sender's write fails with GrantRefused. Endpoints are made from
+UCX from Python has no one-sided put, so the receiver takes part in every write: it posts the
+receives into its pool, only for pages its grant table binds to the write's key and grant
+(libkv.transfer.ucx_receiver); a write to other pages fails with GrantRefused. This module is the
+backend and its sending side. Endpoints are made from
 worker addresses with endpoint error handling off, which lets UCX use shared memory (cma/sysv)
 between processes on one host: several times faster than its TCP path. The price: a dead peer
 makes sends hang instead of fail, so the backend's timeout is what detects it. Pass
@@ -15,27 +14,7 @@ backend sets UCX_NET_DEVICES to the interface holding `host` before UCX starts
 (libkv.transfer.ucx_env), so it listens there only. (UCX's shared-memory transports also open
 abstract-namespace Unix datagram sockets to signal each other; those have no network address.)
 
-Wire protocol (all tags forced, 64-bit; see the *_tag functions):
-  connect:   sender -> receiver  CTRL   HELLO(sender uid, address length)
-             sender -> receiver  ADDR   sender's worker address (the receiver's route for acks)
-  write:     sender -> receiver  CTRL   BEGIN(sender uid, transfer id, header length) followed
-                                        in the same message by the header JSON
-                                        {key, grant (hex), runs: [[dst_page, length], ...]}; a
-                                        header too big for CTRL_NBYTES goes separately on DATA
-                                        (BEGIN_LONG)
-             per run, in order:  DATA   the run's bytes, or an empty message once aborted
-             finally             DATA   END(aborted?)
-             receiver -> sender  ACK    (status, refused pages, transfer id, first refused page):
-                                        OK, REJECTED (some run not granted: those runs went to
-                                        scratch) or ABORTED
-  verify:    sender -> receiver  CTRL   VERIFY(sender uid, request id, header length) + header
-                                        {key, grant, runs} (VERIFY_LONG: header on DATA)
-             receiver -> sender  ACK    OK or REJECTED, as for a write; nothing else moves
-UCX matches messages of one tag from one endpoint in send order, so after the header the
-receiver posts every run's receive at once (into pool pages if the grant covers them, else
-into scratch) and then one for END. A sender that aborts still sends one message per run, empty,
-which completes the posted receive without writing a byte: no receive stays posted into pool
-pages waiting for data that will not come (unless the sender dies; then nothing can match it).
+Wire protocol: libkv.transfer.ucx_wire; the receiving side: libkv.transfer.ucx_receiver.
 
 ucxx keeps one UCX context per process, driven from an asyncio loop; the backend runs its own
 loop in a thread so callers on any thread (or loop) can use it. One UcxBackend per process.
@@ -47,7 +26,6 @@ import asyncio
 import json
 import logging
 import random
-import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -56,55 +34,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from libkv.pool import KVPool
-from libkv.transfer.base import (
-    EngineUnavailable,
-    GrantRefused,
-    Peer,
-    PeerUnreachable,
-    Transfer,
-    TransferBackend,
-    TransferEndpoint,
-    TransferError,
-    TransferState,
-)
-from libkv.transfer.grants import Refusal, grant_tag
+from libkv.transfer import ucx_wire as wire
+from libkv.transfer.base import EngineBackend
+from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
+from libkv.transfer.grants import Refusal
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import TransferEndpoint, TransferState
 from libkv.transfer.ucx_env import bind_ucx_to
+from libkv.transfer.ucx_receiver import UcxReceiver
 
 log = logging.getLogger(__name__)
 
-CTRL_TAG = 0x5044_C7C7_0000_0001
-_CTRL = struct.Struct("<IIQQ")  # kind, sender uid, transfer id, length
-_END = struct.Struct("<IIQ")  # END kind, aborted flag, runs sent with data
-_ACK = struct.Struct("<IIQQ")  # status, refused pages, transfer id, first refused page
-_HELLO, _BEGIN, _BEGIN_LONG, _VERIFY, _VERIFY_LONG = 1, 2, 3, 4, 5
-CTRL_NBYTES = 4096  # receive buffer of control messages (a smaller message fits): ~300 runs
-_END_KIND = 0x454E44
-ACK_OK, ACK_REJECTED, ACK_ABORTED = 0, 1, 2
-
 _instance_lock = threading.Lock()
 _instance_alive = False
-
-
-def data_tag(sender_uid: int, transfer_id: int) -> int:
-    return (1 << 62) | (sender_uid << 31) | (transfer_id & 0x7FFF_FFFF)
-
-
-def ack_tag(sender_uid: int, transfer_id: int) -> int:
-    return (2 << 62) | (sender_uid << 31) | (transfer_id & 0x7FFF_FFFF)
-
-
-def addr_tag(sender_uid: int) -> int:
-    return (3 << 62) | (sender_uid << 31)
-
-
-def _import_ucxx():
-    try:
-        import numpy
-        import ucxx
-    except ImportError as exc:
-        raise EngineUnavailable("the ucx backend needs pip install ucxx-cu12==0.52.0 "
-                                "(ucx-py cannot be installed from PyPI)") from exc
-    return ucxx, numpy
 
 
 @dataclass
@@ -119,7 +61,7 @@ class _UcxWrite:
     abort_requested: bool = False
 
 
-class UcxBackend(TransferBackend):
+class UcxBackend(EngineBackend):
     """ucxx tagged send/recv; see the module docstring for the protocol."""
 
     name = "ucx"
@@ -128,17 +70,14 @@ class UcxBackend(TransferBackend):
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1",
                  error_handling: bool = False) -> None:
         super().__init__(timeout_s=timeout_s, host=host)
-        self._ucxx, self._np = _import_ucxx()
+        self._ucxx, self._np = wire.import_ucxx()
         self.error_handling = error_handling
         self.uid = random.SystemRandom().randrange(1, 1 << 31)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._address = b""
         self._pool_bytes: Any = None  # numpy uint8 view of the whole pool
-        self._senders: dict[int, asyncio.Future] = {}  # sender uid -> (future) endpoint for acks
-        self._background: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
-        self._inflight: dict[str, int] = {}  # key -> receives posted into pool pages
-        self._inflight_done = threading.Condition(self._lock)
+        self._receiver: UcxReceiver | None = None
         self._control_task: asyncio.Task | None = None
 
     # ---- loop thread -----------------------------------------------------------------------
@@ -160,6 +99,8 @@ class UcxBackend(TransferBackend):
                 _instance_alive = False
             raise
         self._pool_bytes = pool.as_bytes().numpy()
+        self._receiver = UcxReceiver(self._ucxx, self._np, self._pool_bytes, pool.layout.page_nbytes, self.grants,
+                                     self._lock, self.timeout_s, self.error_handling)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-ucx", daemon=True)
         self._thread.start()
@@ -173,7 +114,7 @@ class UcxBackend(TransferBackend):
             self._ucxx.init(progress_mode="thread", enable_python_future=True)
         self._ucxx.continuous_ucx_progress(event_loop=asyncio.get_running_loop())
         address = bytes(self._ucxx.get_worker_address())
-        self._control_task = asyncio.ensure_future(self._serve_control())
+        self._control_task = asyncio.ensure_future(self._receiver.serve_control())
         return address
 
     def _engine_blob(self) -> bytes:
@@ -201,8 +142,8 @@ class UcxBackend(TransferBackend):
         ep = await self._ucxx.create_endpoint_from_worker_address(
             ucx_address, endpoint_error_handling=self.error_handling)
         mine = bytearray(self._address)
-        await ep.send(bytearray(_CTRL.pack(_HELLO, self.uid, 0, len(mine))), tag=CTRL_TAG, force_tag=True)
-        await ep.send(mine, tag=addr_tag(self.uid), force_tag=True)
+        await ep.send(bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine))), tag=wire.CTRL_TAG, force_tag=True)
+        await ep.send(mine, tag=wire.addr_tag(self.uid), force_tag=True)
         return ep
 
     def _engine_write(self, peer: Peer, record: Transfer) -> Any:
@@ -220,20 +161,20 @@ class UcxBackend(TransferBackend):
                      sends: list[asyncio.Task], post) -> None:
         """Send the control message of a request: the header inline if it fits, else after it
         on the request's DATA tag (kinds = (inline kind, long kind))."""
-        if _CTRL.size + len(header) <= CTRL_NBYTES:
-            begin = _CTRL.pack(kinds[0], self.uid, request_id, len(header)) + header
-            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+        if wire.CTRL.size + len(header) <= wire.CTRL_NBYTES:
+            begin = wire.CTRL.pack(kinds[0], self.uid, request_id, len(header)) + header
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=wire.CTRL_TAG, force_tag=True)))
         else:
-            begin = _CTRL.pack(kinds[1], self.uid, request_id, len(header))
-            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=CTRL_TAG, force_tag=True)))
+            begin = wire.CTRL.pack(kinds[1], self.uid, request_id, len(header))
+            sends.append(asyncio.ensure_future(ep.send(bytearray(begin), tag=wire.CTRL_TAG, force_tag=True)))
             post(bytearray(header))
 
     async def _send(self, ep: Any, write: _UcxWrite, transfer_id: int, header: bytes,
                     runs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
-        tag = data_tag(self.uid, transfer_id)
-        ack = bytearray(_ACK.size)
+        tag = wire.data_tag(self.uid, transfer_id)
+        ack = bytearray(wire.ACK.size)
         # Post the ack receive first so the ack can never arrive unmatched.
-        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, transfer_id)))
+        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=wire.ack_tag(self.uid, transfer_id)))
         sends: list[asyncio.Task] = []
 
         def post(buffer) -> None:
@@ -242,7 +183,7 @@ class UcxBackend(TransferBackend):
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            self._post_header(ep, (_BEGIN, _BEGIN_LONG), transfer_id, header, sends, post)
+            self._post_header(ep, (wire.BEGIN, wire.BEGIN_LONG), transfer_id, header, sends, post)
             aborted, sent = 0, 0
             for src, _dst, nbytes in runs:
                 if write.abort_requested:
@@ -255,14 +196,14 @@ class UcxBackend(TransferBackend):
                 # the rest of a long transfer.
                 while len(sends) > 3:
                     await sends.pop(0)
-            post(bytearray(_END.pack(_END_KIND, aborted, sent)))
+            post(bytearray(wire.END.pack(wire.END_KIND, aborted, sent)))
             await asyncio.gather(*sends)
             await ack_recv
         finally:
             for task in [*sends, ack_recv]:
                 if not task.done():
                     task.cancel()
-        status, refused, _, first_refused = _ACK.unpack(ack)
+        status, refused, _, first_refused = wire.ACK.unpack(ack)
         return status, refused, first_refused
 
     def _engine_progress(self, record: Transfer) -> TransferState:
@@ -278,9 +219,9 @@ class UcxBackend(TransferBackend):
                                            f"{record.handle.peer} failed: {exc}")
             return TransferState.FAILED
         status, refused, first_refused = future.result()
-        if status == ACK_OK:
+        if status == wire.ACK_OK:
             return TransferState.DONE
-        if status == ACK_REJECTED:
+        if status == wire.ACK_REJECTED:
             refusal = Refusal(first_refused, refused, record.handle.num_pages)
             record.error = GrantRefused(
                 f"ucx receiver rejected write {record.handle.transfer_id} (key {record.handle.key!r}): "
@@ -313,28 +254,28 @@ class UcxBackend(TransferBackend):
                                   f"{self.timeout_s:g} s") from exc
         except Exception as exc:
             raise PeerUnreachable(f"ucx grant check with {peer.endpoint.host} failed: {exc}") from exc
-        if status == ACK_OK:
+        if status == wire.ACK_OK:
             return None
         return Refusal(first_refused, refused, len(pages))
 
     async def _ask_verify(self, ep: Any, request_id: int, header: bytes) -> tuple[int, int, int]:
-        ack = bytearray(_ACK.size)
-        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=ack_tag(self.uid, request_id)))
+        ack = bytearray(wire.ACK.size)
+        ack_recv = asyncio.ensure_future(self._ucxx.recv(ack, tag=wire.ack_tag(self.uid, request_id)))
         sends: list[asyncio.Task] = []
-        tag = data_tag(self.uid, request_id)
+        tag = wire.data_tag(self.uid, request_id)
 
         def post(buffer) -> None:
             sends.append(asyncio.ensure_future(ep.send(buffer, tag=tag, force_tag=True)))
 
         try:
-            self._post_header(ep, (_VERIFY, _VERIFY_LONG), request_id, header, sends, post)
+            self._post_header(ep, (wire.VERIFY, wire.VERIFY_LONG), request_id, header, sends, post)
             await asyncio.gather(*sends)
             await ack_recv
         finally:
             for task in [*sends, ack_recv]:
                 if not task.done():
                     task.cancel()
-        status, refused, _, first_refused = _ACK.unpack(ack)
+        status, refused, _, first_refused = wire.ACK.unpack(ack)
         return status, refused, first_refused
 
     def _engine_cancel(self, record: Transfer, deadline: float) -> None:
@@ -354,169 +295,12 @@ class UcxBackend(TransferBackend):
     def _engine_disconnect(self, peer: Peer) -> None:
         state: _UcxPeer = peer.engine
         if state is not None and self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(_abort_endpoint, state.endpoint)
+            self._loop.call_soon_threadsafe(wire.abort_endpoint, state.endpoint)
 
-    # ---- receiver --------------------------------------------------------------------------
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _serve_control(self) -> None:
-        message = bytearray(CTRL_NBYTES)
-        while True:
-            try:
-                await self._ucxx.recv(message, tag=CTRL_TAG)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one bad message must not stop every later transfer
-                log.exception("ucx: receiving a control message failed")
-                await asyncio.sleep(0.01)
-                continue
-            kind, sender, transfer_id, length = _CTRL.unpack_from(message)
-            if kind == _HELLO:
-                route = asyncio.get_running_loop().create_future()
-                old = self._senders.get(sender)
-                self._senders[sender] = route
-                self._spawn(self._accept_sender(sender, length, route, old))
-            elif kind == _BEGIN:
-                header = bytes(message[_CTRL.size:_CTRL.size + length])  # the buffer is reused
-                self._spawn(self._receive(sender, transfer_id, header))
-            elif kind == _BEGIN_LONG:
-                self._spawn(self._receive(sender, transfer_id, length))
-            elif kind == _VERIFY:
-                header = bytes(message[_CTRL.size:_CTRL.size + length])
-                self._spawn(self._answer_verify(sender, transfer_id, header))
-            elif kind == _VERIFY_LONG:
-                self._spawn(self._answer_verify(sender, transfer_id, length))
-            else:
-                log.warning("ucx: unknown control message kind %d from %x", kind, sender)
-
-    async def _accept_sender(self, sender: int, length: int, route: asyncio.Future,
-                             old: asyncio.Future | None) -> None:
-        """Make the endpoint that carries acks back to a sender that said HELLO."""
-        try:
-            address = bytearray(length)
-            await asyncio.wait_for(self._ucxx.recv(address, tag=addr_tag(sender)), self.timeout_s)
-            ep = await self._ucxx.create_endpoint_from_worker_address(
-                self._ucxx.get_ucx_address_from_buffer(bytes(address)),
-                endpoint_error_handling=self.error_handling)
-        except Exception as exc:
-            log.warning("ucx: HELLO from sender %x failed: %s", sender, exc)
-            route.set_exception(PeerUnreachable(f"no route back to ucx sender {sender:x}: {exc}"))
-            return
-        route.set_result(ep)
-        if old is not None and old is not route and old.done() and old.exception() is None:
-            _abort_endpoint(old.result())
-
-    async def _read_header(self, sender: int, request_id: int,
-                           header: bytes | int) -> tuple[str, bytes | None, list]:
-        """(key, tag, runs) of a request; `header` is the header itself, or its length if it
-        follows on the request's DATA tag. A grant that does not parse gives tag None, which
-        no page matches."""
-        if isinstance(header, int):
-            buffer = bytearray(header)
-            await self._ucxx.recv(buffer, tag=data_tag(sender, request_id))
-            header = bytes(buffer)
-        spec = json.loads(header)
-        key = spec["key"]
-        try:
-            tag = grant_tag(key, bytes.fromhex(spec.get("grant", "")))
-        except (ValueError, TypeError):
-            tag = None
-        return key, tag, spec["runs"]
-
-    def _check_run(self, dst: int, length: int, tag: bytes | None) -> Refusal | None:
-        """Whether the grant table binds every page of the run to `tag` (hold self._lock)."""
-        if tag is None or dst < 0 or length < 1 or dst + length > self.grants.num_pages:
-            return Refusal(dst, max(length, 0), max(length, 0))
-        return self.grants.check(dst, length, tag)
-
-    async def _answer_verify(self, sender: int, request_id: int, header: bytes | int) -> None:
-        status, refused, first_refused = ACK_OK, 0, 0
-        try:
-            _key, tag, runs = await self._read_header(sender, request_id, header)
-            with self._lock:
-                for dst, length in runs:
-                    refusal = self._check_run(dst, length, tag)
-                    if refusal is not None:
-                        first_refused = first_refused if refused else refusal.first_page
-                        refused += refusal.count
-                        status = ACK_REJECTED
-        except Exception as exc:  # a malformed request is refused, never crashes the receiver
-            log.warning("ucx: bad grant check %d from %x: %s", request_id, sender, exc)
-            status = ACK_REJECTED
-        await self._ack(sender, request_id, status, refused, first_refused)
-
-    async def _ack(self, sender: int, request_id: int, status: int, refused: int, first_refused: int) -> None:
-        route = self._senders.get(sender)
-        if route is None:
-            log.warning("ucx: no route back to sender %x for request %d", sender, request_id)
-            return
-        try:
-            ep = await asyncio.wait_for(asyncio.shield(route), self.timeout_s)
-            await ep.send(bytearray(_ACK.pack(status, refused, request_id, first_refused)),
-                          tag=ack_tag(sender, request_id), force_tag=True)
-        except Exception as exc:
-            log.warning("ucx: ack of request %d to sender %x failed: %s", request_id, sender, exc)
-
-    async def _receive(self, sender: int, transfer_id: int, header: bytes | int) -> None:
-        """Receive one transfer; `header` is the header itself, or its length if it follows."""
-        tag = data_tag(sender, transfer_id)
-        key, run_tag, runs = await self._read_header(sender, transfer_id, header)
-        page_nbytes = self._require_pool().layout.page_nbytes
-        targets, scratch_nbytes, in_pool, refused, first_refused = [], 0, 0, 0, 0
-        with self._lock:
-            for dst, length in runs:
-                refusal = self._check_run(dst, length, run_tag)
-                if refusal is None:
-                    targets.append(self._pool_bytes[dst * page_nbytes:(dst + length) * page_nbytes])
-                    in_pool += 1
-                else:
-                    targets.append(None)
-                    scratch_nbytes = max(scratch_nbytes, length * page_nbytes)
-                    first_refused = first_refused if refused else refusal.first_page
-                    refused += refusal.count
-            if in_pool:
-                self._inflight[key] = self._inflight.get(key, 0) + in_pool
-        # Rejected runs all land in one scratch buffer: their bytes are dropped anyway.
-        scratch = self._np.empty(scratch_nbytes, dtype=self._np.uint8) if scratch_nbytes else None
-        end = bytearray(_END.size)
-        receives = [asyncio.ensure_future(self._receive_run(key, target, scratch, tag)) for target in targets]
-        end_receive = asyncio.ensure_future(self._ucxx.recv(end, tag=tag))
-        await asyncio.gather(*receives, return_exceptions=True)
-        await end_receive
-        kind, aborted, _ = _END.unpack(end)
-        if kind != _END_KIND:
-            log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
-        status = ACK_ABORTED if aborted else (ACK_OK if in_pool == len(targets) else ACK_REJECTED)
-        await self._ack(sender, transfer_id, status, refused, first_refused)
-
-    async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:
-        if target is None:
-            await self._ucxx.recv(scratch, tag=tag)
-            return
-        try:
-            await self._ucxx.recv(target, tag=tag)
-        finally:
-            with self._inflight_done:
-                self._inflight[key] -= 1
-                if not self._inflight[key]:
-                    del self._inflight[key]
-                self._inflight_done.notify_all()
+    # ---- receiver (libkv.transfer.ucx_receiver) ---------------------------------------------
 
     def _engine_release(self, key: str, pages: frozenset[int]) -> None:
-        # Receives already posted into this key's pages complete with the sender's bytes or with
-        # an empty message if it aborts: wait for them (bounded, in case the sender died) so
-        # that nothing lands after we return.
-        deadline = time.monotonic() + self.timeout_s
-        with self._inflight_done:
-            while self._inflight.get(key) and time.monotonic() < deadline:
-                self._inflight_done.wait(timeout=0.05)
-            if self._inflight.get(key):
-                log.warning("ucx: receives for %r still posted after %.1f s (sender dead?)", key,
-                            self.timeout_s)
+        self._receiver.release(key)  # type: ignore[union-attr]
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -528,12 +312,7 @@ class UcxBackend(TransferBackend):
         async def shutdown() -> None:
             if self._control_task is not None:
                 self._control_task.cancel()
-            for task in list(self._background):
-                task.cancel()
-            for route in self._senders.values():
-                if route.done() and not route.cancelled() and route.exception() is None:
-                    _abort_endpoint(route.result())
-            self._senders.clear()
+            await self._receiver.close()  # type: ignore[union-attr]
 
         try:
             self._run(shutdown(), timeout=10)
@@ -546,9 +325,3 @@ class UcxBackend(TransferBackend):
         with _instance_lock:
             _instance_alive = False
 
-
-def _abort_endpoint(ep: Any) -> None:
-    try:
-        ep.abort(period=10**9)  # bounded: the peer may be gone
-    except Exception:
-        pass

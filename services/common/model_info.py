@@ -14,7 +14,7 @@ from pathlib import Path
 
 from protos.v1 import worker_pb2
 
-# What services.gateway.model_files reads, plus the files HF tokenizers may split their settings into.
+# What services.gateway.prompts.ModelFiles reads, plus the files HF tokenizers may split their settings into.
 GATEWAY_FILES = ("chat_template.jinja", "config.json", "generation_config.json", "special_tokens_map.json",
                  "tokenizer.json", "tokenizer_config.json")
 

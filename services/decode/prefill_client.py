@@ -42,7 +42,7 @@ class PrefillReply:
 
     first: FirstToken
     page_checksums: list[int]
-    tp_size: int = 1  # the prefill's: how its checksums split the KV heads (engine.tp.transfer)
+    tp_size: int = 1  # the prefill's: how its checksums split the KV heads (libkv.landing)
 
 
 class AbortOutcome(enum.Enum):

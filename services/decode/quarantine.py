@@ -7,7 +7,7 @@ caller at once but frees the pages only when it knows no write of that room can 
 
 - the prefill answered Abort (its Abort returns only once it issues no more writes) and the
   writes it had issued have landed: their pages hash to the checksums the Abort reply carries
-  (landing.py; an engine's "write done" only means sent), or
+  (libkv.landing; an engine's "write done" only means sent), or
 - nothing listens at the prefill's address any more (its process is gone; what its kernel had
   already sent gets `_GONE_LINGER_S` to arrive), or
 - `give_up_s` passed without either (a host that vanished for good; TCP itself gives up on an
@@ -27,8 +27,8 @@ import logging
 import time
 
 from engine.engine import Engine
+from libkv.landing import wait_landed
 from libkv.transfer import TransferBackend
-from services.decode.landing import wait_landed
 from services.decode.prefill_client import AbortOutcome, PrefillClients
 from services.worker.rooms import Room, RoomTable, Stage
 

@@ -37,9 +37,9 @@ from engine.engine import Engine
 from engine.outputs import FirstToken
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
+from libkv.landing import wait_landed
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry_client import RegistryClient
-from services.decode.landing import wait_landed
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
 from services.worker.model_info import ModelInfoServicer
@@ -114,7 +114,7 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         runtime.metrics.gauge("kv_quarantined_rooms", "Failed requests whose pages wait for their prefill "
                               "to confirm that no KV write can still land",
                               lambda: len(self.rooms.rooms(Stage.QUARANTINED)))
-        # A one-sided write's "done" does not say it landed; the checksums do (landing.py), so
+        # A one-sided write's "done" does not say it landed; the checksums do (libkv.landing), so
         # they are always on there: --no-kv-checksum only spares two-sided engines the hashing.
         self._checksums = self.backend.moves_bytes and (self.config.kv_checksum or self.backend.one_sided)
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
@@ -213,7 +213,7 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,
                              context: grpc.aio.ServicerContext, sender_tp_size: int = 1) -> None:
-        """Wait until the pages hold what prefill sent (landing.py: the writes may still be on
+        """Wait until the pages hold what prefill sent (libkv.landing: the writes may still be on
         their way), bounded; pages that still differ then fail the request (retryable on another
         pair) before it joins the batch. The wait finishes even if the request is cancelled
         meanwhile, so pages are never freed while bytes for them may still land."""

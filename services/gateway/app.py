@@ -4,10 +4,11 @@
 discovery and health probes and stops them on shutdown. The OpenAPI document (/openapi.json, /docs)
 is FastAPI's, made to match what the server does by openapi.py.
 
-ASGI middleware, outermost first: RequestCounter (counts every answer, refusals included),
-InternalErrors (a bug answers 500 and keeps the connection), BodyLimit (413/408 while the body is
-read), ApiKeyAuth (401 before any body is read), AdmissionScope (releases admission slots when a
-request's call ends). /health reads nothing and waits for nothing, so it stays fast under load.
+ASGI middleware (middleware.py), outermost first: RequestCounter (counts every answer, refusals
+included), InternalErrors (a bug answers 500 and keeps the connection), BodyLimit (413/408 while
+the body is read), ApiKeyAuth (401 before any body is read), AdmissionScope (releases admission
+slots when a request's call ends). /health reads nothing and waits for nothing, so it stays fast
+under load.
 """
 
 from __future__ import annotations
@@ -19,45 +20,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import routes_native, routes_openai
-from services.gateway.admission import AdmissionControl, AdmissionLimits, AdmissionScope
-from services.gateway.auth import ApiKeyAuth
-from services.gateway.body_limit import BodyLimit
-from services.gateway.errors import InternalErrors, error_body, install_error_handlers
-from services.gateway.guards import RequestGuards
-from services.gateway.metrics import GatewayMetrics
+from services.gateway import routes
+from services.gateway.errors import error_body, install_error_handlers
+from services.gateway.middleware import (
+    AdmissionControl,
+    AdmissionLimits,
+    AdmissionScope,
+    ApiKeyAuth,
+    BodyLimit,
+    InternalErrors,
+    RequestCounter,
+    RequestGuards,
+)
 from services.gateway.openapi import install_openapi
 from services.gateway.prompts import PromptEncoder
 from services.gateway.state import GatewayState
-
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/health", "/metrics")
-
-
-class RequestCounter:
-    """Pure ASGI middleware counting responses by endpoint and status (a BaseHTTPMiddleware would
-    buffer streams and hide client disconnects from the handlers)."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        status = {"code": 500}
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def make_guards(state: GatewayState) -> RequestGuards:
@@ -88,8 +66,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.gateway = state
     app.state.guards = guards
     install_error_handlers(app)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_native.router)
+    app.include_router(routes.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -47,6 +47,17 @@ _LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT
 _SYNCED = bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
 
 
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a background task (if there is one) and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def add_static_workers(pool: WorkerPool, workers: Iterable[StaticWorker], model: str) -> None:
     for worker in workers:
         pool.add(worker.address, worker.role, model, static=True)
@@ -170,12 +181,7 @@ class RegistryDiscovery:
         for pending in self._pending_removal.values():
             pending.cancel()
         self._pending_removal.clear()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         if self._client is not None:
             await self._client.close()
 
@@ -222,9 +228,4 @@ class HealthProber:
         return serving
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)

@@ -2,7 +2,7 @@
 
 `Dispatcher.generate(...)` is an async iterator of GenerationChunk for ONE choice. Its protocol:
 
-- Each attempt picks a route (router.py) and opens decode's (or a colocated worker's)
+- Each attempt picks a route (workers.Router) and opens decode's (or a colocated worker's)
   Generate stream with the prefill address the router chose.
 - A retryable failure before any token was yielded (UNAVAILABLE, RESOURCE_EXHAUSTED,
   DEADLINE_EXCEEDED, a first-token timeout, a stream that ends without a finish) is retried on
@@ -33,9 +33,7 @@ import grpc
 from protos.v1 import common_pb2, worker_pb2
 from services.gateway.errors import GatewayError, status_for_grpc
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.router import NoWorkersError, Route, Router
-from services.gateway.sampling import Sampling
-from services.gateway.workers import WorkerHandle
+from services.gateway.workers import NoWorkersError, Route, Router, WorkerHandle
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -121,7 +119,7 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
-                       sampling: Sampling) -> AsyncIterator[GenerationChunk]:
+                       sampling: common_pb2.SamplingParams) -> AsyncIterator[GenerationChunk]:
         if self.synced is not None and not self.synced.is_set():
             try:
                 await asyncio.wait_for(self.synced.wait(), self.settings.sync_wait_s)
@@ -163,13 +161,12 @@ class Dispatcher:
                 backoff_s *= 2
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
-                       sampling: Sampling) -> AsyncIterator[GenerationChunk]:
+                       sampling: common_pb2.SamplingParams) -> AsyncIterator[GenerationChunk]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
-        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
-                                             sampling=sampling.to_proto())
+        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling)
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
-        want_logprobs = sampling.logprobs or sampling.top_logprobs > 0
+        want_logprobs = sampling.logprobs
         call = route.decode.worker_stub().Generate(request)
         route.decode.track(call)
         delivered = finished = client_gone = False

@@ -5,14 +5,13 @@ malformed JSON is 400, an unknown route 404. Worker-side gRPC statuses map throu
 `status_for_grpc`: INVALID_ARGUMENT (the worker rejected the request) is the client's 400.
 
 Error bodies are encoded so that nothing a client sent can break them (a lone surrogate in a
-message becomes "?"), and a gateway bug answers 500 without dropping the keep-alive connection
-(`InternalErrors`; Starlette's own last-resort handler re-raises, and uvicorn then resets it).
+message becomes "?"). A gateway bug answers 500 without dropping the keep-alive connection
+(middleware.InternalErrors).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-log = logging.getLogger("pdserve.gateway")
+from starlette.types import Message, Send
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -159,29 +156,3 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-
-class InternalErrors:
-    """Pure ASGI middleware: an exception escaping the app (a gateway bug) is logged and answered
-    as a 500 error body, and the connection stays usable."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise  # half a response is out: only closing the connection can tell the client
-            await error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send)

@@ -32,8 +32,8 @@ from services.gateway.config import (
     static_workers_from_args,
     with_env_api_key,
 )
-from services.gateway.model_files import ModelFiles
 from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
+from services.gateway.prompts import ModelFiles
 from services.gateway.state import GatewayState, build_state
 
 log = logging.getLogger("pdserve.gateway")

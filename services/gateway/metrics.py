@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name
-from services.gateway.admission import AdmissionControl
 from services.gateway.workers import WorkerPool
+
+if TYPE_CHECKING:  # middleware reaches this module through responses.py
+    from services.gateway.middleware import AdmissionControl
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.5, 5.0)
 # Exported at 0 from the start (see GatewayMetrics.start_at_zero): the dispatcher's retry reasons
-# (services/gateway/dispatcher.py) and the admission queue's shed reasons (admission.py).
+# (services/gateway/dispatcher.py) and the admission queue's shed reasons (middleware.py).
 RETRY_REASONS = ("prefill_failed", "unavailable", "resource_exhausted", "deadline_exceeded", "worker_abort",
                  "truncated", "worker_lost", "first_token_timeout")
 SHED_REASONS = ("queue_full", "queue_timeout")

@@ -30,6 +30,7 @@ from services.common.model_info import MAX_MODEL_INFO_MESSAGE_BYTES, ModelInfoEr
 from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
 from services.gateway.config import StaticWorker
+from services.gateway.discovery import stop_task
 from services.gateway.workers import ROLE_FROM_PROTO, WorkerPool
 
 log = logging.getLogger("pdserve.gateway")
@@ -167,13 +168,7 @@ class StaticWorkerCheck:
         return True
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
+        await stop_task(self._task)
 
 
 class RegistryWorkerCheck:

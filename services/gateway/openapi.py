@@ -20,8 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from services.gateway.auth import OPEN_PATHS
-from services.gateway.guards import RequestGuards
+from services.gateway.middleware import OPEN_PATHS, RequestGuards
 from services.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 from services.gateway.state import GatewayState
 

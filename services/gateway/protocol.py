@@ -10,6 +10,9 @@ strings must be valid Unicode (a lone UTF-16 surrogate cannot be encoded into a 
 an HTTP body), and the models are strict (JSON `true` is not the number 1, "5" is not 5). Bounds
 that depend on the served model (vocabulary, context length, model name) and the fan-out limit
 are checked by the handlers and written into the document by openapi.py.
+
+A body's `sampling(...)` is its one conversion into what the workers get: the proto
+SamplingParams of one generation, built straight from the parsed fields (`SamplingFields.to_proto`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from protos.v1 import common_pb2
+
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
@@ -36,6 +41,7 @@ MAX_STOP_TOKEN_IDS = 256
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32
 
 
 def _valid_unicode(value: str) -> str:
@@ -196,13 +202,14 @@ class ChatMessage(BaseModel):
         return message
 
 
-class _OpenAISampling(_Body):
-    """Sampling and streaming fields shared by chat and text completions."""
+class SamplingFields(_Body):
+    """The sampling fields every body shares (OpenAI's and SGLang's names agree on these), and the
+    one conversion of a body's sampling into the SamplingParams of Worker.Generate.
 
-    model: Text
-    n: integer(1, MAX_N) = 1
-    max_tokens: MaxTokens | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
+    A body lists this class first among its bases and declares the fields it puts before these in
+    a base listed after it: pydantic orders fields from the base-most class of the MRO on, so each
+    body keeps its own field order (the order of its OpenAPI properties and of its errors)."""
+
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0, le=1)
@@ -210,6 +217,51 @@ class _OpenAISampling(_Body):
     stop: NonEmptyText | StopList | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def to_proto(self, *, temperature: float | None, max_new_tokens: int | None, logprobs: bool,
+                 top_logprobs: int, choice: int = 0) -> common_pb2.SamplingParams:
+        """Choice `choice` of the body's generations as the proto carries it. A field not given
+        stays unset, so the worker's default applies (temperature 1.0, top_p 1.0, max_new_tokens
+        128), as the proto's `optional` fields intend."""
+        params = common_pb2.SamplingParams(
+            top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0, stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
+        if temperature is not None:
+            params.temperature = temperature
+        if self.top_p is not None:
+            # the proto field is float32: a top_p below its smallest positive value would arrive as
+            # 0 (refused by the worker); keeping only the most likely token is what it asks for
+            params.top_p = max(self.top_p, _FLOAT32_TINY)
+        if self.seed is not None:
+            # n choices with one seed would be n identical samples; seed + i keeps them reproducible
+            # and distinct (greedy choices are identical regardless)
+            params.seed = self.seed if choice == 0 else _wrap_int64(self.seed + choice)
+        if max_new_tokens is not None:
+            params.max_new_tokens = max_new_tokens
+        return params
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` wrapped into the proto's int64 range (a seed near 2**63 - 1 plus a choice index)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class _OpenAIHead(_Body):
+    """The OpenAI bodies' fields that come before the shared sampling ones (see SamplingFields)."""
+
+    model: Text
+    n: integer(1, MAX_N) = 1
+    max_tokens: MaxTokens | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+
+
+class _OpenAISampling(SamplingFields, _OpenAIHead):
+    """Sampling and streaming fields shared by chat and text completions."""
+
     presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
     frequency_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
     stream: bool = False
@@ -224,9 +276,6 @@ class _OpenAISampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -249,6 +298,10 @@ class ChatCompletionRequest(_OpenAISampling):
     def top_logprobs_wanted(self) -> int:
         # OpenAI returns alternatives only with logprobs on; top_logprobs alone asks for nothing.
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def sampling(self, choice: int) -> common_pb2.SamplingParams:
+        return self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                             logprobs=self.logprobs, top_logprobs=self.top_logprobs_wanted, choice=choice)
 
 
 class CompletionRequest(_OpenAISampling):
@@ -284,6 +337,12 @@ class CompletionRequest(_OpenAISampling):
         """Generations per prompt: best_of when it asks for more than n."""
         return max(self.n, self.best_of or 0)
 
+    def sampling(self, candidate: int) -> common_pb2.SamplingParams:
+        """Candidate `candidate` of each prompt; best_of ranks candidates by their logprobs."""
+        return self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                             logprobs=self.logprobs is not None or self.candidates > self.n,
+                             top_logprobs=self.logprobs or 0, choice=candidate)
+
     def prompt_count(self) -> int:
         """How many prompts the body holds (a flat id list or a string is one)."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -291,22 +350,17 @@ class CompletionRequest(_OpenAISampling):
         return len(self.prompt)
 
 
-class NativeSamplingParams(_Body):
-    """`sampling_params` of the native /generate body (SGLang's names)."""
+class _NativeHead(_Body):
+    """The native sampling_params' fields that come before the shared ones (see SamplingFields)."""
 
     temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
     max_new_tokens: MaxTokens | None = None
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: TopK | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: Seed | None = None
-    stop: NonEmptyText | StopList | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool = False
-    n: integer(1, 1) = 1  # SGLang takes n here; one sample per prompt is supported
 
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+class NativeSamplingParams(SamplingFields, _NativeHead):
+    """`sampling_params` of the native /generate body (SGLang's names)."""
+
+    n: integer(1, 1) = 1  # SGLang takes n here; one sample per prompt is supported
 
 
 # A client's own request id: shown back in meta_info.id and in logs, so keep it printable.
@@ -330,6 +384,12 @@ class NativeGenerateRequest(_Body):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         return self
+
+    def sampling(self) -> common_pb2.SamplingParams:
+        """Every prompt's sampling (one sample per prompt: no per-choice seeds)."""
+        params = self.sampling_params
+        return params.to_proto(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+                               logprobs=self.return_logprob, top_logprobs=self.top_logprobs_num)
 
     @property
     def batched(self) -> bool:

@@ -1,15 +1,55 @@
-"""Response bodies in the OpenAI wire format (and SGLang's for /generate), as pydantic models.
+"""The response side of a request: run its choices on the workers and answer in the OpenAI wire
+format (SGLang's for /generate), whole or as server-sent events.
 
-The official `openai` client parses these unchanged, streaming chunks included. Field order and
-names follow the OpenAI API reference; `None` fields are sent as null, as OpenAI does.
+Choices: `stream_choices` runs the choices of one HTTP request (n samples x prompts) as concurrent
+generations (dispatcher.py) and merges their chunks into one stream of (choice index, chunk) in
+arrival order; `collect_choices` waits for all of them. Both cancel every generation still running
+when they are left early (client gone, another choice failed), which cancels its gRPC call and
+aborts it on the worker.
+
+Streams (`stream_response`) are server-sent events as OpenAI streams them: `data: {json}\n\n` per
+event, `data: [DONE]` last. The first chunk is awaited BEFORE the HTTP response starts, so a
+request that fails before producing anything (no healthy worker, bad input seen by the worker,
+retries exhausted) still gets a proper status code and error body instead of a 200 stream with an
+error inside; a failure after it ends the stream with an error event, then `[DONE]`.
+
+Bodies are pydantic models whose field order and names follow the OpenAI API reference (`None`
+fields are sent as null, as OpenAI does): the official `openai` client parses them unchanged,
+streaming chunks included. Token logprobs come in the OpenAI shapes: chat's `logprobs.content`
+list and the text completions' parallel `tokens` / `token_logprobs` / `top_logprobs` /
+`text_offset` lists.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
+from protos.v1 import common_pb2
+from services.gateway.dispatcher import Dispatcher, GeneratedToken, GenerationChunk
+from services.gateway.errors import GatewayError, error_body
+from services.gateway.metrics import RequestTimer
+from services.gateway.prompts import ModelFiles
+
+T = TypeVar("T")
+log = logging.getLogger("pdserve.gateway")
+
+# 499: the nginx convention for "client closed the request"; nobody reads it, metrics do.
+CLIENT_CLOSED = 499
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# -- bodies -------------------------------------------------------------------------------------
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -142,3 +182,231 @@ class NativeGenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: NativeMetaInfo
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+def chat_logprobs(tokens: Sequence[GeneratedToken], model_files: ModelFiles, top_n: int) -> ChatLogprobs:
+    content = []
+    for token in tokens:
+        shown = model_files.token_text(token.token_id)
+        top = []
+        for token_id, logprob in token.top_logprobs[:top_n]:
+            alternative = model_files.token_text(token_id)
+            top.append(TopLogprob(token=alternative.text, logprob=logprob, bytes=alternative.bytes))
+        content.append(ChatTokenLogprob(token=shown.text, logprob=token.logprob if token.logprob is not None else 0.0,
+                                        bytes=shown.bytes, top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokens: Sequence[GeneratedToken], model_files: ModelFiles, top_n: int,
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """`text_offset` is where the first token's text starts in the choice's text (streaming: the
+    length already sent)."""
+    result = CompletionLogprobs(top_logprobs=[] if top_n > 0 else None)
+    offset = text_offset
+    for token in tokens:
+        result.tokens.append(model_files.token_text(token.token_id).text)
+        result.token_logprobs.append(token.logprob)
+        result.text_offset.append(offset)
+        offset += len(token.text)
+        if result.top_logprobs is not None:
+            result.top_logprobs.append({model_files.token_text(token_id).text: logprob
+                                        for token_id, logprob in token.top_logprobs[:top_n]})
+    return result
+
+
+# -- choices -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    """One generation of a request: its choice index, room id, prompt and sampling."""
+
+    index: int
+    room: str
+    model: str
+    prompt_token_ids: Sequence[int]
+    sampling: common_pb2.SamplingParams
+
+
+@dataclass
+class ChoiceResult:
+    """A finished choice, accumulated from its chunks."""
+
+    index: int
+    text: str = ""
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.tokens.extend(chunk.tokens)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.prompt_tokens = chunk.prompt_tokens
+            self.completion_tokens = chunk.completion_tokens
+
+
+_FINISHED = object()
+
+
+async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
+                         timers: Sequence[RequestTimer]) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(job index, chunk) from all jobs as they arrive. The first failing job's exception is
+    raised (the others are cancelled). Each job's timer sees its tokens."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int, job: ChoiceJob) -> None:
+        try:
+            async for chunk in dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling):
+                await queue.put((position, chunk))
+            await queue.put((position, _FINISHED))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # delivered to the consumer, which re-raises it
+            await queue.put((position, exc))
+
+    tasks = [asyncio.create_task(pump(position, job)) for position, job in enumerate(jobs)]
+    running = len(tasks)
+    try:
+        while running:
+            position, item = await queue.get()
+            if item is _FINISHED:
+                running -= 1
+                timers[position].done()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            timers[position].tokens(len(item.tokens))
+            yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # let the cancellations run (each cancels its gRPC call and sends Worker.Abort) without
+        # awaiting here: the caller may be inside a cancelled scope
+        for task in tasks:
+            task.add_done_callback(_consume_result)
+
+
+def _consume_result(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def collect_choices(request: Request, dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
+                          timers: Sequence[RequestTimer]) -> list[ChoiceResult] | None:
+    """Every choice whole; None if the client left first (the generations are cancelled)."""
+
+    async def collect() -> list[ChoiceResult]:
+        results = [ChoiceResult(index=job.index) for job in jobs]
+        stream = stream_choices(dispatcher, jobs, timers)
+        try:
+            async for position, chunk in stream:
+                results[position].add(chunk)
+        finally:
+            await stream.aclose()
+        return results
+
+    return await until_disconnected(request, collect)
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run `work()`; if the client disconnects first, cancel it and return None. For responses
+    that are not streamed (a streamed response notices the disconnect itself)."""
+    work_task = asyncio.ensure_future(work())
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        watch_task.cancel()
+        raise
+    watch_task.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()  # the client is gone: stop the generations, nobody is left to answer
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work_task
+    return None
+
+
+# -- server-sent events -------------------------------------------------------------------------
+
+def event(payload: BaseModel | dict[str, Any]) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error_event(exc: GatewayError) -> str:
+    return event(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
+
+
+def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _Ended:
+    """The stream ended before yielding anything."""
+
+
+async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
+                          timers: Sequence[RequestTimer],
+                          token_event: Callable[[int, GenerationChunk, ChoiceResult], str | None], *,
+                          first_events: Callable[[], list[str]] = list,
+                          usage_event: Callable[[int], str] | None = None) -> Response:
+    """An SSE response over the merged choices: the `first_events()`, then per chunk
+    `token_event(job position, chunk, the choice so far)` (None: nothing to send for it), then
+    `usage_event(completion tokens of all choices)` if given. CLIENT_CLOSED if the client left
+    before the first chunk; an error before it is raised (-> an error status)."""
+    stream = stream_choices(dispatcher, jobs, timers)
+
+    async def first() -> Any:
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return _Ended()
+
+    first_item = await until_disconnected(request, first)
+    if first_item is None:
+        return Response(status_code=CLIENT_CLOSED)
+    results = [ChoiceResult(index=job.index) for job in jobs]
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for line in first_events():
+                yield line
+            pending = [] if isinstance(first_item, _Ended) else [first_item]
+            async for position, chunk in _chain(pending, stream):
+                results[position].add(chunk)
+                line = token_event(position, chunk, results[position])
+                if line is not None:
+                    yield line
+            if usage_event is not None:
+                yield usage_event(sum(r.completion_tokens for r in results))
+        except GatewayError as exc:
+            yield error_event(exc)
+        except Exception as exc:  # a gateway bug: still end the stream the way clients understand
+            log.exception("stream %s failed", jobs[0].room)
+            yield error_event(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            await stream.aclose()
+        yield DONE
+
+    return sse_response(body())
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item

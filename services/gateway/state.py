@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.config import GatewayConfig, StaticWorker
 from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
-from services.gateway.errors import GatewayError
 from services.gateway.kv_events import KvEventSubscriptions
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.model_files import ModelFiles
 from services.gateway.policies import make_policy
-from services.gateway.router import Router
-from services.gateway.workers import WorkerPool
+from services.gateway.prompts import ModelFiles
+from services.gateway.workers import CircuitBreaker, Router, WorkerPool
 
 
 @dataclass
@@ -67,17 +63,6 @@ class GatewayState:
         if not decodes:
             return f"no healthy workers for model {self.model_name!r}"
         return f"no worker for model {self.model_name!r} has answered a health check yet"
-
-    def check_model(self, requested: str | None) -> str:
-        """The served model name if `requested` names it (or is omitted where that is allowed)."""
-        if requested is None or requested == self.model_name:
-            return self.model_name
-        raise GatewayError(404, f"The model `{requested}` does not exist (this gateway serves "
-                                f"`{self.model_name}`).", param="model", code="model_not_found")
-
-    @staticmethod
-    def new_request_id(prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = (), *,

@@ -1,25 +1,51 @@
-"""The workers the gateway may route to (WorkerPool) and what it knows about each (WorkerHandle).
+"""The workers the gateway may route to, their circuit breakers, and the router that picks among them.
 
-Workers are keyed by their gRPC address: a worker restarted on the same address is the same
-routing target (the registry replaces its entry; the gateway starts it with a fresh breaker).
-discovery.py fills the pool from the command line and from the registry's Watch stream; the
-router reads it; metrics read it at scrape time. Everything runs on the gateway's event loop.
+WorkerPool holds a WorkerHandle per worker, keyed by its gRPC address: a worker restarted on the
+same address is the same routing target (the registry replaces its entry; the gateway starts it
+with a fresh breaker). discovery.py fills the pool from the command line and from the registry's
+Watch stream; the Router reads it; metrics read it at scrape time. Everything runs on the
+gateway's event loop.
+
+Circuit breaker of one worker (stop sending traffic to a worker that keeps failing). The router
+asks `available()` before choosing a worker, and reports each outcome:
+
+    CLOSED     traffic flows; `failure_threshold` failures in a row -> OPEN
+    OPEN       no traffic for `cooldown_s`; then -> HALF_OPEN (checked lazily on the next query)
+    HALF_OPEN  one trial at a time: the router takes the slot with `acquire()`; a success (or a
+               passing health probe) -> CLOSED, a failure -> OPEN again with a fresh cool-down
+
+Only failures that say something about the worker count (UNAVAILABLE, timeouts); a client's bad
+request does not. The clock is injectable so tests drive the state machine exactly.
+
+Routing one attempt of a request (`Router.pick`): the decode policy chooses among decode and
+colocated workers (a decode worker only while some prefill worker is available to pair it with,
+or if it runs prompts itself when none is: conditional disaggregation); if it chose a decode
+worker, the prefill policy chooses its prefill worker, if there is one. Workers whose circuit is
+open, or that this request already failed on (`exclude`), are not candidates. The returned Route
+holds both workers' in-flight slots and breaker trial slots until `finish` says how the attempt
+went.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
-from services.gateway.circuit_breaker import CircuitBreaker
+from services.gateway.errors import GatewayError
 from services.gateway.kv_view import KvCacheView
+
+if TYPE_CHECKING:  # the policies choose among WorkerHandles: a runtime import would be circular
+    from services.gateway.policies.base import Policy
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -27,6 +53,79 @@ PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
 
 ROLE_FROM_PROTO = {common_pb2.WORKER_ROLE_PREFILL: PREFILL, common_pb2.WORKER_ROLE_DECODE: DECODE,
                    common_pb2.WORKER_ROLE_COLOCATED: COLOCATED}
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"
+    OPEN = "open"
+
+    @property
+    def gauge_value(self) -> int:
+        """The number exported in metrics: 0 closed, 1 half-open, 2 open."""
+        return {"closed": 0, "half_open": 1, "open": 2}[self.value]
+
+
+class CircuitBreaker:
+    """Closed/open/half-open state of one worker. Not thread-safe: used from the event loop."""
+
+    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._trial_in_flight = False
+
+    @property
+    def state(self) -> BreakerState:
+        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
+            self._state = BreakerState.HALF_OPEN
+            self._trial_in_flight = False
+        return self._state
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self._failures
+
+    def available(self) -> bool:
+        """May the router send a request now? (HALF_OPEN: only while no trial is in flight.)"""
+        state = self.state
+        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._trial_in_flight)
+
+    def acquire(self) -> None:
+        """The router chose this worker: in HALF_OPEN this request is the trial."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._trial_in_flight = True
+
+    def record_success(self) -> None:
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._trial_in_flight = False
+
+    def record_failure(self) -> None:
+        state = self.state
+        self._failures += 1
+        if state is BreakerState.HALF_OPEN or self._failures >= self.failure_threshold:
+            self._open()
+
+    def release(self) -> None:
+        """A request finished without saying anything about the worker (client abort, bad input):
+        free the half-open trial slot without changing state."""
+        self._trial_in_flight = False
+
+    def _open(self) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = self._clock()
+        self._trial_in_flight = False
+
+    def probe_due(self) -> bool:
+        """Is the worker waiting for a probe (half-open with no trial running)?"""
+        return self.state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
 
 @dataclass(frozen=True)
@@ -202,3 +301,97 @@ class WorkerPool:
     def close(self) -> None:
         for address in list(self._workers):
             self.remove(address, reason="gateway shutting down")
+
+
+class NoWorkersError(GatewayError):
+    """No worker can take the request now (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="no_healthy_workers")
+
+
+@dataclass
+class Route:
+    """One attempt's workers. `finish(failed=...)` must be called exactly once."""
+
+    decode: WorkerHandle
+    prefill: WorkerHandle | None
+    _finished: bool = False
+
+    @property
+    def workers(self) -> tuple[WorkerHandle, ...]:
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+    def describe(self) -> str:
+        if self.prefill is None:
+            return f"{self.decode.role} {self.decode.address}"
+        return f"prefill {self.prefill.address} -> decode {self.decode.address}"
+
+    def finish(self, *, succeeded: bool = False, failed: Iterable[WorkerHandle] = ()) -> None:
+        """Release the slots. `succeeded`: every worker of the route did its part (closes a
+        half-open breaker). `failed`: workers to charge a failure to; the others are released
+        without a verdict (client abort, bad request)."""
+        if self._finished:
+            return
+        self._finished = True
+        failed = set(failed)
+        for worker in self.workers:
+            worker.end()
+            if worker in failed:
+                worker.breaker.record_failure()
+            elif succeeded:
+                worker.breaker.record_success()
+            else:
+                worker.breaker.release()
+
+
+class Router:
+    """Chooses routes from a WorkerPool with one policy for prefill and one for decode."""
+
+    def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy) -> None:
+        self.pool = pool
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        pool.on_removed(self._forget)
+
+    def _forget(self, worker: WorkerHandle) -> None:
+        self.prefill_policy.forget(worker)
+        if self.decode_policy is not self.prefill_policy:
+            self.decode_policy.forget(worker)
+
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """(prefill candidates, decode-or-colocated candidates) available for `model` now."""
+        excluded = set(exclude)
+        usable = [w for w in self.pool.routable(model) if w.key not in excluded and w.breaker.available()]
+        prefills = [w for w in usable if w.role == PREFILL]
+        decodes = [w for w in usable if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
+        return prefills, decodes
+
+    def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Route:
+        """A route for one attempt; raises NoWorkersError (503) when nothing can serve `model`."""
+        prefills, decodes = self.candidates(model, exclude)
+        if not decodes:
+            raise NoWorkersError(self._why_none(model, exclude))
+        decode = self.decode_policy.choose(decodes, prompt_token_ids)
+        prefill = (self.prefill_policy.choose(prefills, prompt_token_ids)
+                   if decode.role == DECODE and prefills else None)
+        route = Route(decode=decode, prefill=prefill)
+        for worker in route.workers:
+            worker.breaker.acquire()
+            worker.begin()
+        return route
+
+    def _why_none(self, model: str, exclude: Iterable[str]) -> str:
+        known = self.pool.routable(model)
+        if not known:
+            return f"no workers serve model {model!r}"
+        roles = sorted({w.role for w in known})
+        if roles == [PREFILL]:
+            return f"model {model!r} has prefill workers but no decode or colocated worker"
+        if roles == [DECODE] or (set(roles) == {DECODE, PREFILL}
+                                 and not any(w.breaker.available() for w in known if w.role == PREFILL)):
+            return f"model {model!r} has no healthy prefill worker for its decode workers"
+        tried = set(exclude)
+        if tried:
+            return f"every worker for model {model!r} failed this request or is unhealthy (tried {len(tried)})"
+        return f"every worker for model {model!r} is unhealthy (circuit open)"

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from engine.engine import Engine
 from engine.outputs import EngineStats
-from engine.tp.transfer import TPTransferBackend
 from libkv.layout import KVLayout
-from libkv.transfer import create_backend
+from libkv.transfer import TransferBackend, create_backend
+from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
 from services.common.metrics import MetricsServer, start_metrics_server
@@ -58,7 +58,7 @@ class WorkerRuntime:
 
     config: WorkerConfig
     engine: Engine
-    backend: TPTransferBackend | None
+    backend: TransferBackend | None
     metrics: WorkerMetrics
     rooms: RoomTable = field(default=None)  # type: ignore[assignment]  # default: one for config.role
     metrics_server: MetricsServer | None = None
@@ -73,13 +73,12 @@ class WorkerRuntime:
         engine = Engine.load(config.engine)
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda rank, code: _exit_worker(engine, config, rank, code))
-        backend = None
+        backend: TransferBackend | None = None
         if config.role != "colocated":
-            backend = create_backend(config.disaggregation_transfer_backend, **_backend_options(config))
-            # Every rank moves its own KV heads, to peers of any TP size (engine.tp.transfer).
-            controls = engine.tp_followers.controls if engine.tp_followers is not None else []
-            backend = TPTransferBackend(backend, controls, config.disaggregation_transfer_backend,
-                                        _backend_options(config))
+            options = _backend_options(config)
+            backend = create_backend(config.disaggregation_transfer_backend, **options)
+            if engine.tp_followers is not None:  # every rank moves its own KV heads, to peers of any TP size
+                backend = TensorParallelBackend(backend, engine.tp_followers.controls, options)
             backend.register(engine.pool)
         runtime = cls(config=config, engine=engine, backend=backend,
                       metrics=WorkerMetrics(config.role, config.model_name))
@@ -105,10 +104,10 @@ class WorkerRuntime:
                              lambda: engine.stats().prefix_evicted_pages)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
                       lambda: engine.stats().cached_pages)
-        if isinstance(self.backend, TPTransferBackend):
-            for rank in range(self.backend.size):
+        if self.backend is not None:
+            for rank in range(len(self.backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
-                              lambda rank=rank: self.backend.bytes_per_rank[rank], rank=str(rank))
+                              lambda rank=rank: self.backend.rank_bytes()[rank], rank=str(rank))
         for stage in self.rooms.stages:
             metrics.gauge("queue_requests", "Requests in each PD queue",
                           lambda name=stage.value: self.queue_counts()[name], queue=stage.value)

@@ -26,7 +26,7 @@ import httpx
 import uvloop
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.model_files import ModelFiles
+from services.gateway.prompts import ModelFiles
 from tools.launch import NotReady, ProcessGroup
 from tools.up import ensure_model
 

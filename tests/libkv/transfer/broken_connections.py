@@ -4,8 +4,10 @@ backend's and the prefill service's tests of what happens to such a connection."
 
 from __future__ import annotations
 
-from libkv.transfer.base import Peer, PeerUnreachable, Refusal, Transfer
+from libkv.transfer.errors import PeerUnreachable
 from libkv.transfer.fake import FakeBackend
+from libkv.transfer.grants import Refusal
+from libkv.transfer.hooks import Peer, Transfer
 
 
 class BrokenConnections(FakeBackend):

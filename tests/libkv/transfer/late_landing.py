@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import numpy
 
 from libkv.pool import KVPool
-from libkv.transfer.base import Peer, Transfer, TransferBackend, TransferEndpoint, TransferState
+from libkv.transfer.base import EngineBackend
 from libkv.transfer.grants import Refusal, compare_entries
+from libkv.transfer.hooks import Peer, Transfer
+from libkv.transfer.interface import TransferEndpoint, TransferState
 
 _RECEIVERS: dict[int, LateLandingBackend] = {}  # every backend of this process, by id
 _ids = itertools.count(1)
@@ -28,7 +30,7 @@ class HeldWrite:
     pieces: list[tuple[int, numpy.ndarray]]
 
 
-class LateLandingBackend(TransferBackend):
+class LateLandingBackend(EngineBackend):
     """Copies a write's bytes into the peer's pool at once, or, while `hold_writes` is set, keeps
     them (as sent) until `land()`. Either way the write is done at once, as a sender sees it."""
 

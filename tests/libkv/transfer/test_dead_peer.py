@@ -16,7 +16,7 @@ import pytest
 
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
-from libkv.transfer.base import PeerUnreachable, TransferState
+from libkv.transfer import PeerUnreachable, TransferState
 from libkv.transfer.fake import FakeBackend
 from tests.libkv.transfer.broken_connections import BrokenConnections
 

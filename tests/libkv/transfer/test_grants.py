@@ -165,7 +165,7 @@ class CopyingEngine:
         return self.stuck
 
     def progress(self, stuck):
-        from libkv.transfer.state import TransferState
+        from libkv.transfer.interface import TransferState
 
         return TransferState.PENDING if self.stuck else TransferState.DONE
 
@@ -174,7 +174,7 @@ class CopyingEngine:
 
 
 def test_grant_reader_reads_each_round_once_and_maps_entries_back_to_pages():
-    from libkv.transfer.grant_reads import GrantReader
+    from libkv.transfer.grants import GrantReader
 
     peer_table, local_table = GrantTable(12_000), GrantTable(16)
     tag = grant_tag("room-1", GRANT_A)
@@ -192,7 +192,7 @@ def test_grant_reader_reads_each_round_once_and_maps_entries_back_to_pages():
 
 
 def test_grant_reader_gives_up_after_its_timeout_and_keeps_the_slot_until_the_read_ends():
-    from libkv.transfer.grant_reads import GrantReader, ReadFailed
+    from libkv.transfer.grants import GrantReader, ReadFailed
 
     engine = CopyingEngine(GrantTable(8))
     local_table = GrantTable(8)

@@ -9,8 +9,8 @@ import pytest
 from protos.v1 import worker_pb2
 from services.common import model_info
 from services.common.model_info import ModelInfoError, files_digest, read_model_info, write_model_files
-from services.gateway.model_files import ModelFiles
 from services.gateway.model_source import ServedModel
+from services.gateway.prompts import ModelFiles
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.gateway.admission import AdmissionLimits, AdmissionQueue
 from services.gateway.errors import GatewayError
+from services.gateway.middleware import AdmissionLimits, AdmissionQueue
 
 
 def make_queue(max_running: int = 4, max_waiting: int = 2, timeout_s: float = 60.0) -> tuple[AdmissionQueue, list]:

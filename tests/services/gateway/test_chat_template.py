@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.chat_template import ChatTemplate, ChatTemplateError
-from services.gateway.model_files import ModelFiles
+from services.gateway.prompts import ChatTemplate, ChatTemplateError, ModelFiles
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],

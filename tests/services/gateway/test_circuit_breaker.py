@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.circuit_breaker import BreakerState, CircuitBreaker
+from services.gateway.workers import BreakerState, CircuitBreaker
 
 
 class Clock:

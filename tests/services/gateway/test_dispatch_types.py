@@ -1,18 +1,21 @@
-"""The typed pieces around Worker.Generate: sampling -> proto, proto chunk -> GenerationChunk."""
+"""The typed pieces around Worker.Generate: request body -> sampling proto, proto chunk -> GenerationChunk."""
 
 from __future__ import annotations
 
 from protos.v1 import common_pb2, worker_pb2
 from services.gateway.dispatcher import GeneratedToken, chunk_from_proto
-from services.gateway.sampling import Sampling, sampling_from_fields
+from services.gateway.protocol import ChatCompletionRequest, NativeGenerateRequest, NativeSamplingParams
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def test_unset_sampling_fields_stay_unset_in_the_proto() -> None:
-    params = Sampling().to_proto()
+    params = NativeGenerateRequest(text="hi").sampling()
     assert not params.HasField("temperature") and not params.HasField("top_p")
     assert not params.HasField("seed") and not params.HasField("max_new_tokens")
-    explicit = sampling_from_fields(temperature=0.0, top_p=0.5, top_k=-1, min_p=None, seed=3, max_new_tokens=7,
-                                    stop=["\n"], stop_token_ids=[2], ignore_eos=True, top_logprobs=2).to_proto()
+    explicit = NativeGenerateRequest(text="hi", top_logprobs_num=2, sampling_params=NativeSamplingParams(
+        temperature=0.0, top_p=0.5, top_k=-1, min_p=None, seed=3, max_new_tokens=7, stop=["\n"],
+        stop_token_ids=[2], ignore_eos=True)).sampling()
     assert explicit.HasField("temperature") and explicit.temperature == 0.0
     assert (explicit.top_p, explicit.top_k, explicit.min_p, explicit.seed, explicit.max_new_tokens) == (0.5, 0, 0, 3, 7)
     assert list(explicit.stop) == ["\n"] and list(explicit.stop_token_ids) == [2] and explicit.ignore_eos
@@ -20,9 +23,9 @@ def test_unset_sampling_fields_stay_unset_in_the_proto() -> None:
 
 
 def test_choices_get_distinct_seeds() -> None:
-    seeded = Sampling(seed=10)
-    assert [seeded.for_choice(i).seed for i in range(3)] == [10, 11, 12]
-    assert Sampling().for_choice(2).seed is None
+    seeded = ChatCompletionRequest.model_validate({**CHAT, "seed": 10})
+    assert [seeded.sampling(i).seed for i in range(3)] == [10, 11, 12]
+    assert not ChatCompletionRequest.model_validate(CHAT).sampling(2).HasField("seed")
 
 
 def test_chunk_from_proto() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from services.gateway.model_files import ModelFiles, _bytes_per_token_bound
+from services.gateway.prompts import ModelFiles, _bytes_per_token_bound
 
 
 def test_min_tokens_never_exceeds_the_real_count(tiny_model: Path) -> None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 
 from protos.v1 import bootstrap_pb2, common_pb2
-from services.gateway.circuit_breaker import BreakerState, CircuitBreaker
 from services.gateway.discovery import RegistryDiscovery
 from services.gateway.policies import RoundRobinPolicy
-from services.gateway.router import NoWorkersError, Router
-from services.gateway.workers import WorkerPool
+from services.gateway.workers import BreakerState, CircuitBreaker, NoWorkersError, Router, WorkerPool
 
 
 def make_router(pool: WorkerPool) -> Router:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from libkv.transfer.base import TransferBackend
+from libkv.transfer import TransferBackend
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.runtime import WorkerRuntime

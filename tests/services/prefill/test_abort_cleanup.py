@@ -7,7 +7,7 @@ in flight until aborted, and an abort takes a while. So the call is cancelled wh
 writes are in flight (inflight queue), and decode's Abort arrives while that cancellation is
 still being cleaned up, the second cancellation that used to skip freeing the pages. Either
 Abort reply carries the checksums of the writes issued, which decode waits on before reusing the
-pages (services/decode/landing.py).
+pages (libkv/landing.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 import grpc
 import pytest
 
-from libkv.transfer.base import Transfer, TransferState
+from libkv.transfer import TransferState
 from libkv.transfer.fake import FakeBackend
+from libkv.transfer.hooks import Transfer
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.prefill.servicer import PrefillServicer

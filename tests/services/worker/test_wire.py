@@ -6,7 +6,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
-from libkv.transfer.base import TransferEndpoint
+from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2
 from services.worker.wire import (
     endpoint_from_proto,

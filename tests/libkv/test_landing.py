@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from libkv.landing import wait_landed
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
-from services.decode.landing import wait_landed
 
 
 def _pool() -> KVPool:

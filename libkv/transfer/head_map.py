@@ -1,4 +1,4 @@
-"""How KV heads map between a prefill and a decode worker with different TP sizes.
+"""How KV heads map between a prefill and a decode worker with different TP sizes (pure math).
 
 Rank i of a worker with TP a holds global KV heads [i*H/a, (i+1)*H/a). Between TP a and TP b,
 sender rank i writes to every receiver rank j whose heads overlap its own, the overlap only:
@@ -9,7 +9,7 @@ each rank of the smaller side holds whole head parts of the larger (what the che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libkv.layout import KVLayout, LayoutMismatch
 from libkv.runs import ByteRun
@@ -24,6 +24,11 @@ class HeadSlice:
     src_head: int
     dst_head: int
     num_heads: int
+
+
+def whole_model(rank_layout: KVLayout, tp_size: int) -> KVLayout:
+    """The page of the whole model, from the page of one of its `tp_size` ranks."""
+    return replace(rank_layout, num_kv_heads=rank_layout.num_kv_heads * tp_size)
 
 
 def check_mappable(num_kv_heads: int, sender_tp: int, receiver_tp: int) -> None:
@@ -62,3 +67,15 @@ def slice_regions(cut: HeadSlice, src_pages: list[int], dst_pages: list[int], sr
         dst = dst_page * dst_layout.page_nbytes + cut.dst_head * unit
         regions.extend(ByteRun(src + b * src_stride, dst + b * dst_stride, nbytes) for b in range(blocks))
     return regions
+
+
+def sender_slices(rank_layout: KVLayout, rank: int, tp_size: int, receiver_layout: KVLayout,
+                  receiver_tp: int) -> list[HeadSlice]:
+    """What sender rank `rank` of `tp_size` (pages of `rank_layout`) writes to which rank of a
+    receiver of `receiver_tp` ranks (pages of `receiver_layout`), after refusing sizes that do not
+    map and whole-model layouts that differ, naming both values."""
+    heads = rank_layout.num_kv_heads * tp_size
+    check_mappable(heads, tp_size, receiver_tp)
+    whole_model(rank_layout, tp_size).check_compatible(whole_model(receiver_layout, receiver_tp),
+                                                       mine="prefill", theirs="decode")
+    return head_slices(heads, tp_size, receiver_tp, rank)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.tp.kv_map import HeadSlice, check_mappable, head_slices, slice_regions
 from libkv.layout import KVLayout, LayoutMismatch
 from libkv.pool import KVPool
+from libkv.transfer.head_map import HeadSlice, check_mappable, head_slices, slice_regions
 
 
 def test_slices_between_sizes():

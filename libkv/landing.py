@@ -1,0 +1,114 @@
+"""Knowing that a KV write has landed: the page checksums both sides of a transfer agree on, and
+the wait until a receiver's pages hash to what the sender sent.
+
+Landing. A transfer engine's "write done" tells the sender it is finished with the write; whether
+the bytes are already in the receiver's memory is the engine's business and differs between
+engines, transports and versions (Mooncake's TCP transport, as its source reads, completes a write
+once the sender's socket took it, and the receiver's transfer thread copies it into the pool
+later). Bytes that land after decode reused their pages would corrupt another request's KV
+silently. The receiver can see arrival itself, with no help from the engine: prefill checksums
+each page right before writing it (xxh3, TransferBackend.page_checksums_for), and once decode's
+copy of a page hashes to the same value the page holds exactly what was sent, so nothing still in
+flight can change it. That holds only if the page could not match before the write: decode
+poisons the pages it offers a one-sided writer (KVPool.poison), since a page reused for the same
+prompt can already hold the very bytes on their way. `wait_landed` polls that, bounded: on
+success before the request joins the batch, and after an aborted request before its pages are
+freed (with the checksums of the writes prefill issued).
+
+Tensor parallelism. A page's checksum is xxh3_64 of its bytes (KVPool.page_checksums). On a TP
+worker a page is split by KV head over its ranks' pools: its checksum there (`TPKVPool`) is the
+xxh3 of its ranks' checksums in rank order, so the landing check covers every rank's copy of the
+page. Between different sizes both sides compute it over n = max(sizes) equal KV-head parts
+instead (`checksums_in_parts`): every rank of either side holds whole parts
+(libkv.transfer.head_map requires the larger size to be a multiple of the smaller), so no page is
+ever gathered in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from libkv.layout import KVLayout
+from libkv.pool import KVPool
+from libkv.rank_channel import RankChannel
+
+# Bytes a sender has handed to its socket arrive within milliseconds unless this host is starved;
+# past this bound a page that still differs was damaged (or its write failed midway), not late.
+LANDING_TIMEOUT_S = 10.0
+_FIRST_POLL_S = 0.001
+_MAX_POLL_S = 0.05
+
+
+def combine_checksums(per_rank: list[list[int]]) -> list[int]:
+    """One checksum per page from each rank's checksum of its part of the page (rank order)."""
+    return [_combine(digests) for digests in zip(*per_rank, strict=True)]
+
+
+def _combine(digests) -> int:
+    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
+
+
+class TPKVPool(KVPool):
+    """Rank 0's pool of a TP worker: its own heads, with checksums (and poison) that cover every
+    rank's heads. `followers` reach ranks 1..N-1, each served by a RankTransfer on its own pool."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device,
+                 followers: list[RankChannel]) -> None:
+        super().__init__(layout, num_pages, device)
+        self.followers = followers
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.followers) + 1
+
+    def page_checksums(self, page_ids: list[int]) -> list[int]:
+        mine = super().page_checksums(page_ids)
+        return combine_checksums([mine, *(f.call("page_checksums", list(page_ids)) for f in self.followers)])
+
+    def poison(self, page_ids: list[int]) -> None:
+        super().poison(page_ids)
+        for follower in self.followers:
+            follower.call("poison", list(page_ids))
+
+    def part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
+        """Per page, the checksums of `parts` equal KV-head parts of the whole model's page."""
+        per_rank = parts // self.tp_size
+        ranks = [self.head_part_checksums(page_ids, per_rank),
+                 *(f.call("head_part_checksums", list(page_ids), per_rank) for f in self.followers)]
+        return [[d for rank in ranks for d in rank[k]] for k in range(len(page_ids))]
+
+
+def checksums_in_parts(pool: KVPool, page_ids: list[int], peer_tp_size: int) -> list[int]:
+    """Page checksums as agreed with a peer of TP `peer_tp_size` (see the module doc): the pool's own
+    when the sizes are equal, else over max(sizes) KV-head parts. `pool` is the worker's: rank 0's
+    TPKVPool on a TP worker."""
+    size = pool.tp_size if isinstance(pool, TPKVPool) else 1
+    parts = max(size, peer_tp_size)
+    if parts == size:
+        return pool.page_checksums(page_ids)
+    if isinstance(pool, TPKVPool):
+        return [_combine(d) for d in pool.part_checksums(page_ids, parts)]
+    return [_combine(d) for d in pool.head_part_checksums(page_ids, parts)]
+
+
+async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],
+                      timeout_s: float = LANDING_TIMEOUT_S, sender_tp_size: int = 1) -> list[int]:
+    """Wait until every page in `pages` hashes to its checksum in `sent`; return the pages that
+    still differ after `timeout_s` (empty: everything landed). `sender_tp_size`: the prefill's
+    tensor-parallel size, which decides how a page's checksum splits the KV heads."""
+    pages, sent = list(pages), list(sent)
+    deadline = time.monotonic() + timeout_s
+    delay = _FIRST_POLL_S
+    while True:
+        arrived = await asyncio.to_thread(checksums_in_parts, pool, pages, sender_tp_size)
+        pending = [(page, want) for page, want, got in zip(pages, sent, arrived, strict=True) if want != got]
+        if not pending or time.monotonic() >= deadline:
+            return [page for page, _ in pending]
+        pages, sent = [page for page, _ in pending], [want for _, want in pending]
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _MAX_POLL_S)
