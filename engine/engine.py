@@ -1,5 +1,10 @@
 """Engine: the in-process async API over the scheduler, model runner and sampler.
 
+One entry point: `generate(request)` streams an EngineRequest's outputs (its three kinds, plain,
+prefilled and prefill-only, are in engine.request) as lists of TokenOutput. `check(request)` is a
+request's one validation: a caller runs it where it builds the request (a worker, when it parses
+one off the wire), and `generate` trusts it.
+
 Threading protocol. The forward loop runs in ONE background thread (`start()`); torch releases
 the GIL during the heavy ops, so an asyncio server keeps serving while it runs. Callers on any
 asyncio loop submit work through a thread-safe inbox of commands; the engine thread applies
@@ -7,16 +12,16 @@ them only between steps, so a request is never freed while a forward pass uses i
 Results go back with `loop.call_soon_threadsafe`, batched once per step and loop: one wake-up of
 each caller loop per step, however many requests it streams.
 
-Text is made on the caller's side: the engine thread emits token ids and ends a request on
-token-level conditions (a stop token, eos, length); each caller's stream detokenizes and checks
-stop strings on its own loop, and when a stop string ends the output it tells the engine to
-finish the request (`_Finish`). Tokens the engine sampled meanwhile are dropped.
+Text is made on the caller's side (engine.stream): the engine thread emits token ids and ends a
+request on token-level conditions (a stop token, eos, length); each caller's stream detokenizes
+and checks stop strings on its own loop, and when a stop string ends the output it tells the
+engine to finish the request (`_Finish`). Tokens the engine sampled meanwhile are dropped.
 `reserve` and `release` act on the page manager directly (it has its own lock): they touch only
 pages that no forward pass uses.
 
-PD hooks: the prefill side calls `prefill` (pages held after it returns until `release`); the
-decode side calls `reserve` (or `reserve_prompt`, reusing cached leading pages), lets the
-transfer fill the pages, then `generate_prefilled`.
+PD hooks: the prefill side runs a prefill-only request (pages held after it until `release`);
+the decode side calls `reserve_prompt`, lets the transfer fill the pages, then runs a prefilled
+request. Loading (weights, pool, tensor-parallel ranks) is engine.loading's.
 """
 
 from __future__ import annotations
@@ -28,33 +33,21 @@ import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TypeVar
+from dataclasses import dataclass
 
 import torch
 
-from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
-from engine.detokenizer import TextStream
-from engine.memory import kv_pages
-from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig, resolve_dtype
-from engine.models.decoder import DecoderModel
-from engine.models.layer_ops import select_layer_ops
-from engine.outputs import EngineStats, FirstToken, PrefillResult, RequestAborted, TokenOutput
-from engine.page_manager import PageManager, Reservation
-from engine.request import Request
-from engine.sampling import SamplingParams, sample
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tp.ranks import FollowerRanks
-from engine.tp.runner import DriverRunner
-from libkv.layout import KVLayout
-from libkv.pool import KVPool
+from engine.loading import LoadedModel, load
+from engine.outputs import EngineStats, FirstToken, TokenOutput
+from engine.page_manager import Reservation
+from engine.request import EngineRequest
+from engine.sampling import sample
+from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.stream import OutputStream, TextStream
 from pdserve.page_hash import page_hashes
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # ---- inbox commands (caller thread -> engine thread) ------------------------------------------
 
@@ -62,12 +55,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class _Add:
     request: Request
-
-
-@dataclass(frozen=True)
-class _AddPrefilled:
-    request: Request
-    first_token: FirstToken
+    first_token: FirstToken | None  # set: the prompt's K/V is in the pages reserved under the room
 
 
 @dataclass(frozen=True)
@@ -78,7 +66,7 @@ class _Abort:
 @dataclass(frozen=True)
 class _Stop:
     """The caller of a prefill with a transfer hook stopped listening: stop the request but keep
-    its pages held under the room, since transfers may still be reading them (see `prefill`)."""
+    its pages held under the room, since transfers may still be reading them (engine.request)."""
 
     room: str
 
@@ -95,7 +83,7 @@ class _Wake:
     """Pages were released elsewhere: waiting requests may fit now."""
 
 
-_Command = _Add | _AddPrefilled | _Abort | _Stop | _Finish | _Wake
+_Command = _Add | _Abort | _Stop | _Finish | _Wake
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -114,24 +102,21 @@ class Engine:
     Build with `Engine.load(config)`, then `start()`; `shutdown()` aborts what is left.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: DecoderModel,
-                 tokenizer, pool: KVPool, pages: PageManager) -> None:
-        self.config = config
-        self.model_config = model_config
-        self.model = model
-        self.tokenizer = tokenizer
-        self.pool = pool
-        self.pages = pages
-        self.kv_layout: KVLayout = pool.layout
-        self.runner: ModelRunner | DriverRunner = ModelRunner(model, pool)
-        self.tp_followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.config = loaded.config
+        self.model_config = loaded.model_config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.pool = loaded.pool
+        self.pages = loaded.pages
+        self.kv_layout = loaded.pool.layout
+        self.runner = loaded.runner
+        self.tp_followers = loaded.followers
         self.scheduler = Scheduler(SchedulerConfig(
-            max_running_requests=config.max_running_requests,
-            chunked_prefill_size=config.chunked_prefill_size,
-            max_seq_len=model_config.max_position_embeddings), pages)
+            max_running_requests=self.config.max_running_requests,
+            chunked_prefill_size=self.config.chunked_prefill_size,
+            max_seq_len=self.model_config.max_position_embeddings), self.pages)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._live_rooms: set[str] = set()
-        self._rooms_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = defaultdict(list)
@@ -141,60 +126,7 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """Load weights and tokenizer from `config.model_path` and size the KV pool."""
-        from transformers import AutoTokenizer
-
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(config.device)
-        model_config = ModelConfig.from_dir(config.model_path)
-        dtype = resolve_dtype(config.dtype, model_config)
-        layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                          head_dim=model_config.head_dim, page_size=config.page_size,
-                          dtype=str(dtype).removeprefix("torch."))
-
-        layer_ops = select_layer_ops(config.cpu_kernels, device)
-        if config.tp_size > 1:
-            return cls._load_tensor_parallel(config, model_config, device)
-
-        def load_tensors() -> tuple[DecoderModel, KVPool]:
-            model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
-            pool = KVPool(layout, kv_pages(config, layout, device), device)
-            return model, pool
-
-        # The copies of loading run as parallel (OpenMP) regions, and the first one in a thread
-        # gives that thread a pool of OpenMP workers for as long as it lives. Two such pools (the
-        # caller's and the engine thread's) on a small machine make libgomp throttle its spinning:
-        # a bf16 decode step of the small preset measured 25.9 ms instead of 21 ms. So the loading
-        # happens in a short-lived thread whose workers go away with it.
-        model, pool = _in_short_lived_thread(load_tensors)
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
-        pages = PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
-        return cls(config, model_config, model, tokenizer, pool, pages)
-
-    @classmethod
-    def _load_tensor_parallel(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Engine:
-        """Rank 0 of `config.tp_size`: start the follower ranks, load this rank's shard, drive the group."""
-        from transformers import AutoTokenizer
-
-        from engine.tp.load import load_rank
-        from engine.tp.setup import prepare_config, start_tensor_parallel
-
-        config = prepare_config(config, model_config)
-        torch.set_num_threads(config.num_threads)
-        group, followers = start_tensor_parallel(config, device)
-        try:
-            parts = _in_short_lived_thread(lambda: load_rank(config, device, group, followers.controls))
-            tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model_path)))
-        except BaseException:
-            followers.kill()
-            raise
-        # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
-        # ids and start positions), so a page cached here holds its K/V head slice on every rank.
-        engine = cls(config, model_config, parts.model, tokenizer, parts.pool,
-                     PageManager(parts.pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache))
-        engine.runner = DriverRunner(parts.runner, group)
-        engine.tp_followers = followers
-        return engine
+        return cls(load(config))
 
     @property
     def allocator(self):
@@ -232,87 +164,47 @@ class Engine:
         followers.stop()  # type: ignore[union-attr]
 
     # ---- caller API -----------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       room: str) -> AsyncIterator[TokenOutput]:
-        """Stream the tokens of one request. Leaving the iteration early aborts the request."""
-        async with aclosing(self.generate_batches(prompt_ids, params, room)) as batches:
-            async for batch in batches:
-                for output in batch:
-                    yield output
-
-    async def generate_batches(self, prompt_ids: list[int], params: SamplingParams,
-                               room: str) -> AsyncIterator[list[TokenOutput]]:
-        """Like `generate`, but each item is every output ready when the caller looks: one per step
-        while the caller keeps up, several after it fell behind (so a server sends them in one
-        message instead of one message per token)."""
-        params.validate()
-        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
-        self._claim_room(room)
-        request = self._new_request(room, list(prompt_ids), params)
-        async with aclosing(self._stream(request, _Add(request))) as batches:
-            async for batch in batches:
-                yield batch
-
-    async def generate_prefilled(self, room: str, prompt_ids: list[int], first_token: FirstToken,
-                                 params: SamplingParams) -> AsyncIterator[TokenOutput]:
-        """Decode a request whose prompt K/V is already in the pages reserved under `room`.
-
-        The first token (sampled by the prefill worker) is emitted first, then decoding continues
-        in the running batch. The reservation becomes the request's pages (no `release` needed).
-        """
-        async with aclosing(self.generate_prefilled_batches(room, prompt_ids, first_token, params)) as batches:
-            async for batch in batches:
-                for output in batch:
-                    yield output
-
-    async def generate_prefilled_batches(self, room: str, prompt_ids: list[int], first_token: FirstToken,
-                                         params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
-        """`generate_prefilled`, batched as `generate_batches` is."""
-        params.validate()
-        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
-        self._claim_room(room)
+    def check(self, request: EngineRequest) -> EngineRequest:
+        """Return `request` if this engine can run it; ValueError otherwise, saying why: invalid
+        sampling params, kinds mixed up (engine.request), or a prompt that could never fit the
+        context or the KV pool. Thread-safe (it reads only what never changes)."""
         try:
-            pages = self.pages.take_reserved(room)
-        except KeyError:
-            self._release_room(room)
-            raise
-        if len(pages) < self.pages.pages_for(len(prompt_ids)):
-            self.pages.free(pages)
-            self._release_room(room)
-            raise ValueError(f"room {room!r}: {len(pages)} reserved pages cannot hold a prompt "
-                             f"of {len(prompt_ids)} tokens")
-        request = self._new_request(room, list(prompt_ids), params)
-        request.token_ids.append(first_token.token_id)
-        request.page_ids = pages
-        request.num_computed = len(prompt_ids)
-        async with aclosing(self._stream(request, _AddPrefilled(request, first_token))) as batches:
-            async for batch in batches:
-                yield batch
+            request.params.validate()
+        except ValueError as exc:
+            raise ValueError(f"invalid sampling params: {exc}") from None
+        if request.prefill_only and request.first_token is not None:
+            raise ValueError("a prefill-only request cannot start from a prefilled first token")
+        if request.on_pages_filled is not None and not request.prefill_only:
+            raise ValueError("on_pages_filled is the hook of a prefill-only request")
+        new_tokens = 1 if request.prefill_only else request.params.max_new_tokens
+        self.scheduler.check_fits(len(request.prompt_ids), new_tokens)
+        return request
 
-    async def prefill(self, prompt_ids: list[int], params: SamplingParams, room: str,
-                      on_pages_filled: Callable[[list[int], int], None] | None = None) -> PrefillResult:
-        """Run a prompt and sample its first token; its pages stay held until `release(room)`.
-
-        `on_pages_filled(page_ids, num_tokens_done)` is called from the engine thread after each
-        chunk with the pages completely filled so far (in order), and once at the end with all
-        the prompt's pages (the last one possibly partial). Raises RequestAborted if aborted.
-        If the caller is cancelled, the request stops; with `on_pages_filled` its pages then stay
-        held under `room` (writes of them may still be reading them) until the caller's
-        `abort(room)` or `release(room)`, as after a finished prefill.
-        """
-        params.validate()
-        self.scheduler.check_fits(len(prompt_ids), 1)
-        self._claim_room(room)
-        request = self._new_request(room, list(prompt_ids), params)
-        request.prefill_only = True
-        request.on_pages_filled = on_pages_filled
-        result = None
-        async with aclosing(self._stream(request, _Add(request))) as batches:
-            async for batch in batches:
-                result = batch[-1]
-        if not isinstance(result, PrefillResult):
-            raise RequestAborted(f"prefill of room {room!r} was aborted")
-        return result
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
+        """Stream the outputs of a request that passed `check`. Each item is every output ready
+        when the caller looks: one per step while the caller keeps up, several after it fell behind
+        (so a server sends them in one message instead of one message per token); the last output
+        has a finish reason. Leaving the iteration early aborts the request (a prefill-only
+        request with `on_pages_filled` is stopped with its pages kept: engine.request). Raises
+        ValueError when the room is in use here, and for a prefilled request whose reserved pages
+        are missing (KeyError) or cannot hold the prompt."""
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        state = self._new_request(request)
+        text = None if request.prefill_only else TextStream(
+            self.tokenizer, request.params, prompt_ids=request.prompt_ids,
+            eos_token_ids=self.model_config.eos_token_ids)
+        stream = OutputStream(text)
+        state.emit = lambda item: self._deliveries[stream.loop].append((stream.put, item))
+        self._inbox.put(_Add(state, request.first_token))
+        try:
+            async with aclosing(stream.batches(lambda: self._inbox.put(_Finish(request.room)))) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            if not stream.done:
+                self._inbox.put(_Stop(request.room) if request.on_pages_filled is not None
+                                else _Abort(request.room))
 
     def abort(self, room: str) -> None:
         """Finish the request with "abort" and free its pages (also a prefill's held pages)."""
@@ -357,72 +249,19 @@ class Engine:
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
 
-    def live_rooms(self) -> set[str]:
-        """Rooms of the requests the engine is working on now (a snapshot; PD holds not included)."""
-        with self._rooms_lock:
-            return set(self._live_rooms)
-
-    def is_live(self, room: str) -> bool:
-        """Whether `room` is a request the engine is still working on (or holds pages for)."""
-        with self._rooms_lock:
-            if room in self._live_rooms:
-                return True
-        return self.pages.has_room(room)
-
-    # ---- caller-side plumbing -------------------------------------------------------------------
-    def _claim_room(self, room: str) -> None:
-        """Mark `room` live (until its request finishes); a room names one request at a time."""
-        if self._thread is None:
-            raise RuntimeError("engine not started")
-        with self._rooms_lock:
-            if room in self._live_rooms:
-                raise ValueError(f"room {room!r} is already in use")
-            self._live_rooms.add(room)
-
-    def _release_room(self, room: str) -> None:
-        with self._rooms_lock:
-            self._live_rooms.discard(room)
-
-    def _new_request(self, room: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        request = Request(room=room, token_ids=list(prompt_ids), num_prompt=len(prompt_ids), params=params)
+    def _new_request(self, request: EngineRequest) -> Request:
+        """The engine's own state of a caller's request (the scheduler's Request)."""
+        params = request.params
+        state = Request(room=request.room, token_ids=list(request.prompt_ids), num_prompt=len(request.prompt_ids),
+                        params=params, prefill_only=request.prefill_only, on_pages_filled=request.on_pages_filled)
         if params.seed is not None:
-            request.generator = torch.Generator(device=self.pool.device)
-        request.stop_token_ids = frozenset(params.stop_token_ids) | (
+            state.generator = torch.Generator(device=self.pool.device)
+        state.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids))
-        return request
-
-    async def _stream(self, request: Request, command: _Command) -> AsyncIterator[list]:
-        """Submit `command` for a request whose room is claimed; yield lists of what the engine
-        emitted (everything queued at the time), with the text of each token made here, on the
-        caller's loop, not on the engine thread."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        request.emit = lambda item: self._deliveries[loop].append((outputs.put_nowait, item))
-        text = TextStream(self.tokenizer, request.params, prompt_ids=request.token_ids[:request.num_prompt],
-                          eos_token_ids=self.model_config.eos_token_ids)
-        self._inbox.put(command)
-        done = False
-        try:
-            while not done:
-                batch = []
-                item = await outputs.get()
-                while True:
-                    if isinstance(item, TokenOutput) and item.token_id >= 0:
-                        item, stopped_here = _with_text(item, text)
-                        if stopped_here:  # a stop string: the engine does not know yet
-                            self._inbox.put(_Finish(request.room))
-                    batch.append(item)
-                    done = _is_last(item)
-                    if done or outputs.empty():
-                        break
-                    item = outputs.get_nowait()
-                yield batch
-        finally:
-            if not done:
-                if request.on_pages_filled is not None:
-                    self._inbox.put(_Stop(request.room))
-                else:
-                    self.abort(request.room)
+        if request.first_token is not None:
+            state.token_ids.append(request.first_token.token_id)
+            state.num_computed = state.num_prompt
+        return state
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -450,11 +289,7 @@ class Engine:
             return
         while True:
             if isinstance(command, _Add):
-                self.scheduler.add(command.request)
-            elif isinstance(command, _AddPrefilled):
-                self.scheduler.add_running(command.request)
-                first = command.first_token
-                self._emit_token(command.request, first.logprob, first.top_logprobs)
+                self._add(command.request, command.first_token)
             elif isinstance(command, _Abort):
                 self._abort(command.room)
             elif isinstance(command, _Stop):
@@ -462,11 +297,41 @@ class Engine:
             elif isinstance(command, _Finish):
                 request = self.scheduler.requests.get(command.room)
                 if request is not None:
-                    self._finish(request, "stop")
+                    self.scheduler.finish(request, "stop")
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add(self, request: Request, first_token: FirstToken | None) -> None:
+        """Take a new request, or refuse it through its stream. A room names one request at a time:
+        one the scheduler has, or one with pages reserved or held under it, is in use, except by
+        the prefilled request those reserved pages are for, which takes them over (or, refused,
+        frees them: nobody else would)."""
+        room = request.room
+        try:
+            if room in self.scheduler.requests or (first_token is None and self.pages.has_room(room)):
+                raise ValueError(f"room {room!r} is already in use")
+            if first_token is not None:
+                request.page_ids = self._take_reservation(request)
+        except (KeyError, ValueError) as refused:
+            if first_token is not None:
+                self.pages.release(room)
+            request.emit(refused)  # the caller's stream raises it
+            return
+        if first_token is None:
+            self.scheduler.add(request)
+            return
+        self.scheduler.add_running(request)
+        self._emit_token(request, first_token.logprob, first_token.top_logprobs)
+
+    def _take_reservation(self, request: Request) -> list[int]:
+        pages = self.pages.take_reserved(request.room)
+        if len(pages) < self.pages.pages_for(request.num_prompt):
+            self.pages.free(pages)
+            raise ValueError(f"room {request.room!r}: {len(pages)} reserved pages cannot hold a prompt "
+                             f"of {request.num_prompt} tokens")
+        return pages
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -491,10 +356,10 @@ class Engine:
         token_ids = result.token_ids.tolist()
         for row, request in enumerate(requests):
             logprob, top = result.logprobs_of(row, request.params)
+            request.token_ids.append(token_ids[row])
             if request.prefill_only:
-                self._finish_prefill(request, FirstToken(token_ids[row], logprob, top))
+                self._finish_prefill(request, logprob, top)
             else:
-                request.token_ids.append(token_ids[row])
                 self._emit_token(request, logprob, top)
         return True
 
@@ -509,25 +374,19 @@ class Engine:
         elif request.num_generated >= request.params.max_new_tokens or \
                 request.num_tokens >= self.scheduler.config.max_seq_len:
             reason = "length"
-        request.emit(TokenOutput(token_id=token, text="", logprob=logprob, top_logprobs=top,
-                                 finish_reason=reason, prompt_tokens=request.num_prompt,
-                                 completion_tokens=request.num_generated))
+        request.emit(_output(request, token, logprob, top, reason))
         if reason is not None:
-            self._finish(request, reason)
+            self.scheduler.finish(request, reason)
 
-    def _finish(self, request: Request, reason: str) -> None:
-        self.scheduler.finish(request, reason)
-        self._release_room(request.room)
-
-    def _finish_prefill(self, request: Request, first: FirstToken) -> None:
+    def _finish_prefill(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
+        """A prefill-only request sampled its first token: report all its pages, hold them under the
+        room and emit the token as its one output."""
         self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
                                 request.num_prompt)
-        if request.room not in self.scheduler.requests:  # the hook aborted it
+        if request.room not in self.scheduler.requests:  # the hook failed: stopped, with an abort output
             return
-        result = PrefillResult(room=request.room, first_token=first, page_ids=list(request.page_ids),
-                               prompt_tokens=request.num_prompt)
-        self._finish(request, "stop")
-        request.emit(result)
+        self.scheduler.finish(request, "stop")
+        request.emit(_output(request, request.token_ids[-1], logprob, top, "stop"))
 
     def _report_filled_pages(self, batch: SchedulerOutput) -> None:
         if self.pool.device.type == "cuda":
@@ -553,23 +412,15 @@ class Engine:
     def _abort(self, room: str) -> None:
         request = self.scheduler.abort(room)
         self.pages.release(room)  # a finished prefill's held pages, or an unused reservation
-        if request is None:
-            return
-        self._release_room(room)
-        if request.prefill_only:
-            request.emit(None)  # ends the prefill's stream without a result
-        else:
-            request.emit(TokenOutput(token_id=-1, text="", logprob=None, top_logprobs=[],
-                                     finish_reason="abort", prompt_tokens=request.num_prompt,
-                                     completion_tokens=request.num_generated))
+        if request is not None:
+            request.emit(_output(request, -1, None, [], "abort"))
 
     def _stop(self, room: str) -> None:
         request = self.scheduler.requests.get(room)
         if request is None:
             return  # finished: a prefill's pages are held already, or it was aborted
         self.scheduler.finish(request, "abort", keep_pages=True)
-        self._release_room(room)
-        request.emit(None)
+        request.emit(_output(request, -1, None, [], "abort"))
 
     def _deliver(self) -> None:
         deliveries, self._deliveries = self._deliveries, defaultdict(list)
@@ -580,42 +431,13 @@ class Engine:
                 pass  # the caller's loop is closed: nobody is listening any more
 
 
-def _in_short_lived_thread(function: Callable[[], T]) -> T:
-    """Run `function` in a new thread, wait for it, return its result or raise its exception."""
-    outcome: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as exc:  # re-raised in the caller
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="pdserve-engine-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome["value"]  # type: ignore[return-value]
+def _output(request: Request, token: int, logprob: float | None, top: list[tuple[int, float]],
+            reason: str | None) -> TokenOutput:
+    """An output of `request` (text is added by the caller's stream); token -1: an abort."""
+    return TokenOutput(token_id=token, text="", logprob=logprob, top_logprobs=top, finish_reason=reason,
+                       prompt_tokens=request.num_prompt, completion_tokens=request.num_generated)
 
 
 def _deliver_all(items: list[tuple[Callable, object]]) -> None:
     for put, item in items:
         put(item)
-
-
-def _with_text(output: TokenOutput, text: TextStream) -> tuple[TokenOutput, bool]:
-    """The output with its token's text; True when a stop string ends the output at this token
-    although the engine did not end it (so the engine must be told)."""
-    if text.finished:  # past a stop string: the caller has already returned
-        return output, False
-    delta, stopped = text.push(output.token_id)
-    reason = "stop" if stopped else output.finish_reason
-    if reason is not None and not stopped:
-        delta += text.flush()
-    return replace(output, text=delta, finish_reason=reason), stopped and output.finish_reason is None
-
-
-def _is_last(item: object) -> bool:
-    if isinstance(item, TokenOutput):
-        return item.finish_reason is not None
-    return True  # a PrefillResult, or None for an aborted prefill

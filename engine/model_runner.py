@@ -1,12 +1,12 @@
-"""ModelRunner: turns a SchedulerOutput into input tensors, runs the decoder, returns logits."""
+"""ModelRunner: turns a SchedulerOutput (engine.scheduler) into input tensors, runs the decoder, returns logits."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.models.attention import AttentionMetadata, ExtendSpan
 from engine.models.decoder import DecoderModel
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
 

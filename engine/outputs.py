@@ -1,4 +1,4 @@
-"""What the engine hands back to its callers: token outputs, prefill results, stats."""
+"""What the engine hands back to its callers: token outputs, stats."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ class TokenOutput:
     `text` is the newly completed text (may be empty while a UTF-8 character or a possible stop
     string is held back). `logprob`/`top_logprobs` are filled when the request asked for them.
     The last output of a request has `finish_reason` set ("stop", "length" or "abort"); an abort
-    output carries token_id -1 and no text.
+    output carries token_id -1 and no text. A prefill-only request's one output is its first
+    token, with no text and finish_reason "stop" (engine.request).
     """
 
     token_id: int
@@ -26,22 +27,12 @@ class TokenOutput:
 
 @dataclass(frozen=True)
 class FirstToken:
-    """The token sampled at the end of a prefill, with its logprob data (the PD aux data)."""
+    """The token sampled at the end of a prefill, with its logprob data (the PD aux data): what a
+    prefilled EngineRequest starts from."""
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """A finished prefill: its first token and the pages holding the prompt's K/V (held until
-    `Engine.release(room)`)."""
-
-    room: str
-    first_token: FirstToken
-    page_ids: list[int]
-    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -67,4 +58,4 @@ class EngineStats:
 
 
 class RequestAborted(Exception):
-    """Raised by `Engine.prefill` when its request was aborted before it finished."""
+    """A prefill-only request was aborted before its first token (its stream ended in "abort")."""

@@ -1,68 +1,40 @@
-"""Request: one sequence's tokens, KV pages and progress, as the scheduler and engine loop see it."""
+"""EngineRequest: what a caller asks the engine to run (`Engine.check`, then `Engine.generate`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from dataclasses import dataclass
 
-import torch
+from engine.outputs import FirstToken
+from engine.sampling import SamplingParams
 
-
-class RequestStatus(Enum):
-    WAITING = "waiting"  # not admitted (new, or retracted and waiting to be recomputed)
-    RUNNING = "running"  # admitted: owns pages for all its known tokens
-    FINISHED = "finished"
+# on_pages_filled(page_ids, num_tokens_done), on the engine thread (see EngineRequest).
+PagesFilled = Callable[[list[int], int], None]
 
 
-@dataclass(eq=False)
-class Request:
-    """A sequence in the engine.
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request under `room` (a room names one request at a time on an engine). Three kinds:
 
-    `token_ids` is the prompt followed by the generated tokens; the first `num_computed` of them
-    have their K/V in `page_ids`. A running request with num_computed == len(token_ids) - 1 is
-    decode-ready (its last token is fed next step); fewer computed means prefill chunks remain
-    (a new prompt, or a retracted request recomputing prompt + generated tokens).
-
-    `prefill_only` requests (the prefill side of PD) stop after their first sampled token and
-    keep their pages under their room until released. `on_pages_filled` is their progress hook.
+    - plain: the engine runs the prompt, then decodes until a stop condition (colocated, and a
+      decode worker running a prompt itself);
+    - prefilled (`first_token` set; the decode side of PD): the prompt's K/V is already in the
+      pages reserved under `room` (`Engine.reserve_prompt`), which become the request's own. The
+      first token, sampled by the prefill worker, is emitted first, then decoding continues in the
+      running batch;
+    - prefill-only (`prefill_only`; the prefill side of PD): the engine runs the prompt and stops
+      after its first token, the stream's only output (finish reason "stop"). The prompt's pages
+      stay held under `room` until `Engine.release(room)` or `Engine.abort(room)`.
+      `on_pages_filled(page_ids, num_tokens_done)` is called from the engine thread after each
+      chunk with the pages completely filled so far (in order), and once at the end with all the
+      prompt's pages (the last one possibly partial), so a transfer can send them as they are
+      computed. A caller that stops listening stops the request; with `on_pages_filled` its pages
+      then stay held too (writes of them may still be reading them) until that abort or release.
     """
 
     room: str
-    token_ids: list[int]
-    num_prompt: int
-    params: Any  # engine.sampling.SamplingParams
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_token: FirstToken | None = None
     prefill_only: bool = False
-    status: RequestStatus = RequestStatus.WAITING
-    page_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    admit_order: int = -1
-    num_retractions: int = 0
-    finish_reason: str | None = None
-    # Prefix cache: hashes of the full pages of token_ids known so far (content only, so they
-    # survive retraction), and how many of page_ids were offered to the cache.
-    page_hashes: list[int] = field(default_factory=list)
-    pages_cached: int = 0
-    # Engine-loop state (never read by the scheduler).
-    generator: torch.Generator | None = None
-    stop_token_ids: frozenset[int] = frozenset()  # sampling one ends the request ("stop"); eos included
-    emit: Callable[[Any], None] | None = None  # delivers TokenOutput / PrefillResult to the caller
-    on_pages_filled: Callable[[list[int], int], None] | None = None
-    pages_reported: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
-
-    @property
-    def decode_ready(self) -> bool:
-        return self.num_computed == len(self.token_ids) - 1
+    on_pages_filled: PagesFilled | None = None

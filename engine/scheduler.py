@@ -1,6 +1,8 @@
 """Scheduler: continuous batching with chunked prefill, a page budget and retraction.
 
-Each step (`schedule`) builds one SchedulerOutput:
+Its unit is a `Request`: one sequence's tokens, KV pages and progress (the engine builds one from
+each caller's EngineRequest and keeps its own per-request state on it too). Its output is a
+`SchedulerOutput`, the whole contract with the model runner for one step. Each step (`schedule`) builds one SchedulerOutput:
 1. every decode-ready running request contributes its last token; it first gets a page for it,
    and when none is free the newest running request is retracted (pages freed, back to the front
    of the waiting queue with prompt + generated tokens, recomputed later) until one is;
@@ -21,12 +23,118 @@ chunk), and when a request leaves (finished, aborted or retracted) with the page
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
-from engine.batch import ScheduledChunk, SchedulerOutput
+import torch
+
 from engine.page_manager import PageManager
-from engine.request import Request, RequestStatus
 from pdserve.page_hash import page_hashes
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # not admitted (new, or retracted and waiting to be recomputed)
+    RUNNING = "running"  # admitted: owns pages for all its known tokens
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence in the engine.
+
+    `token_ids` is the prompt followed by the generated tokens; the first `num_computed` of them
+    have their K/V in `page_ids`. A running request with num_computed == len(token_ids) - 1 is
+    decode-ready (its last token is fed next step); fewer computed means prefill chunks remain
+    (a new prompt, or a retracted request recomputing prompt + generated tokens).
+
+    `prefill_only` requests (the prefill side of PD) stop after their first sampled token and
+    keep their pages under their room until released. `on_pages_filled` is their progress hook.
+    The engine builds one from the caller's EngineRequest (engine.request).
+    """
+
+    room: str
+    token_ids: list[int]
+    num_prompt: int
+    params: Any  # engine.sampling.SamplingParams
+    prefill_only: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    admit_order: int = -1
+    num_retractions: int = 0
+    finish_reason: str | None = None
+    # Prefix cache: hashes of the full pages of token_ids known so far (content only, so they
+    # survive retraction), and how many of page_ids were offered to the cache.
+    page_hashes: list[int] = field(default_factory=list)
+    pages_cached: int = 0
+    # Engine-loop state (never read by the scheduler).
+    generator: torch.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # sampling one ends the request ("stop"); eos included
+    emit: Callable[[Any], None] | None = None  # delivers a TokenOutput (or a refusal) to the caller
+    on_pages_filled: Callable[[list[int], int], None] | None = None
+    pages_reported: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def decode_ready(self) -> bool:
+        return self.num_computed == len(self.token_ids) - 1
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """New tokens of one sequence to run this step.
+
+    `token_ids` start at position `start_pos` (the number of tokens whose K/V is already in the
+    sequence's pages); `page_ids` are all of the sequence's pages in order and cover
+    start_pos + len(token_ids) tokens. `sample` asks for the logits of the chunk's last token
+    (true when the chunk reaches the end of the known tokens).
+    """
+
+    room: str
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    sample: bool
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One forward pass: decode tokens (one per sequence, prefix cached) and extend chunks.
+
+    The runner returns logits for every decode, then for every extend with `sample`, in this order.
+    """
+
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    extends: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.extends
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(len(c.token_ids) for c in self.extends)
+
+    def sampled_chunks(self) -> list[ScheduledChunk]:
+        """The chunks whose logits the runner returns, in the order of its logits rows."""
+        return self.decodes + [c for c in self.extends if c.sample]
 
 
 @dataclass(frozen=True)

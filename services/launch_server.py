@@ -83,8 +83,7 @@ async def serve(runtime: WorkerRuntime) -> None:
                                      worker_pb2_grpc.add_KvEventsServicer_to_server)],
             config.server.host, config.server.port, security=config.security)
         await runtime.register(server.address)
-        detector = LeakDetector(runtime.engine, binding.servicer.live_rooms,
-                                lambda leak: runtime.metrics.leak_detections.inc())
+        detector = LeakDetector(runtime.engine, runtime.rooms.live, lambda leak: runtime.metrics.leak_detections.inc())
         background = [asyncio.create_task(detector.run())]
         if config.role == "decode":
             background.append(asyncio.create_task(_log_loop(runtime)))

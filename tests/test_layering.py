@@ -228,6 +228,6 @@ def test_the_checker_sees_the_repository() -> None:
     assert {"services.worker.runtime", "pdserve.config_flags", "protos.v1.worker_pb2"} <= targets
     assert "services.prefill.servicer" in targets  # a function-level import
     assert any(imp.external == "torch" for imp in imports_of("libkv.pool"))
-    # services.common.convert -> libkv.layout, which imports torch.
-    assert any("libkv/layout.py" in line and "services.common.convert" in line
-               for line in torch_reached_from(["services.common.convert"]))
+    # services.worker.wire -> libkv.layout, which imports torch.
+    assert any("libkv/layout.py" in line and "services.worker.wire" in line
+               for line in torch_reached_from(["services.worker.wire"]))

@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from engine.batch import SchedulerOutput
 from engine.model_runner import ModelRunner
+from engine.scheduler import SchedulerOutput
 from engine.tp.group import TPGroup
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ class DecodeLogLine:
 
     def next(self) -> str | None:
         stats = self.runtime.engine.stats()
-        queues = self.runtime.queues.counts()
+        queues = self.runtime.queue_counts(stats)
         now = time.monotonic()
         generated = stats.generated_tokens - self._last_tokens
         throughput = generated / max(now - self._last_time, 1e-9)

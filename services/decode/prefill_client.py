@@ -15,6 +15,7 @@ from engine.sampling import SamplingParams
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
+from services.worker.metrics import HANDSHAKE
 
 log = logging.getLogger("pdserve.decode")
 
@@ -85,7 +86,7 @@ class PrefillClients:
             response = await self._stub(address).Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            stage = "bootstrap" if code == grpc.StatusCode.FAILED_PRECONDITION else "prefill"
+            stage = HANDSHAKE if code == grpc.StatusCode.FAILED_PRECONDITION else "prefill"
             if code in _PASS_THROUGH:
                 raise PrefillFailed(f"prefill {address}: {exc.details()}", code, stage) from None
             if code == grpc.StatusCode.UNIMPLEMENTED:

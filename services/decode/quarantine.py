@@ -7,7 +7,7 @@ caller at once but frees the pages only when it knows no write of that room can 
 
 - the prefill answered Abort (its Abort returns only once it issues no more writes) and the
   writes it had issued have landed: their pages hash to the checksums the Abort reply carries
-  (landing.py; an engine's "write done" only means sent), or
+  (libkv.landing; an engine's "write done" only means sent), or
 - nothing listens at the prefill's address any more (its process is gone; what its kernel had
   already sent gets `_GONE_LINGER_S` to arrive), or
 - `give_up_s` passed without either (a host that vanished for good; TCP itself gives up on an
@@ -16,6 +16,8 @@ caller at once but frees the pages only when it knows no write of that room can 
 Until then Abort is retried with backoff, so a prefill that was frozen (SIGSTOP) or cut off
 answers soon after it comes back, and the pages return then. The two-sided `ucx` backend needs no
 wait: once the expectation is released, late data lands in scratch memory, never in the pool.
+A quarantined room stays in the room table (stage QUARANTINED, its task the one settling it) until
+its pages are free, so the room cannot be used again meanwhile and the leak detector sees it live.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.engine import Engine
 from libkv.landing import wait_landed
 from libkv.transfer import TransferBackend
 from services.decode.prefill_client import AbortOutcome, PrefillClients
+from services.worker.rooms import Room, RoomTable, Stage
 
 log = logging.getLogger("pdserve.decode")
 
@@ -41,26 +44,24 @@ _GONE_LINGER_S = 1.0
 class PageQuarantine:
     """Rooms waiting for their prefill's confirmation; each settles in its own task."""
 
-    def __init__(self, engine: Engine, backend: TransferBackend, prefills: PrefillClients,
+    def __init__(self, engine: Engine, backend: TransferBackend, prefills: PrefillClients, rooms: RoomTable,
                  give_up_s: float) -> None:
         self.engine = engine
         self.backend = backend
         self.prefills = prefills
+        self.rooms = rooms
         self.give_up_s = give_up_s
-        self._tasks: dict[str, asyncio.Task] = {}
 
-    def hold(self, room: str, prefill_address: str, pages: list[int]) -> None:
-        """Stop `room`'s prefill and free its pages (`pages`, in the order offered to the prefill)
-        once that is confirmed (see the module doc). Returns at once; callable from a cancelled task."""
-        if room in self._tasks:
+    def hold(self, room: Room, pages: list[int]) -> None:
+        """Stop the room's prefill (`room.prefill_address`) and free its pages (`pages`, in the order
+        offered to the prefill) once that is confirmed (see the module doc); the room leaves the
+        table then. Returns at once; callable from a cancelled task."""
+        if room.stage is Stage.QUARANTINED:
             return
-        task = asyncio.get_running_loop().create_task(self._settle(room, prefill_address, pages),
-                                                      name=f"quarantine-{room}")
-        self._tasks[room] = task
-        task.add_done_callback(lambda _: self._tasks.pop(room, None))
-
-    def rooms(self) -> set[str]:
-        return set(self._tasks)
+        room.stage = Stage.QUARANTINED
+        room.task = asyncio.get_running_loop().create_task(self._settle(room.id, room.prefill_address, pages),
+                                                           name=f"quarantine-{room.id}")
+        room.task.add_done_callback(lambda _: self.rooms.close(room))
 
     async def _settle(self, room: str, prefill_address: str, pages: list[int]) -> None:
         self.backend.release_expectation(room)
@@ -110,7 +111,7 @@ class PageQuarantine:
                         "what it sent (a write cut short); freeing them", room, len(never), len(sent))
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [room.task for room in self.rooms.rooms(Stage.QUARANTINED) if room.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -6,15 +6,16 @@ and it is the baseline every PD output and measurement is compared against.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.model_info import ModelInfoServicer
-from services.worker.relay import relay_token_batches
-from services.worker.requests import BadRequest, parse_request
+from services.worker.rooms import RoomInUse, Stage
 from services.worker.runtime import WorkerRuntime
+from services.worker.wire import BadRequest, parse_request, relay
 
 
 class ColocatedServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
@@ -23,10 +24,7 @@ class ColocatedServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.engine = runtime.engine
-
-    def live_rooms(self) -> set[str]:
-        """The engine knows every live room of a colocated worker."""
-        return set()
+        self.rooms = runtime.rooms
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
@@ -34,14 +32,18 @@ class ColocatedServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
             parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
-        if self.engine.is_live(parsed.room):
+        try:
+            room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
+        except RoomInUse:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {parsed.room} is already in use on this worker")
-        batches = self.engine.generate_batches(parsed.prompt_ids, parsed.params, parsed.room)
-        async for response in relay_token_batches(batches, self.runtime.metrics, arrival):
-            yield response
+        try:
+            async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
+                yield response
+        finally:
+            self.rooms.close(room)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
-        found = self.engine.is_live(request.room)
+        found = self.rooms.get(request.room) is not None
         self.engine.abort(request.room)
         return worker_pb2.AbortResponse(found=found)
 

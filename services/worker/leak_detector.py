@@ -1,9 +1,8 @@
 """The leak detector every worker runs: pages in use must return to idle when nothing is live.
 
 Every `interval_s` it compares who holds KV pages with which rooms are live:
-- a live room is one the service is working on (the servicer's `live_rooms()`: prefill rooms in
-  bootstrap/waiting/inflight, decode requests and quarantined rooms) or the engine is (waiting,
-  running);
+- a live room is one the worker is working on: a room in its room table (services/worker/rooms.py:
+  prefill rooms in handshake/waiting/inflight, decode and colocated requests, quarantined rooms);
 - a reservation or hold (PageManager) whose room is not live is a leak, and so are pages in use
   beyond the idle value while no room is live at all (pages nobody can name).
 Pages in use are those with a reference count (libkv.allocator): a request's, a reservation's or a
@@ -44,7 +43,8 @@ class Leak:
 
 
 class LeakDetector:
-    """Checks one worker's pages against its live rooms (see the module docstring)."""
+    """Checks one worker's pages against its live rooms (see the module docstring): `live_rooms`
+    is its room table's `live`."""
 
     def __init__(self, engine: Engine, live_rooms: Callable[[], set[str]], on_leak: Callable[[Leak], None],
                  *, interval_s: float = 1.0, idle_pages: Callable[[], int] = lambda: 0) -> None:
@@ -58,7 +58,7 @@ class LeakDetector:
 
     def observe(self) -> Leak | None:
         """One look: the leak seen now, if any (not yet confirmed)."""
-        live = self.live_rooms() | self.engine.live_rooms()
+        live = self.live_rooms()
         owners = self.engine.pages.pages_by_room()
         stale = tuple(sorted((room, pages) for room, pages in owners.items() if room not in live))
         unowned = 0

@@ -1,7 +1,7 @@
 """Prometheus metrics of a prefill, decode or colocated worker (names in the `pdserve:` style).
 
 Counters and histograms are updated by the servicers; gauges (queues, pages, running requests)
-are read from the engine and the queue tracker at scrape time, so they are never stale.
+are read from the engine and the room table at scrape time, so they are never stale.
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from services.common.metrics import metric_name as m
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# The label value of the prefill's handshake with decode's transfer endpoint, as a queue
+# (`queue_requests{queue}`) and as a failure stage (`pd_failures_total{stage}`). SGLang calls that
+# step "bootstrap" (its prefill meets decode through a bootstrap server), and dashboards and alerts
+# written for SGLang read that word, so the value keeps it; in code "bootstrap" is the registry.
+HANDSHAKE = "bootstrap"
 # The PD failure stages each role counts (services/prefill/servicer.py, services/decode/servicer.py
 # and prefill_client.py), exported at 0 until they first happen.
-FAILURE_STAGES = {"prefill": ("bootstrap", "grant", "transfer"),
-                  "decode": ("prealloc", "bootstrap", "prefill", "checksum")}
+FAILURE_STAGES = {"prefill": (HANDSHAKE, "grant", "transfer"),
+                  "decode": ("prealloc", HANDSHAKE, "prefill", "checksum")}
 
 
 class WorkerMetrics:
@@ -28,7 +33,7 @@ class WorkerMetrics:
     def __init__(self, role: str, model: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "model": model}
-        self._labels = labels
+        self.labels = labels
         r = self.registry
         self.ttft = self._histogram("time_to_first_token_seconds",
                                     "Time from request arrival to its first token", _LATENCY_BUCKETS)
@@ -36,8 +41,9 @@ class WorkerMetrics:
                                    "Time between consecutive tokens of a request", _ITL_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds",
                                    "Time from request arrival to its end", _LATENCY_BUCKETS)
-        self._finished = Counter(m("request_success_total"), "Finished requests by finish reason",
-                                 labelnames=[*labels, "finish_reason"], registry=r)
+        # by finish reason: request_success.labels(**labels, finish_reason=...)
+        self.request_success = Counter(m("request_success_total"), "Finished requests by finish reason",
+                                       labelnames=[*labels, "finish_reason"], registry=r)
         self.prompt_tokens = Counter(m("prompt_tokens_total"), "Prompt tokens processed",
                                      labelnames=list(labels), registry=r).labels(**labels)
         self.generation_tokens = Counter(m("generation_tokens_total"), "Tokens generated",
@@ -68,28 +74,25 @@ class WorkerMetrics:
             self._failures.labels(**labels, stage=stage)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
-        return Histogram(m(name), doc, labelnames=list(self._labels), buckets=buckets,
-                         registry=self.registry).labels(**self._labels)
-
-    def finished(self, reason: str) -> None:
-        self._finished.labels(**self._labels, finish_reason=reason).inc()
+        return Histogram(m(name), doc, labelnames=list(self.labels), buckets=buckets,
+                         registry=self.registry).labels(**self.labels)
 
     def local_prefill(self, reason: str) -> None:
-        self._local_prefills.labels(**self._labels, reason=reason).inc()
+        self._local_prefills.labels(**self.labels, reason=reason).inc()
 
     def failure(self, stage: str) -> None:
-        self._failures.labels(**self._labels, stage=stage).inc()
+        self._failures.labels(**self.labels, stage=stage).inc()
 
     def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A counter whose running total is kept elsewhere (the engine) and read at scrape time."""
-        self.registry.register(_ReadCounter(m(name), doc, self._labels, read))
+        self.registry.register(_ReadCounter(m(name), doc, self.labels, read))
 
     def gauge(self, name: str, doc: str, read: Callable[[], float], **extra_labels: str) -> None:
         """A gauge whose value is read at scrape time."""
         if name not in self._gauges:
-            self._gauges[name] = Gauge(m(name), doc, labelnames=[*self._labels, *extra_labels],
+            self._gauges[name] = Gauge(m(name), doc, labelnames=[*self.labels, *extra_labels],
                                        registry=self.registry)
-        self._gauges[name].labels(**self._labels, **extra_labels).set_function(read)
+        self._gauges[name].labels(**self.labels, **extra_labels).set_function(read)
 
 
 class _ReadCounter(Collector):

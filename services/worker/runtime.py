@@ -1,7 +1,7 @@
 """WorkerRuntime: what one worker process owns besides its servicer.
 
 The engine (model, KV pool, scheduler thread), the transfer backend registered on the engine's
-pool (prefill and decode only), the metrics endpoint, the PD queue tracker and the registry lease.
+pool (prefill and decode only), the metrics endpoint, the room table and the registry lease.
 `services.launch_server` builds one, hands it to the role's servicer, and closes it on shutdown.
 """
 
@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.engine import Engine
+from engine.outputs import EngineStats
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
-from services.common.convert import endpoint_to_proto, layout_to_proto
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.registry_client import RegistryClient
 from services.worker.config import WorkerConfig
-from services.worker.metrics import WorkerMetrics
-from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
+from services.worker.metrics import HANDSHAKE, WorkerMetrics
+from services.worker.rooms import RoomTable
+from services.worker.wire import endpoint_to_proto, layout_to_proto
 
 log = logging.getLogger("pdserve.worker")
 
@@ -59,9 +60,13 @@ class WorkerRuntime:
     engine: Engine
     backend: TransferBackend | None
     metrics: WorkerMetrics
-    queues: RoomQueues
+    rooms: RoomTable = field(default=None)  # type: ignore[assignment]  # default: one for config.role
     metrics_server: MetricsServer | None = None
     registry: RegistryClient | None = None
+
+    def __post_init__(self) -> None:
+        if self.rooms is None:
+            self.rooms = RoomTable(self.config.role)
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
@@ -75,9 +80,8 @@ class WorkerRuntime:
             if engine.tp_followers is not None:  # every rank moves its own KV heads, to peers of any TP size
                 backend = TensorParallelBackend(backend, engine.tp_followers.controls, options)
             backend.register(engine.pool)
-        queues = RoomQueues(PREFILL_QUEUES if config.role == "prefill" else DECODE_QUEUES)
         runtime = cls(config=config, engine=engine, backend=backend,
-                      metrics=WorkerMetrics(config.role, config.model_name), queues=queues)
+                      metrics=WorkerMetrics(config.role, config.model_name))
         runtime._add_gauges()
         return runtime
 
@@ -104,25 +108,27 @@ class WorkerRuntime:
             for rank in range(len(self.backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
                               lambda rank=rank: self.backend.rank_bytes()[rank], rank=str(rank))
-        for name in self.queues.names:
-            if name in ("waiting", "running") and self.config.role != "prefill":
-                continue  # the engine's own queues, below
+        for stage in self.rooms.stages:
             metrics.gauge("queue_requests", "Requests in each PD queue",
-                          lambda name=name: self.queues.counts()[name], queue=name)
+                          lambda name=stage.value: self.queue_counts()[name], queue=stage.value)
+
+    def queue_counts(self, stats: EngineStats | None = None) -> dict[str, int]:
+        """Requests in each of the role's PD queues (by queue label): the room table's stages, but a
+        decode or colocated worker's `waiting` and `running` are its engine's own queues (requests
+        waiting for admission, retracted ones included, and the running batch)."""
+        counts = self.rooms.counts()
         if self.config.role != "prefill":
-            metrics.gauge("queue_requests", "Requests in each PD queue", lambda: engine.stats().waiting,
-                          queue="waiting")
-            metrics.gauge("queue_requests", "Requests in each PD queue", lambda: engine.stats().running,
-                          queue="running")
+            stats = stats or self.engine.stats()
+            counts.update(waiting=stats.waiting, running=stats.running)
+        return counts
 
     def load(self) -> common_pb2.WorkerLoad:
         stats = self.engine.stats()
-        counts = self.queues.counts()
+        counts = self.queue_counts(stats)
         return common_pb2.WorkerLoad(
-            bootstrap=counts.get("bootstrap", 0), inflight=counts.get("inflight", 0),
+            bootstrap=counts.get(HANDSHAKE, 0), inflight=counts.get("inflight", 0),
             prealloc=counts.get("prealloc", 0), transfer=counts.get("transfer", 0),
-            waiting=counts.get("waiting", 0) if self.config.role == "prefill" else stats.waiting,
-            running=stats.running, retracted=stats.retracted,
+            waiting=counts["waiting"], running=stats.running, retracted=stats.retracted,
             free_pages=stats.total_pages - stats.used_pages, total_pages=stats.total_pages)
 
     def start_metrics(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.outputs import FirstToken, RequestAborted, TokenOutput
+from engine.request import EngineRequest
+from engine.sampling import SamplingParams
 from tools.models.tiny_model import write_tiny_model
 
 # A Llama checkpoint unlike the Qwen3 preset on every switch the decoder has: head_dim 48 with
@@ -44,3 +49,25 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 4000) -> list[lis
     # Ids from 10 up avoid the tokenizer's special tokens at the low end.
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+async def generate(engine: Engine, prompt: list[int], params: SamplingParams, room: str,
+                   **kind) -> AsyncIterator[TokenOutput]:
+    """A request checked as a worker checks it, then its outputs one at a time (Engine.generate
+    yields them in lists). `kind`: EngineRequest's first_token, prefill_only, on_pages_filled."""
+    request = engine.check(EngineRequest(room, list(prompt), params, **kind))
+    async with aclosing(engine.generate(request)) as batches:
+        async for batch in batches:
+            for output in batch:
+                yield output
+
+
+async def prefill_first_token(engine: Engine, prompt: list[int], params: SamplingParams, room: str,
+                  on_pages_filled=None) -> FirstToken:
+    """A prefill-only request's first token (its pages stay held under `room`); RequestAborted if
+    it was aborted instead."""
+    outputs = [o async for o in generate(engine, prompt, params, room, prefill_only=True,
+                                         on_pages_filled=on_pages_filled)]
+    if outputs[-1].finish_reason == "abort":
+        raise RequestAborted(f"prefill of room {room!r} was aborted")
+    return FirstToken(outputs[-1].token_id, outputs[-1].logprob, outputs[-1].top_logprobs)

@@ -23,7 +23,7 @@ import asyncio
 import pytest
 
 from engine.sampling import SamplingParams
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, start_engine
 from tools.models.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -37,7 +37,7 @@ def wide_mlp_ckpt(tmp_path_factory):
 
 async def run(engine, prompt, room):
     # Exact values, no tolerance: the point is bit-identity.
-    return [(o.token_id, o.logprob, tuple(o.top_logprobs)) async for o in engine.generate(prompt, GREEDY, room)]
+    return [(o.token_id, o.logprob, tuple(o.top_logprobs)) async for o in generate(engine, prompt, GREEDY, room)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 from engine.outputs import TokenOutput
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, start_engine
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
@@ -23,7 +24,7 @@ async def engine(qwen3_ckpt):
 
 
 async def collect(engine, prompt, params, room) -> list[TokenOutput]:
-    return [output async for output in engine.generate(prompt, params, room)]
+    return [output async for output in generate(engine, prompt, params, room)]
 
 
 def tokens_of(outputs: list[TokenOutput]) -> list[int]:
@@ -127,7 +128,7 @@ async def test_abort_frees_pages(engine):
     prompt = random_prompts([100], seed=7)[0]
     params = SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True)
     outputs = []
-    async for output in engine.generate(prompt, params, "long"):
+    async for output in generate(engine, prompt, params, "long"):
         outputs.append(output)
         if len(outputs) == 3:
             assert engine.stats().used_pages > 0
@@ -139,7 +140,7 @@ async def test_abort_frees_pages(engine):
 
 async def test_leaving_the_stream_early_aborts(engine):
     prompt = random_prompts([30], seed=8)[0]
-    stream = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True), "quit")
+    stream = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True), "quit")
     async for _ in stream:
         break
     await stream.aclose()
@@ -158,25 +159,25 @@ async def test_rejects_bad_requests(engine):
         await collect(engine, prompt, SamplingParams(max_new_tokens=100_000), "huge")
     with pytest.raises(ValueError, match="at least one token"):
         await collect(engine, [], GREEDY, "empty")
-    first = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "dup")
+    first = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "dup")
     await first.__anext__()
     with pytest.raises(ValueError, match="already in use"):
         await collect(engine, prompt, GREEDY, "dup")
     await first.aclose()
 
 
-async def test_generate_batches_groups_outputs_the_caller_has_not_read(qwen3_ckpt):
+async def test_generate_groups_outputs_the_caller_has_not_read(qwen3_ckpt):
     engine = start_engine(qwen3_ckpt)
     try:
         params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-        batches = engine.generate_batches(list(range(10, 30)), params, room="batched")
+        batches = engine.generate(engine.check(EngineRequest("batched", list(range(10, 30)), params)))
         first = await batches.__anext__()
         await asyncio.sleep(0.5)  # the engine runs ahead while this caller does not read
         rest = [batch async for batch in batches]
         tokens = [out.token_id for batch in [first, *rest] for out in batch]
         assert len(tokens) == 12 and rest[-1][-1].finish_reason == "length"
         assert max(len(batch) for batch in rest) > 1  # what queued up came as one item
-        plain = [out.token_id async for out in engine.generate(list(range(10, 30)), params, room="plain")]
+        plain = [out.token_id async for out in generate(engine, list(range(10, 30)), params, "plain")]
         assert plain == tokens
     finally:
         engine.shutdown()

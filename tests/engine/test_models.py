@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.rope import inverse_frequencies
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.layout import KVLayout
 from libkv.pool import KVPool
 

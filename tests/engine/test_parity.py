@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.sampling import SamplingParams
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, start_engine
 
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 65, 100, 129, 250, 400, 600]
 NEW_TOKENS = 20
@@ -45,7 +45,7 @@ async def engine_outputs(engine, prompts: list[list[int]]) -> list[tuple[list[in
 
     async def one(index: int, prompt: list[int]):
         tokens, logprobs = [], []
-        async for output in engine.generate(prompt, params, room=f"p{index}"):
+        async for output in generate(engine, prompt, params, f"p{index}"):
             tokens.append(output.token_id)
             logprobs.append(output.logprob)
             last = output

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.sampling import SamplingParams
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, start_engine
 
 LENGTHS = [1, 7, 17, 64, 129, 400]
 NEW_TOKENS = 16
@@ -34,7 +34,7 @@ async def _generate(engine, prompts: list[list[int]]) -> list[tuple[list[int], l
 
     async def one(index: int, prompt: list[int]):
         tokens, logprobs = [], []
-        async for output in engine.generate(prompt, params, room=f"b{index}"):
+        async for output in generate(engine, prompt, params, f"b{index}"):
             tokens.append(output.token_id)
             logprobs.append(output.logprob)
         return tokens, logprobs

@@ -10,10 +10,11 @@ import asyncio
 
 import pytest
 
-from engine.outputs import RequestAborted
+from engine.outputs import FirstToken, RequestAborted
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from kernels import cpu_kernels, ops
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, prefill_first_token, random_prompts, start_engine
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
 LENGTHS = [1, 15, 16, 17, 70, 200]
@@ -29,25 +30,27 @@ async def engines(qwen3_ckpt):
 
 
 async def colocated(engine, prompt, params, room):
-    return [(o.token_id, o.text, o.logprob) async for o in engine.generate(prompt, params, room)]
+    return [(o.token_id, o.text, o.logprob) async for o in generate(engine, prompt, params, room)]
 
 
 async def disaggregated(prefill, decode, prompt, params, room, filled_calls=None):
     dst_pages = decode.reserve(room, len(prompt))
     assert dst_pages is not None
 
-    def on_pages_filled(page_ids, num_tokens):
-        if filled_calls is not None:
-            filled_calls.append((list(page_ids), num_tokens))
+    calls = filled_calls if filled_calls is not None else []
 
-    result = await prefill.prefill(prompt, params, room, on_pages_filled)
-    assert prefill.stats().used_pages >= len(result.page_ids)  # held until released
-    src = ops.gather_pages(prefill.pool.buffer, result.page_ids)
-    ops.scatter_pages(decode.pool.buffer, dst_pages[:len(result.page_ids)], src)
+    def on_pages_filled(page_ids, num_tokens):
+        calls.append((list(page_ids), num_tokens))
+
+    first = await prefill_first_token(prefill, prompt, params, room, on_pages_filled)
+    page_ids = calls[-1][0]  # the last call names all the prompt's pages
+    assert prefill.stats().used_pages >= len(page_ids)  # held until released
+    src = ops.gather_pages(prefill.pool.buffer, page_ids)
+    ops.scatter_pages(decode.pool.buffer, dst_pages[:len(page_ids)], src)
     assert prefill.release(room)
     assert not prefill.release(room)
     return [(o.token_id, o.text, o.logprob)
-            async for o in decode.generate_prefilled(room, prompt, result.first_token, params)]
+            async for o in generate(decode, prompt, params, room, first_token=first)]
 
 
 async def test_prefill_transfer_decode_equals_generate(engines):
@@ -126,7 +129,7 @@ async def test_abort_during_prefill_frees_pages(engines):
             prefill.abort("gone")
 
     with pytest.raises(RequestAborted):
-        await prefill.prefill(prompt, GREEDY, "gone", on_pages_filled)
+        await prefill_first_token(prefill, prompt, GREEDY, "gone", on_pages_filled)
     assert calls[0] < len(prompt) and calls[-1] < len(prompt)
     assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
 
@@ -138,7 +141,7 @@ async def test_failing_hook_aborts_prefill(engines):
         raise RuntimeError("transfer failed")
 
     with pytest.raises(RequestAborted):
-        await prefill.prefill(random_prompts([100], seed=15)[0], GREEDY, "fails", on_pages_filled)
+        await prefill_first_token(prefill, random_prompts([100], seed=15)[0], GREEDY, "fails", on_pages_filled)
     # Writes the hook issued before it failed may still read the pages: they stay held under the
     # room until the caller, having stopped its writes, frees them.
     assert prefill.stats().held_rooms == 1
@@ -156,7 +159,7 @@ async def _until_idle(engine) -> None:
 
 async def test_cancelled_prefill_frees_pages(engines):
     prefill, _ = engines
-    task = asyncio.create_task(prefill.prefill(random_prompts([600], seed=16)[0], GREEDY, "cancel"))
+    task = asyncio.create_task(prefill_first_token(prefill, random_prompts([600], seed=16)[0], GREEDY, "cancel"))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -173,7 +176,7 @@ async def test_cancelled_prefill_with_a_transfer_hook_keeps_its_pages_until_free
     prefill, _ = engines
     filled = asyncio.Event()
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task(prefill.prefill(random_prompts([600], seed=17)[0], GREEDY, "cancel-hooked",
+    task = asyncio.create_task(prefill_first_token(prefill, random_prompts([600], seed=17)[0], GREEDY, "cancel-hooked",
                                                lambda pages, tokens: loop.call_soon_threadsafe(filled.set)))
     await asyncio.wait_for(filled.wait(), 60)  # the first pages are out, a write of them may be running
     task.cancel()
@@ -189,3 +192,51 @@ async def test_cancelled_prefill_with_a_transfer_hook_keeps_its_pages_until_free
     prefill.abort("cancel-hooked")
     await _until_idle(prefill)
     assert prefill.stats().used_pages == 0 and prefill.stats().held_rooms == 0
+
+
+async def test_a_prefill_only_request_streams_its_first_token_and_makes_no_text(engines, monkeypatch):
+    prefill, _ = engines
+    import engine.engine as engine_module
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("a prefill-only request built a detokenizer")
+
+    monkeypatch.setattr(engine_module, "TextStream", no_text)
+    prompt = random_prompts([40], seed=18)[0]
+    outputs = [o async for o in generate(prefill, prompt, GREEDY, "first", prefill_only=True)]
+    assert len(outputs) == 1
+    first = outputs[0]
+    assert first.token_id >= 0 and first.text == "" and first.finish_reason == "stop"
+    assert (first.prompt_tokens, first.completion_tokens) == (40, 1) and len(first.top_logprobs) == 2
+    assert prefill.stats().held_rooms == 1  # held until released
+    assert prefill.release("first") and prefill.stats().used_pages == 0
+
+
+async def test_check_refuses_a_request_of_two_kinds(engines):
+    _, decode = engines
+    with pytest.raises(ValueError, match="prefill-only"):
+        decode.check(EngineRequest("both", [1, 2, 3], GREEDY, first_token=FirstToken(5), prefill_only=True))
+    with pytest.raises(ValueError, match="on_pages_filled"):
+        decode.check(EngineRequest("hook", [1, 2, 3], GREEDY, on_pages_filled=lambda pages, tokens: None))
+    with pytest.raises(ValueError, match="invalid sampling params: temperature"):
+        decode.check(EngineRequest("bad", [1, 2, 3], SamplingParams(temperature=-1)))
+
+
+async def test_a_refused_prefilled_request_leaves_no_page_reserved(engines):
+    """A prefilled request takes over the pages reserved under its room; one the engine refuses
+    frees them (its caller cannot: the reservation is the request's)."""
+    _, decode = engines
+    prompt = random_prompts([40], seed=19)[0]
+    assert decode.reserve("short", 16) is not None  # one page for a three-page prompt
+    with pytest.raises(ValueError, match="cannot hold"):
+        [o async for o in generate(decode, prompt, GREEDY, "short", first_token=FirstToken(5))]
+    with pytest.raises(KeyError):
+        [o async for o in generate(decode, prompt, GREEDY, "none", first_token=FirstToken(5))]
+    running = generate(decode, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "busy")
+    await running.__anext__()
+    assert decode.reserve("busy", len(prompt)) is not None  # a reservation under a running room
+    with pytest.raises(ValueError, match="already in use"):
+        [o async for o in generate(decode, prompt, GREEDY, "busy", first_token=FirstToken(5))]
+    await running.aclose()
+    await _until_idle(decode)
+    assert decode.stats().used_pages == 0 and decode.stats().held_rooms == 0

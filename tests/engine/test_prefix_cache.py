@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from engine.page_manager import PageManager
 from engine.prefix_cache import PrefixCache
-from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from libkv.allocator import PageAllocator
 from pdserve.page_hash import ROOT_HASH, page_hash, page_hashes
 from tests.engine.test_scheduler import run_step, spans

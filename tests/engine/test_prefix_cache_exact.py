@@ -16,7 +16,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from kernels import cpu_kernels, ops
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, prefill_first_token, random_prompts, start_engine
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -34,7 +34,7 @@ def prompt_family(seed: int) -> list[list[int]]:
 
 async def colocated(engine, prompt, params, room):
     return [(o.token_id, o.logprob, tuple(t for t, _ in o.top_logprobs))
-            async for o in engine.generate(prompt, params, room)]
+            async for o in generate(engine, prompt, params, room)]
 
 
 def assert_same(got, expected, what: str, bitwise: bool = True) -> None:
@@ -119,15 +119,15 @@ async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, ref
             def on_pages_filled(page_ids, num_tokens, written=written):
                 written[:] = page_ids
 
-            result = await prefill.prefill(prompt, GREEDY, room, on_pages_filled)
+            first = await prefill_first_token(prefill, prompt, GREEDY, room, on_pages_filled)
             # Only the pages decode does not hold cross over, as the transfer would move them.
-            tail = result.page_ids[reservation.cached_pages:]
+            tail = written[reservation.cached_pages:]
             if tail:
                 ops.scatter_pages(decode.pool.buffer, reservation.tail, ops.gather_pages(prefill.pool.buffer, tail))
             copied.append(len(tail))
             assert prefill.release(room)
             got = [(o.token_id, o.logprob, tuple(t for t, _ in o.top_logprobs))
-                   async for o in decode.generate_prefilled(room, prompt, result.first_token, GREEDY)]
+                   async for o in generate(decode, prompt, GREEDY, room, first_token=first)]
             assert_same(got, expected[i], f"prompt {i} ({len(prompt)} tokens, {reservation.cached_pages} "
                         "pages reused on decode)")
         assert sum(copied) < sum(-(-len(p) // PAGE) for p in prompts)  # decode reuse saved writes

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch import SchedulerOutput
 from engine.page_manager import PageManager
-from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make(num_pages=16, page_size=4, chunk=32, max_running=8, max_seq_len=1000) -> Scheduler:

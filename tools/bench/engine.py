@@ -87,6 +87,7 @@ class PdserveSystem:
         return asyncio.run(self._round(f"r{index}"))
 
     async def _round(self, tag: str) -> dict:
+        from engine.request import EngineRequest
         from engine.sampling import SamplingParams
 
         params = SamplingParams(temperature=0, max_new_tokens=self.new_tokens, ignore_eos=True)
@@ -94,9 +95,12 @@ class PdserveSystem:
         tokens: list[list[int]] = [[] for _ in self.prompts]
 
         async def one(index: int) -> None:
-            async for output in self.engine.generate(self.prompts[index], params, room=f"{tag}-{index}"):
-                stamps[index].append(time.perf_counter())
-                tokens[index].append(output.token_id)
+            request = self.engine.check(EngineRequest(f"{tag}-{index}", self.prompts[index], params))
+            async for batch in self.engine.generate(request):
+                now = time.perf_counter()
+                for output in batch:
+                    stamps[index].append(now)
+                    tokens[index].append(output.token_id)
 
         started = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(self.prompts))))

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return profile_prefill(args)
 
     from engine.engine import Engine
+    from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0, max_new_tokens=1 << 20, ignore_eos=True)
     for index in range(args.batch):
         prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-        request = engine._new_request(f"profile-{index}", prompt, params)
+        request = engine._new_request(EngineRequest(f"profile-{index}", prompt, params))
         request.emit = lambda item: None  # nobody listens: outputs are dropped
         engine.scheduler.add(request)
     started = time.perf_counter()
@@ -107,6 +108,7 @@ def profile_prefill(args: argparse.Namespace) -> int:
 
     from engine.engine import Engine
     from engine.models.attention import extend_attention_torch
+    from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -127,7 +129,7 @@ def profile_prefill(args: argparse.Namespace) -> int:
 
     def prefill(index: int) -> None:  # a new random prompt each time: no prefix cache hits
         prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-        request = engine._new_request(f"prefill-{index}", prompt, params)
+        request = engine._new_request(EngineRequest(f"prefill-{index}", prompt, params))
         request.emit = lambda item: None
         engine.scheduler.add(request)
         while engine.scheduler.has_work():

@@ -9,6 +9,7 @@ import uuid
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from pdserve.config_flags import add_config_arguments, config_from_args
 
@@ -35,24 +36,25 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-async def _stream(engine: Engine, ids: list[int], params: SamplingParams) -> str | None:
+async def _stream(engine: Engine, request: EngineRequest) -> str | None:
     finish = None
-    async for output in engine.generate(ids, params, room=f"cli-{uuid.uuid4().hex[:8]}"):
-        sys.stdout.write(output.text)
+    async for batch in engine.generate(request):
+        sys.stdout.write("".join(output.text for output in batch))
         sys.stdout.flush()
-        finish = output.finish_reason
+        finish = batch[-1].finish_reason
     sys.stdout.write("\n")
     return finish
 
 
 def main(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_new_tokens=args.max_new_tokens,
-                            ignore_eos=args.ignore_eos).validate()
+                            seed=args.seed, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     engine = Engine.load(config_from_args(EngineConfig, args))
     engine.start()
     try:
-        finish = asyncio.run(_stream(engine, prompt_ids(engine.tokenizer, args.prompt, args.chat), params))
+        request = engine.check(EngineRequest(f"cli-{uuid.uuid4().hex[:8]}",
+                                             prompt_ids(engine.tokenizer, args.prompt, args.chat), params))
+        finish = asyncio.run(_stream(engine, request))
     finally:
         engine.shutdown()
     print(f"[finish: {finish}]", file=sys.stderr)

@@ -29,7 +29,6 @@ from services.decode.servicer import DecodeServicer
 from services.prefill.servicer import PrefillServicer
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
-from services.worker.queues import DECODE_QUEUES, PREFILL_QUEUES, RoomQueues
 from services.worker.runtime import WorkerRuntime
 from tests.engine.conftest import random_prompts
 from tests.libkv.transfer.late_landing import LateLandingBackend
@@ -49,8 +48,7 @@ def _runtime(model: Path, role: str) -> Iterator[WorkerRuntime]:
     backend.register(engine.pool)
     engine.start()
     try:
-        yield WorkerRuntime(config=config, engine=engine, backend=backend, metrics=WorkerMetrics(role, config.model_name),
-                            queues=RoomQueues(PREFILL_QUEUES if role == "prefill" else DECODE_QUEUES))
+        yield WorkerRuntime(config=config, engine=engine, backend=backend, metrics=WorkerMetrics(role, config.model_name))
     finally:
         engine.shutdown()
         backend.close()

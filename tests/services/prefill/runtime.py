@@ -12,7 +12,6 @@ from engine.engine import Engine
 from libkv.transfer import TransferBackend
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
-from services.worker.queues import PREFILL_QUEUES, RoomQueues
 from services.worker.runtime import WorkerRuntime
 from tools.models.tiny_model import write_tiny_model
 
@@ -29,7 +28,7 @@ def prefill_runtime(folder: Path, backend: TransferBackend) -> Iterator[WorkerRu
     engine.start()
     try:
         yield WorkerRuntime(config=config, engine=engine, backend=backend,
-                            metrics=WorkerMetrics("prefill", config.model_name), queues=RoomQueues(PREFILL_QUEUES))
+                            metrics=WorkerMetrics("prefill", config.model_name))
     finally:
         engine.shutdown()
         backend.close()

@@ -22,10 +22,10 @@ from libkv.transfer import TransferState
 from libkv.transfer.fake import FakeBackend
 from libkv.transfer.hooks import Transfer
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.convert import endpoint_to_proto
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.prefill.servicer import PrefillServicer
-from services.worker.queues import PREFILL_QUEUES
+from services.worker.rooms import QUEUES, Stage
+from services.worker.wire import endpoint_to_proto
 from tests.engine.conftest import random_prompts
 from tests.services.prefill.runtime import prefill_runtime as make_prefill_runtime
 
@@ -75,7 +75,8 @@ async def test_cancelled_then_aborted_prefill_frees_its_pages(prefill_runtime, s
                 sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=4),
                 dst_page_ids=list(range(10, 10 + pages)), dst=endpoint_to_proto(runtime.backend.endpoint()),
                 page_checksums=True))
-            await _wait_for(lambda: runtime.queues.where(room) == "inflight", 30, "the prompt's writes in flight")
+            await _wait_for(lambda: getattr(runtime.rooms.get(room), "stage", None) is Stage.INFLIGHT, 30,
+                            "the prompt's writes in flight")
             assert engine.stats().used_pages == pages  # held until the writes finish or are aborted
             call.cancel()  # decode gone: the first cancellation
             if second_cancel == "abort_rpc":
@@ -89,7 +90,7 @@ async def test_cancelled_then_aborted_prefill_frees_its_pages(prefill_runtime, s
             # learns the checksums of the writes issued, which may still be landing.
             late = await stub.Abort(worker_pb2.AbortRequest(room=room), timeout=10)
             assert not late.found and len(late.page_checksums) == pages
-            assert runtime.queues.counts() == {name: 0 for name in PREFILL_QUEUES}
+            assert runtime.rooms.counts() == {stage.value: 0 for stage in QUEUES["prefill"]}
             # A Prefill for a room that was aborted is refused, not run into reused pages.
             if second_cancel == "abort_rpc":
                 with pytest.raises(grpc.aio.AioRpcError) as refused:

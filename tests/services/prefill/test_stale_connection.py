@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.convert import endpoint_to_proto
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.prefill.servicer import PrefillServicer
-from services.worker.queues import PREFILL_QUEUES
+from services.worker.rooms import QUEUES
+from services.worker.wire import endpoint_to_proto
 from tests.engine.conftest import random_prompts
 from tests.libkv.transfer.broken_connections import BrokenConnections
 from tests.services.prefill.runtime import prefill_runtime
@@ -81,7 +81,7 @@ async def test_a_peer_still_unreachable_after_reconnecting_fails_the_request_cle
     assert "REMOTE_DISCONNECT" in failed.value.details()
     # The error reaches the caller before the room's cleanup has finished: wait for it, bounded.
     deadline = time.monotonic() + 10
-    while runtime.queues.counts() != {name: 0 for name in PREFILL_QUEUES} and time.monotonic() < deadline:
+    while runtime.rooms.counts() != {stage.value: 0 for stage in QUEUES["prefill"]} and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    assert runtime.queues.counts() == {name: 0 for name in PREFILL_QUEUES}
+    assert runtime.rooms.counts() == {stage.value: 0 for stage in QUEUES["prefill"]}
     assert runtime.engine.stats().used_pages == 0

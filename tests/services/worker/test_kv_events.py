@@ -13,7 +13,7 @@ from pdserve.page_hash import page_hashes
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.worker.kv_events import KvEventsServicer
-from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, start_engine
 
 PARAMS = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
 
@@ -35,7 +35,7 @@ async def serve(servicer: KvEventsServicer):
 
 
 async def run(engine, prompt, room):
-    async for _ in engine.generate(prompt, PARAMS, room):
+    async for _ in generate(engine, prompt, PARAMS, room):
         pass
 
 

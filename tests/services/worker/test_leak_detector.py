@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.worker.leak_detector import Leak, LeakDetector
-from tests.engine.conftest import start_engine
+from tests.engine.conftest import generate, start_engine
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ async def test_idle_cached_pages_are_not_a_leak_but_a_leaked_reference_on_one_is
     found: list[Leak] = []
     check = detector(engine, set(), found)
     prompt = list(range(100, 150))  # 3 full pages stay cached after the request
-    async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=2), "cached"):
+    async for _ in generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=2), "cached"):
         pass
     assert engine.stats().cached_pages >= 3 and engine.allocator.idle_pages >= 3
     assert engine.stats().used_pages == 0

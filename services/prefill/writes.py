@@ -1,27 +1,58 @@
-"""One prefill request's transfer bookkeeping, shared by the event loop and the engine thread."""
+"""The prefill's KV writes into decode's pages: each room's writes, and the transfer queues that
+issue them off the engine thread.
+
+Transfer queues mirror SGLang's knobs: PDSERVE_DISAGGREGATION_QUEUE_SIZE queues share
+PDSERVE_DISAGGREGATION_THREAD_POOL_SIZE threads; a room always uses the same queue, so its writes
+are issued in order while requests of other rooms (and other decode peers) proceed in parallel.
+The engine thread only enqueues, so a slow transfer-engine call never stalls the forward loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from concurrent.futures import Future
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from libkv.transfer import PeerId, TransferBackend, TransferHandle
-from services.prefill.transfer_queues import TransferQueues
+
+T = TypeVar("T")
+
+
+class TransferQueues:
+    """`num_queues` executors with `thread_pool_size` threads between them (at least one each)."""
+
+    def __init__(self, num_queues: int, thread_pool_size: int) -> None:
+        if num_queues < 1 or thread_pool_size < 1:
+            raise ValueError(f"transfer queues need >= 1 queue and thread, got {num_queues} and {thread_pool_size}")
+        per_queue = max(1, thread_pool_size // num_queues)
+        self._queues = [ThreadPoolExecutor(per_queue, thread_name_prefix=f"pdserve-transfer-{i}")
+                        for i in range(num_queues)]
+
+    def submit(self, room: str, fn: Callable[[], T]) -> Future[T]:
+        # crc32, not hash(): stable across processes, so logs and tests can predict the queue.
+        return self._queues[zlib.crc32(room.encode()) % len(self._queues)].submit(fn)
+
+    def shutdown(self) -> None:
+        for queue in self._queues:
+            queue.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass(eq=False)
-class PrefillRoom:
+class RoomWrites:
     """The writes of one room: which prompt pages were pushed, and the writes still to await.
+    Shared by the event loop and the engine thread.
 
-    The engine thread calls `push` after every chunk (pages fully computed so far); the write is
-    issued on the room's transfer queue, carrying decode's grant for the room. With
-    `want_checksums`, each page is checksummed (xxh3) right before its write: a pushed page is
-    final, so decode can compare what arrived with what was sent. The servicer awaits `wait_all`
-    after the prompt and calls `abort_all` on any failure. `closed` stops new writes the moment an
-    abort starts, so nothing is written after Abort has been answered.
+    The engine thread calls `push` after every chunk (pages fully computed so far: the prefill-only
+    request's `on_pages_filled`); the write is issued on the room's transfer queue, carrying
+    decode's grant for the room. With `want_checksums`, each page is checksummed (xxh3) right
+    before its write: a pushed page is final, so decode can compare what arrived with what was sent.
+    The servicer awaits `wait_all` after the prompt and calls `abort_all` on any failure. `closed`
+    stops new writes the moment an abort starts, so nothing is written after Abort has been answered.
 
     The first `skip_pages` pages of the prompt are never written (decode holds them already):
     prompt page `skip_pages + i` goes to `dst_page_ids[i]`, and checksums cover written pages only.
@@ -35,15 +66,12 @@ class PrefillRoom:
     want_checksums: bool = False
     checksums: list[int] = field(default_factory=list)  # in dst_page_ids order, filled by the writes
     peer: PeerId | None = None  # set once the handshake with decode's endpoint is done
-    task: asyncio.Task | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     writes: list[Future[TransferHandle]] = field(default_factory=list)
     skip_pages: int = 0
     pages_pushed: int = 0  # pages written (issued), after the skipped ones
     bytes_pushed: int = 0
     first_write_at: float | None = None
     closed: bool = False
-    cleaning: bool = False  # the servicer is stopping and freeing the room (an Abort only waits)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def push(self, page_ids: list[int], num_tokens: int) -> None:

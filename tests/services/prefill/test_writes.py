@@ -1,8 +1,10 @@
+"""Prefill's transfer queues (services/prefill/writes.py): a room keeps its queue and order."""
+
 import threading
 
 import pytest
 
-from services.prefill.transfer_queues import TransferQueues
+from services.prefill.writes import TransferQueues
 
 
 def test_a_room_keeps_its_queue_and_order_while_rooms_spread_over_queues():

@@ -1,4 +1,4 @@
-"""Protobuf <-> libkv and engine conversion."""
+"""The worker's wire: protobuf <-> libkv and engine conversion."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
 from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2
-from services.common.convert import (
+from services.worker.wire import (
     endpoint_from_proto,
     endpoint_to_proto,
     finish_reason_from_proto,

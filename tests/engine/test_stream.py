@@ -1,4 +1,5 @@
-"""Incremental detokenizer, stop strings and TextStream, with the built-in byte-level tokenizer."""
+"""engine.stream's text: incremental detokenizer, stop strings and TextStream, with the built-in
+byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextStream
 from engine.sampling import SamplingParams
-from engine.stop import StopChecker
+from engine.stream import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, TextStream
 from tools.models.tokenizer_train import write_tokenizer
 
 MULTIBYTE_TEXTS = [

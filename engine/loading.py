@@ -1,0 +1,117 @@
+"""Building an engine's parts: weights, tokenizer, KV pool and page manager, and on tensor-parallel
+workers the follower ranks (`Engine.load` calls `load`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from engine.config import EngineConfig
+from engine.memory import kv_pages
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig, resolve_dtype
+from engine.models.decoder import DecoderModel
+from engine.models.layer_ops import select_layer_ops
+from engine.page_manager import PageManager
+from engine.tp.ranks import FollowerRanks
+from engine.tp.runner import DriverRunner
+from libkv.layout import KVLayout
+from libkv.pool import KVPool
+
+T = TypeVar("T")
+
+
+@dataclass
+class LoadedModel:
+    """What an Engine runs on. `runner` drives the other ranks too when `followers` is set."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model: DecoderModel
+    tokenizer: object
+    pool: KVPool
+    pages: PageManager
+    runner: ModelRunner | DriverRunner
+    followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Load weights and tokenizer from `config.model_path` and size the KV pool."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+    model_config = ModelConfig.from_dir(config.model_path)
+    dtype = resolve_dtype(config.dtype, model_config)
+    layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                      head_dim=model_config.head_dim, page_size=config.page_size,
+                      dtype=str(dtype).removeprefix("torch."))
+    layer_ops = select_layer_ops(config.cpu_kernels, device)
+    if config.tp_size > 1:
+        return _load_tensor_parallel(config, model_config, device)
+
+    def load_tensors() -> tuple[DecoderModel, KVPool]:
+        model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
+        pool = KVPool(layout, kv_pages(config, layout, device), device)
+        return model, pool
+
+    # The copies of loading run as parallel (OpenMP) regions, and the first one in a thread
+    # gives that thread a pool of OpenMP workers for as long as it lives. Two such pools (the
+    # caller's and the engine thread's) on a small machine make libgomp throttle its spinning:
+    # a bf16 decode step of the small preset measured 25.9 ms instead of 21 ms. So the loading
+    # happens in a short-lived thread whose workers go away with it.
+    model, pool = _in_short_lived_thread(load_tensors)
+    return LoadedModel(config, model_config, model, _tokenizer(config), pool, _page_manager(config, pool),
+                       ModelRunner(model, pool))
+
+
+def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> LoadedModel:
+    """Rank 0 of `config.tp_size`: start the follower ranks, load this rank's shard, drive the group."""
+    from engine.tp.load import load_rank
+    from engine.tp.setup import prepare_config, start_tensor_parallel
+
+    config = prepare_config(config, model_config)
+    torch.set_num_threads(config.num_threads)
+    group, followers = start_tensor_parallel(config, device)
+    try:
+        parts = _in_short_lived_thread(lambda: load_rank(config, device, group, followers.controls))
+        tokenizer = _tokenizer(config)
+    except BaseException:
+        followers.kill()
+        raise
+    # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
+    # ids and start positions), so a page cached here holds its K/V head slice on every rank.
+    return LoadedModel(config, model_config, parts.model, tokenizer, parts.pool, _page_manager(config, parts.pool),
+                       DriverRunner(parts.runner, group), followers)
+
+
+def _tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(config.model_path)))
+
+
+def _page_manager(config: EngineConfig, pool: KVPool) -> PageManager:
+    return PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
+
+
+def _in_short_lived_thread(function: Callable[[], T]) -> T:
+    """Run `function` in a new thread, wait for it, return its result or raise its exception."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function()
+        except BaseException as exc:  # re-raised in the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="pdserve-engine-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]

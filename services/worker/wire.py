@@ -1,0 +1,173 @@
+"""The worker's wire: what a worker reads off gRPC and writes back.
+
+Requests in: `parse_request` turns a Generate or Prefill request into an EngineRequest the engine
+has checked, with gRPC errors for bad input: every check a client can fail is here, so the
+servicers abort with INVALID_ARGUMENT and a message instead of letting a bad request reach the
+engine thread. Tokens out: `relay` turns an engine's stream of token batches into Generate
+responses, one message per batch, for every worker role, with the latency metrics. And the
+protobuf <-> engine and libkv dataclass conversions (KV layout, transfer endpoint, sampling params,
+finish reasons, token outputs), in one place: libkv and engine never import protos. Imports engine
+and libkv (and so torch): the gateway and the registry never import it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.engine import Engine
+from engine.outputs import TokenOutput
+from engine.request import EngineRequest
+from engine.sampling import SamplingParams
+from libkv.layout import KVLayout
+from libkv.transfer import TransferEndpoint
+from protos.v1 import common_pb2, worker_pb2
+from services.worker.metrics import WorkerMetrics
+
+
+class BadRequest(ValueError):
+    """A request the client must fix; becomes INVALID_ARGUMENT with this message."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_pb2.SamplingParams, *,
+                  prefill_only: bool = False) -> EngineRequest:
+    """The request as `engine` will run it, checked against its model and KV pool (`Engine.check`:
+    the one check of a request in this process); BadRequest names what is wrong. A missing room
+    gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request."""
+    model = engine.model_config
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise BadRequest("prompt_token_ids is empty: a prompt needs at least one token")
+    bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    if len(prompt) >= model.max_position_embeddings:
+        raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
+                         f"{model.max_position_embeddings} tokens")
+    request = EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt, params=sampling_from_proto(sampling),
+                            prefill_only=prefill_only)
+    try:
+        return engine.check(request)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetrics,
+                arrival: float) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """One GenerateResponse per batch of engine outputs (Engine.generate): the tokens that were
+    ready together travel in one message. The last response carries finish_reason and usage; an
+    abort output (token_id -1) adds no token, only the finish reason. Tokens after the first of a
+    batch arrive with it, so their inter-token latency is observed as 0."""
+    last = None
+    async for batch in batches:
+        now = time.perf_counter()
+        response = worker_pb2.GenerateResponse()
+        for out in batch:
+            if out.token_id >= 0:
+                if last is None:
+                    metrics.ttft.observe(now - arrival)
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                metrics.generation_tokens.inc()
+                response.outputs.append(token_to_proto(out.token_id, out.text, out.logprob, out.top_logprobs))
+            if out.finish_reason is not None:
+                response.finish_reason = finish_reason_to_proto(out.finish_reason)
+                response.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=out.prompt_tokens,
+                                                         completion_tokens=out.completion_tokens))
+                metrics.prompt_tokens.inc(out.prompt_tokens)
+                metrics.request_success.labels(**metrics.labels, finish_reason=out.finish_reason).inc()
+                metrics.e2e.observe(now - arrival)
+        yield response
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype)
+
+
+def layout_from_proto(message: common_pb2.KVLayout) -> KVLayout:
+    """Raises ValueError (from KVLayout's own checks) for a missing or invalid layout."""
+    return KVLayout(num_layers=message.num_layers, num_kv_heads=message.num_kv_heads,
+                    head_dim=message.head_dim, page_size=message.page_size, dtype=message.dtype)
+
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
+    """The engine's "stop" | "length" | "abort" | None (not finished) as the proto enum."""
+    if reason is None:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    try:
+        return _FINISH_REASONS[reason]
+    except KeyError:
+        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_FINISH_REASONS)}") from None
+
+
+def finish_reason_from_proto(reason: common_pb2.FinishReason) -> str | None:
+    for name, value in _FINISH_REASONS.items():
+        if value == reason:
+            return name
+    return None
+
+
+def token_to_proto(token_id: int, text: str, logprob: float | None,
+                   top_logprobs: list[tuple[int, float]]) -> common_pb2.TokenOutput:
+    """One sampled token (engine.outputs.TokenOutput / FirstToken fields) as a proto TokenOutput;
+    an unrequested logprob (None) is sent as 0 (the caller asked for none, so reads none)."""
+    return common_pb2.TokenOutput(
+        token_id=token_id, text=text, logprob=logprob if logprob is not None else 0.0,
+        top_logprobs=[common_pb2.TokenLogprob(token_id=tid, logprob=lp) for tid, lp in top_logprobs])
+
+
+def endpoint_to_proto(endpoint: TransferEndpoint) -> common_pb2.TransferEndpoint:
+    return common_pb2.TransferEndpoint(backend=endpoint.backend, host=endpoint.host,
+                                       layout=layout_to_proto(endpoint.layout), descriptor=endpoint.blob,
+                                       num_pages=endpoint.num_pages)
+
+
+def endpoint_from_proto(message: common_pb2.TransferEndpoint) -> TransferEndpoint:
+    """Raises ValueError if the endpoint or its layout is missing."""
+    if not message.backend:
+        raise ValueError("transfer endpoint has no backend")
+    return TransferEndpoint(backend=message.backend, layout=layout_from_proto(message.layout),
+                            host=message.host, num_pages=message.num_pages, blob=message.descriptor)
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Fields left unset in the message take engine.sampling.SamplingParams' defaults (so a default
+    lives in one place). top_k 0 (proto3's unset) means off, as -1 does. Not validated: that is
+    `Engine.check`'s (parse_request)."""
+    values: dict = {
+        "top_k": message.top_k if message.top_k != 0 else -1,  # other negatives fail validate()
+        "min_p": message.min_p,
+        "stop": tuple(message.stop),
+        "stop_token_ids": tuple(message.stop_token_ids),
+        "ignore_eos": message.ignore_eos,
+        "logprobs": message.logprobs,
+        "top_logprobs": message.top_logprobs,
+    }
+    for name in ("temperature", "top_p", "seed", "max_new_tokens"):
+        if message.HasField(name):
+            values[name] = getattr(message, name)
+    return SamplingParams(**values)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        max_new_tokens=params.max_new_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
