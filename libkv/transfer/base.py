@@ -29,8 +29,7 @@ from typing import ClassVar
 
 from libkv.landing import checksums_in_parts
 from libkv.layout import KVLayout
-from libkv.pool import KVPool
-from libkv.runs import ByteRun, PageRun, coalesce
+from libkv.pool import ByteRun, KVPool, PageRun, coalesce
 from libkv.transfer.errors import (
     BackendMismatch,
     GrantRefused,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from libkv.layout import KVLayout, LayoutMismatch
-from libkv.runs import ByteRun
+from libkv.pool import ByteRun
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from libkv.pool import KVPool
-from libkv.runs import ByteRun, PageRun
+from libkv.pool import ByteRun, KVPool, PageRun
 from libkv.transfer.errors import PeerUnreachable, TransferError
 from libkv.transfer.grants import GrantReader, GrantTable, ReadFailed, Refusal
 from libkv.transfer.interface import PeerId, TransferEndpoint, TransferHandle, TransferState

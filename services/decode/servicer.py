@@ -13,7 +13,8 @@ One request, through its stages in the room table (services/worker/rooms.py):
             prefilled request: the engine's own `waiting` and `running` queues count it from
             here); tokens stream back in batches, as a colocated worker's do.
 
-Conditional disaggregation (`--conditional-disaggregation`, services/worker/local_prefill.py): a
+Conditional disaggregation (`--conditional-disaggregation`; its settings are
+services/worker/config.py's LocalPrefillRule, the decision is `local_prefill_reason` below): a
 short prompt, a request with no prefill worker, or one whose prefill is busy runs here instead, as
 on a colocated worker (the engine's own waiting -> running queues), with the same output.
 
@@ -42,6 +43,7 @@ from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry_client import RegistryClient
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
+from services.worker.config import LocalPrefillRule
 from services.worker.model_info import ModelInfoServicer
 from services.worker.rooms import Room, RoomInUse, Stage, finish_despite_cancel
 from services.worker.runtime import WorkerRuntime
@@ -53,6 +55,33 @@ log = logging.getLogger("pdserve.decode")
 # blames and retries around the right worker without parsing messages.
 FAILED_PEER_KEY = "pdserve-failed-peer"
 _POLL_S = 0.005
+
+# Why a decode worker runs a prompt itself (conditional disaggregation). Shipping a prompt to a
+# prefill worker costs a Prefill round trip, a handshake, page reservations and a KV transfer; for a
+# short prompt that costs more than the forward pass it saves the decode batch, and when no prefill
+# worker can take it the request would otherwise fail. The local run batches the prompt's chunks
+# with the running decode batch like a colocated worker, and its output is the same: both paths run
+# the same chunked prefill over the same weights, and sampling is seeded per token, not per worker.
+# `pdserve:local_prefill_requests_total{reason}` counts each reason.
+NO_PREFILL = "no_prefill"  # the request names no prefill worker (none was healthy at the gateway)
+SHORT_PROMPT = "short_prompt"  # at most --local-prefill-max-tokens prompt tokens
+PREFILL_QUEUE = "prefill_queue"  # --local-prefill-max-prefill-queue calls already open on that prefill
+REASONS = (NO_PREFILL, SHORT_PROMPT, PREFILL_QUEUE)
+
+
+def local_prefill_reason(rule: LocalPrefillRule, prompt_tokens: int, prefill_address: str,
+                         open_on_prefill: int) -> str | None:
+    """Why this request runs here (the first of REASONS that applies, in that order), or None: ship
+    it to `prefill_address`. `open_on_prefill`: Prefill calls this worker has open on that prefill."""
+    if not rule.enabled:
+        return None
+    if not prefill_address:
+        return NO_PREFILL
+    if prompt_tokens <= rule.max_tokens:
+        return SHORT_PROMPT
+    if rule.max_prefill_queue and open_on_prefill >= rule.max_prefill_queue:
+        return PREFILL_QUEUE
+    return None
 
 
 class PreallocTimeout(TimeoutError):
@@ -139,7 +168,8 @@ class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
         except RoomInUse:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {parsed.room} is already in use on this worker")
         try:
-            local = self.local_prefill.reason(len(parsed.prompt_ids), prefill_address, self._open_on(prefill_address))
+            local = local_prefill_reason(self.local_prefill, len(parsed.prompt_ids), prefill_address,
+                                         self._open_on(prefill_address))
             if local is not None:
                 room.stage, room.local = Stage.RUNNING, True
                 self.runtime.metrics.local_prefill(local)

@@ -6,7 +6,7 @@ A request's path through the package:
     routes.py       the endpoint: the body (protocol.py, errors.py), fan-out (400) and admission
                     (429, middleware.RequestGuards), one SamplingParams per choice (protocol.py)
     prompts.py      chat template + tokenizer: prompt text -> token ids, checked against the model
-    responses.py    run the choices and merge their chunks (each timed by metrics.RequestTimer);
+    responses.py    run the choices and merge their chunks (each timed by its RequestTimer);
                     answer whole or as server-sent events
     dispatcher.py   one generation: route, Worker.Generate, retries, abort
     workers.py      Router + policies/ pick (prefill, decode) among the WorkerPool's workers,

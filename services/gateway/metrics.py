@@ -8,7 +8,6 @@ time, so a worker that left simply disappears from the next scrape.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -123,32 +122,3 @@ class GatewayMetrics:
     def watch_admission(self, admission: AdmissionControl) -> None:
         """Export the admission queues' occupancy (read at scrape time)."""
         self.registry.register(_AdmissionCollector(admission))
-
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
-
-
-class RequestTimer:
-    """Client-side latencies of one choice: call `tokens(n)` as n tokens reach the client and
-    `done()` at the end (TTFT once, ITL per token after the first, e2e at done)."""
-
-    def __init__(self, metrics: GatewayMetrics, arrival: float | None = None) -> None:
-        self.metrics = metrics
-        self.arrival = time.perf_counter() if arrival is None else arrival
-        self._last: float | None = None
-
-    def tokens(self, count: int) -> None:
-        if count <= 0:
-            return
-        now = time.perf_counter()
-        if self._last is None:
-            self.metrics.ttft.observe(now - self.arrival)
-            count -= 1
-        elif count > 0:
-            gap = (now - self._last) / count
-            for _ in range(count):
-                self.metrics.itl.observe(gap)
-        self._last = now
-
-    def done(self) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.arrival)

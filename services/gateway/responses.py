@@ -13,6 +13,9 @@ request that fails before producing anything (no healthy worker, bad input seen 
 retries exhausted) still gets a proper status code and error body instead of a 200 stream with an
 error inside; a failure after it ends the stream with an error event, then `[DONE]`.
 
+Timing: each choice's `RequestTimer` records the latencies the client sees (TTFT, ITL, e2e in
+GatewayMetrics) as its tokens are handed to the response.
+
 Bodies are pydantic models whose field order and names follow the OpenAI API reference (`None`
 fields are sent as null, as OpenAI does): the official `openai` client parses them unchanged,
 streaming chunks included. Token logprobs come in the OpenAI shapes: chat's `logprobs.content`
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -37,11 +41,37 @@ from starlette.responses import Response, StreamingResponse
 from protos.v1 import common_pb2
 from services.gateway.dispatcher import Dispatcher, GeneratedToken, GenerationChunk
 from services.gateway.errors import GatewayError, error_body
-from services.gateway.metrics import RequestTimer
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ModelFiles
 
 T = TypeVar("T")
 log = logging.getLogger("pdserve.gateway")
+
+
+class RequestTimer:
+    """Client-side latencies of one choice: call `tokens(n)` as n tokens reach the client and
+    `done()` at the end (TTFT once, ITL per token after the first, e2e at done)."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float | None = None) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self._last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            count -= 1
+        elif count > 0:
+            gap = (now - self._last) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self._last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
 # 499: the nginx convention for "client closed the request"; nobody reads it, metrics do.
 CLIENT_CLOSED = 499

@@ -50,6 +50,7 @@ from services.gateway.responses import (
     ModelList,
     NativeGenerateResponse,
     NativeMetaInfo,
+    RequestTimer,
     Usage,
     chat_logprobs,
     collect_choices,
@@ -122,7 +123,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
     jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i)) for i in range(body.n)]
-    timers = [state.metrics.timer() for _ in jobs]
+    timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
 
     def logprobs_of(tokens):
@@ -185,7 +186,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     request_id = new_request_id("cmpl")
     jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids, body.sampling(j))
             for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
-    timers = [state.metrics.timer() for _ in jobs]
+    timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
     prompt_lengths = [len(prompt_ids) for prompt_ids in prompts]
 
@@ -303,7 +304,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
             for i, prompt_ids in enumerate(prompts)]
     shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
                  for job in jobs]
-    timers = [state.metrics.timer() for _ in jobs]
+    timers = [RequestTimer(state.metrics) for _ in jobs]
 
     if body.stream:
         def token_event(_: int, item: GenerationChunk, so_far: ChoiceResult) -> str:

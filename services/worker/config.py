@@ -20,7 +20,6 @@ from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.common.server_config import ServerConfig
-from services.worker.local_prefill import LocalPrefillRule
 
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
@@ -30,6 +29,31 @@ _ENGINE_ONLY = ("max_total_tokens", "cpu_kv_cap_gib", "cpu_kernels")
 
 def _help(text: str) -> dict:
     return {"help": text}
+
+
+@dataclass(frozen=True)
+class LocalPrefillRule:
+    """The settings of conditional disaggregation: when a decode worker runs a prompt itself instead
+    of shipping it to a prefill worker (the decision: services/decode/servicer.py,
+    `local_prefill_reason`). `enabled=False` always ships the prompt (the plain PD behaviour). Its
+    fields are flags of WorkerConfig; the worker's rule is enabled on a decode worker only
+    (WorkerConfig.local_prefill_rule)."""
+
+    enabled: bool = field(default=False, metadata={"flags": ("--conditional-disaggregation",), "help": (
+        "decode: run a prompt on this worker instead of a prefill worker when that is cheaper: no prefill "
+        "worker given, a prompt of at most --local-prefill-max-tokens, or the prefill's queue at "
+        "--local-prefill-max-prefill-queue (services/decode/servicer.py)")})
+    max_tokens: int = field(default=256, metadata={"flags": ("--local-prefill-max-tokens",), "help": (
+        "decode, with --conditional-disaggregation: prompts of at most this many tokens run locally")})
+    max_prefill_queue: int = field(default=0, metadata={"flags": ("--local-prefill-max-prefill-queue",), "help": (
+        "decode, with --conditional-disaggregation: run locally when this worker already has this many "
+        "Prefill calls open on the chosen prefill worker (0 = never)")})
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.max_tokens}")
+        if self.max_prefill_queue < 0:
+            raise ValueError(f"--local-prefill-max-prefill-queue must be >= 0, got {self.max_prefill_queue}")
 
 
 @dataclass(frozen=True, kw_only=True)

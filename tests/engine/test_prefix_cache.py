@@ -3,8 +3,7 @@ is simulated as in test_scheduler.py): hits, sharing, LRU eviction order, refcou
 
 from __future__ import annotations
 
-from engine.page_manager import PageManager
-from engine.prefix_cache import PrefixCache
+from engine.page_manager import PageManager, PrefixCache
 from engine.sampling import SamplingParams
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from libkv.allocator import PageAllocator

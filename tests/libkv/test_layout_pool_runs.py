@@ -3,7 +3,7 @@ import torch
 import xxhash
 
 from libkv import KVLayout, KVPool, LayoutMismatch
-from libkv.runs import PageRun, coalesce
+from libkv.pool import PageRun, coalesce
 
 
 def test_page_bytes_and_pool_views():

@@ -1,12 +1,13 @@
 """`pdserve bench request-path`: the files one streaming PD chat request passes through.
 
 Starts a prefill worker, a decode worker and a gateway (static lists, round robin) under
-tools.bench.call_tracer, sends two warm-up chats (first connections, first-use paths), records an
-idle window, then records one streaming chat request and prints, per process, every repository
-file whose functions ran for it. Counted: hand-written files. Not counted: generated protobuf code
-and the model's forward pass (engine/models/, kernels/), which are listed apart. Files that also
-ran in the idle window (the engine loop, background tasks) are marked, since they would have run
-without the request.
+tools.bench.call_tracer, sends two warm-up chats (first connections, first-use paths), then records
+`--repeat` streaming chat requests one at a time, each with a prompt of its own (no prefix-cache
+hit), and prints, per process, every file of the deployed code whose functions ran for every one of
+them. Taking the files common to all the recordings leaves out background work that happened to
+tick during one (the leak detector, heartbeats). Counted: hand-written files. Not counted:
+generated protobuf code and the model's forward pass (engine/models/, kernels/), listed apart.
+Files that also ran in an idle window of the same length (the engine loop) are marked.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint (default: built-in tiny)")
     parser.add_argument("--transfer-backend", default="mooncake", help="KV transfer backend (default mooncake)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated (default 16)")
+    parser.add_argument("--repeat", type=int, default=3, help="requests recorded, one at a time (default 3)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -83,11 +85,13 @@ def main(args: argparse.Namespace) -> int:
         gateway = traced("gateway", ["launch-router", "--model-path", model, "--pd-disaggregation", "--port", "0",
                                      "--prefill", f"http://{prefill.address}", "--decode", f"http://{decode.address}",
                                      "--policy", "round_robin"])
-        body = json.dumps({"model": args.model_path.resolve().name, "stream": True, "temperature": 0,
-                           "max_tokens": args.max_tokens,
-                           "messages": [{"role": "user", "content": "Hello there, how are you today?"}]}).encode()
+        sent = iter(range(1_000_000))
 
         def chat() -> None:
+            content = f"Request {next(sent)}: hello there, how are you today? " * 4  # never a cache hit
+            body = json.dumps({"model": args.model_path.resolve().name, "stream": True, "temperature": 0,
+                               "max_tokens": args.max_tokens,
+                               "messages": [{"role": "user", "content": content}]}).encode()
             request = urllib.request.Request(f"http://{gateway.address}/v1/chat/completions", body,
                                              {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as response:
@@ -99,9 +103,10 @@ def main(args: argparse.Namespace) -> int:
         chat()
         chat()
         started = time.monotonic()
-        request = _record(services, outputs, chat)
-        elapsed = time.monotonic() - started
+        recordings = [_record(services, outputs, chat) for _ in range(args.repeat)]
+        elapsed = (time.monotonic() - started) / args.repeat
         idle = _record(services, outputs, lambda: time.sleep(elapsed))
+    request = {name: set.intersection(*(r[name] for r in recordings)) for name in outputs}
     result = {name: {"counted": _relative(files, "counted"), "generated": _relative(files, "generated"),
                      "forward": _relative(files, "forward"), "idle": _relative(idle[name], "counted")}
               for name, files in request.items()}

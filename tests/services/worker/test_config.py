@@ -11,8 +11,7 @@ import torch
 from engine.config import EngineConfig
 from pdserve.config_flags import config_from_args
 from services.launch_server import add_arguments
-from services.worker.config import WorkerConfig
-from services.worker.local_prefill import LocalPrefillRule
+from services.worker.config import LocalPrefillRule, WorkerConfig
 from tools.models.tiny_model import PRESETS, model_config
 
 

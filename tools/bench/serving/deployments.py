@@ -5,7 +5,7 @@ Same model, same dtype, same KV pages per worker and the same cores for each:
 - `pd`: one prefill worker on the first half of the cores and one decode worker on the other half
   (threads = cores each), the KV moving over a real transfer engine;
 - `pd+conditional`: `pd` with the decode worker running short prompts itself
-  (`--conditional-disaggregation`, services/worker/local_prefill.py).
+  (`--conditional-disaggregation`, services/decode/servicer.py).
 Each has its own gateway (static worker lists, round robin). Workers are pinned with `taskset`;
 the gateways and the load generator are not pinned (they share every core, alike for all).
 Processes come from tools/launch.py (the launcher of every tool and of the e2e tests): ports are
@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from services.worker.local_prefill import LocalPrefillRule
+from services.worker.config import LocalPrefillRule
 from tools.launch import ProcessGroup, Service
 
 KINDS = ("colocated", "pd", "pd+conditional")

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig
-from services.worker.local_prefill import LocalPrefillRule
+from services.worker.config import LocalPrefillRule
 from tools.bench.serving import datasets, deployments, metrics, plots, report, runner
 from tools.bench.serving.main import benchmark
 from tools.bench.serving.workload import WorkloadError, interruption_workload

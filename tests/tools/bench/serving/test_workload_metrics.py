@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from services.worker.local_prefill import LocalPrefillRule
 from tools.bench.serving.client import RequestResult
 from tools.bench.serving.metrics import Slo, peak_output_throughput, summarize
 from tools.bench.serving.report import result_text
@@ -105,15 +104,3 @@ def test_report_has_the_seeds_layout() -> None:
         assert any(line.strip("-") == header for line in lines), header
     for label in ("Mean TTFT (ms):", "P99 ITL (ms):", "P90 E2E Latency (ms):", "Request goodput (req/s):"):
         assert label in text
-
-
-def test_local_prefill_rule_order_and_switch() -> None:
-    rule = LocalPrefillRule(enabled=True, max_tokens=32, max_prefill_queue=2)
-    assert rule.reason(1000, "", 0) == "no_prefill"
-    assert rule.reason(32, "p:1", 0) == "short_prompt"
-    assert rule.reason(33, "p:1", 1) is None
-    assert rule.reason(33, "p:1", 2) == "prefill_queue"
-    assert LocalPrefillRule(enabled=True, max_tokens=0).reason(5, "p:1", 99) is None  # queue rule off
-    assert LocalPrefillRule(enabled=False).reason(1, "", 0) is None
-    with pytest.raises(ValueError, match="--local-prefill-max-tokens"):
-        LocalPrefillRule(max_tokens=-1)
