@@ -57,14 +57,6 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's declared dtype, used by --dtype auto
     eos_token_ids: tuple[int, ...] = field(default=())
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)

@@ -25,6 +25,8 @@ CPU_KERNEL_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class HeadShape:
+    """One rank's attention heads: query heads, KV heads and their size (the qkv projection's split)."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int

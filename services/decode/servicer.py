@@ -44,7 +44,7 @@ from services.common.registry_client import RegistryClient
 from services.decode.prefill_client import PrefillClients, PrefillFailed
 from services.decode.quarantine import PageQuarantine
 from services.worker.config import LocalPrefillRule
-from services.worker.model_info import ModelInfoServicer
+from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import Room, RoomInUse, Stage, finish_despite_cancel
 from services.worker.runtime import WorkerRuntime
 from services.worker.wire import BadRequest, endpoint_to_proto, parse_request, relay
@@ -123,17 +123,13 @@ class PreallocQueue:
             self._turn.release()
 
 
-class DecodeServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
+class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker for a decode worker. Called by the gateway; calls prefill workers."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         assert runtime.backend is not None
-        self.runtime = runtime
-        self.engine = runtime.engine
+        super().__init__(runtime)
         self.backend = runtime.backend
-        self.config = runtime.config
-        self.rooms = runtime.rooms
-        self.model_name = self.config.model_name  # resolved once: every PrefillRequest names it
         self.prealloc = PreallocQueue(self.engine)
         # An Abort waits until the prefill stopped every write, which is bounded by one write's timeout.
         self.prefills = PrefillClients(abort_timeout_s=self.config.transfer_timeout + 5.0,

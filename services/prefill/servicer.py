@@ -36,7 +36,7 @@ from libkv.transfer import BackendMismatch, GrantRefused, PeerUnreachable, Trans
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.prefill.writes import RoomWrites, TransferQueues
 from services.worker.metrics import HANDSHAKE
-from services.worker.model_info import ModelInfoServicer
+from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import Room, RoomInUse, Stage, finish_despite_cancel
 from services.worker.runtime import WorkerRuntime
 from services.worker.wire import BadRequest, endpoint_from_proto, parse_request, token_to_proto
@@ -44,18 +44,13 @@ from services.worker.wire import BadRequest, endpoint_from_proto, parse_request,
 log = logging.getLogger("pdserve.prefill")
 
 
-class PrefillServicer(ModelInfoServicer, worker_pb2_grpc.PrefillServicer):
+class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
     """pdserve.v1.Prefill over the engine's prefill-only requests and the transfer backend."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         assert runtime.backend is not None
-        self.runtime = runtime
-        self.engine = runtime.engine
+        super().__init__(runtime)
         self.backend = runtime.backend
-        self.config = runtime.config
-        self.rooms = runtime.rooms
-        self.metrics = runtime.metrics
-        self.model_name = self.config.model_name  # resolved once: the check of every request
         self.transfer_queues = TransferQueues(self.config.transfer_queue_size,
                                               self.config.transfer_thread_pool_size)
 

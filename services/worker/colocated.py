@@ -12,19 +12,13 @@ import time
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.model_info import ModelInfoServicer
+from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import RoomInUse, Stage
-from services.worker.runtime import WorkerRuntime
 from services.worker.wire import BadRequest, parse_request, relay
 
 
-class ColocatedServicer(ModelInfoServicer, worker_pb2_grpc.WorkerServicer):
+class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker over an engine that does both phases. Called by the gateway."""
-
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.runtime = runtime
-        self.engine = runtime.engine
-        self.rooms = runtime.rooms
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()

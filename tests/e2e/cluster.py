@@ -6,8 +6,16 @@ happens in the test.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
 
 from tools.launch import ProcessGroup, Service
 
@@ -44,3 +52,45 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@dataclass
+class UpRun:
+    """A running `pdserve up`: what it printed until its ready line and the children it started."""
+
+    popen: subprocess.Popen
+    output: str = ""
+    children: list[psutil.Process] = field(default_factory=list)
+
+    def interrupt(self) -> str:
+        """Ctrl-C; returns what `pdserve up` printed while it stopped (it has exited then)."""
+        self.popen.send_signal(signal.SIGINT)
+        rest, _ = self.popen.communicate(timeout=60)
+        return rest
+
+
+@contextmanager
+def pdserve_up(args: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 240) -> Iterator[UpRun]:
+    """`pdserve up ARGS` from the repository root, read until "Press Ctrl-C to stop." (or `timeout_s`);
+    everything it started is killed when the block ends, whatever happened in it."""
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args], cwd=Path(__file__).resolve().parents[2],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    run = UpRun(up)
+    try:
+        assert up.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        for line in up.stdout:
+            lines.append(line)
+            if "Press Ctrl-C to stop." in line or time.monotonic() > deadline:
+                break
+        run.output = "".join(lines)
+        run.children = psutil.Process(up.pid).children()
+        yield run
+    finally:
+        for child in run.children:
+            if child.is_running():
+                child.kill()
+        if up.poll() is None:
+            up.kill()
+            up.wait()

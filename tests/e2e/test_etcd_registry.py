@@ -13,8 +13,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +20,11 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
-from tests.e2e.cluster import Cluster, Proc, wait_until
+from tests.e2e.cluster import Cluster, Proc, pdserve_up, wait_until
 from tests.services.bootstrap.etcd import run_etcd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -155,39 +152,20 @@ def test_up_runs_two_registries_on_etcd(tiny_model: Path, tmp_path: Path) -> Non
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--model-path", str(tiny_model), "--port", str(port),
-             "--transfer-backend", BACKEND, "--worker-threads", "1", "--log-dir", str(tmp_path / "logs"),
-             "--etcd-endpoints", etcd.endpoint, "--num-registries", "2"],
-            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret_file.read_text()})
-        children: list[psutil.Process] = []
-        try:
-            assert up.stdout is not None
-            lines = []
-            for line in up.stdout:
-                lines.append(line)
-                if "Press Ctrl-C to stop." in line:
-                    break
-            output = "".join(lines)
+        args = ["--model-path", str(tiny_model), "--port", str(port), "--transfer-backend", BACKEND,
+                "--worker-threads", "1", "--log-dir", str(tmp_path / "logs"), "--etcd-endpoints", etcd.endpoint,
+                "--num-registries", "2"]
+        with pdserve_up(args, env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret_file.read_text()}) as up:
+            output = up.output
             assert "Press Ctrl-C to stop." in output, output
             assert output.count("registry on etcd") == 2, output
-            children = psutil.Process(up.pid).children()
-            assert len(children) == 5  # 2 registries, prefill, decode, gateway
+            assert len(up.children) == 5  # 2 registries, prefill, decode, gateway
             registries = re.findall(r"bootstrap-\d ready on (\S+)", output)
             views = [registered(address, secret_file) for address in registries]
             assert len(views) == 2 and views[0] == views[1] and len(views[0]) == 2
             answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                 json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4})
             assert answer.status_code == 200, answer.text
-            up.send_signal(signal.SIGINT)
-            rest, _ = up.communicate(timeout=60)
-            assert up.returncode == 0, output + rest
+            rest = up.interrupt()
+            assert up.popen.returncode == 0, output + rest
             assert rest.count("stopped ") == 5 and "killed" not in rest, rest
-        finally:
-            for child in children:
-                if child.is_running():
-                    child.kill()
-            if up.poll() is None:
-                up.kill()
-                up.wait()

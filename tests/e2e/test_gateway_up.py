@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+
+from tests.e2e.cluster import pdserve_up
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,40 +37,21 @@ def free_port() -> int:
 
 def test_up_serves_and_stops_everything_on_ctrl_c(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model-path", str(model_dir), "--port", str(port),
-                           "--num-prefill", "1", "--num-decode", "1", "--log-dir", str(tmp_path / "logs"),
-                           "--worker-threads", "1"],
-                          cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    children: list[psutil.Process] = []
-    try:
-        assert up.stdout is not None
-        deadline = time.monotonic() + 240
-        for line in up.stdout:
-            lines.append(line)
-            if "Press Ctrl-C to stop." in line or time.monotonic() > deadline:
-                break
-        output = "".join(lines)
+    with pdserve_up(["--model-path", str(model_dir), "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
+                     "--log-dir", str(tmp_path / "logs"), "--worker-threads", "1"]) as up:
+        output = up.output
         assert "Press Ctrl-C to stop." in output, output
         curl = re.search(r"curl (\S+) -H 'Content-Type: application/json' -d '(.+)'", output)
         assert curl, output
-        children = psutil.Process(up.pid).children()
+        children = up.children
         assert len(children) == 4  # bootstrap, prefill, decode, gateway
         answer = httpx.post(curl.group(1), json=json.loads(curl.group(2)), timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 32
-        up.send_signal(signal.SIGINT)
-        rest, _ = up.communicate(timeout=60)
-        assert up.returncode == 0, output + rest
+        rest = up.interrupt()
+        assert up.popen.returncode == 0, output + rest
         assert rest.count("stopped ") == 4 and "killed" not in rest, rest
         assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
-    finally:
-        for child in children:
-            if child.is_running():
-                child.kill()
-        if up.poll() is None:
-            up.kill()
-            up.wait()
 
 
 def test_bench_gateway_prints_json(model_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""GetModelInfo, shared by the Worker (decode, colocated) and Prefill servicers."""
+"""RoleServicer: what the servicer of each worker role (prefill, decode, colocated) starts from."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import grpc
 
 from protos.v1 import worker_pb2
 from services.common.model_info import ModelInfoError, read_model_info
+from services.worker.runtime import WorkerRuntime
 
 
 @functools.cache
@@ -15,14 +16,22 @@ def _cached_model_info(model_path: str, served_model_name: str) -> worker_pb2.Mo
     return read_model_info(model_path, served_model_name)  # the folder does not change while serving
 
 
-class ModelInfoServicer:
-    """Mixin for a servicer with a `runtime`: answers GetModelInfo from the worker's checkpoint folder."""
+class RoleServicer:
+    """The parts of the worker's runtime a servicer uses, by name, and GetModelInfo (answered from the
+    worker's checkpoint folder), which every worker's gRPC services share."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.config = runtime.config
+        self.rooms = runtime.rooms
+        self.metrics = runtime.metrics
+        self.model_name = runtime.config.model_name  # resolved once: requests name it or are checked against it
 
     async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.ModelInfo:
-        config = self.runtime.config  # type: ignore[attr-defined]
         try:
-            return _cached_model_info(config.engine.model_path, config.model_name)
+            return _cached_model_info(self.config.engine.model_path, self.model_name)
         except ModelInfoError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except OSError as exc:
