@@ -44,25 +44,27 @@ from protos.etcd import rpc_pb2
 from protos.v1 import bootstrap_pb2, common_pb2, registry_store_pb2
 from services.bootstrap.etcd_client import EtcdClient, prefix_end
 from services.bootstrap.registry import (
-    JOINED,
-    LEFT,
     REASON_DEREGISTERED,
     REASON_EXPIRED,
     REASON_REPLACED,
     REFUSED_INVALID,
-    UPDATED,
     InvalidWorker,
     LeaseNotFound,
     RegistrationRefused,
+    check_consistent,
+    describe_layout,
+    validate_worker,
+)
+from services.bootstrap.watchers import (
+    JOINED,
+    LEFT,
+    UPDATED,
     RegistryStats,
     StoreUnavailable,
     Watcher,
     Watchers,
-    _matches,
-    check_consistent,
-    describe_layout,
+    matches,
     role_name,
-    validate_worker,
 )
 
 log = logging.getLogger("pdserve.bootstrap")
@@ -293,7 +295,7 @@ class EtcdStore:
             raise _unavailable(exc) from exc
         live = sorted((kv.create_revision, stored.worker) for kv in response.kvs
                       if (stored := self._decode(kv)) is not None and not stored.left_reason)
-        return [info for _, info in live if _matches(info, role, model)]
+        return [info for _, info in live if matches(info, role, model)]
 
     def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "") -> Watcher:
         """Subscribe to changes: the cached workers now, SYNCED, then every change (as Registry.watch)."""

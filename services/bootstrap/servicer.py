@@ -13,15 +13,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2
-from services.bootstrap.registry import (
-    InvalidWorker,
-    LeaseNotFound,
-    RegistrationRefused,
-    Registry,
-    StoreUnavailable,
-    WatcherOverflow,
-)
+from services.bootstrap.registry import InvalidWorker, LeaseNotFound, RegistrationRefused, Registry
 from services.bootstrap.store import MemoryStore, RegistryStore
+from services.bootstrap.watchers import StoreUnavailable, WatcherOverflow
 
 
 class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from protos.v1 import bootstrap_pb2, common_pb2
-from services.bootstrap.registry import Registry, RegistryStats, Watcher
+from services.bootstrap.registry import Registry
+from services.bootstrap.watchers import RegistryStats, Watcher
 
 ANY_ROLE = common_pb2.WORKER_ROLE_UNSPECIFIED
 

@@ -17,8 +17,9 @@ from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, registry_st
 from services.bootstrap.config import BootstrapConfig
 from services.bootstrap.etcd_client import EtcdClient, parse_endpoints
 from services.bootstrap.etcd_store import EtcdStore
-from services.bootstrap.registry import LeaseNotFound, RegistrationRefused, StoreUnavailable, WatcherOverflow
+from services.bootstrap.registry import LeaseNotFound, RegistrationRefused
 from services.bootstrap.servicer import BootstrapServicer
+from services.bootstrap.watchers import StoreUnavailable, WatcherOverflow
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.common.registry_client import RegistryClient
 from tests.services.bootstrap.etcd import EtcdServer, run_etcd

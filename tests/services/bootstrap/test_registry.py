@@ -7,13 +7,8 @@ import asyncio
 import pytest
 
 from protos.v1 import bootstrap_pb2, common_pb2
-from services.bootstrap.registry import (
-    InvalidWorker,
-    LeaseNotFound,
-    RegistrationRefused,
-    Registry,
-    WatcherOverflow,
-)
+from services.bootstrap.registry import InvalidWorker, LeaseNotFound, RegistrationRefused, Registry
+from services.bootstrap.watchers import WatcherOverflow
 from tests.services.bootstrap.workers import worker_info
 
 pytestmark = pytest.mark.timeout(60)
