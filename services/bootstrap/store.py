@@ -5,8 +5,8 @@ Two implementations with one set of semantics (those of protos/v1/bootstrap.prot
 - etcd_store.EtcdStore: records under etcd leases; any number of registry processes on one etcd
   give every client the same workers, and a worker may heartbeat through any of them.
 
-Errors are registry.py's exceptions (InvalidWorker, RegistrationRefused, LeaseNotFound,
-WatcherOverflow); the servicer maps them to status codes.
+Errors are registry.py's exceptions (InvalidWorker, RegistrationRefused, LeaseNotFound) and
+watchers.py's (WatcherOverflow, StoreUnavailable); the servicer maps them to status codes.
 """
 
 from __future__ import annotations
