@@ -115,9 +115,10 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
     async def _first_token(self, request: EngineRequest) -> TokenOutput:
         """Run the prompt; its first token is the prefill-only request's one output. The prompt's
         pages stay held under the room until `_cleanup`. RequestAborted if the engine aborted it."""
+        first = None
         async for batch in self.engine.generate(request):
             first = batch[-1]
-        if first.finish_reason == "abort":
+        if first is None or first.finish_reason == "abort":
             raise RequestAborted(f"prefill of room {request.room!r} was aborted")
         return first
 
