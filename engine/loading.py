@@ -20,7 +20,6 @@ from engine.models.layer_ops import select_layer_ops
 from engine.page_manager import PageManager
 from engine.tp.ranks import FollowerRanks
 from engine.tp.runner import DriverRunner
-from libkv.layout import KVLayout
 from libkv.pool import KVPool
 
 T = TypeVar("T")
@@ -47,9 +46,7 @@ def load(config: EngineConfig) -> LoadedModel:
     device = torch.device(config.device)
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
-    layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                      head_dim=model_config.head_dim, page_size=config.page_size,
-                      dtype=str(dtype).removeprefix("torch."))
+    layout = model_config.kv_layout(config.page_size, dtype)
     layer_ops = select_layer_ops(config.cpu_kernels, device)
     if config.tp_size > 1:
         return _load_tensor_parallel(config, model_config, device)

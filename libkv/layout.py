@@ -19,6 +19,11 @@ class KVLayout:
 
     A page holds `page_size` consecutive tokens of one request, for every layer, K and V:
     the page's tensor shape is `page_shape` and the pool is page-major (see libkv.pool).
+
+    MLA models (DeepSeek) store no K and V per head: per token and layer one row of the compressed
+    latent (`kv_lora_rank` values) followed by the rotated rope key (`qk_rope_head_dim`). Such a
+    layout has `kv_lora_rank > 0`, one "plane" instead of K and V, one "head" of
+    `kv_lora_rank + qk_rope_head_dim` values, and the same contents on every tensor-parallel rank.
     """
 
     num_layers: int
@@ -26,6 +31,8 @@ class KVLayout:
     head_dim: int
     page_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    kv_lora_rank: int = 0  # > 0: an MLA latent layout
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -33,6 +40,31 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
+            raise ValueError("KVLayout.kv_lora_rank and qk_rope_head_dim must not be negative")
+        if self.is_mla and (self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
+            raise ValueError(f"an MLA KV layout has one head of kv_lora_rank + qk_rope_head_dim = "
+                             f"{self.kv_lora_rank + self.qk_rope_head_dim} values, got {self.num_kv_heads} "
+                             f"heads of {self.head_dim}")
+        if not self.is_mla and self.qk_rope_head_dim:
+            raise ValueError("KVLayout.qk_rope_head_dim is set but kv_lora_rank is 0 (not an MLA layout)")
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
+            dtype: str) -> KVLayout:
+        """The latent layout of an MLA model: one plane, one head of latent + rope key per token."""
+        return cls(num_layers=num_layers, num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
+                   page_size=page_size, dtype=dtype, kv_lora_rank=kv_lora_rank,
+                   qk_rope_head_dim=qk_rope_head_dim)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def planes(self) -> int:
+        """2 (K and V) per layer, or 1 (the MLA latent row)."""
+        return 1 if self.is_mla else 2
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -40,7 +72,7 @@ class KVLayout:
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.planes, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def itemsize(self) -> int:
@@ -62,6 +94,9 @@ class KVLayout:
         return -(-num_tokens // self.page_size)
 
     def describe(self) -> str:
+        if self.is_mla:
+            return (f"layers={self.num_layers} mla kv_lora_rank={self.kv_lora_rank} "
+                    f"qk_rope_head_dim={self.qk_rope_head_dim} page_size={self.page_size} dtype={self.dtype}")
         return (f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
                 f"page_size={self.page_size} dtype={self.dtype}")
 
@@ -70,7 +105,7 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, values: dict) -> KVLayout:
-        return cls(**{f.name: values[f.name] for f in fields(cls)})
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
     def differences(self, other: KVLayout) -> list[str]:
         """Each differing field as 'name: mine vs theirs'."""

@@ -1,4 +1,8 @@
-"""ModelConfig: the decoder shape read from a Hugging Face config.json (Llama / Qwen2 / Qwen3)."""
+"""ModelConfig: the decoder shape read from a Hugging Face config.json.
+
+Dense Llama / Qwen2 / Qwen3; mixture-of-experts Qwen3-MoE and Mixtral (`moe`, engine.models.moe_config);
+DeepSeek V2 / V3, which add multi-head latent attention (`mla`, engine.models.mla_config) to MoE.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,24 @@ from pathlib import Path
 
 import torch
 
+from engine.models.mla_config import MLAConfig
+from engine.models.moe_config import MoEConfig
+from libkv.layout import KVLayout
+
 # architecture name -> (q/k/v bias default, per-head q/k RMSNorm)
 _ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+    "DeepseekV2ForCausalLM": (False, False),
+    "DeepseekV3ForCausalLM": (False, False),
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,6 +71,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str  # the checkpoint's declared dtype, used by --dtype auto
     eos_token_ids: tuple[int, ...] = field(default=())
+    moe: MoEConfig | None = None  # routed experts (which layers, how routed); None: every MLP dense
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); None: GQA
+
+    def kv_layout(self, page_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:
+        """One rank's KV page: its num_kv_heads / tp_size heads of K and V, or for MLA the whole
+        latent (the same on every rank: MLA has no per-head K/V to split)."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        if self.mla is not None:
+            return KVLayout.mla(self.num_layers, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
+                                page_size, dtype_name)
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads // tp_size,
+                        head_dim=self.head_dim, page_size=page_size, dtype=dtype_name)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -69,6 +96,9 @@ class ModelConfig:
         qkv_bias_default, qk_norm = _ARCHITECTURES[arch]
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"quantized checkpoints ({method}) are not supported; use a bf16/fp32 checkpoint")
         if raw.get("use_sliding_window", False):
             raise ValueError("sliding-window attention is not implemented (use_sliding_window is true)")
         num_heads = raw["num_attention_heads"]
@@ -97,6 +127,8 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=dtype,
             eos_token_ids=eos,
+            moe=MoEConfig.from_dict(raw, arch),
+            mla=MLAConfig.from_dict(raw, arch),
         )
 
 
@@ -115,7 +147,7 @@ def _architecture(raw: dict) -> str:
     if raw.get("model_type") in _MODEL_TYPES:
         return _MODEL_TYPES[raw["model_type"]]
     raise ValueError(f"unsupported model: architectures={raw.get('architectures')} "
-                     f"model_type={raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
+                     f"model_type={raw.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _rope(raw: dict) -> RopeConfig:

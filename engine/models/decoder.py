@@ -1,4 +1,7 @@
-"""The one decoder-only transformer behind Llama, Qwen2 and Qwen3 checkpoints.
+"""The one decoder-only transformer behind every supported checkpoint.
+
+Each layer's attention is GQA (Llama, Qwen, Mixtral) or multi-head latent attention (DeepSeek,
+engine.models.mla); each layer's MLP is dense SwiGLU or routed experts (engine.models.moe).
 
 Weights are plain tensors and `Linear`s (no nn.Module tree): q/k/v are fused into one matrix and
 gate/up into another at load time, because on CPU fewer, larger matmuls run faster than several
@@ -19,23 +22,31 @@ from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import HeadShape, TorchLayerOps
 from engine.models.linear import Linear
+from engine.models.mla import MLAAttention
+from engine.models.moe import MoEBlock
 from engine.models.rope import RotaryTable
-from engine.models.weights import CheckpointReader
+from engine.models.weights import CheckpointReader, ShardedReader
 from engine.tp.shard import TPShard
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights; biases and q/k norms are None where the architecture has none."""
+    """One decoder layer's weights; biases and q/k norms are None where the architecture has none.
+
+    A GQA layer has qkv/o_proj (and `mla` None); an MLA layer has `mla` (and no qkv/o_proj). A dense
+    MLP has gate_up/down (and `moe` None); a routed one has `moe`.
+    """
 
     input_norm: torch.Tensor
-    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases if any
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    qkv: Linear | None = None  # [q_size + 2 * kv_size, hidden], with the q/k/v biases if any
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    o_proj: Linear | None = None
+    gate_up: Linear | None = None  # [2 * intermediate, hidden]
+    down: Linear | None = None
+    mla: MLAAttention | None = None
+    moe: MoEBlock | None = None
 
 
 class DecoderModel:
@@ -68,53 +79,16 @@ class DecoderModel:
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
              device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
              all_reduce: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
-        reader = CheckpointReader(model_dir)
-        column_parallel = shard.rows if shard else (lambda tensor: tensor)
-        row_parallel = shard.columns if shard else (lambda tensor: tensor)
-
-        def get(name: str) -> torch.Tensor:
-            return reader.get(name).to(device=device, dtype=dtype)
-
-        def maybe(name: str) -> torch.Tensor | None:
-            return get(name) if name in reader else None
-
-        def row_bias(name: str) -> torch.Tensor | None:
-            return shard.row_bias(maybe(name)) if shard else maybe(name)
-
-        def cat_maybe(names: list[str]) -> torch.Tensor | None:
-            parts = [maybe(n) for n in names]
-            if all(p is None for p in parts):
-                return None
-            if any(p is None for p in parts):
-                raise ValueError(f"checkpoint has only some of the biases {names}")
-            return torch.cat([column_parallel(p) for p in parts])  # type: ignore[arg-type]
-
-        layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            layers.append(LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([column_parallel(get(attn + f"{x}_proj.weight")) for x in "qkv"]),
-                           cat_maybe([attn + f"{x}_proj.bias" for x in "qkv"])),
-                q_norm=maybe(attn + "q_norm.weight") if config.qk_norm else None,
-                k_norm=maybe(attn + "k_norm.weight") if config.qk_norm else None,
-                o_proj=Linear(row_parallel(get(attn + "o_proj.weight")), row_bias(attn + "o_proj.bias")),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([column_parallel(get(mlp + "gate_proj.weight")),
-                                          column_parallel(get(mlp + "up_proj.weight"))]),
-                               cat_maybe([mlp + "gate_proj.bias", mlp + "up_proj.bias"])),
-                down=Linear(row_parallel(get(mlp + "down_proj.weight")), row_bias(mlp + "down_proj.bias")),
-            ))
-            if config.qk_norm and (layers[-1].q_norm is None or layers[-1].k_norm is None):
-                raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
+        weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
+        get = weights.get
+        layers = [_load_layer(weights, config, i) for i in range(config.num_layers)]
         embed = get("model.embed_tokens.weight")
-        if "lm_head.weight" in reader and not config.tie_word_embeddings:
+        if "lm_head.weight" in weights and not config.tie_word_embeddings:
             lm_head = Linear(get("lm_head.weight"))
         else:
             lm_head = Linear(embed)  # packing copies: the embedding table itself stays plain
         final_norm = get("model.norm.weight")
-        reader.close()
+        weights.reader.close()
         return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops,
                    shard.size if shard else 1, all_reduce)
 
@@ -131,15 +105,21 @@ class DecoderModel:
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps, self.heads,
-                                             kv_buffer, index, meta.slots)
-            attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale, ops.paged_decode_attention,
-                                       ops.extend_attention)
-            attn_out = layer.o_proj(attended.view(num_tokens, self.heads.q_size))
+            if layer.mla is not None:
+                attn_out = layer.mla(x, positions, max_position, kv_buffer, index, meta)
+            else:
+                q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps,
+                                                 self.heads, kv_buffer, index, meta.slots)
+                attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale,
+                                           ops.paged_decode_attention, ops.extend_attention)
+                attn_out = layer.o_proj(attended.view(num_tokens, self.heads.q_size))
             if self.all_reduce is not None:
                 self.all_reduce(attn_out)
             x = ops.add_rms_norm(hidden, attn_out, layer.post_norm, eps)
-            mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if layer.moe is not None:
+                mlp = layer.moe(x)
+            else:
+                mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
             if self.all_reduce is not None:
                 self.all_reduce(mlp)
             if index + 1 < len(self.layers):
@@ -153,3 +133,45 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
         return self.lm_head(hidden).float()
+
+
+def _load_layer(weights: ShardedReader, config: ModelConfig, i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight"),
+                         post_norm=weights.get(p + "post_attention_layernorm.weight"))
+    if config.mla is not None:
+        layer.mla = MLAAttention.load(weights, p + "self_attn.", config)
+    else:
+        _load_gqa(weights, config, p + "self_attn.", layer)
+        if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):
+            raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
+    if config.moe is not None and i in config.moe.sparse_layers:
+        layer.moe = MoEBlock.load(weights, p, config)
+    else:
+        mlp = p + "mlp."
+        layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight")),
+                                          weights.rows(weights.get(mlp + "up_proj.weight"))]),
+                               _cat_biases(weights, [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
+        layer.down = Linear(weights.columns(weights.get(mlp + "down_proj.weight")),
+                            weights.row_bias(weights.maybe(mlp + "down_proj.bias")))
+    return layer
+
+
+def _load_gqa(weights: ShardedReader, config: ModelConfig, attn: str, layer: LayerWeights) -> None:
+    layer.qkv = Linear(torch.cat([weights.rows(weights.get(attn + f"{x}_proj.weight")) for x in "qkv"]),
+                       _cat_biases(weights, [attn + f"{x}_proj.bias" for x in "qkv"]))
+    if config.qk_norm:
+        layer.q_norm = weights.maybe(attn + "q_norm.weight")
+        layer.k_norm = weights.maybe(attn + "k_norm.weight")
+    layer.o_proj = Linear(weights.columns(weights.get(attn + "o_proj.weight")),
+                          weights.row_bias(weights.maybe(attn + "o_proj.bias")))
+
+
+def _cat_biases(weights: ShardedReader, names: list[str]) -> torch.Tensor | None:
+    """The column-parallel biases of a fused projection: all or none of `names` must exist."""
+    parts = [weights.maybe(n) for n in names]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError(f"checkpoint has only some of the biases {names}")
+    return torch.cat([weights.rows(p) for p in parts])  # type: ignore[arg-type]

@@ -45,3 +45,38 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+class ShardedReader:
+    """A checkpoint's tensors on the model's device and dtype, and this rank's slices of them.
+
+    Without a TPShard (TP 1) the slicing helpers return the tensor whole. Layer loaders (the
+    decoder, engine.models.moe, engine.models.mla) read through this so they share one TP rule.
+    """
+
+    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype, shard=None) -> None:
+        self.reader = reader
+        self.device = device
+        self.dtype = dtype
+        self.shard = shard  # engine.tp.shard.TPShard | None
+        self.tp_size = shard.size if shard else 1
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.reader.get(name).to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self.reader else None
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Column-parallel: this rank's block of output features (dim 0)."""
+        return self.shard.rows(tensor) if self.shard else tensor
+
+    def columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Row-parallel: this rank's block of input features (dim 1)."""
+        return self.shard.columns(tensor) if self.shard else tensor
+
+    def row_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self.shard.row_bias(bias) if self.shard else bias

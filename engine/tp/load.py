@@ -29,9 +29,7 @@ class RankParts:
 
 def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
     """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1)."""
-    return KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads // config.tp_size,
-                    head_dim=model_config.head_dim, page_size=config.page_size,
-                    dtype=str(dtype).removeprefix("torch."))
+    return model_config.kv_layout(config.page_size, dtype, config.tp_size)
 
 
 def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,

@@ -88,13 +88,15 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                               head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype)
+                               head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype,
+                               kv_lora_rank=layout.kv_lora_rank, qk_rope_head_dim=layout.qk_rope_head_dim)
 
 
 def layout_from_proto(message: common_pb2.KVLayout) -> KVLayout:
     """Raises ValueError (from KVLayout's own checks) for a missing or invalid layout."""
     return KVLayout(num_layers=message.num_layers, num_kv_heads=message.num_kv_heads,
-                    head_dim=message.head_dim, page_size=message.page_size, dtype=message.dtype)
+                    head_dim=message.head_dim, page_size=message.page_size, dtype=message.dtype,
+                    kv_lora_rank=message.kv_lora_rank, qk_rope_head_dim=message.qk_rope_head_dim)
 
 
 _FINISH_REASONS = {
