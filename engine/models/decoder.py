@@ -82,12 +82,13 @@ class DecoderModel:
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         get = weights.get
         layers = [_load_layer(weights, config, i) for i in range(config.num_layers)]
-        embed = get("model.embed_tokens.weight")
+        vocab = (config.vocab_size, config.hidden_size)
+        embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            lm_head = Linear(get("lm_head.weight"))
+            lm_head = Linear(get("lm_head.weight", vocab))
         else:
             lm_head = Linear(embed)  # packing copies: the embedding table itself stays plain
-        final_norm = get("model.norm.weight")
+        final_norm = get("model.norm.weight", (config.hidden_size,))
         weights.reader.close()
         return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops,
                    shard.size if shard else 1, all_reduce)
@@ -137,8 +138,9 @@ class DecoderModel:
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int) -> LayerWeights:
     p = f"model.layers.{i}."
-    layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight"),
-                         post_norm=weights.get(p + "post_attention_layernorm.weight"))
+    hidden = config.hidden_size
+    layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight", (hidden,)),
+                         post_norm=weights.get(p + "post_attention_layernorm.weight", (hidden,)))
     if config.mla is not None:
         layer.mla = MLAAttention.load(weights, p + "self_attn.", config)
     else:
@@ -148,22 +150,25 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int) -> LayerWei
     if config.moe is not None and i in config.moe.sparse_layers:
         layer.moe = MoEBlock.load(weights, p, config)
     else:
-        mlp = p + "mlp."
-        layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight")),
-                                          weights.rows(weights.get(mlp + "up_proj.weight"))]),
+        mlp, width = p + "mlp.", config.intermediate_size
+        layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),
+                                          weights.rows(weights.get(mlp + "up_proj.weight", (width, hidden)))]),
                                _cat_biases(weights, [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
-        layer.down = Linear(weights.columns(weights.get(mlp + "down_proj.weight")),
+        layer.down = Linear(weights.columns(weights.get(mlp + "down_proj.weight", (hidden, width))),
                             weights.row_bias(weights.maybe(mlp + "down_proj.bias")))
     return layer
 
 
 def _load_gqa(weights: ShardedReader, config: ModelConfig, attn: str, layer: LayerWeights) -> None:
-    layer.qkv = Linear(torch.cat([weights.rows(weights.get(attn + f"{x}_proj.weight")) for x in "qkv"]),
+    hidden, head_dim = config.hidden_size, config.head_dim
+    rows = {"q": config.num_heads * head_dim, "k": config.num_kv_heads * head_dim, "v": config.num_kv_heads * head_dim}
+    layer.qkv = Linear(torch.cat([weights.rows(weights.get(attn + f"{x}_proj.weight", (rows[x], hidden)))
+                                  for x in "qkv"]),
                        _cat_biases(weights, [attn + f"{x}_proj.bias" for x in "qkv"]))
     if config.qk_norm:
-        layer.q_norm = weights.maybe(attn + "q_norm.weight")
-        layer.k_norm = weights.maybe(attn + "k_norm.weight")
-    layer.o_proj = Linear(weights.columns(weights.get(attn + "o_proj.weight")),
+        layer.q_norm = weights.maybe(attn + "q_norm.weight", (head_dim,))
+        layer.k_norm = weights.maybe(attn + "k_norm.weight", (head_dim,))
+    layer.o_proj = Linear(weights.columns(weights.get(attn + "o_proj.weight", (hidden, rows["q"]))),
                           weights.row_bias(weights.maybe(attn + "o_proj.bias")))
 
 

@@ -10,6 +10,17 @@ import torch
 from safetensors import safe_open
 
 
+class MissingTensor(KeyError, ValueError):
+    """The checkpoint lacks a tensor the architecture needs; the message names it."""
+
+    def __str__(self) -> str:  # KeyError would quote the message again
+        return str(self.args[0])
+
+
+class MisshapenTensor(ValueError):
+    """A checkpoint tensor's shape is not what config.json implies; the message names both."""
+
+
 class CheckpointReader:
     """Tensors of a checkpoint folder by name, read lazily shard by shard (no whole-model copy)."""
 
@@ -37,7 +48,7 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise MissingTensor(f"checkpoint has no tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
@@ -64,11 +75,17 @@ class ShardedReader:
     def __contains__(self, name: str) -> bool:
         return name in self.reader
 
-    def get(self, name: str) -> torch.Tensor:
-        return self.reader.get(name).to(device=self.device, dtype=self.dtype)
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The whole tensor (before any TP slicing); `shape` is what config.json implies, checked
+        here so that a misshapen checkpoint is refused at load naming the tensor, not later."""
+        tensor = self.reader.get(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                                  f"implies {tuple(shape)}")
+        return tensor.to(device=self.device, dtype=self.dtype)
 
-    def maybe(self, name: str) -> torch.Tensor | None:
-        return self.get(name) if name in self.reader else None
+    def maybe(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        return self.get(name, shape) if name in self.reader else None
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Column-parallel: this rank's block of output features (dim 0)."""
