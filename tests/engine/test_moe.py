@@ -1,0 +1,153 @@
+"""Routed experts in the engine: greedy output and logprobs equal HF transformers `generate`.
+
+Two checkpoints: the tiny-moe preset (Qwen3-MoE, 8 experts, top-2 renormalised, one dense layer)
+and a Mixtral written from it with other dims (4 experts of width 192, head_dim 32, one KV head,
+untied). Prompts of 1..150 tokens run together with chunks of 32, so steps mix decodes and extends
+with a prefix. Also: the fused expert layout gives what the published one gives, bit for bit; the
+prefix cache hits and changes nothing; TP 2 equals HF; bad checkpoints are refused at load naming
+the tensor or field; the expert-load counters add up.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.models.weights import MisshapenTensor, MissingTensor
+from engine.sampling import SamplingParams
+from tests.engine.conftest import generate, random_prompts, start_engine
+from tests.engine.test_parity import NEW_TOKENS, engine_outputs, hf_reference
+from tools.models.tiny_model import write_tiny_model
+
+LENGTHS = [1, 3, 17, 33, 64, 150]
+LOGPROB_TOLERANCE = 1e-3  # fp32 both sides
+MIXTRAL_OVERRIDES = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=192, head_dim=32,
+                         num_key_value_heads=1, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "moe", preset="tiny-moe", seed=0)
+
+
+@pytest.fixture(scope="module")
+def mixtral_ckpt(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "mixtral", preset="tiny-moe", seed=1, arch="mixtral",
+                            **MIXTRAL_OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def moe_hf(moe_ckpt, prompts):
+    return hf_reference(moe_ckpt, prompts)
+
+
+def check_equal(got, expected, what: str) -> None:
+    for length, (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(LENGTHS, got, expected, strict=True):
+        assert tokens == ref_tokens, f"{what}: prompt of {length} tokens"
+        worst = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+        assert worst < LOGPROB_TOLERANCE, f"{what}: prompt of {length} tokens: logprob off by {worst}"
+
+
+async def run(model_dir, prompts, **overrides):
+    engine = start_engine(model_dir, chunked_prefill_size=32, **overrides)
+    try:
+        got = await engine_outputs(engine, prompts)
+        stats, load = engine.stats(), engine.expert_load()
+    finally:
+        engine.shutdown()
+    assert stats.used_pages == 0
+    return got, load
+
+
+async def test_qwen3_moe_matches_hf_and_counts_expert_load(moe_ckpt, prompts, moe_hf):
+    got, load = await run(moe_ckpt, prompts)
+    check_equal(got, moe_hf, "qwen3-moe")
+    # Every token run through the model (each prompt, then all but the last output) was routed to
+    # 2 experts in each of the 3 sparse layers.
+    tokens_run = sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)
+    assert sum(load.tokens_per_expert) == tokens_run * 2 * 3
+    assert len(load.tokens_per_expert) == 8 and min(load.tokens_per_expert) > 0
+    assert load.last_step_imbalance >= 1.0
+
+
+async def test_mixtral_matches_hf(mixtral_ckpt, prompts):
+    got, _ = await run(mixtral_ckpt, prompts)
+    check_equal(got, hf_reference(mixtral_ckpt, prompts), "mixtral")
+
+
+async def test_fused_layout_loads_the_same_weights(moe_ckpt, prompts, tmp_path):
+    # The same seed written in transformers' fused in-memory layout: same tensors, other names.
+    fused = write_tiny_model(tmp_path / "fused", preset="tiny-moe", seed=0, fused_experts=True)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(fused / "model.safetensors"))
+    published, _ = await run(moe_ckpt, prompts)
+    got, _ = await run(fused, prompts)
+    assert got == published
+
+
+async def test_prefix_cache_hits_change_nothing(moe_ckpt):
+    base = random_prompts([70], seed=3)[0]
+    prompts = [base, base[:40] + random_prompts([9], seed=4)[0], base]
+    engine = start_engine(moe_ckpt, chunked_prefill_size=32, page_size=16)
+    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+    try:
+        got = []
+        for i, prompt in enumerate(prompts):  # one after another, so the later ones hit
+            outputs = [o async for o in generate(engine, prompt, params, f"r{i}")]
+            got.append(([o.token_id for o in outputs], [o.logprob for o in outputs]))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats.prefix_hit_tokens >= 32 + 64
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(moe_ckpt, prompts), strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < LOGPROB_TOLERANCE
+
+
+async def test_tp2_matches_hf(moe_ckpt, prompts, moe_hf):
+    got, load = await run(moe_ckpt, prompts, tp_size=2)
+    check_equal(got, moe_hf, "qwen3-moe TP 2")
+    assert sum(load.tokens_per_expert) == (sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)) * 2 * 3
+
+
+def _rewrite(src, dst, edit) -> None:
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.name != "model.safetensors":
+            (dst / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_expert_tensor_is_refused_naming_it(moe_ckpt, tmp_path):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    _rewrite(moe_ckpt, tmp_path / "bad", lambda t: t.pop(name))
+    with pytest.raises(MissingTensor, match=name.replace(".", r"\.")):
+        Engine.load(EngineConfig(model_path=str(tmp_path / "bad"), num_pages=16))
+
+
+def test_misshapen_expert_tensor_is_refused_naming_it(moe_ckpt, tmp_path):
+    name = "model.layers.3.mlp.experts.0.down_proj.weight"
+    _rewrite(moe_ckpt, tmp_path / "bad", lambda t: t.update({name: t[name][:, :128].contiguous()}))
+    with pytest.raises(MisshapenTensor, match=r"experts\.0\.down_proj.* \(256, 128\).* \(256, 256\)"):
+        Engine.load(EngineConfig(model_path=str(tmp_path / "bad"), num_pages=16))
+
+
+def test_unknown_topk_method_is_refused(moe_ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    _rewrite(moe_ckpt, bad, lambda t: None)
+    config = json.loads((bad / "config.json").read_text())
+    config.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", topk_method="sinkhorn",
+                  n_routed_experts=8, num_experts_per_tok=2)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="topk_method 'sinkhorn'"):
+        Engine.load(EngineConfig(model_path=str(bad), num_pages=16))
