@@ -52,14 +52,16 @@ class Router:
     def __init__(self, config: MoEConfig, weight: torch.Tensor, correction_bias: torch.Tensor | None = None) -> None:
         self.config = config
         # DeepSeek multiplies in fp32; Qwen3-MoE and Mixtral in the model dtype (then softmax in fp32).
-        self.weight = weight.float() if config.router_fp32 else weight
+        # A prepacked Linear rather than F.linear: MKL's sums for one row differ from those for
+        # several, which would make a token's experts depend on the batch it ran in.
+        self.gate = Linear(weight.float() if config.router_fp32 else weight)
         self.correction_bias = correction_bias.float() if correction_bias is not None else None
         if config.topk_method == NOAUX_TC and correction_bias is None:
             raise ValueError("noaux_tc routing needs e_score_correction_bias")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        logits = F.linear(x.float() if cfg.router_fp32 else x, self.weight)
+        logits = self.gate(x.float() if cfg.router_fp32 else x)
         if cfg.scoring == SIGMOID:
             scores = logits.sigmoid()
         else:

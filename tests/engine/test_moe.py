@@ -10,6 +10,7 @@ the tensor or field; the expert-load counters add up.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -151,3 +152,24 @@ def test_unknown_topk_method_is_refused(moe_ckpt, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="topk_method 'sinkhorn'"):
         Engine.load(EngineConfig(model_path=str(bad), num_pages=16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_alone_equals_in_a_batch(moe_ckpt, dtype):
+    # As tests/engine/test_batch_invariance.py for dense models: which other tokens share a step
+    # (and so how many rows each expert runs) must not change a request's bits.
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+    async def one(engine, prompt, room):
+        return [(o.token_id, o.logprob, tuple(o.top_logprobs)) async for o in generate(engine, prompt, greedy, room)]
+
+    target, *others = random_prompts([200, 1, 40, 333, 90, 3], seed=5)
+    engine = start_engine(moe_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2, chunked_prefill_size=2048,
+                          num_pages=512, disable_radix_cache=True)
+    try:
+        alone = await one(engine, target, "alone")
+        together = await asyncio.gather(one(engine, target, "target"),
+                                        *(one(engine, p, f"other{i}") for i, p in enumerate(others)))
+    finally:
+        engine.shutdown()
+    assert together[0] == alone

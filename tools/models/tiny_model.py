@@ -1,7 +1,8 @@
 """`pdserve make-tiny-model`: write the built-in random-weight HF checkpoint.
 
 Tests, benchmarks and the default local run need a model without a hub download. This writes a
-folder in the same format as a real Qwen3 (or Llama) checkpoint: config.json in the classic layout
+folder in the same format as a real Qwen3 (or Llama, Qwen3-MoE, Mixtral, DeepSeek V2/V3) checkpoint,
+experts one tensor per expert as published checkpoints ship them: config.json in the classic layout
 (`rope_theta`, `torch_dtype` at top level, as Qwen3-4B and Llama-3.1-8B ship it), model.safetensors,
 a byte-level BPE tokenizer trained here (tools.models.tokenizer_train), the ChatML chat template and
 generation_config.json. Same arguments, same bytes: the tokenizer corpus comes from the seed and
