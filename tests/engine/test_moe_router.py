@@ -68,9 +68,9 @@ def _same_routing(hf_router, arch: str, hf_config, dtype=torch.float32) -> None:
                                rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_moe_router(dtype):
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+@pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_qwen3_moe_router(dtype, norm):
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm)
     _same_routing(Qwen3MoeTopKRouter(config), "Qwen3MoeForCausalLM", config, dtype)
 
 
