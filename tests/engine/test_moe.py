@@ -87,11 +87,15 @@ async def test_mixtral_matches_hf(mixtral_ckpt, prompts):
     check_equal(got, hf_reference(mixtral_ckpt, prompts), "mixtral")
 
 
-async def test_fused_layout_loads_the_same_weights(moe_ckpt, prompts, tmp_path):
-    # The same seed written in transformers' fused in-memory layout: same tensors, other names.
-    fused = write_tiny_model(tmp_path / "fused", preset="tiny-moe", seed=0, fused_experts=True)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+async def test_fused_layout_loads_the_same_weights(request, arch, prompts, tmp_path):
+    # The same seed written in transformers' fused in-memory layout: same tensors, other names
+    # (Mixtral's too are `mlp.experts.gate_up_proj`, not `block_sparse_moe`).
+    published_ckpt = request.getfixturevalue("moe_ckpt" if arch == "qwen3_moe" else "mixtral_ckpt")
+    overrides = {} if arch == "qwen3_moe" else dict(seed=1, arch="mixtral", **MIXTRAL_OVERRIDES)
+    fused = write_tiny_model(tmp_path / "fused", preset="tiny-moe", **{"seed": 0, **overrides}, fused_experts=True)
     assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(fused / "model.safetensors"))
-    published, _ = await run(moe_ckpt, prompts)
+    published, _ = await run(published_ckpt, prompts)
     got, _ = await run(fused, prompts)
     assert got == published
 

@@ -2,7 +2,7 @@
 
 Routers (Qwen3-MoE, Mixtral, DeepSeek V2 greedy and group-limited, DeepSeek V3 noaux_tc) must
 choose the same experts with the same weights for random inputs; the DeepSeek V3 MoE block (routed
-plus shared experts) must give DeepseekV3MoE's output from either checkpoint layout, and its two
+plus shared experts) must give DeepseekV3MoE's (and DeepseekV2Moe's) output from either checkpoint layout, and its two
 tensor-parallel halves must sum to it. MoEConfig is built from each HF config's `to_dict()`.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe, DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -101,16 +101,20 @@ def _block(tensors: dict[str, torch.Tensor], folder, moe: MoEConfig, shard: TPSh
     return MoEBlock.load(reader, "model.layers.1.", config)
 
 
-@pytest.mark.parametrize("layout", ["fused", "published"])
-def test_deepseek_v3_block_matches_hf(layout, tmp_path):
-    config = DeepseekV3Config(**DEEPSEEK, n_shared_experts=2)
-    hf_block = DeepseekV3MoE(config).eval()
+@pytest.mark.parametrize(("arch", "layout"), [("v3", "fused"), ("v3", "published"), ("v2", "published")])
+def test_deepseek_block_matches_hf(arch, layout, tmp_path):
+    if arch == "v3":
+        config, architecture = DeepseekV3Config(**DEEPSEEK, n_shared_experts=2), "DeepseekV3ForCausalLM"
+        hf_block = DeepseekV3MoE(config).eval()
+    else:
+        config = DeepseekV2Config(**DEEPSEEK, n_shared_experts=2, topk_method="group_limited_greedy")
+        architecture, hf_block = "DeepseekV2ForCausalLM", DeepseekV2Moe(config).eval()
     _random_(hf_block, seed=3)
-    moe = MoEConfig.from_dict(config.to_dict(), "DeepseekV3ForCausalLM")
+    moe = MoEConfig.from_dict(config.to_dict(), architecture)
     assert moe.sparse_layers == (1,) and moe.shared_intermediate_size == 64
     tensors = {f"model.layers.1.mlp.{name}": t for name, t in hf_block.state_dict().items()}
     if layout == "published":
-        tensors = published_layout(tensors, "deepseek_v3")
+        tensors = published_layout(tensors, f"deepseek_{arch}")
         assert "model.layers.1.mlp.experts.7.up_proj.weight" in tensors
     block = _block(tensors, tmp_path / "full", moe)
     x = torch.randn(300, HIDDEN, generator=torch.Generator().manual_seed(4))
