@@ -19,7 +19,7 @@ from libkv.transfer.peer_client import PeerProcess
 
 pytestmark = pytest.mark.e2e
 
-ENGINE_MODULES = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
+ENGINE_MODULES = {"mooncake": "mooncake", "nixl": "nixl_cu12"}  # ucxx: one backend per process
 # DeepSeek's latent (512) and rope key (64), 4 layers, 16 tokens a page, bf16: 72 KiB per page.
 MLA = KVLayout.mla(num_layers=4, kv_lora_rank=512, qk_rope_head_dim=64, page_size=16, dtype="bfloat16")
 NUM_PAGES = 48
