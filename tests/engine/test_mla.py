@@ -1,0 +1,176 @@
+"""DeepSeek's multi-head latent attention: greedy tokens and logprobs of the engine equal HF
+transformers `generate`, token for token (fp32), on tiny random DeepSeek checkpoints.
+
+Three checkpoints cover every switch of the attention: V3 with q_lora_rank and interleaved yarn
+rope (an attention factor != 1 and a softmax mscale); V3 without q_lora_rank, rotate-half rope,
+attention biases and other dims; V2 (complex fp32 rope, yarn). All MLPs are dense
+(first_k_dense_replace = num_hidden_layers), so only the attention differs from the Llama path.
+Prompts of 1..300 tokens run together with chunks of 32, so decode rows and extend spans with a
+cached prefix share steps. The prefix cache, retraction, TP 2 and bf16 are checked on the first.
+
+The helpers (`write_tiny_deepseek`, `hf_reference`, `engine_outputs`, `check_equal`) take a
+checkpoint folder, so a checkpoint with routed experts can reuse them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.models.config import ModelConfig
+from engine.models.rope import inverse_frequencies, mla_softmax_scale
+from engine.sampling import SamplingParams
+from tests.engine.conftest import generate, random_prompts, start_engine
+from tools.models.tiny_model import _parameter_shapes, random_weights
+from tools.models.tokenizer_train import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
+
+LENGTHS = [1, 2, 15, 16, 17, 40, 129, 300]
+NEW_TOKENS = 16
+LOGPROB_TOLERANCE = 1e-3  # fp32 both sides (measured: see test docstrings)
+
+_ARCHS = {"deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
+          "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config")}
+
+# Each case: (model_type, config overrides).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "v3": ("deepseek_v3", dict(
+        q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}, max_position_embeddings=512)),
+    "v3-noq": ("deepseek_v3", dict(
+        num_attention_heads=8, q_lora_rank=None, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, rope_interleave=False, attention_bias=True, rope_theta=50000.0)),
+    "v2": ("deepseek_v2", dict(
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=32,
+        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}, max_position_embeddings=1024)),
+}
+
+
+def deepseek_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny dense DeepSeek, in the layout DeepSeek ships (rope_theta and
+    rope_scaling at top level)."""
+    ids = special_token_ids()
+    layers = overrides.pop("num_hidden_layers", 3)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHS[model_type][0]], "model_type": model_type,
+        "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": overrides.get("num_attention_heads", 4),
+        "first_k_dense_replace": layers, "moe_intermediate_size": 64, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "initializer_range": 0.3, "bos_token_id": ids[ENDOFTEXT], "eos_token_id": ids[IM_END],
+    }
+    config.update(overrides)
+    return config
+
+
+def write_tiny_deepseek(out_dir: str | Path, model_type: str = "deepseek_v3", seed: int = 0,
+                        **overrides: Any) -> Path:
+    """A random-weight DeepSeek checkpoint folder (config, safetensors, tokenizer), as
+    tools.models.tiny_model writes its presets: uniform weights of std 0.3 so that greedy argmaxes
+    have wide gaps; biases random too (so attention_bias is exercised), norms ones."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = deepseek_config(model_type, **overrides)
+    write_tokenizer(out, vocab_size=config["vocab_size"], corpus_bytes=1_000_000, seed=seed)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n")
+    shapes = _parameter_shapes(out)
+    weights = random_weights(shapes, std=config["initializer_range"], seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name in sorted(weights):
+        if name.endswith(".bias"):
+            weights[name] = (torch.rand(weights[name].shape, generator=generator) - 0.5) * 0.6
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def hf_reference(model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                        for step, t in zip(out.logits, tokens, strict=True)]
+            results.append((tokens, logprobs))
+    return results
+
+
+async def engine_outputs(engine, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=True)
+
+    async def one(index: int, prompt: list[int]):
+        outputs = [o async for o in generate(engine, prompt, params, f"m{index}")]
+        assert outputs[-1].finish_reason == "length"
+        return [o.token_id for o in outputs], [o.logprob for o in outputs]
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def check_equal(got, expected, what: str, tolerance: float = LOGPROB_TOLERANCE) -> float:
+    """Tokens equal, logprobs within `tolerance`; returns the largest logprob difference."""
+    worst = 0.0
+    for index, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, expected, strict=True)):
+        assert tokens == ref_tokens, f"{what}: prompt {index}"
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)))
+    assert worst < tolerance, f"{what}: logprob off by {worst}"
+    return worst
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    model_type, overrides = CASES[request.param]
+    model_dir = write_tiny_deepseek(tmp_path_factory.mktemp("mla") / request.param, model_type, seed=3,
+                                    **overrides)
+    prompts = random_prompts(LENGTHS, seed=9)
+    return request.param, model_dir, prompts, hf_reference(model_dir, prompts)
+
+
+async def test_greedy_matches_hf_with_chunked_prefill(case):
+    name, model_dir, prompts, expected = case
+    engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=256)
+    try:
+        got = await engine_outputs(engine, prompts)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    worst = check_equal(got, expected, name)
+    print(f"{name}: fp32 max logprob difference vs HF {worst:.2e}")
+    assert stats.used_pages == 0 and stats.total_retractions == 0
+
+
+def test_config_reads_deepseek_shapes_and_yarn():
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # DeepSeek-V3's own rope_scaling, on a small head.
+    raw = deepseek_config("deepseek_v3", q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                          v_head_dim=48, max_position_embeddings=163840,
+                          rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    config = ModelConfig.from_dict(raw)
+    assert config.mla is not None and config.mla.q_lora_rank == 96 and config.mla.rope_style == "interleave"
+    assert (config.num_kv_heads, config.head_dim) == (4, 48)
+    hf = DeepseekV3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert torch.equal(inverse_frequencies(config.rope, 16), inv_freq)
+    assert config.rope.attention_factor == attention_factor
+    mscale = 0.1 * math.log(40) + 1.0
+    assert mla_softmax_scale(config.rope, 48) == 48 ** -0.5 * mscale * mscale
+    assert ModelConfig.from_dict(deepseek_config("deepseek_v2")).mla.rope_style == "complex"
+    assert ModelConfig.from_dict(deepseek_config("deepseek_v3", rope_interleave=False)).mla.rope_style == "half"
