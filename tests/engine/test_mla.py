@@ -132,17 +132,25 @@ def check_equal(got, expected, what: str, tolerance: float = LOGPROB_TOLERANCE) 
     return worst
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    model_type, overrides = CASES[request.param]
-    model_dir = write_tiny_deepseek(tmp_path_factory.mktemp("mla") / request.param, model_type, seed=3,
-                                    **overrides)
-    prompts = random_prompts(LENGTHS, seed=9)
-    return request.param, model_dir, prompts, hf_reference(model_dir, prompts)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name -> (checkpoint folder, prompts, HF's greedy outputs), each written on first use."""
+    cache: dict[str, tuple[Path, list[list[int]], list]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model_type, overrides = CASES[name]
+            model_dir = write_tiny_deepseek(tmp_path_factory.mktemp("mla") / name, model_type, seed=3, **overrides)
+            prompts = random_prompts(LENGTHS, seed=9)
+            cache[name] = model_dir, prompts, hf_reference(model_dir, prompts)
+        return cache[name]
+
+    return get
 
 
-async def test_greedy_matches_hf_with_chunked_prefill(case):
-    name, model_dir, prompts, expected = case
+@pytest.mark.parametrize("name", sorted(CASES))
+async def test_greedy_matches_hf_with_chunked_prefill(built, name):
+    model_dir, prompts, expected = built(name)
     engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=256)
     try:
         got = await engine_outputs(engine, prompts)
@@ -152,6 +160,52 @@ async def test_greedy_matches_hf_with_chunked_prefill(case):
     worst = check_equal(got, expected, name)
     print(f"{name}: fp32 max logprob difference vs HF {worst:.2e}")
     assert stats.used_pages == 0 and stats.total_retractions == 0
+
+
+async def test_greedy_matches_hf_under_retraction(built):
+    model_dir, prompts, expected = built("v3")
+    # 80 pages of 4 tokens: the 300-token prompt and its output need 79, so decodes crossing a
+    # page boundary run out of pages and retract requests, whose tokens are recomputed as prompts.
+    engine = start_engine(model_dir, chunked_prefill_size=32, page_size=4, num_pages=80)
+    try:
+        got = await engine_outputs(engine, prompts)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    check_equal(got, expected, "v3 under retraction")
+    assert stats.total_retractions > 0 and stats.used_pages == 0
+
+
+async def test_prefix_cache_hits_match_hf(built):
+    model_dir, _, _ = built("v3")
+    base = random_prompts([53], seed=21)[0]
+    tails = random_prompts([7] * 6, seed=22)
+    # Prefixes around the 16-token page boundaries, then the base again (fully cached).
+    prompts = [base] + [base[:n] + tail for n, tail in zip([1, 15, 16, 17, 32, 48], tails, strict=True)] + [base]
+    expected = hf_reference(model_dir, prompts, new_tokens=8)
+    engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=64, page_size=16)
+    try:
+        got = [(await engine_outputs(engine, [p], new_tokens=8))[0] for p in prompts]
+        together = await engine_outputs(engine, prompts, new_tokens=8)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    check_equal(got, expected, "v3 one at a time, prefix cache on")
+    check_equal(together, expected, "v3 together, prefix cache on")
+    assert stats.prefix_hit_tokens > 0 and stats.used_pages == 0
+
+
+async def test_tensor_parallel_matches_hf(built):
+    model_dir, prompts, expected = built("v3")
+    engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=256, tp_size=2)
+    try:
+        got = await engine_outputs(engine, prompts)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    worst = check_equal(got, expected, "v3 TP 2")
+    print(f"v3 TP 2: fp32 max logprob difference vs HF {worst:.2e}")
+    assert stats.used_pages == 0
 
 
 def test_config_reads_deepseek_shapes_and_yarn():
