@@ -15,6 +15,14 @@ which is multi-query attention with keys [latent | k_pe] and values `latent`, re
 the pool rows: no per-head K or V is ever built for the cached tokens. Each sequence (a decode row
 or an extend span) attends over its own rows alone by torch SDPA, in an order that does not depend
 on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks.
+
+From the absorbed query to the per-head values everything runs in fp32 (as the engine's torch decode
+attention does), rounded to the model dtype once, before o_proj. In fp32 this form gives
+transformers' greedy tokens with logprobs within about 1e-4 (tests/engine/test_mla.py). In bf16
+the rounding points necessarily differ from transformers' expanded form (which rounds each head's K
+and V): measured against HF bf16, at most 0.25 in a logprob with this fp32 attention, 0.45 with the
+attention in bf16, 0.12 for the expanded form, while HF bf16 itself is up to 0.9 from HF fp32 on the
+same tokens. The expanded form would rebuild every cached token's K and V per layer and step.
 """
 
 from __future__ import annotations
@@ -80,8 +88,9 @@ class MLAAttention:
         self.q_proj, self.q_a_proj, self.q_a_norm, self.q_b_proj = q_proj, q_a_proj, q_a_norm, q_b_proj
         self.kv_a_proj = kv_a_proj
         self.kv_a_norm = kv_a_norm
-        self.k_up = k_up  # [H, qk_nope, kv_lora_rank]: kv_b_proj's K rows, per head
-        self.v_up_t = v_up.transpose(1, 2).contiguous()  # [H, kv_lora_rank, v_head_dim]
+        # kv_b_proj's K and V rows per head, kept in fp32 (the attention's compute dtype).
+        self.k_up = k_up.float().contiguous()  # [H, qk_nope, kv_lora_rank]
+        self.v_up_t = v_up.transpose(1, 2).float().contiguous()  # [H, kv_lora_rank, v_head_dim]
         self.o_proj = o_proj
 
     @classmethod
@@ -117,7 +126,7 @@ class MLAAttention:
         if rope is None:
             rope = MLARope(config, weights.dtype, weights.device)
         return cls(mla, local_heads, mla_softmax_scale(config.rope, mla.qk_head_dim), rope, q_proj, q_a_proj,
-                   q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, k_up.contiguous(), v_up.contiguous(), o_proj)
+                   q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, k_up, v_up, o_proj)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int, buffer: torch.Tensor,
                  layer: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,35 +144,39 @@ class MLAAttention:
         rows = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, kv_lora_rank + rope]: what the pool holds
         store_latent(buffer, layer, meta.slots, rows)
 
-        # The query in latent space, per head: [H, T, kv_lora_rank + rope].
-        query = torch.cat([torch.bmm(q_nope.transpose(0, 1), self.k_up), q_pe.transpose(0, 1)], dim=-1)
-        attended = torch.empty(heads, tokens, mla.kv_lora_rank, dtype=x.dtype, device=x.device)
+        out = torch.empty(tokens, heads, mla.v_head_dim, dtype=x.dtype, device=x.device)
         for b in range(meta.num_decode):
             length = int(meta.decode_seq_lens[b])  # type: ignore[index]
             keys = gather_latent(buffer, layer, meta.decode_page_table[b], length)  # type: ignore[index]
-            attended[:, b:b + 1] = self._attend(query[:, b:b + 1], keys, length - 1)
+            out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
         for span in meta.extends:
             span_rows = slice(span.start, span.start + span.length)
             if span.prefix_len == 0:
                 keys = rows[span_rows]  # exactly what was just stored: skip the round trip via pages
             else:
                 keys = gather_latent(buffer, layer, span.page_ids, span.prefix_len + span.length)
-            attended[:, span_rows] = self._attend(query[:, span_rows], keys, span.prefix_len, span.mask)
-        out = torch.bmm(attended, self.v_up_t)  # [H, T, v_head_dim]
-        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * mla.v_head_dim))
+            out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len, span.mask)
+        return self.o_proj(out.view(tokens, heads * mla.v_head_dim))
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, prefix_len: int,
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, prefix_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One sequence: query [H, L, C] (L new tokens after prefix_len cached ones) over its pool rows
-        keys [prefix_len + L, C] -> latent output [H, L, kv_lora_rank]."""
-        length = query.shape[1]
+        """One sequence: L new tokens' q_nope [L, H, nope] and rotated q_pe [L, H, rope], after
+        prefix_len cached ones, over its pool rows keys [prefix_len + L, C] -> [L, H, v_head_dim].
+
+        Per sequence, because a batched matmul's row sums change with its row count (measured:
+        bmm rows differed from 5 rows up), and a request's output must not depend on its batch.
+        """
+        length, rank = q_nope.shape[0], self.mla.kv_lora_rank
+        # The query in latent space, per head: [H, L, kv_lora_rank + rope], fp32.
+        query = torch.cat([torch.bmm(q_nope.transpose(0, 1).float(), self.k_up), q_pe.transpose(0, 1).float()],
+                          dim=-1)
         if length > 1 and prefix_len and mask is None:
             mask = extend_mask(prefix_len, length, query.device)
-        keys = keys.to(query.dtype)
-        attended = F.scaled_dot_product_attention(
-            query.unsqueeze(0), keys[None, None], keys[None, None, :, :self.mla.kv_lora_rank],
-            attn_mask=mask, is_causal=length > 1 and mask is None, scale=self.scale, enable_gqa=True)
-        return attended[0]
+        keys = keys.float()[None, None]
+        latent_out = F.scaled_dot_product_attention(
+            query.unsqueeze(0), keys, keys[..., :rank], attn_mask=mask, is_causal=length > 1 and mask is None,
+            scale=self.scale, enable_gqa=True)[0]  # [H, L, kv_lora_rank]
+        return torch.bmm(latent_out, self.v_up_t).transpose(0, 1).to(q_nope.dtype)
 
 
 def _latent_rows(buffer: torch.Tensor) -> torch.Tensor:
