@@ -63,6 +63,8 @@ class ModelConfig:
 
     One decoder serves the three families; the switches are `qkv_bias` (Qwen2), `qk_norm`
     (Qwen3), `o_bias`/`mlp_bias` (Llama's attention_bias / mlp_bias) and `tie_word_embeddings`.
+    For DeepSeek (`mla` set) `num_kv_heads` is `num_heads` and `head_dim` is a head's q.k width,
+    qk_nope_head_dim + qk_rope_head_dim (transformers' own head_dim there is the rope part).
     """
 
     architecture: str
@@ -120,6 +122,10 @@ class ModelConfig:
             raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
         eos = generation_eos if generation_eos else _as_ids(raw.get("eos_token_id"))
         mla = MLAConfig.from_dict(raw, arch)
+        rope = _rope(raw)
+        if rope.rope_type == "yarn" and mla is None:
+            # Implemented (and tested against transformers) for DeepSeek checkpoints only so far.
+            raise ValueError(f"unsupported rope type 'yarn' for {arch}; implemented there: default, linear, llama3")
         if mla is not None:
             # After kv_b_proj every query head has a key and value of its own (what config.json's
             # num_key_value_heads says), and a head's q.k is qk_nope + qk_rope wide; the pool stores
@@ -139,7 +145,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            rope=_rope(raw),
+            rope=rope,
             # Qwen2 always has q/k/v bias; Llama/Qwen3 only with attention_bias, which also adds o bias.
             qkv_bias=qkv_bias_default or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from engine.models.config import ModelConfig
 from engine.models.rope import inverse_frequencies, mla_softmax_scale
 from engine.sampling import SamplingParams
+from engine.tp.shard import UnshardableModel, check_tp_size
 from tests.engine.conftest import generate, random_prompts, start_engine
 from tools.models.tiny_model import _parameter_shapes, random_weights
 from tools.models.tokenizer_train import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
@@ -198,16 +199,17 @@ async def test_prefix_cache_hits_match_hf(built):
     assert stats.prefix_hit_tokens > 0 and stats.used_pages == 0
 
 
-async def test_tensor_parallel_matches_hf(built):
-    model_dir, prompts, expected = built("v3")
+@pytest.mark.parametrize("name", ["v3", "v3-noq"])  # q_a/q_b and q_proj; o_proj bias added once
+async def test_tensor_parallel_matches_hf(built, name):
+    model_dir, prompts, expected = built(name)
     engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=256, tp_size=2)
     try:
         got = await engine_outputs(engine, prompts)
         stats = engine.stats()
     finally:
         engine.shutdown()
-    worst = check_equal(got, expected, "v3 TP 2")
-    print(f"v3 TP 2: fp32 max logprob difference vs HF {worst:.2e}")
+    worst = check_equal(got, expected, f"{name} TP 2")
+    print(f"{name} TP 2: fp32 max logprob difference vs HF {worst:.2e}")
     assert stats.used_pages == 0
 
 
@@ -230,6 +232,10 @@ def test_config_reads_deepseek_shapes_and_yarn():
     mscale = 0.1 * math.log(40) + 1.0
     assert mla_softmax_scale(config.rope, 48) == 48 ** -0.5 * mscale * mscale
     assert ModelConfig.from_dict(deepseek_config("deepseek_v2")).mla.rope_style == "complex"
+    # MLA splits only query heads over TP ranks: 4 heads divide 2 ways, not 3.
+    check_tp_size(2, config)
+    with pytest.raises(UnshardableModel, match="does not divide the model's 4 attention heads"):
+        check_tp_size(3, config)
     assert ModelConfig.from_dict(deepseek_config("deepseek_v3", rope_interleave=False)).mla.rope_style == "half"
 
 
