@@ -145,8 +145,8 @@ class MLAAttention:
         store_latent(buffer, layer, meta.slots, rows)
 
         out = torch.empty(tokens, heads, mla.v_head_dim, dtype=x.dtype, device=x.device)
-        for b in range(meta.num_decode):
-            length = int(meta.decode_seq_lens[b])  # type: ignore[index]
+        decode_lens = meta.decode_seq_lens.tolist() if meta.num_decode else []  # type: ignore[union-attr]
+        for b, length in enumerate(decode_lens):
             keys = gather_latent(buffer, layer, meta.decode_page_table[b], length)  # type: ignore[index]
             out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
         for span in meta.extends:
