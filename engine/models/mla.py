@@ -17,12 +17,14 @@ or an extend span) attends over its own rows alone by torch SDPA, in an order th
 on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks.
 
 From the absorbed query to the per-head values everything runs in fp32 (as the engine's torch decode
-attention does), rounded to the model dtype once, before o_proj. In fp32 this form gives
+attention does), rounded to the model dtype once, before o_proj; kv_b_proj's halves are kept in
+fp32 for that (in a bf16 model, twice their checkpoint size). In fp32 this form gives
 transformers' greedy tokens with logprobs within about 1e-4 (tests/engine/test_mla.py). In bf16
 the rounding points necessarily differ from transformers' expanded form (which rounds each head's K
 and V): measured against HF bf16, at most 0.25 in a logprob with this fp32 attention, 0.45 with the
 attention in bf16, 0.12 for the expanded form, while HF bf16 itself is up to 0.9 from HF fp32 on the
-same tokens. The expanded form would rebuild every cached token's K and V per layer and step.
+same tokens (tiny V3 checkpoint of the tests). The expanded form would rebuild every cached token's
+K and V per layer and step.
 """
 
 from __future__ import annotations
