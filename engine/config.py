@@ -49,6 +49,10 @@ class EngineConfig:
         "tensor-parallel ranks, one process each: rank 0 (this process: scheduler, and a worker's gRPC) starts "
         "tp_size - 1 more, each holding 1/tp_size of the attention heads, KV heads and MLP columns (must divide "
         "them); 1 = no collectives at all"))
+    trust_remote_code: bool = field(default=False, metadata=_help(
+        "accepted so that SGLang command lines run unchanged, and ignored: pdserve never executes code from a "
+        "checkpoint folder (it reads config.json, *.safetensors and the tokenizer files as data, and refuses "
+        "an architecture it does not implement, naming the supported ones)"))
     disable_radix_cache: bool = field(default=False, metadata=_help(
         "turn the prefix cache off (SGLang's flag name): every prompt is computed in full, a decode worker "
         "reuses none of its cached pages, and no KV events are published"))

@@ -89,7 +89,9 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, devic
 def _tokenizer(config: EngineConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(Path(config.model_path)))
+    # Never code from the checkpoint folder (see EngineConfig.trust_remote_code): a tokenizer that
+    # needs its own Python class is refused by transformers with an error naming it.
+    return AutoTokenizer.from_pretrained(str(Path(config.model_path)), trust_remote_code=False)
 
 
 def _page_manager(config: EngineConfig, pool: KVPool) -> PageManager:

@@ -22,6 +22,15 @@ page. Between different sizes both sides compute it over n = max(sizes) equal KV
 instead (`checksums_in_parts`): every rank of either side holds whole parts
 (libkv.transfer.head_map requires the larger size to be a multiple of the smaller), so no page is
 ever gathered in one process.
+
+MLA (KVLayout.is_mla). Every rank holds the whole latent page, and each receiver rank j is written
+once, whole, by sender rank j % (sender's size) (libkv.transfer.head_map.latent_receivers). The
+receiver checks what it holds: its pool's page checksum, over every rank's copy (xxh3 of the page
+at TP 1, of its ranks' page checksums at TP N), whatever the sender's size, so a rank whose bytes
+are still on their way keeps the page from matching. The sender computes the same value from the
+pages it writes (`sent_checksums`): rank j % size's page for receiver rank j, so at TP 1 against
+TP 1 (or several prefill ranks against one decode rank) rank 0's page alone. Sender ranks are never
+assumed to hold bit-identical latents: each receiver rank is compared with its own writer's page.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ def _combine(digests) -> int:
 
 class TPKVPool(KVPool):
     """Rank 0's pool of a TP worker: its own heads, with checksums (and poison) that cover every
-    rank's heads. `followers` reach ranks 1..N-1, each served by a RankTransfer on its own pool."""
+    rank's heads (MLA: every rank's copy of the latent page). `followers` reach ranks 1..N-1, each
+    served by a RankTransfer on its own pool."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device,
                  followers: list[RankChannel]) -> None:
@@ -75,8 +85,15 @@ class TPKVPool(KVPool):
         for follower in self.followers:
             follower.call("poison", list(page_ids))
 
+    def rank_checksums(self, page_ids: list[int], ranks: int) -> list[list[int]]:
+        """Each of ranks 0..`ranks`-1's page checksums of its own pool, in rank order."""
+        mine = super().page_checksums(page_ids)
+        return [mine, *(f.call("page_checksums", list(page_ids)) for f in self.followers[:ranks - 1])]
+
     def part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
         """Per page, the checksums of `parts` equal KV-head parts of the whole model's page."""
+        if self.layout.is_mla:
+            raise ValueError("an MLA latent page has no KV heads to split: checksum whole pages")
         per_rank = parts // self.tp_size
         ranks = [self.head_part_checksums(page_ids, per_rank),
                  *(f.call("head_part_checksums", list(page_ids), per_rank) for f in self.followers)]
@@ -86,14 +103,36 @@ class TPKVPool(KVPool):
 def checksums_in_parts(pool: KVPool, page_ids: list[int], peer_tp_size: int) -> list[int]:
     """Page checksums as agreed with a peer of TP `peer_tp_size` (see the module doc): the pool's own
     when the sizes are equal, else over max(sizes) KV-head parts. `pool` is the worker's: rank 0's
-    TPKVPool on a TP worker."""
-    size = pool.tp_size if isinstance(pool, TPKVPool) else 1
+    TPKVPool on a TP worker. For MLA this is the receiver's value (the sender's: `sent_checksums`)."""
+    size = _tp_size(pool)
     parts = max(size, peer_tp_size)
-    if parts == size:
+    if parts == size or pool.layout.is_mla:
         return pool.page_checksums(page_ids)
     if isinstance(pool, TPKVPool):
         return [_combine(d) for d in pool.part_checksums(page_ids, parts)]
     return [_combine(d) for d in pool.head_part_checksums(page_ids, parts)]
+
+
+def sent_checksums(pool: KVPool, page_ids: list[int], receiver_tp_size: int) -> list[int]:
+    """Checksums of local pages about to be written to a receiver of TP `receiver_tp_size`, as it
+    will compute them on arrival (`checksums_in_parts` there; module doc). `pool` is the worker's."""
+    if not pool.layout.is_mla:
+        return checksums_in_parts(pool, page_ids, receiver_tp_size)
+    from libkv.transfer.head_map import latent_writer  # libkv.transfer imports this module
+
+    size = _tp_size(pool)
+    if receiver_tp_size == size:
+        return pool.page_checksums(page_ids)
+    writers = min(size, receiver_tp_size)
+    per_rank = pool.rank_checksums(page_ids, writers) if isinstance(pool, TPKVPool) \
+        else [pool.page_checksums(page_ids)]
+    if receiver_tp_size == 1:
+        return per_rank[0]
+    return combine_checksums([per_rank[latent_writer(rank, size)] for rank in range(receiver_tp_size)])
+
+
+def _tp_size(pool: KVPool) -> int:
+    return pool.tp_size if isinstance(pool, TPKVPool) else 1
 
 
 async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],

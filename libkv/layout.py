@@ -101,7 +101,12 @@ class KVLayout:
                 f"page_size={self.page_size} dtype={self.dtype}")
 
     def to_dict(self) -> dict[str, int | str]:
-        return asdict(self)
+        """The fields by name; a GQA layout leaves out the MLA fields (zero), so its dict, and the
+        transfer endpoints that carry it, read as they did before MLA existed."""
+        values = asdict(self)
+        if not self.is_mla:
+            del values["kv_lora_rank"], values["qk_rope_head_dim"]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> KVLayout:

@@ -51,6 +51,10 @@ class KVPool:
     `layout.page_nbytes` bytes, so a run of consecutive page ids is one contiguous region and
     moves as a single transfer-engine write. Attention reads a layer's K or V through the strided
     views `k_cache(layer)` / `v_cache(layer)` of shape [num_pages, page_size, kv_heads, head_dim].
+
+    An MLA pool (`layout.is_mla`) has one plane per layer, `buffer[page, layer, 0, slot, 0, :]`
+    the latent then the rope key: `latent_cache(layer)` reads it; it has no V (v_cache raises)
+    and no heads to split (head_part_checksums takes one part only).
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
@@ -66,7 +70,16 @@ class KVPool:
         return self.buffer[:, layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
+        if self.layout.is_mla:
+            raise ValueError("an MLA KV pool holds one latent row per token and no V: read latent_cache(layer)")
         return self.buffer[:, layer, 1]
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        """An MLA layer's rows, [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]: the
+        latent in the first kv_lora_rank values, the rope key after it."""
+        if not self.layout.is_mla:
+            raise ValueError("latent_cache is an MLA pool's; this pool holds K and V per head (k_cache, v_cache)")
+        return self.buffer[:, layer, 0]
 
     @property
     def nbytes(self) -> int:
@@ -91,8 +104,11 @@ class KVPool:
 
         Why: peers that split a model's KV heads over different numbers of processes (libkv.landing)
         can both compute these for the heads they hold, without gathering a page in one process.
+        An MLA page has no heads to split: one part, its page checksum.
         """
         heads = self.layout.num_kv_heads
+        if self.layout.is_mla and parts != 1:
+            raise ValueError(f"an MLA latent page has no KV heads to split into {parts} parts: checksum whole pages")
         if parts < 1 or heads % parts:
             raise ValueError(f"cannot split {heads} KV heads into {parts} parts")
         width = heads // parts

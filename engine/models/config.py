@@ -7,6 +7,7 @@ DeepSeek V2 / V3, which add multi-head latent attention (`mla`, engine.models.ml
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters; `rope_type` is "default", "linear" or "llama3"."""
+    """Rotary embedding parameters; `rope_type` is "default", "linear", "llama3" or "yarn".
+
+    yarn (DeepSeek-V3/V2 ship it): `beta_fast`/`beta_slow`/`truncate` shape the ramp between
+    interpolated and extrapolated frequencies; `attention_factor` scales cos/sin (resolved from
+    `mscale`/`mscale_all_dim` as transformers does); `mscale_all_dim` also scales DeepSeek's
+    softmax (engine.models.rope.mla_softmax_scale).
+    """
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -43,6 +50,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ class ModelConfig:
 
     One decoder serves the three families; the switches are `qkv_bias` (Qwen2), `qk_norm`
     (Qwen3), `o_bias`/`mlp_bias` (Llama's attention_bias / mlp_bias) and `tie_word_embeddings`.
+    For DeepSeek (`mla` set) `num_kv_heads` is `num_heads` and `head_dim` is a head's q.k width,
+    qk_nope_head_dim + qk_rope_head_dim (transformers' own head_dim there is the rope part).
     """
 
     architecture: str
@@ -107,6 +121,19 @@ class ModelConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
         eos = generation_eos if generation_eos else _as_ids(raw.get("eos_token_id"))
+        mla = MLAConfig.from_dict(raw, arch)
+        rope = _rope(raw)
+        if rope.rope_type == "yarn" and mla is None:
+            # Implemented (and tested against transformers) for DeepSeek checkpoints only so far.
+            raise ValueError(f"unsupported rope type 'yarn' for {arch}; implemented there: default, linear, llama3")
+        if mla is not None:
+            # After kv_b_proj every query head has a key and value of its own (what config.json's
+            # num_key_value_heads says), and a head's q.k is qk_nope + qk_rope wide; the pool stores
+            # the shared latent instead (kv_layout). transformers' own head_dim is the rope dim.
+            num_kv_heads, head_dim = num_heads, mla.qk_head_dim
+        else:
+            num_kv_heads = raw.get("num_key_value_heads") or num_heads
+            head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -114,11 +141,11 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            rope=_rope(raw),
+            rope=rope,
             # Qwen2 always has q/k/v bias; Llama/Qwen3 only with attention_bias, which also adds o bias.
             qkv_bias=qkv_bias_default or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
@@ -128,7 +155,7 @@ class ModelConfig:
             torch_dtype=dtype,
             eos_token_ids=eos,
             moe=MoEConfig.from_dict(raw, arch),
-            mla=MLAConfig.from_dict(raw, arch),
+            mla=mla,
         )
 
 
@@ -156,19 +183,48 @@ def _rope(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope type {rope_type!r}; implemented: default, linear, llama3")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope type {rope_type!r}; implemented: default, linear, llama3, yarn")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not implemented")
+    max_positions = raw.get("max_position_embeddings", 8192)
+    # As transformers' standardize_rope_params: a top-level original_max_position_embeddings wins.
+    original = raw.get("original_max_position_embeddings") if rope_type in ("llama3", "yarn") else None
+    original = int(original or params.get("original_max_position_embeddings") or max_positions)
+    factor = params.get("factor")
+    if factor is None:
+        # transformers' yarn: without a factor, the ratio of the context lengths.
+        factor = max_positions / original if rope_type == "yarn" else 1.0
+    factor = float(factor)
+    attention_factor = 1.0
+    if rope_type == "yarn":
+        attention_factor = params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = yarn_mscale(factor)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
-                                             or raw.get("max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times (transformers' get_mscale)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import HeadShape, TorchLayerOps
 from engine.models.linear import Linear
-from engine.models.mla import MLAAttention
+from engine.models.mla import MLAAttention, MLARope
 from engine.models.moe import MoEBlock
 from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader, ShardedReader
@@ -71,9 +71,11 @@ class DecoderModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.scale = config.head_dim ** -0.5
-        self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings,
-                                  dtype, device)
+        self.scale = config.head_dim ** -0.5  # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
+        # GQA layers rotate whole heads; MLA layers only their qk_rope_head_dim part, by the table
+        # their MLARope holds.
+        self.rotary = None if config.mla is not None else RotaryTable(
+            config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
@@ -81,7 +83,8 @@ class DecoderModel:
              all_reduce: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         get = weights.get
-        layers = [_load_layer(weights, config, i) for i in range(config.num_layers)]
+        mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
+        layers = [_load_layer(weights, config, i, mla_rope) for i in range(config.num_layers)]
         vocab = (config.vocab_size, config.hidden_size)
         embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -102,7 +105,7 @@ class DecoderModel:
         """
         ops, eps = self.ops, self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        rotary = ops.rotary(self.rotary, positions, max_position)
+        rotary = ops.rotary(self.rotary, positions, max_position) if self.rotary is not None else None
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
@@ -136,13 +139,13 @@ class DecoderModel:
         return self.lm_head(hidden).float()
 
 
-def _load_layer(weights: ShardedReader, config: ModelConfig, i: int) -> LayerWeights:
+def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None) -> LayerWeights:
     p = f"model.layers.{i}."
     hidden = config.hidden_size
     layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight", (hidden,)),
                          post_norm=weights.get(p + "post_attention_layernorm.weight", (hidden,)))
     if config.mla is not None:
-        layer.mla = MLAAttention.load(weights, p + "self_attn.", config)
+        layer.mla = MLAAttention.load(weights, p + "self_attn.", config, mla_rope)
     else:
         _load_gqa(weights, config, p + "self_attn.", layer)
         if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):

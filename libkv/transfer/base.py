@@ -14,6 +14,10 @@ reads the peer's rank endpoints (TransferEndpoint.ranks):
                  one engine write of byte regions (those heads' pieces of each page) per
                  connection. Only engines that write byte regions (`writes_regions`) can; the
                  others are refused in connect(), naming both --tp-size values.
+  MLA, another   every rank holds the whole latent page: one engine connection per peer rank
+  size           this rank is the one writer of (head_map.latent_receivers), whole pages as for
+                 the same size, any engine; a rank that writes to no peer rank has no connection
+                 and its writes are done at once, with nothing moved.
 So a TP-1 worker pairs with a TP-N worker in both directions, and a TP-N worker only fans its
 calls out over its own ranks.
 """
@@ -27,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from libkv.landing import checksums_in_parts
+from libkv.landing import sent_checksums
 from libkv.layout import KVLayout
 from libkv.pool import ByteRun, KVPool, PageRun, coalesce
 from libkv.transfer.errors import (
@@ -39,7 +43,7 @@ from libkv.transfer.errors import (
     TransferTimeout,
 )
 from libkv.transfer.grants import GrantTable, check_grant, grant_tag
-from libkv.transfer.head_map import HeadSlice, sender_slices, slice_regions
+from libkv.transfer.head_map import HeadSlice, latent_receivers, sender_slices, slice_regions, whole_model
 from libkv.transfer.hooks import EngineHooks, Peer, Transfer
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 
@@ -49,11 +53,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class Route:
     """A peer of another TP size: the engine connections a write to it fans out to, one per
-    remote rank that shares KV heads with this rank, with the heads each one carries."""
+    remote rank that shares KV heads with this rank, with the heads each one carries (None: whole
+    MLA latent pages, to the remote ranks this rank writes; none at all for a rank that writes none)."""
 
     endpoint: TransferEndpoint
     tp_size: int
-    links: list[tuple[HeadSlice, PeerId]]
+    links: list[tuple[HeadSlice | None, PeerId]]
 
 
 class EngineBackend(EngineHooks, TransferBackend):
@@ -119,6 +124,12 @@ class EngineBackend(EngineHooks, TransferBackend):
         ranks = endpoint.ranks()
         if len(ranks) == self.tp_size:
             return self._connect_rank(ranks[self.tp_rank], pool.layout)
+        if pool.layout.is_mla or ranks[0].layout.is_mla:
+            whole_model(pool.layout, self.tp_size).check_compatible(
+                whole_model(ranks[0].layout, len(ranks)), mine="prefill", theirs="decode")
+            targets = latent_receivers(self.tp_size, len(ranks), self.tp_rank)
+            return self._route(endpoint, len(ranks),
+                               [(None, self._connect_rank(ranks[rank], pool.layout)) for rank in targets])
         cuts = sender_slices(pool.layout, self.tp_rank, self.tp_size, ranks[0].layout, len(ranks))
         if not self.writes_regions:
             raise BackendMismatch(f"{self.name} moves whole pages only: KV between --tp-size {self.tp_size} "
@@ -161,7 +172,8 @@ class EngineBackend(EngineHooks, TransferBackend):
             self.disconnect(peer.peer_id)
         return peer_id if usable else None
 
-    def _route(self, endpoint: TransferEndpoint, tp_size: int, links: list[tuple[HeadSlice, PeerId]]) -> PeerId:
+    def _route(self, endpoint: TransferEndpoint, tp_size: int,
+               links: list[tuple[HeadSlice | None, PeerId]]) -> PeerId:
         """The PeerId of a peer of another TP size; a new one when one of its connections was
         replaced (the old id then names nothing: its dead connection is gone already)."""
         with self._lock:
@@ -261,7 +273,7 @@ class EngineBackend(EngineHooks, TransferBackend):
         """See TransferBackend.write. Consecutive pages on both sides coalesce into one run, and
         each run is one engine write (the pool is page-major, so a run is one contiguous region
         on each side). To a peer of another TP size: one engine write per connection, of the byte
-        regions of the heads it carries."""
+        regions of the heads it carries (MLA: whole pages, to each peer rank this rank writes)."""
         pool = self._require_pool()
         grant = check_grant(grant)
         runs = coalesce(list(src_pages), list(dst_pages))
@@ -296,6 +308,8 @@ class EngineBackend(EngineHooks, TransferBackend):
         if len(parts) == 1:
             return parts[0].handle
         group = Transfer(None, [], 0.0, owner=id(self), parts=parts)
+        if not parts:  # an MLA rank that is no peer rank's writer: nothing to move, done
+            group.state = TransferState.DONE
         group.handle = TransferHandle(next(self._ids), peer, key, len(src_pages),
                                       sum(p.handle.num_runs for p in parts), sum(p.handle.nbytes for p in parts), group)
         return group.handle
@@ -303,7 +317,7 @@ class EngineBackend(EngineHooks, TransferBackend):
     def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
         with self._lock:
             route = self._routes.get(peer)
-        return checksums_in_parts(self._require_pool(), page_ids, route.tp_size if route else self.tp_size)
+        return sent_checksums(self._require_pool(), page_ids, route.tp_size if route else self.tp_size)
 
     def poll(self, handle: TransferHandle) -> TransferState:
         record = self._record(handle)

@@ -5,6 +5,13 @@ sender rank i writes to every receiver rank j whose heads overlap its own, the o
 in each page `[layers, K/V, slot, heads, head_dim]` that is one piece per (layer, K/V, slot), at
 the overlap's head offset on each side. The larger size must be a multiple of the smaller, so
 each rank of the smaller side holds whole head parts of the larger (what the checksums need).
+
+MLA (KVLayout.is_mla) has no heads to split: every rank of either side holds the whole latent page.
+Receiver rank j gets it once, whole, from sender rank j % a (`latent_receivers`); any TP sizes map,
+and sender ranks >= b (when a > b) write nothing. Why j % a: each receiver rank has exactly one
+writer (a second copy would only double the bytes), the writers are spread over the sender's ranks
+(each writes ceil(b/a) or floor(b/a) pages per page), and rank j writes to rank j when a == b, the
+same pairing as GQA's whole-page writes.
 """
 
 from __future__ import annotations
@@ -27,8 +34,22 @@ class HeadSlice:
 
 
 def whole_model(rank_layout: KVLayout, tp_size: int) -> KVLayout:
-    """The page of the whole model, from the page of one of its `tp_size` ranks."""
+    """The page of the whole model, from the page of one of its `tp_size` ranks (an MLA rank
+    holds the whole model's latent page already)."""
+    if rank_layout.is_mla:
+        return rank_layout
     return replace(rank_layout, num_kv_heads=rank_layout.num_kv_heads * tp_size)
+
+
+def latent_writer(receiver_rank: int, sender_tp: int) -> int:
+    """The one sender rank that writes MLA latent pages to receiver rank `receiver_rank`."""
+    return receiver_rank % sender_tp
+
+
+def latent_receivers(sender_tp: int, receiver_tp: int, sender_rank: int) -> list[int]:
+    """The receiver ranks sender rank `sender_rank` writes whole MLA latent pages to (module doc);
+    empty for a sender rank no receiver rank is assigned to."""
+    return [rank for rank in range(receiver_tp) if latent_writer(rank, sender_tp) == sender_rank]
 
 
 def check_mappable(num_kv_heads: int, sender_tp: int, receiver_tp: int) -> None:
@@ -72,10 +93,11 @@ def slice_regions(cut: HeadSlice, src_pages: list[int], dst_pages: list[int], sr
 def sender_slices(rank_layout: KVLayout, rank: int, tp_size: int, receiver_layout: KVLayout,
                   receiver_tp: int) -> list[HeadSlice]:
     """What sender rank `rank` of `tp_size` (pages of `rank_layout`) writes to which rank of a
-    receiver of `receiver_tp` ranks (pages of `receiver_layout`), after refusing sizes that do not
-    map and whole-model layouts that differ, naming both values."""
-    heads = rank_layout.num_kv_heads * tp_size
-    check_mappable(heads, tp_size, receiver_tp)
+    receiver of `receiver_tp` ranks (pages of `receiver_layout`), after refusing whole-model
+    layouts that differ and sizes that do not map, naming both values. GQA only: MLA pages move
+    whole (`latent_receivers`)."""
     whole_model(rank_layout, tp_size).check_compatible(whole_model(receiver_layout, receiver_tp),
                                                        mine="prefill", theirs="decode")
+    heads = rank_layout.num_kv_heads * tp_size
+    check_mappable(heads, tp_size, receiver_tp)
     return head_slices(heads, tp_size, receiver_tp, rank)

@@ -32,8 +32,9 @@ be reused only after the sender confirms its abort() returned, or the sender is 
 (its process gone or its transfers timed out). For the two-sided `ucx` backend the receiver posts
 receives itself: data for an unknown or released key lands in scratch memory, never in the pool.
 
-Tensor parallelism: a worker of TP size N splits its KV heads over N rank processes, and its
-endpoint lists its ranks' endpoints (TransferEndpoint.of_ranks). Any backend connects to an
+Tensor parallelism: a worker of TP size N splits its KV heads over N rank processes (an MLA
+model's ranks each hold the whole latent instead), and its endpoint lists its ranks' endpoints
+(TransferEndpoint.of_ranks). Any backend connects to an
 endpoint of any TP size; libkv.transfer.base says how one rank writes to a peer's ranks, and
 libkv.transfer.tensor_parallel is the backend of a worker with several ranks.
 

@@ -22,7 +22,10 @@ import psutil
 import torch
 
 from libkv import KVLayout, KVPool
+from libkv.landing import TPKVPool, checksums_in_parts
+from libkv.rank_channel import InProcessRank
 from libkv.transfer import TransferEndpoint, TransferError, create_backend, exit_process
+from libkv.transfer.tensor_parallel import RankTransfer, TensorParallelBackend
 
 REPLY_PREFIX = "@@reply "
 
@@ -33,29 +36,56 @@ class PeerWorker:
     def __init__(self) -> None:
         self.backend = None
         self.pool: KVPool | None = None
+        self.ranks: list[KVPool] = []  # each rank's pool, rank 0's (self.pool) first
         self.handles: dict[int, object] = {}
 
     def op_init(self, backend: str, layout: dict, num_pages: int, timeout_s: float,
-                options: dict | None = None) -> dict:
+                options: dict | None = None, tp_size: int = 1) -> dict:
+        """`tp_size` > 1: a tensor-parallel worker whose ranks (each a pool of `layout` with its own
+        engine) live in this process, driven as rank 0 drives them (InProcessRank for a socket)."""
         torch.set_num_threads(1)
-        self.pool = KVPool(KVLayout.from_dict(layout), num_pages)
-        self.backend = create_backend(backend, timeout_s=timeout_s, **(options or {}))
+        options = {"timeout_s": timeout_s, **(options or {})}
+        rank_layout = KVLayout.from_dict(layout)
+        if tp_size == 1:
+            self.pool = KVPool(rank_layout, num_pages)
+            self.backend = create_backend(backend, **options)
+            self.ranks = [self.pool]
+        else:
+            followers = [RankTransfer(KVPool(rank_layout, num_pages), rank, tp_size) for rank in range(1, tp_size)]
+            channels = [InProcessRank(follower) for follower in followers]
+            self.pool = TPKVPool(rank_layout, num_pages, "cpu", channels)
+            self.backend = TensorParallelBackend(create_backend(backend, **options), channels, options)
+            self.ranks = [self.pool, *(follower.pool for follower in followers)]
         self.backend.register(self.pool)
         return {"endpoint": self.backend.endpoint().to_json()}
 
     def op_fill(self, seed: int) -> dict:
-        """Fill the pool with seeded random bytes (byte-level, so any dtype works)."""
-        gen = torch.Generator().manual_seed(seed)
-        flat = self.pool.as_bytes()
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        """Fill each rank's pool with seeded random bytes (byte-level, so any dtype works), a
+        different seed per rank."""
+        for rank, pool in enumerate(self.ranks):
+            gen = torch.Generator().manual_seed(seed + 1000 * rank)
+            flat = pool.as_bytes()
+            flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
         return {}
 
-    def op_hashes(self, pages: list[int] | None = None) -> dict:
-        nbytes = self.pool.layout.page_nbytes
-        flat = self.pool.as_bytes()
-        pages = list(range(self.pool.num_pages)) if pages is None else pages
+    def op_hashes(self, pages: list[int] | None = None, rank: int = 0) -> dict:
+        pool = self.ranks[rank]
+        nbytes = pool.layout.page_nbytes
+        flat = pool.as_bytes()
+        pages = list(range(pool.num_pages)) if pages is None else pages
         return {"hashes": {str(p): hashlib.sha256(flat[p * nbytes:(p + 1) * nbytes].numpy().tobytes())
                            .hexdigest() for p in pages}}
+
+    def op_sent_checksums(self, peer: str, pages: list[int]) -> dict:
+        """The checksums a sender sends with a write of `pages` to `peer` (page_checksums_for)."""
+        return {"checksums": self.backend.page_checksums_for(peer, pages)}
+
+    def op_landed_checksums(self, pages: list[int], sender_tp_size: int) -> dict:
+        """What the receiver's landing check computes over `pages` (libkv.landing)."""
+        return {"checksums": checksums_in_parts(self.pool, pages, sender_tp_size)}
+
+    def op_rank_bytes(self) -> dict:
+        return {"rank_bytes": self.backend.rank_bytes()}
 
     def op_connect(self, endpoint: str) -> dict:
         return {"peer": self.backend.connect(TransferEndpoint.from_json(endpoint))}

@@ -1,8 +1,9 @@
 """The TransferBackend of a tensor-parallel worker (TP size > 1): its ranks' backends as one.
 
-A TP worker's KV pool is split by KV head over its ranks' processes, and each rank registers its
-own pool with its own transfer engine: an EngineBackend that knows its rank (libkv.transfer.base),
-connects to a peer of any TP size and writes its own heads straight into the peer's ranks' pages.
+A TP worker's KV pool is split by KV head over its ranks' processes (MLA: each rank holds the whole
+latent), and each rank registers its own pool with its own transfer engine: an EngineBackend that
+knows its rank (libkv.transfer.base), connects to a peer of any TP size and writes its own heads
+(MLA: whole pages, to the peer ranks it is the writer of) straight into the peer's ranks' pages.
 Nothing is gathered through one process. This backend only fans each call out over the LOCAL
 ranks: rank 0's backend in this process, the followers' over the RankChannel each one answers
 on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker uses its engine's
@@ -10,7 +11,8 @@ backend alone: that one pairs with TP-N peers by itself.
 
 Endpoint: the whole model's KV layout, with every rank's endpoint in the blob
 (TransferEndpoint.of_ranks). Checksums: rank 0's pool is a libkv.landing.TPKVPool, whose page
-checksums cover every rank's heads.
+checksums cover every rank's heads. `rank_bytes` counts what each rank shipped: for MLA a rank
+that writes to no peer rank ships nothing, so their sum is each page once per peer rank.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from libkv.landing import checksums_in_parts
+from libkv.landing import sent_checksums
 from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank, RankCallFailed, RankChannel
 from libkv.transfer import create_backend
@@ -210,7 +212,7 @@ class TensorParallelBackend(TransferBackend):
         return TransferHandle(next(self._ids), peer, key, len(src_pages), len(write.parts), sum(sent), write)
 
     def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
-        return checksums_in_parts(self.local.pool, page_ids, self._peer(peer).tp_size)  # type: ignore[arg-type]
+        return sent_checksums(self.local.pool, page_ids, self._peer(peer).tp_size)  # type: ignore[arg-type]
 
     def poll(self, handle: TransferHandle) -> TransferState:
         write = self._write(handle)

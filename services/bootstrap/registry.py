@@ -79,6 +79,9 @@ def layout_differences(new: common_pb2.KVLayout, registered: common_pb2.KVLayout
 
 
 def describe_layout(layout: common_pb2.KVLayout) -> str:
+    if layout.kv_lora_rank:  # an MLA latent layout (libkv.layout.KVLayout.describe says the same)
+        return (f"layers={layout.num_layers} mla kv_lora_rank={layout.kv_lora_rank} "
+                f"qk_rope_head_dim={layout.qk_rope_head_dim} page_size={layout.page_size} dtype={layout.dtype}")
     return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
             f"page_size={layout.page_size} dtype={layout.dtype}")
 

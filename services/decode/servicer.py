@@ -234,7 +234,10 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         if self._checksums:
             await self._check_arrived(room.id, pages, reply.page_checksums, prefill_address, context, reply.tp_size)
         if room.reservation.cached_pages:
-            self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * self.engine.kv_layout.page_nbytes)
+            # In the units of the prefill's kv_transfer_bytes_total: every rank of this worker gets
+            # its own pages (its KV heads; MLA: the whole latent), so a page ships tp_size rank pages.
+            shipped_page_nbytes = self.engine.kv_layout.page_nbytes * self.config.engine.tp_size
+            self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * shipped_page_nbytes)
         return reply.first
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from engine.engine import Engine
 from engine.outputs import EngineStats
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
+from libkv.transfer.head_map import whole_model
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -137,9 +138,9 @@ class WorkerRuntime:
 
     def model_layout(self) -> KVLayout:
         """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
-        compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it)."""
-        layout = self.engine.kv_layout
-        return replace(layout, num_kv_heads=layout.num_kv_heads * self.config.engine.tp_size)
+        compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it; an
+        MLA rank's the whole latent)."""
+        return whole_model(self.engine.kv_layout, self.config.engine.tp_size)
 
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""

@@ -61,6 +61,51 @@ def test_mismatch_names_both_values():
     assert KVLayout.from_dict(a.to_dict()) == a
 
 
+MLA = KVLayout.mla(num_layers=3, kv_lora_rank=6, qk_rope_head_dim=2, page_size=4, dtype="bfloat16")
+
+
+def test_an_mla_pool_holds_one_latent_row_per_token_and_layer():
+    assert MLA.page_shape == (3, 1, 4, 1, 8) and MLA.page_nbytes == 3 * 4 * 8 * 2
+    pool = KVPool(MLA, num_pages=3)
+    pool.latent_cache(2)[1].fill_(1.0)
+    assert pool.latent_cache(2).shape == (3, 4, 1, 8)
+    block = pool.buffer[1].view(-1)  # page-major: the layer's rows lie inside page 1
+    assert block.sum().item() == 4 * 8 and pool.buffer[[0, 2]].abs().sum() == 0
+    with pytest.raises(ValueError, match="no V"):
+        pool.v_cache(0)
+    with pytest.raises(ValueError, match="latent_cache is an MLA pool's"):
+        KVPool(KVLayout(2, 2, 4, 4, "float32"), 1).latent_cache(0)
+    pool.poison([2])
+    assert pool.buffer[2].isnan().all() and not pool.buffer[:2].isnan().any()
+
+
+def test_an_mla_page_is_checksummed_whole():
+    pool = KVPool(MLA, num_pages=2)
+    pool.buffer.normal_(generator=torch.Generator().manual_seed(0))
+    assert pool.head_part_checksums([1, 0], 1) == [[c] for c in pool.page_checksums([1, 0])]
+    with pytest.raises(ValueError, match="no KV heads to split into 2 parts"):
+        pool.head_part_checksums([1], 2)
+
+
+def test_layouts_travel_as_dicts_and_a_gqa_one_reads_as_before_mla():
+    gqa = KVLayout(4, 2, 64, 16, "float32")
+    assert gqa.to_dict() == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "dtype": "float32"}
+    assert KVLayout.from_dict(gqa.to_dict()) == gqa and KVLayout.from_dict(MLA.to_dict()) == MLA
+    assert MLA.to_dict()["kv_lora_rank"] == 6 and MLA.to_dict()["qk_rope_head_dim"] == 2
+
+
+def test_an_mla_mismatch_names_the_latent_fields():
+    other = KVLayout.mla(num_layers=3, kv_lora_rank=4, qk_rope_head_dim=4, page_size=4, dtype="bfloat16")
+    with pytest.raises(LayoutMismatch) as err:
+        MLA.check_compatible(other, mine="prefill", theirs="decode")
+    msg = str(err.value)
+    # head_dim (latent + rope) is 8 on both: only the two latent fields differ
+    assert msg.startswith("KV layout mismatch (prefill vs decode): kv_lora_rank: 6 vs 4; qk_rope_head_dim: 2 vs 4 [")
+    assert "[prefill: layers=3 mla kv_lora_rank=6 qk_rope_head_dim=2 page_size=4 dtype=bfloat16]" in msg
+    with pytest.raises(LayoutMismatch, match="num_kv_heads: 1 vs 2; head_dim: 8 vs 4; kv_lora_rank: 6 vs 0"):
+        MLA.check_compatible(KVLayout(3, 2, 4, 4, "bfloat16"))
+
+
 def test_coalesce_merges_runs_consecutive_on_both_sides():
     runs = coalesce([3, 4, 5, 9, 10, 2], [7, 8, 9, 1, 3, 4])
     assert runs == [PageRun(3, 7, 3), PageRun(9, 1, 1), PageRun(10, 3, 1), PageRun(2, 4, 1)]

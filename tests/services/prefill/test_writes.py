@@ -4,7 +4,11 @@ import threading
 
 import pytest
 
-from services.prefill.writes import TransferQueues
+from libkv.landing import checksums_in_parts
+from libkv.transfer import BACKENDS
+from services.prefill.writes import RoomWrites, TransferQueues
+from tests.libkv.transfer.test_mla_tensor_parallel import GRANT, MLA, WholePagesBackend
+from tests.libkv.transfer.test_mla_tensor_parallel import worker as mla_worker
 
 
 def test_a_room_keeps_its_queue_and_order_while_rooms_spread_over_queues():
@@ -33,3 +37,25 @@ def test_a_room_keeps_its_queue_and_order_while_rooms_spread_over_queues():
 def test_needs_a_queue_and_a_thread():
     with pytest.raises(ValueError):
         TransferQueues(0, 4)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)])
+async def test_mla_bytes_pushed_count_each_latent_page_once_per_decode_rank(monkeypatch, prefill_tp, decode_tp):
+    # What pdserve:kv_transfer_bytes_total adds per request (RoomWrites.bytes_pushed): the bytes
+    # shipped, so bytes / tokens reads off the KV cost per token (MLA: the latent, once per decode rank).
+    monkeypatch.setitem(BACKENDS, WholePagesBackend.name, (WholePagesBackend.__module__, "WholePagesBackend"))
+    sender, _, _ = mla_worker(prefill_tp)
+    receiver, receiver_pools, _ = mla_worker(decode_tp)
+    queues = TransferQueues(num_queues=1, thread_pool_size=1)
+    try:
+        dst = [4, 5, 6]
+        receiver.expect("room-1", dst, GRANT)
+        writes = RoomWrites("room-1", sender, queues, dst, grant=GRANT, want_checksums=True)
+        writes.peer = sender.connect(receiver.endpoint())
+        writes.push([0, 1], num_tokens=4)  # after a chunk, then the rest
+        writes.push([0, 1, 2], num_tokens=5)
+        await writes.wait_all()
+    finally:
+        queues.shutdown()
+    assert writes.bytes_pushed == decode_tp * 3 * MLA.page_nbytes
+    assert writes.checksums == checksums_in_parts(receiver_pools[0], dst, prefill_tp)

@@ -38,6 +38,8 @@ def test_seed_commands_parse(model_dir):
     engine = decode.engine
     assert (engine.mem_fraction_static, engine.max_running_requests, engine.chunked_prefill_size) == (0.8, 128, 4096)
     assert parse(model_dir).role == "colocated"  # --disaggregation-mode null is the default
+    # The seeds' DeepSeek command passes --trust-remote-code: accepted, and it runs no checkpoint code.
+    assert parse(model_dir, "--trust-remote-code").engine.trust_remote_code
 
 
 def test_engine_flags_default_to_the_engine_config(model_dir):

@@ -123,7 +123,7 @@ class Workload:
         self.output_len = args.output_len
 
 
-async def _generate(stub, prompt: list[int], max_new_tokens: int, prefill: str | None, room: str
+async def generate_greedy(stub, prompt: list[int], max_new_tokens: int, prefill: str | None, room: str
                     ) -> tuple[float, list[int]]:
     request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True))
@@ -148,7 +148,7 @@ async def drive(workload: Workload, address: str, prefill: str | None, result: R
             for turn, message in enumerate(workload.messages[index]):
                 prompt = history + message
                 try:
-                    ttft, answer = await _generate(stub, prompt, workload.output_len, prefill, f"u{index}t{turn}")
+                    ttft, answer = await generate_greedy(stub, prompt, workload.output_len, prefill, f"u{index}t{turn}")
                 except grpc.aio.AioRpcError as exc:
                     print(f"  user {index} turn {turn}: {exc.code().name} {exc.details()}", file=sys.stderr)
                     result.failures += 1
@@ -180,7 +180,7 @@ def _worker(group: ProcessGroup, args: argparse.Namespace, name: str, mode: str,
 async def warm_up(address: str, prefill: str | None, length: int) -> None:
     """One request of unrelated tokens first, so the first measured turn pays no start-up cost."""
     async with open_channel(address, GrpcSecurity()) as channel:
-        await _generate(worker_pb2_grpc.WorkerStub(channel), [3] * length, 2, prefill, "warm-up")
+        await generate_greedy(worker_pb2_grpc.WorkerStub(channel), [3] * length, 2, prefill, "warm-up")
 
 
 def _counters(prompts: Service, decode: Service | None) -> tuple[float, float, float]:
