@@ -1,8 +1,8 @@
 """Routed experts in the engine: greedy output and logprobs equal HF transformers `generate`.
 
-Two checkpoints: the tiny-moe preset (Qwen3-MoE, 8 experts, top-2 renormalised, one dense layer)
-and a Mixtral written from it with other dims (4 experts of width 192, head_dim 32, one KV head,
-untied). Prompts of 1..150 tokens run together with chunks of 32, so steps mix decodes and extends
+Checkpoints: the tiny-moe preset (Qwen3-MoE, 8 experts, top-2 renormalised, one dense layer),
+a Mixtral written from it with other dims (4 experts of width 192, head_dim 32, one KV head,
+untied), and the tiny-deepseek preset as DeepSeek V3 and V2. Prompts of 1..150 tokens run together with chunks of 32, so steps mix decodes and extends
 with a prefix. Also: the fused expert layout gives what the published one gives, bit for bit; the
 prefix cache hits and changes nothing; TP 2 equals HF; bad checkpoints are refused at load naming
 the tensor or field; the expert-load counters add up.
@@ -123,6 +123,21 @@ async def test_tp2_matches_hf(moe_ckpt, prompts, moe_hf):
     got, load = await run(moe_ckpt, prompts, tp_size=2)
     check_equal(got, moe_hf, "qwen3-moe TP 2")
     assert sum(load.tokens_per_expert) == (sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)) * 2 * 3
+
+
+@pytest.mark.parametrize("variant", ["v3", "v2"])
+async def test_deepseek_matches_hf(variant, prompts, tmp_path):
+    # The tiny-deepseek preset (V3: sigmoid scores, correction bias, 2 of 4 groups, a shared
+    # expert, latent attention), and a V2 written from it (softmax, group_limited_greedy, no q
+    # LoRA); V3 also at TP 2, where experts and query heads split and the latent does not.
+    overrides = {} if variant == "v3" else dict(arch="deepseek_v2", scoring_func="softmax",
+                                                 topk_method="group_limited_greedy", q_lora_rank=None)
+    ckpt = write_tiny_model(tmp_path / variant, preset="tiny-deepseek", seed=0, **overrides)
+    expected = hf_reference(ckpt, prompts)
+    for tp_size in (1, 2) if variant == "v3" else (1,):
+        got, load = await run(ckpt, prompts, tp_size=tp_size)
+        check_equal(got, expected, f"deepseek {variant} TP {tp_size}")
+        assert sum(load.tokens_per_expert) == (sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)) * 2 * 3
 
 
 def _rewrite(src, dst, edit) -> None:
