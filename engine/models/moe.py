@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from engine.models.linear import Linear
 from engine.models.moe_config import GROUP_LIMITED_GREEDY, NOAUX_TC, SIGMOID, MoEConfig
-from engine.models.weights import ShardedReader
+from engine.models.weights import MisshapenTensor, ShardedReader
 
 
 class Router:
@@ -133,7 +133,7 @@ class MoEBlock:
         else:
             experts = [_swiglu(weights, mlp + f"experts.{e}.", ("gate_proj", "up_proj", "down_proj"), hidden, width)
                        for e in range(moe.num_experts)]
-        bias = (weights.get(mlp + "gate.e_score_correction_bias", (moe.num_experts,))
+        bias = (_fp32(weights, mlp + "gate.e_score_correction_bias", (moe.num_experts,))
                 if moe.topk_method == NOAUX_TC else None)
         router = Router(moe, weights.get(mlp + "gate.weight", (moe.num_experts, hidden)), bias)
         shared = None
@@ -176,6 +176,17 @@ def expert_load(blocks: list[MoEBlock]) -> ExpertLoad | None:
     ratios = [float(b.last_routed.max()) / mean for b in blocks
               if (mean := float(b.last_routed.sum()) / b.config.num_experts) > 0]
     return ExpertLoad(tuple(total.tolist()), max(ratios, default=0.0))
+
+
+def _fp32(weights: ShardedReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor read in fp32 whatever the model dtype: transformers keeps DeepSeek V3's correction
+    bias in fp32 (`_keep_in_fp32_modules_strict`), and in bf16 its small differences between
+    experts would round away."""
+    tensor = weights.reader.get(name)
+    if tuple(tensor.shape) != shape:
+        raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                              f"implies {shape}")
+    return tensor.to(device=weights.device, dtype=torch.float32)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

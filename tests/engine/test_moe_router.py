@@ -93,10 +93,11 @@ def test_deepseek_v3_router(norm):
     _same_routing(DeepseekV3TopkRouter(config), "DeepseekV3ForCausalLM", config)
 
 
-def _block(tensors: dict[str, torch.Tensor], folder, moe: MoEConfig, shard: TPShard | None = None) -> MoEBlock:
+def _block(tensors: dict[str, torch.Tensor], folder, moe: MoEConfig, shard: TPShard | None = None,
+           dtype: torch.dtype = torch.float32) -> MoEBlock:
     folder.mkdir(exist_ok=True)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
-    reader = ShardedReader(CheckpointReader(folder), torch.device("cpu"), torch.float32, shard)
+    reader = ShardedReader(CheckpointReader(folder), torch.device("cpu"), dtype, shard)
     config = SimpleNamespace(moe=moe, hidden_size=HIDDEN, architecture="DeepseekV3ForCausalLM")
     return MoEBlock.load(reader, "model.layers.1.", config)
 
@@ -126,3 +127,17 @@ def test_deepseek_block_matches_hf(arch, layout, tmp_path):
     halves = [_block(tensors, tmp_path / f"rank{r}", moe, TPShard(r, 2))(x) for r in range(2)]
     # The split changes only the order of the down projections' sums (fp32 rounding).
     torch.testing.assert_close(halves[0] + halves[1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_correction_bias_stays_fp32_in_bf16(tmp_path):
+    # transformers keeps it in fp32 (_keep_in_fp32_modules_strict): rounding it to bf16 would
+    # merge experts whose biases differ in the fourth digit.
+    config = DeepseekV3Config(**DEEPSEEK)
+    hf_block = DeepseekV3MoE(config)
+    _random_(hf_block, seed=5)
+    tensors = {f"model.layers.1.mlp.{name}": t for name, t in hf_block.state_dict().items()}
+    moe = MoEConfig.from_dict(config.to_dict(), "DeepseekV3ForCausalLM")
+    block = _block(tensors, tmp_path / "bf16", moe, dtype=torch.bfloat16)
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert block.router.correction_bias.dtype == torch.float32 and torch.equal(block.router.correction_bias, bias)
+    assert block(torch.randn(5, HIDDEN).bfloat16()).dtype == torch.bfloat16
