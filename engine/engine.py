@@ -39,6 +39,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
+from engine.models.moe import ExpertLoad, expert_load
 from engine.outputs import EngineStats, FirstToken, TokenOutput
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
@@ -248,6 +249,12 @@ class Engine:
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Tokens routed to each expert since load (summed over layers) and the last step's
+        imbalance; None for a dense model. Any thread may read it: a step running meanwhile makes
+        it at most one step stale. Under TP, rank 0's counts are every rank's (same router)."""
+        return expert_load([layer.moe for layer in self.model.layers if layer.moe is not None])
 
     def _new_request(self, request: EngineRequest) -> Request:
         """The engine's own state of a caller's request (the scheduler's Request)."""

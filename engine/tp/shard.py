@@ -38,6 +38,8 @@ def check_tp_size(tp_size: int, model_config) -> None:
     kv_heads = tp_size if model_config.mla is not None else model_config.num_kv_heads  # MLA: nothing to split
     try:
         check_divisible(tp_size, model_config.num_heads, kv_heads, model_config.intermediate_size)
+        if model_config.moe is not None and model_config.moe.intermediate_size % tp_size:  # experts split like the MLP
+            raise UnshardableModel(f"tp size {tp_size} does not divide the expert width {model_config.moe.intermediate_size}")
     except UnshardableModel as exc:
         raise UnshardableModel(f"--tp-size {tp_size}: {exc}") from None
 

@@ -7,12 +7,16 @@ are read from the engine and the room table at scrape time, so they are never st
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name as m
+
+if TYPE_CHECKING:  # the engine's dataclass only; this module must not import torch
+    from engine.models.moe import ExpertLoad
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -93,6 +97,34 @@ class WorkerMetrics:
             self._gauges[name] = Gauge(m(name), doc, labelnames=[*self.labels, *extra_labels],
                                        registry=self.registry)
         self._gauges[name].labels(**self.labels, **extra_labels).set_function(read)
+
+    def expert_load(self, read: Callable[[], ExpertLoad | None]) -> None:
+        """A mixture-of-experts model's expert load (Engine.expert_load), read at scrape time:
+        `moe_expert_tokens_total{expert}`, tokens routed to each expert summed over the MoE layers
+        (one series per expert, however many layers), and `moe_expert_imbalance`, max / mean tokens
+        per expert in the last step's most unevenly loaded layer."""
+        self.registry.register(_ExpertLoadCollector(self.labels, read))
+
+
+class _ExpertLoadCollector(Collector):
+    def __init__(self, labels: dict[str, str], read: Callable[[], ExpertLoad | None]) -> None:
+        self._labels, self._read = labels, read
+
+    def collect(self):
+        load = self._read()
+        if load is None:
+            return
+        names, values = [*self._labels, "expert"], list(self._labels.values())
+        tokens = CounterMetricFamily(m("moe_expert_tokens"), "Tokens routed to each expert, summed over the "
+                                     "MoE layers (each token counts once per layer and per expert it goes to)",
+                                     labels=names)
+        for expert, count in enumerate(load.tokens_per_expert):
+            tokens.add_metric([*values, str(expert)], count)
+        yield tokens
+        imbalance = GaugeMetricFamily(m("moe_expert_imbalance"), "Max / mean tokens per expert in the last "
+                                      "step's most unevenly loaded MoE layer (1 is even)", labels=list(self._labels))
+        imbalance.add_metric(values, load.last_step_imbalance)
+        yield imbalance
 
 
 class _ReadCounter(Collector):

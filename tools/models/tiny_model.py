@@ -1,7 +1,8 @@
 """`pdserve make-tiny-model`: write the built-in random-weight HF checkpoint.
 
 Tests, benchmarks and the default local run need a model without a hub download. This writes a
-folder in the same format as a real Qwen3 (or Llama) checkpoint: config.json in the classic layout
+folder in the same format as a real Qwen3 (or Llama, Qwen3-MoE, Mixtral, DeepSeek V2/V3) checkpoint,
+experts one tensor per expert as published checkpoints ship them: config.json in the classic layout
 (`rope_theta`, `torch_dtype` at top level, as Qwen3-4B and Llama-3.1-8B ship it), model.safetensors,
 a byte-level BPE tokenizer trained here (tools.models.tokenizer_train), the ChatML chat template and
 generation_config.json. Same arguments, same bytes: the tokenizer corpus comes from the seed and
@@ -20,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,10 @@ from safetensors.torch import save_file
 
 from tools.models.tokenizer_train import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
 
-ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
+ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama"),
+                 "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "mixtral": ("MixtralForCausalLM", "mixtral"),
+                 "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
+                 "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3")}
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class TinyPreset:
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
+    arch: str = "qwen3"  # a key of ARCHITECTURES; write_tiny_model's `arch` may name another
+    # Architecture-specific config.json fields (experts, latent attention), written when the
+    # checkpoint's arch is of the preset's family (deepseek_v2 and _v3 are one family).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -67,11 +76,38 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-kv4": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                            head_dim=32, intermediate_size=768, vocab_size=4096, tie_word_embeddings=False,
                            corpus_bytes=1_000_000),
+    # Qwen3-MoE: 8 experts of width 256, 2 per token, renormalised (as Qwen3-30B-A3B); layer 1 dense.
+    "tiny-moe": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, intermediate_size=768, vocab_size=4096, tie_word_embeddings=True,
+                           corpus_bytes=1_000_000, arch="qwen3_moe",
+                           extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
+    # small's attention and vocabulary with 16 experts of width 192 (4 per token) in every layer:
+    # about 153M parameters (612 MB in fp32), a quarter of them active per token.
+    "small-moe": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                            head_dim=64, intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False,
+                            corpus_bytes=4_000_000, arch="qwen3_moe",
+                            extra=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=192,
+                                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    # DeepSeek-V3 in miniature: multi-head latent attention, layer 0 dense, then 8 routed experts in
+    # 4 groups (a token picks 2 experts from its 2 best groups, sigmoid scores with a correction
+    # bias) plus one shared expert. No head_dim or GQA: MLA's dims are the q/kv ranks below.
+    "tiny-deepseek": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                head_dim=64, intermediate_size=512, vocab_size=4096, tie_word_embeddings=False,
+                                corpus_bytes=1_000_000, arch="deepseek_v3",
+                                extra=dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
+                                           num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256,
+                                           moe_layer_freq=1, q_lora_rank=128, kv_lora_rank=128,
+                                           qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                                           rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                           scoring_func="sigmoid", topk_method="noaux_tc")),
 }
 
 
-def model_config(preset: TinyPreset, arch: str = "qwen3", **overrides: Any) -> dict[str, Any]:
-    """config.json contents for `preset`, with any config field replaced by `overrides`."""
+def model_config(preset: TinyPreset, arch: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """config.json contents for `preset` as `arch` (default: the preset's own), with any config field
+    replaced by `overrides`."""
+    arch = arch or preset.arch
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHITECTURES)}")
     architecture, model_type = ARCHITECTURES[arch]
@@ -100,22 +136,36 @@ def model_config(preset: TinyPreset, arch: str = "qwen3", **overrides: Any) -> d
         "use_cache": True,
         "vocab_size": preset.vocab_size,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         config.update(max_window_layers=preset.num_hidden_layers, sliding_window=None, use_sliding_window=False)
-    else:
+    elif arch == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
+    elif arch == "mixtral":
+        config.update(sliding_window=None)
+    else:  # DeepSeek: MLA has no head_dim of its own (transformers derives one from the rope dim)
+        del config["head_dim"]
+    if _family(arch) == _family(preset.arch):
+        config.update(preset.extra)
     config.update(overrides)
     return config
 
 
+def _family(arch: str) -> str:
+    return arch.split("_")[0]  # qwen3 and qwen3_moe; deepseek_v2 and deepseek_v3
+
+
 def _parameter_shapes(config_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names and shapes of every tensor the HF model class expects, from a model built on `meta`."""
+    """Names and shapes of every tensor the HF model class expects, from a model built on `meta`:
+    its parameters and its saved buffers (DeepSeek V3's e_score_correction_bias), in transformers'
+    in-memory layout (experts fused, see `published_layout`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     shapes = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters(remove_duplicate=True)}
+    saved = set(model.state_dict())
+    shapes.update({name: (tuple(b.shape), b.dtype) for name, b in model.named_buffers() if name in saved})
     if hf_config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
@@ -143,14 +193,51 @@ def random_weights(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], std: 
     return weights
 
 
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)")
+_MIXTRAL_GATE = re.compile(r"(model\.layers\.\d+\.)mlp\.gate\.weight")
+
+
+def published_layout(weights: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """`weights` with transformers' fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]) split into one tensor per expert, named as published
+    checkpoints (and transformers' save_pretrained) name them: `mlp.experts.E.{gate,up,down}_proj.weight`,
+    for Mixtral `block_sparse_moe.experts.E.{w1,w3,w2}.weight` and `block_sparse_moe.gate.weight`."""
+    mixtral = arch == "mixtral"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, tensor in weights.items():
+        fused = _FUSED_EXPERTS.fullmatch(name)
+        gate = _MIXTRAL_GATE.fullmatch(name) if mixtral else None
+        if gate:
+            out[gate[1] + "block_sparse_moe.gate.weight"] = tensor
+        elif not fused:
+            out[name] = tensor
+        else:
+            prefix = fused[1] + ("block_sparse_moe.experts." if mixtral else "mlp.experts.")
+            for expert, matrix in enumerate(tensor):
+                if fused[2] == "down_proj":
+                    out[f"{prefix}{expert}.{names[2]}.weight"] = matrix.clone()
+                else:
+                    gate_rows, up_rows = matrix.chunk(2)
+                    out[f"{prefix}{expert}.{names[0]}.weight"] = gate_rows.clone()
+                    out[f"{prefix}{expert}.{names[1]}.weight"] = up_rows.clone()
+    return out
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, arch: str = "qwen3",
-                     tokenizer_vocab_size: int | None = None, **overrides: Any) -> Path:
+def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, arch: str | None = None,
+                     tokenizer_vocab_size: int | None = None, fused_experts: bool = False,
+                     **overrides: Any) -> Path:
     """Write a random-weight HF checkpoint folder and return its path.
 
+    `arch` defaults to the preset's. Expert weights are written one tensor per expert, as published
+    checkpoints ship them, or with `fused_experts` in transformers' fused in-memory layout (both
+    load in transformers and in the engine). The expert router's correction bias (DeepSeek V3) is
+    drawn like a weight, uniform with std `initializer_range`: about the spread of the sigmoid
+    scores it is added to, so it and the group limit change which experts a token gets.
     `overrides` replace config.json fields (e.g. head_dim=32, num_key_value_heads=1,
     tie_word_embeddings=False, initializer_range=0.1). The tokenizer is trained to the config's
     vocab_size unless `tokenizer_vocab_size` asks for fewer tokens (a padded embedding matrix, as
@@ -177,6 +264,8 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
         "pad_token_id": ids[ENDOFTEXT],
     })
     weights = random_weights(_parameter_shapes(out), std=config["initializer_range"], seed=seed)
+    if not fused_experts:
+        weights = published_layout(weights, arch or spec.arch)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only; match the other files
     return out
@@ -186,15 +275,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny: about 4M parameters (tests); tiny-kv4: tiny with 8/4 heads, untied "
-                        "(tensor-parallel tests); small: about 125M (benchmarks)")
+                        "(tensor-parallel tests); small: about 125M (benchmarks); tiny-moe: Qwen3-MoE, 8 "
+                        "experts, 2 per token (tests); small-moe: Qwen3-MoE, about 153M, 16 experts, 4 per "
+                        "token (benchmarks); tiny-deepseek: DeepSeek-V3, latent attention, grouped experts "
+                        "and a shared one (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
+                        help="write the preset as this architecture (default: the preset's own)")
 
 
 def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = write_tiny_model(args.out, preset=args.preset, seed=args.seed, arch=args.arch)
     preset = asdict(PRESETS[args.preset])
-    print(f"wrote {args.arch} {args.preset} checkpoint to {out} in {time.perf_counter() - started:.1f}s "
+    print(f"wrote {args.arch or preset['arch']} {args.preset} checkpoint to {out} in {time.perf_counter() - started:.1f}s "
           f"(hidden {preset['hidden_size']}, {preset['num_hidden_layers']} layers, vocab {preset['vocab_size']})")
     return 0
