@@ -105,6 +105,8 @@ class WorkerRuntime:
                              lambda: engine.stats().prefix_evicted_pages)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
                       lambda: engine.stats().cached_pages)
+        if engine.model_config.moe is not None:
+            metrics.expert_load(engine.expert_load)
         if self.backend is not None:
             for rank in range(len(self.backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
