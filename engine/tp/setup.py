@@ -14,7 +14,7 @@ from engine.models.config import ModelConfig
 from engine.tp.control import ControlListener
 from engine.tp.group import TPGroup, free_port
 from engine.tp.ranks import FollowerRanks, default_threads
-from engine.tp.shard import check_divisible
+from engine.tp.shard import check_tp_size
 
 T = TypeVar("T")
 
@@ -67,8 +67,7 @@ def _while_followers_run(followers: FollowerRanks, function: Callable[[], T], wh
 def prepare_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """Refuse a model that does not split `tp_size` ways; give each rank its share of the CPUs
     when no thread count is set (N ranks each using every core would fight over them)."""
-    check_divisible(config.tp_size, model_config.num_heads, model_config.num_kv_heads,
-                    model_config.intermediate_size)
+    check_tp_size(config.tp_size, model_config)
     if config.num_threads:
         return config
     return replace(config, num_threads=default_threads(config.tp_size))
