@@ -287,6 +287,9 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, rep
 def main(args: argparse.Namespace) -> int:
     from engine.models.config import ModelConfig
 
+    # Absolute: the vLLM peer runs in another working directory, and transformers reads a relative
+    # path that does not exist there as a hub repo id.
+    args.model = str(Path(args.model).resolve())
     vocab = ModelConfig.from_dir(args.model).vocab_size
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
