@@ -102,14 +102,16 @@ PRESETS: dict[str, TinyPreset] = {
                                            rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
                                            scoring_func="sigmoid", topk_method="noaux_tc")),
     # tiny-deepseek at small's width, depth and vocabulary (benchmarks): 16 routed experts of width
-    # 192 in 4 groups, 4 per token from the 2 best groups, one shared expert; about 165M parameters.
+    # 192 in 4 groups, 4 per token from the 2 best groups, one shared expert, and DeepSeek-V3's own
+    # latent (kv_lora_rank 512 + rope 64, the one shape vLLM's CPU MLA kernel is built for, so the two
+    # engines can be compared); about 170M parameters.
     "small-deepseek": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                  num_key_value_heads=12, head_dim=64, intermediate_size=2048, vocab_size=32000,
                                  tie_word_embeddings=False, corpus_bytes=4_000_000, arch="deepseek_v3",
                                  extra=dict(first_k_dense_replace=1, n_routed_experts=16, n_group=4, topk_group=2,
                                             num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=192,
-                                            moe_layer_freq=1, q_lora_rank=384, kv_lora_rank=256,
-                                            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                                            moe_layer_freq=1, q_lora_rank=384, kv_lora_rank=512,
+                                            qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
                                             rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
                                             scoring_func="sigmoid", topk_method="noaux_tc")),
 }
@@ -289,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(tensor-parallel tests); small: about 125M (benchmarks); tiny-moe: Qwen3-MoE, 8 "
                         "experts, 2 per token (tests); small-moe: Qwen3-MoE, about 153M, 16 experts, 4 per "
                         "token (benchmarks); tiny-deepseek: DeepSeek-V3, latent attention, grouped experts "
-                        "and a shared one (tests); small-deepseek: tiny-deepseek at small's size, about 165M, "
+                        "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with V3's latent (512 + 64), about 170M, "
                         "16 experts, 4 per token (benchmarks)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
