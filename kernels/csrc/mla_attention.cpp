@@ -3,9 +3,8 @@
 // engine.models.mla explains the form; its torch path (a bmm, SDPA and a bmm per sequence) is the
 // reference this kernel is tested against (tests/kernels/test_mla_attention.py).
 //
-// A work item is one (token row, head). For the row's sequence (a decode row, or one row of an
-// extend span, which sees its prefix and the span's rows up to its own position) it computes, all
-// in fp32:
+// Per (token row, head), for the row's sequence (a decode row, or one row of an extend span, which
+// sees its prefix and the span's rows up to its own position), all in fp32:
 //   q_lat   = [W_uk[h]^T q_nope[t, h] | q_pe[t, h]]                      (kv_lora_rank + rope)
 //   s_j     = q_lat . pool_row_j                  for the keys j < limit   (limit = position + 1)
 //   p_j     = exp(scale (s_j - max s)) / sum
@@ -13,10 +12,12 @@
 //   out     = W_uv[h]^T out_lat                                            rounded to the model dtype
 //
 // Batch invariance: every sum above runs in an order fixed by the row's own sequence and position
-// (ascending over keys, over W's rows, blocks of 16 keys aligned to position 0), and an item is
-// computed whole by one thread, so a row's output is the same bits whatever else is in the batch,
-// however the items fall to threads, and whether its position came as a decode row or inside an
-// extend span (tests/engine/test_batch_invariance.py, tests/engine/test_mla.py).
+// (ascending over keys, over W's rows, blocks of 16 keys aligned to position 0), and each of an
+// item's three steps (q_lat; attention to out_lat; out) is computed whole by one thread (three
+// parallel passes: the weight-bound steps head by head, the attention row by row), so a row's
+// output is the same bits whatever else is in the batch, however the items fall to threads, and
+// whether its position came as a decode row or inside an extend span
+// (tests/engine/test_batch_invariance.py, tests/engine/test_mla.py, tests/kernels/test_mla_attention.py).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -32,14 +33,17 @@ namespace {
 
 // Keys scored at once: sixteen dot products reduced together by sum_each.
 constexpr int64_t kBlock = 16;
+// Heads of a row that walk its keys together (one attention work item).
+constexpr int64_t kHeadGroup = 2;
 // Accumulator vectors held in registers by one pass of a weighted row sum (8 x 16 floats).
 constexpr int kChunkVectors = 8;
 
-// out[c0 .. c0 + NV * 16) = sum over i < count, ascending, of weight[i] * row_at(i)[c].
-template <typename T, int NV, typename RowAt>
+// out[c0 .. c0 + NV * 16) = sum over i < count, ascending, of weight[i] * row_at(i)[c], added to
+// out's values when kAdd (the sum's fp32 steps are the same whether or not it is cut in pieces).
+template <typename T, int NV, bool kAdd, typename RowAt>
 void weighted_sum_chunk(const RowAt& row_at, const float* weight, int64_t count, int64_t c0, float* out) {
   Vec16 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = Vec16::zero();
+  for (int v = 0; v < NV; ++v) acc[v] = kAdd ? Vec16::load(out + c0 + v * kLanes) : Vec16::zero();
   for (int64_t i = 0; i < count; ++i) {
     const T* row = row_at(i) + c0;
     const Vec16 w = Vec16::fill(weight[i]);
@@ -48,27 +52,27 @@ void weighted_sum_chunk(const RowAt& row_at, const float* weight, int64_t count,
   for (int v = 0; v < NV; ++v) acc[v].store(out + c0 + v * kLanes);
 }
 
-// out[0 .. width) = sum over i < count, ascending, of weight[i] * row_at(i)[0 .. width).
-template <typename T, typename RowAt>
+// out[0 .. width) = (out if kAdd) + sum over i < count, ascending, of weight[i] * row_at(i)[0 .. width).
+template <typename T, bool kAdd = false, typename RowAt>
 void weighted_sum(const RowAt& row_at, const float* weight, int64_t count, int64_t width, float* out) {
   int64_t c0 = 0;
   for (; c0 + kChunkVectors * kLanes <= width; c0 += kChunkVectors * kLanes) {
-    weighted_sum_chunk<T, kChunkVectors>(row_at, weight, count, c0, out);
+    weighted_sum_chunk<T, kChunkVectors, kAdd>(row_at, weight, count, c0, out);
   }
   const int64_t vectors = (width - c0) / kLanes;
   switch (vectors) {
     case 0: break;
-    case 1: weighted_sum_chunk<T, 1>(row_at, weight, count, c0, out); break;
-    case 2: weighted_sum_chunk<T, 2>(row_at, weight, count, c0, out); break;
-    case 3: weighted_sum_chunk<T, 3>(row_at, weight, count, c0, out); break;
-    case 4: weighted_sum_chunk<T, 4>(row_at, weight, count, c0, out); break;
-    case 5: weighted_sum_chunk<T, 5>(row_at, weight, count, c0, out); break;
-    case 6: weighted_sum_chunk<T, 6>(row_at, weight, count, c0, out); break;
-    case 7: weighted_sum_chunk<T, 7>(row_at, weight, count, c0, out); break;
+    case 1: weighted_sum_chunk<T, 1, kAdd>(row_at, weight, count, c0, out); break;
+    case 2: weighted_sum_chunk<T, 2, kAdd>(row_at, weight, count, c0, out); break;
+    case 3: weighted_sum_chunk<T, 3, kAdd>(row_at, weight, count, c0, out); break;
+    case 4: weighted_sum_chunk<T, 4, kAdd>(row_at, weight, count, c0, out); break;
+    case 5: weighted_sum_chunk<T, 5, kAdd>(row_at, weight, count, c0, out); break;
+    case 6: weighted_sum_chunk<T, 6, kAdd>(row_at, weight, count, c0, out); break;
+    case 7: weighted_sum_chunk<T, 7, kAdd>(row_at, weight, count, c0, out); break;
   }
   c0 += vectors * kLanes;
   if (c0 < width) {  // the last width % 16 columns (small test models only)
-    Vec16 acc = Vec16::zero();
+    Vec16 acc = kAdd ? load_tail(out + c0, width - c0) : Vec16::zero();
     for (int64_t i = 0; i < count; ++i) acc = acc.fma(Vec16::fill(weight[i]), load_tail(row_at(i) + c0, width - c0));
     store_tail(out + c0, acc, width - c0);
   }
@@ -86,73 +90,104 @@ struct Shapes {
   int64_t q_nope_row, q_nope_head, q_pe_row, q_pe_head;  // element strides of the queries
 };
 
-// Thread-local scratch of one thread's items.
+// Scratch of one thread's attention items.
 struct Scratch {
-  std::vector<float> q_nope, q_lat, scores, probs, out_lat;
+  std::vector<float> scores, probs;
   std::vector<const void*> keys;
   int64_t keys_row = -1;  // the row whose key pointers `keys` holds
 };
 
+// q_lat [padded] of (row, head): the K half of kv_b_proj applied to q_nope (the rows of W_uk[h]
+// weighted by q_nope, ascending), then q_pe, then zeros.
 template <typename T>
-void attend_item(const Shapes& g, const T* pool, const T* q_nope, const T* q_pe, const float* k_up,
-                 const float* v_up_t, float scale, const RowTask& task, int64_t row, int64_t head, T* out,
-                 Scratch& s) {
-  const int64_t limit = task.limit, blocks = (limit + kBlock - 1) / kBlock;
-  if (s.keys_row != row) {  // a thread's items come as runs of one row's heads: resolve the pages once
-    s.keys.resize(static_cast<size_t>(limit));
-    for (int64_t j = 0; j < limit; ++j) {
-      s.keys[j] = pool + task.pages[j / g.page_size] * g.page_stride + g.layer_offset +
-                  (j % g.page_size) * g.slot_stride;
+void absorb_query(const Shapes& g, const T* q_nope, const T* q_pe, const float* k_up, int64_t row, int64_t head,
+                  float* q_nope_f32, float* q_lat) {
+  const T* qn = q_nope + row * g.q_nope_row + head * g.q_nope_head;
+  const T* qp = q_pe + row * g.q_pe_row + head * g.q_pe_head;
+  for (int64_t n = 0; n < g.nope; ++n) q_nope_f32[n] = to_float(qn[n]);
+  const float* w_uk = k_up + head * g.nope * g.rank;
+  weighted_sum<float>([&](int64_t n) { return w_uk + n * g.rank; }, q_nope_f32, g.nope, g.rank, q_lat);
+  for (int64_t r = 0; r < g.rope; ++r) q_lat[g.rank + r] = to_float(qp[r]);
+  std::fill(q_lat + g.width, q_lat + g.padded, 0.0f);
+}
+
+// out_lat [rank] of (row, head) for the heads [h0, h1) (at most kHeadGroup): softmax(scale * scores)
+// over the row's keys times their latents. The heads go through the keys together, a block of 16
+// keys at a time, so a block is read from memory (or L2) once and from L1 by the other heads; each
+// head's sums are the same steps as if it ran alone.
+template <typename T>
+void attend_heads(const Shapes& g, const T* pool, const float* q_lat, float scale, const RowTask& task, int64_t row,
+                  int64_t h0, int64_t h1, float* out_lat, Scratch& s) {
+  const int64_t limit = task.limit, blocks = (limit + kBlock - 1) / kBlock, stride = blocks * kBlock;
+  if (s.keys_row != row) {  // a thread's items come as runs of one row's head groups: resolve the pages once
+    s.keys.resize(static_cast<size_t>(stride));
+    for (int64_t j = 0; j < stride; ++j) {  // a missing key of the last block reads key 0 (its score is -inf)
+      const int64_t key = j < limit ? j : 0;
+      s.keys[j] = pool + task.pages[key / g.page_size] * g.page_stride + g.layer_offset +
+                  (key % g.page_size) * g.slot_stride;
     }
     s.keys_row = row;
   }
   const T* const* keys = reinterpret_cast<const T* const*>(s.keys.data());
-
-  // q_lat: the K half of kv_b_proj applied to q_nope (rows of W_uk[h] weighted by q_nope), then q_pe.
-  const T* qn = q_nope + row * g.q_nope_row + head * g.q_nope_head;
-  const T* qp = q_pe + row * g.q_pe_row + head * g.q_pe_head;
-  for (int64_t n = 0; n < g.nope; ++n) s.q_nope[n] = to_float(qn[n]);
-  const float* w_uk = k_up + head * g.nope * g.rank;
-  weighted_sum<float>([&](int64_t n) { return w_uk + n * g.rank; }, s.q_nope.data(), g.nope, g.rank, s.q_lat.data());
-  for (int64_t r = 0; r < g.rope; ++r) s.q_lat[g.rank + r] = to_float(qp[r]);
-  std::fill(s.q_lat.begin() + g.width, s.q_lat.end(), 0.0f);
-
-  // Scores, sixteen keys at a time (the last block's missing keys score -inf below).
   const int64_t full = g.width / kLanes * kLanes;
-  const float* q = s.q_lat.data();
+
+  // Scores, sixteen keys at a time: each query vector is loaded once for the block's sixteen keys.
   for (int64_t block = 0; block < blocks; ++block) {
-    Vec16 dots[kBlock];
-    for (int64_t t = 0; t < kBlock; ++t) {
-      dots[t] = Vec16::zero();
-      const int64_t j = block * kBlock + t;
-      if (j >= limit) continue;
-      const T* k = keys[j];
-      for (int64_t d = 0; d < full; d += kLanes) dots[t] = dots[t].fma(Vec16::load(q + d), Vec16::load(k + d));
-      if (full < g.width) dots[t] = dots[t].fma(Vec16::load(q + full), load_tail(k + full, g.width - full));
+    const T* const* k = keys + block * kBlock;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* q = q_lat + h * g.padded;
+      Vec16 dots[kBlock];
+      for (int64_t t = 0; t < kBlock; ++t) dots[t] = Vec16::zero();
+      for (int64_t d = 0; d < full; d += kLanes) {
+        const Vec16 qd = Vec16::load(q + d);
+        for (int64_t t = 0; t < kBlock; ++t) dots[t] = dots[t].fma(qd, Vec16::load(k[t] + d));
+      }
+      if (full < g.width) {
+        const Vec16 qd = Vec16::load(q + full);
+        for (int64_t t = 0; t < kBlock; ++t) dots[t] = dots[t].fma(qd, load_tail(k[t] + full, g.width - full));
+      }
+      sum_each(dots).store(s.scores.data() + (h - h0) * stride + block * kBlock);
     }
-    sum_each(dots).store(s.scores.data() + block * kBlock);
   }
-  float* scores = s.scores.data();
-  for (int64_t j = limit; j < blocks * kBlock; ++j) scores[j] = -std::numeric_limits<float>::infinity();
 
   // Softmax in fp32: the max is order-free, the sum runs over lanes block by block, then across lanes.
-  Vec16 maxes = Vec16::fill(-std::numeric_limits<float>::infinity());
-  for (int64_t block = 0; block < blocks; ++block) maxes = Vec16::max(maxes, Vec16::load(scores + block * kBlock));
-  const Vec16 max = Vec16::fill(maxes.max()), scales = Vec16::fill(scale);
-  Vec16 sums = Vec16::zero();
-  for (int64_t block = 0; block < blocks; ++block) {
-    const Vec16 p = exp((Vec16::load(scores + block * kBlock) - max) * scales);  // 0 past the limit
-    p.store(s.probs.data() + block * kBlock);
-    sums = sums + p;
+  float inverse[kHeadGroup];
+  for (int64_t h = h0; h < h1; ++h) {
+    float* scores = s.scores.data() + (h - h0) * stride;
+    float* probs = s.probs.data() + (h - h0) * stride;
+    for (int64_t j = limit; j < stride; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+    Vec16 maxes = Vec16::fill(-std::numeric_limits<float>::infinity());
+    for (int64_t block = 0; block < blocks; ++block) maxes = Vec16::max(maxes, Vec16::load(scores + block * kBlock));
+    const Vec16 max = Vec16::fill(maxes.max()), scales = Vec16::fill(scale);
+    Vec16 sums = Vec16::zero();
+    for (int64_t block = 0; block < blocks; ++block) {
+      const Vec16 p = exp((Vec16::load(scores + block * kBlock) - max) * scales);  // 0 past the limit
+      p.store(probs + block * kBlock);
+      sums = sums + p;
+    }
+    inverse[h - h0] = 1.0f / sums.sum();  // one term at least is exp(0)
+    std::fill(out_lat + h * g.rank, out_lat + (h + 1) * g.rank, 0.0f);
   }
-  const float inverse = 1.0f / sums.sum();  // >= 1 term equals exp(0)
 
-  // out_lat = sum_j p_j latent_j, normalized; then the V half of kv_b_proj.
-  weighted_sum<T>([&](int64_t j) { return keys[j]; }, s.probs.data(), limit, g.rank, s.out_lat.data());
-  for (int64_t c = 0; c < g.rank; ++c) s.out_lat[c] *= inverse;
+  // out_lat = sum_j p_j latent_j, ascending in j, block by block for all the heads.
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t first = block * kBlock, count = std::min(kBlock, limit - first);
+    for (int64_t h = h0; h < h1; ++h) {
+      weighted_sum<T, true>([&](int64_t t) { return keys[first + t]; }, s.probs.data() + (h - h0) * stride + first,
+                            count, g.rank, out_lat + h * g.rank);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t c = 0; c < g.rank; ++c) out_lat[h * g.rank + c] *= inverse[h - h0];
+  }
+}
+
+// out[row, head] = W_uv[h]^T out_lat (the rows of W_uv[h]^T weighted by out_lat, ascending), in T.
+template <typename T>
+void project_value(const Shapes& g, const float* v_up_t, const float* out_lat, int64_t row, int64_t head,
+                   float* result, T* out) {
   const float* w_uv = v_up_t + head * g.rank * g.v_dim;
-  float* result = s.q_nope.data() + g.nope;  // v_dim floats after q_nope's
-  weighted_sum<float>([&](int64_t c) { return w_uv + c * g.v_dim; }, s.out_lat.data(), g.rank, g.v_dim, result);
+  weighted_sum<float>([&](int64_t c) { return w_uv + c * g.v_dim; }, out_lat, g.rank, g.v_dim, result);
   T* dst = out + (row * g.heads + head) * g.v_dim;
   for (int64_t v = 0; v < g.v_dim; ++v) dst[v] = from_float<T>(result[v]);
 }
@@ -161,7 +196,7 @@ template <typename T>
 void run(const Shapes& g, const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& buffer,
          const at::Tensor& k_up, const at::Tensor& v_up_t, double scale, const std::vector<RowTask>& tasks,
          at::Tensor& out) {
-  const int64_t rows = static_cast<int64_t>(tasks.size());
+  const int64_t rows = static_cast<int64_t>(tasks.size()), items = rows * g.heads;
   int64_t max_limit = 1;
   for (const RowTask& task : tasks) max_limit = std::max(max_limit, task.limit);
   const int64_t padded_keys = (max_limit + kBlock - 1) / kBlock * kBlock;
@@ -171,21 +206,47 @@ void run(const Shapes& g, const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const float* k_up_data = k_up.data_ptr<float>();
   const float* v_up_data = v_up_t.data_ptr<float>();
   T* out_data = out.data_ptr<T>();
-  // Items are (row, head), a row's heads consecutive so that they share its keys in cache. Rows are
-  // taken in zigzag order (last, first, second last, ...): an extend span's later rows see more
-  // keys, and at::parallel_for hands each thread one contiguous range of items.
-  at::parallel_for(0, rows * g.heads, 1, [&](int64_t first, int64_t last) {
+  // Three passes, each over all (row, head) items: a head's W_uk or W_uv (nope or v_head_dim rows of
+  // kv_lora_rank fp32, 64 KiB each in small-deepseek) is read once per thread and pass when the items
+  // run head by head, where running each (row, head) whole re-read both for every item. The passes
+  // change no sum's order: each item's arithmetic is the same wherever it runs.
+  // Kept by the calling thread across calls and only grown: a fresh allocation of this size is an
+  // mmap whose page faults cost about a tenth of the op. Every element is written before it is read.
+  thread_local std::vector<float> storage;
+  const size_t needed = static_cast<size_t>(items * (g.padded + g.rank));
+  if (storage.size() < needed) storage.resize(needed);
+  float* q_lat = storage.data();
+  float* out_lat = storage.data() + items * g.padded;
+  at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> q_nope_f32(static_cast<size_t>(g.nope));
+    for (int64_t item = first; item < last; ++item) {  // head-major
+      const int64_t head = item / rows, row = item % rows;
+      absorb_query<T>(g, q_nope_data, q_pe_data, k_up_data, row, head, q_nope_f32.data(),
+                      q_lat + (row * g.heads + head) * g.padded);
+    }
+  });
+  // Items (row, group of kHeadGroup heads), a row's groups consecutive so that they share its keys in
+  // cache. Rows are taken in zigzag order (last, first, second last, ...): an extend span's later
+  // rows see more keys, and at::parallel_for hands each thread one contiguous range of items.
+  const int64_t groups = (g.heads + kHeadGroup - 1) / kHeadGroup;
+  at::parallel_for(0, rows * groups, 1, [&](int64_t first, int64_t last) {
     Scratch s;
-    s.q_nope.resize(static_cast<size_t>(g.nope + g.v_dim));
-    s.q_lat.resize(static_cast<size_t>(g.padded));
-    s.scores.resize(static_cast<size_t>(padded_keys));
-    s.probs.resize(static_cast<size_t>(padded_keys));
-    s.out_lat.resize(static_cast<size_t>(g.rank));
+    s.scores.resize(static_cast<size_t>(kHeadGroup * padded_keys));
+    s.probs.resize(static_cast<size_t>(kHeadGroup * padded_keys));
     for (int64_t item = first; item < last; ++item) {
-      const int64_t rank = item / g.heads, head = item % g.heads;
+      const int64_t rank = item / groups, group = item % groups;
       const int64_t row = rank % 2 == 0 ? rows - 1 - rank / 2 : rank / 2;
-      attend_item<T>(g, pool, q_nope_data, q_pe_data, k_up_data, v_up_data, static_cast<float>(scale), tasks[row],
-                     row, head, out_data, s);
+      const int64_t h0 = group * kHeadGroup, h1 = std::min(g.heads, h0 + kHeadGroup);
+      attend_heads<T>(g, pool, q_lat + row * g.heads * g.padded, static_cast<float>(scale), tasks[row], row, h0, h1,
+                      out_lat + row * g.heads * g.rank, s);
+    }
+  });
+  at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> result(static_cast<size_t>(g.v_dim));
+    for (int64_t item = first; item < last; ++item) {  // head-major
+      const int64_t head = item / rows, row = item % rows;
+      project_value<T>(g, v_up_data, out_lat + (row * g.heads + head) * g.rank, row, head, result.data(),
+                       out_data);
     }
   });
 }

@@ -119,7 +119,7 @@ def test_decode_only_and_extend_only_steps(decode_lens, spans):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_bits_alone_in_a_batch_and_in_a_span(dtype):
+def test_a_row_is_the_same_bits_alone_in_a_batch_in_a_span_and_on_any_threads(dtype):
     # The last span row (position 34 + 15 = 49 of a 50-token sequence) and a decode row of the same
     # sequence, query and keys must agree bit for bit, alone or in any batch.
     layer = make_layer(SHAPES["small-deepseek"], 4)
@@ -138,6 +138,13 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_and_in_a_span(dtype):
                                decode_seq_lens=meta.decode_seq_lens[1:2], extends=[])
     assert torch.equal(ops.mla_attention(layer, q_nope[1:2], q_pe[1:2], rows[1:2], buffer, LAYER, second)[0],
                        batch[1])
+    # And the batch on one thread equals it on several.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(ops.mla_attention(layer, q_nope, q_pe, rows, buffer, LAYER, meta), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rejects_too_few_pages():
