@@ -14,7 +14,11 @@ kv_b_proj once, giving a query in latent space, so that
 which is multi-query attention with keys [latent | k_pe] and values `latent`, read straight from
 the pool rows: no per-head K or V is ever built for the cached tokens. Each sequence (a decode row
 or an extend span) attends over its own rows alone by torch SDPA, in an order that does not depend
-on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks.
+on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks. On CPU
+with the C++ kernels built, the engine runs the same arithmetic as one fused op over the whole batch
+(kernels/csrc/mla_attention.cpp, through engine.models.layer_ops): per (row, head), reading the pool
+pages directly, with every sum in an order fixed by the row's sequence and position; `attend_torch`
+below stays the reference it is tested against and the path for cpu_kernels=off and other devices.
 
 From the absorbed query to the per-head values everything runs in fp32 (as the engine's torch decode
 attention does), rounded to the model dtype once, before o_proj; kv_b_proj's halves are kept in
