@@ -2,7 +2,8 @@
 
 Each function has a torch counterpart it is tested against: `paged_decode_attention` against
 kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch SDPA over the
-gathered pages (engine.models.attention's torch extend path), the layer ops against the torch op chains of
+gathered pages (engine.models.attention's torch extend path), `mla_attention` against
+engine.models.mla.MLAAttention.attend_torch, the layer ops against the torch op chains of
 engine.models.layer_ops.TorchLayerOps. Call `available()` first: without the built library
 `torch.ops.pdserve_cpu` has none of these ops.
 """
@@ -35,6 +36,23 @@ def extend_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_ids
     prefix_len + L - 1) over the span's prefix_len + L keys, read straight from its pages
     `page_ids` (the new tokens' K/V already stored there). head_dim 32, 64, 128 or 256."""
     return torch.ops.pdserve_cpu.extend_attention(q, buffer, layer, _int32(page_ids), prefix_len, scale)
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor, layer: int, k_up: torch.Tensor,
+                  v_up_t: torch.Tensor, scale: float, decode_page_table: torch.Tensor | None,
+                  decode_seq_lens: torch.Tensor | None, span_page_ids: list[torch.Tensor], span_starts: list[int],
+                  span_lengths: list[int], span_prefix_lens: list[int]) -> torch.Tensor:
+    """Absorbed multi-head latent attention (engine.models.mla) of a batch's rows, read straight from the
+    MLA pool's [latent | k_pe] rows: q_nope [T, H, nope] and rotated q_pe [T, H, rope] in the pool's
+    dtype, k_up [H, nope, kv_lora_rank] and v_up_t [H, kv_lora_rank, v_head_dim] in fp32 -> [T, H,
+    v_head_dim]. The first decode_page_table.shape[0] rows are decode rows (one per sequence, seeing
+    its seq_len keys); span i's rows [start, start + length) see its prefix and its own rows up to
+    theirs. Same contract as MLAAttention.attend_torch."""
+    return torch.ops.pdserve_cpu.mla_attention(
+        q_nope, q_pe, buffer, layer, k_up, v_up_t, scale,
+        None if decode_page_table is None else _int32(decode_page_table),
+        None if decode_seq_lens is None else _int32(decode_seq_lens),
+        [_int32(p) for p in span_page_ids], span_starts, span_lengths, span_prefix_lens)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

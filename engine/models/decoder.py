@@ -110,7 +110,7 @@ class DecoderModel:
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             if layer.mla is not None:
-                attn_out = layer.mla(x, positions, max_position, kv_buffer, index, meta)
+                attn_out = layer.mla(x, positions, max_position, kv_buffer, index, meta, ops.mla_attention)
             else:
                 q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps,
                                                  self.heads, kv_buffer, index, meta.slots)

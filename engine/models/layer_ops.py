@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.attention import ExtendSpan, extend_attention_torch
+from engine.models.attention import AttentionMetadata, ExtendSpan, extend_attention_torch
 from engine.models.rope import RotaryTable, apply_rotary
 from kernels import cpu_ext, cpu_kernels, ops
 
@@ -93,6 +93,11 @@ class TorchLayerOps:
                          layer: int, span: ExtendSpan, scale: float) -> torch.Tensor:
         return extend_attention_torch(q, k, v, buffer, layer, span, scale)
 
+    def mla_attention(self, mla: object, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                      buffer: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """An MLA layer's (engine.models.mla.MLAAttention) absorbed attention [T, H, v_head_dim]."""
+        return mla.attend_torch(q_nope, q_pe, rows, buffer, layer, meta)  # type: ignore[attr-defined]
+
 
 # Head dims the C++ extend kernel is compiled for (others keep torch SDPA).
 EXTEND_KERNEL_HEAD_DIMS = (32, 64, 128, 256)
@@ -132,6 +137,15 @@ class CpuKernelLayerOps(TorchLayerOps):
         if q.shape[-1] not in EXTEND_KERNEL_HEAD_DIMS:
             return extend_attention_torch(q, k, v, buffer, layer, span, scale)
         return cpu_kernels.extend_attention(q, buffer, layer, span.page_ids, span.prefix_len, scale)
+
+    def mla_attention(self, mla: object, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                      buffer: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        spans = meta.extends
+        return cpu_kernels.mla_attention(
+            q_nope, q_pe, buffer, layer, mla.k_up, mla.v_up_t, mla.scale,  # type: ignore[attr-defined]
+            meta.decode_page_table if meta.num_decode else None, meta.decode_seq_lens if meta.num_decode else None,
+            [s.page_ids for s in spans], [s.start for s in spans], [s.length for s in spans],
+            [s.prefix_len for s in spans])
 
 
 def select_layer_ops(mode: str, device: torch.device) -> TorchLayerOps:

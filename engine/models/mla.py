@@ -14,7 +14,11 @@ kv_b_proj once, giving a query in latent space, so that
 which is multi-query attention with keys [latent | k_pe] and values `latent`, read straight from
 the pool rows: no per-head K or V is ever built for the cached tokens. Each sequence (a decode row
 or an extend span) attends over its own rows alone by torch SDPA, in an order that does not depend
-on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks.
+on the rest of the batch, and decode rows take the same per-sequence path as prompt chunks. On CPU
+with the C++ kernels built, the engine runs the same arithmetic as one fused op over the whole batch
+(kernels/csrc/mla_attention.cpp, through engine.models.layer_ops): per (row, head), reading the pool
+pages directly, with every sum in an order fixed by the row's sequence and position; `attend_torch`
+below stays the reference it is tested against and the path for cpu_kernels=off and other devices.
 
 From the absorbed query to the per-head values everything runs in fp32 (as the engine's torch decode
 attention does), rounded to the model dtype once, before o_proj; kv_b_proj's halves are kept in
@@ -28,6 +32,8 @@ K and V per layer and step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +53,9 @@ from engine.models.weights import ShardedReader
 
 # q_a_layernorm and kv_a_layernorm are built with transformers' default eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
+# attend(mla_attention, q_nope, q_pe, rows, buffer, layer, meta) -> [T, H, v_head_dim]: attend_torch's contract.
+MLAAttendOp = Callable[["MLAAttention", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
+                        AttentionMetadata], torch.Tensor]
 _ROTATIONS = {"complex": apply_rotary_complex, "interleave": apply_rotary_interleaved, "half": apply_rotary}
 
 
@@ -131,7 +140,9 @@ class MLAAttention:
                    q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, k_up, v_up, o_proj)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int, buffer: torch.Tensor,
-                 layer: int, meta: AttentionMetadata) -> torch.Tensor:
+                 layer: int, meta: AttentionMetadata, attend: MLAAttendOp | None = None) -> torch.Tensor:
+        """`attend` is the engine's choice of attention op (engine.models.layer_ops: the C++ kernel or
+        `attend_torch`); None means `attend_torch`."""
         mla, heads = self.mla, self.num_heads
         tokens = x.shape[0]
         if self.q_proj is not None:
@@ -146,7 +157,15 @@ class MLAAttention:
         rows = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, kv_lora_rank + rope]: what the pool holds
         store_latent(buffer, layer, meta.slots, rows)
 
-        out = torch.empty(tokens, heads, mla.v_head_dim, dtype=x.dtype, device=x.device)
+        out = attend(self, q_nope, q_pe, rows, buffer, layer, meta) if attend else self.attend_torch(
+            q_nope, q_pe, rows, buffer, layer, meta)
+        return self.o_proj(out.view(tokens, heads * mla.v_head_dim))
+
+    def attend_torch(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor,
+                     layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The batch's attention [T, H, v_head_dim] in the model dtype, sequence by sequence: the
+        reference (and the path off CPU) of the C++ kernel kernels.cpu_kernels.mla_attention."""
+        out = torch.empty(*q_nope.shape[:2], self.mla.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
         decode_lens = meta.decode_seq_lens.tolist() if meta.num_decode else []  # type: ignore[union-attr]
         for b, length in enumerate(decode_lens):
             keys = gather_latent(buffer, layer, meta.decode_page_table[b], length)  # type: ignore[index]
@@ -158,7 +177,7 @@ class MLAAttention:
             else:
                 keys = gather_latent(buffer, layer, span.page_ids, span.prefix_len + span.length)
             out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len, span.mask)
-        return self.o_proj(out.view(tokens, heads * mla.v_head_dim))
+        return out
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, prefix_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
