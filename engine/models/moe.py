@@ -12,6 +12,14 @@ them. Shared experts (DeepSeek) are one dense SwiGLU MLP added to that. The gate
 Linear and no sum depends on the other tokens of the step, so a request's output is the same
 alone or in any batch (tests/engine/test_moe.py).
 
+With the C++ CPU kernels (engine.models.layer_ops.CpuKernelLayerOps, `fused_moe_experts`) the
+routed experts instead run as one op per layer, kernels.cpu_kernels.moe_experts over every
+expert's weights stacked ([E, 2I, H] and [E, H, I], no Linears kept): in a decode step most
+experts get a few rows, and two oneDNN calls per expert cost ~50 us each in overhead (small-moe
+bf16 decode, batch 16: 418 of them per step). The op rounds where this torch path does and sums
+each output element in an order fixed by its own token, so it is used for every batch size: a
+row-count switch to oneDNN would make a token's result depend on the batch it ran in.
+
 Weights. Each expert's gate/up is fused into one `Linear` and its down into another, both
 prepacked for oneDNN (engine.models.linear); the packed copy replaces the checkpoint tensor, so
 per-expert Linears cost no memory beyond the weights. Two checkpoint layouts load:

@@ -4,7 +4,8 @@ Tolerances: in fp32 the two differ only in the matmuls' summation order (and sil
 1e-5 relative; in bf16 every rounding point is the same, so results are equal but where an fp32
 matmul sum lands within rounding distance of a bf16 tie, after which the difference can carry
 through silu * up and the down projection: a few bf16 ulps (rtol 2e-2, atol 2e-2 on values of
-order 1). Batch invariance is exact: a token's output is bit-identical alone and in a batch.
+order 1; on AVX512-BF16 CPUs the op's bf16 products are vdpbf16ps's, exact but with denormals
+flushed). Batch invariance is exact: a token's output is bit-identical alone and in a batch.
 """
 
 from __future__ import annotations
