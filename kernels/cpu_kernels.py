@@ -79,3 +79,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
     return torch.ops.pdserve_cpu.silu_and_mul(gate_up)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """Routed experts of a MoE layer (kernels/csrc/moe_experts.cpp): out[t] = sum_j weights[t, j] *
+    down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for x [T, H], ids/weights [T, k] and all
+    experts' stacked gate_up [E, 2I, H] and down [E, H, I] in x's dtype; rounds where engine.models.moe's
+    torch path does, and a token's sums never depend on the other rows."""
+    return torch.ops.pdserve_cpu.moe_experts(x, ids, weights, gate_up, down)

@@ -84,7 +84,8 @@ class DecoderModel:
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         get = weights.get
         mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
-        layers = [_load_layer(weights, config, i, mla_rope) for i in range(config.num_layers)]
+        fused_moe = layer_ops is not None and layer_ops.fused_moe_experts
+        layers = [_load_layer(weights, config, i, mla_rope, fused_moe) for i in range(config.num_layers)]
         vocab = (config.vocab_size, config.hidden_size)
         embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -139,7 +140,8 @@ class DecoderModel:
         return self.lm_head(hidden).float()
 
 
-def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None) -> LayerWeights:
+def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,
+                fused_moe: bool = False) -> LayerWeights:
     p = f"model.layers.{i}."
     hidden = config.hidden_size
     layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight", (hidden,)),
@@ -151,7 +153,7 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
         if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):
             raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
     if config.moe is not None and i in config.moe.sparse_layers:
-        layer.moe = MoEBlock.load(weights, p, config)
+        layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe)
     else:
         mlp, width = p + "mlp.", config.intermediate_size
         layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),

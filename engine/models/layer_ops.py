@@ -50,6 +50,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class TorchLayerOps:
     """Torch op chains for every device."""
 
+    # MoE layers: per-expert prepacked Linears (engine.models.moe's torch path), or, when True, every
+    # expert's weights stacked for the fused C++ op kernels.cpu_kernels.moe_experts.
+    fused_moe_experts = False
+
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
         """Per-forward rotary inputs, passed to every layer's `qk_norm_rope_store`."""
         return table.lookup(positions, max_position)
@@ -105,6 +109,8 @@ EXTEND_KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 
 class CpuKernelLayerOps(TorchLayerOps):
     """The fused C++ kernels of kernels/csrc (CPU tensors only)."""
+
+    fused_moe_experts = True
 
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
         return positions, *table.tables(max_position)

@@ -12,6 +12,14 @@ them. Shared experts (DeepSeek) are one dense SwiGLU MLP added to that. The gate
 Linear and no sum depends on the other tokens of the step, so a request's output is the same
 alone or in any batch (tests/engine/test_moe.py).
 
+With the C++ CPU kernels (engine.models.layer_ops.CpuKernelLayerOps, `fused_moe_experts`) the
+routed experts instead run as one op per layer, kernels.cpu_kernels.moe_experts over every
+expert's weights stacked ([E, 2I, H] and [E, H, I], no Linears kept): in a decode step most
+experts get a few rows, and two oneDNN calls per expert cost ~50 us each in overhead (small-moe
+bf16 decode, batch 16: 418 of them per step). The op rounds where this torch path does and sums
+each output element in an order fixed by its own token, so it is used for every batch size: a
+row-count switch to oneDNN would make a token's result depend on the batch it ran in.
+
 Weights. Each expert's gate/up is fused into one `Linear` and its down into another, both
 prepacked for oneDNN (engine.models.linear); the packed copy replaces the checkpoint tensor, so
 per-expert Linears cost no memory beyond the weights. Two checkpoint layouts load:
@@ -45,6 +53,7 @@ import torch.nn.functional as F
 from engine.models.linear import Linear
 from engine.models.moe_config import GROUP_LIMITED_GREEDY, NOAUX_TC, SIGMOID, MoEConfig
 from engine.models.weights import MisshapenTensor, ShardedReader
+from kernels import cpu_kernels
 
 
 class Router:
@@ -109,30 +118,39 @@ class ExpertLoad:
 class MoEBlock:
     """One layer's mixture-of-experts MLP; __call__ returns this rank's partial output [T, hidden]."""
 
-    def __init__(self, config: MoEConfig, router: Router, experts: list[tuple[Linear, Linear]],
-                 shared: tuple[Linear, Linear] | None = None) -> None:
+    def __init__(self, config: MoEConfig, router: Router, experts: list[tuple[Linear, Linear]] | None,
+                 shared: tuple[Linear, Linear] | None = None,
+                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.config = config
         self.router = router
         self.experts = experts  # per expert: gate_up [2 * I / tp, hidden], down [hidden, I / tp]
+        # Or, for the fused C++ op (kernels.cpu_kernels.moe_experts), every expert's weights stacked:
+        # gate_up [E, 2 * I / tp, hidden], down [E, hidden, I / tp] (exactly one of the two is set).
+        self.stacked = stacked
+        if (experts is None) == (stacked is None):
+            raise ValueError("MoEBlock needs either per-expert Linears or stacked expert weights")
         self.shared = shared
         self.routed_tokens = torch.zeros(config.num_experts, dtype=torch.int64)  # since load
         self.last_routed = torch.zeros(config.num_experts, dtype=torch.int64)  # in the last call
 
     @classmethod
-    def load(cls, weights: ShardedReader, layer_prefix: str, config) -> MoEBlock:
-        """Layer `layer_prefix`'s router, experts and shared experts, in either checkpoint layout."""
+    def load(cls, weights: ShardedReader, layer_prefix: str, config, fused: bool = False) -> MoEBlock:
+        """Layer `layer_prefix`'s router, experts and shared experts, in either checkpoint layout.
+        `fused`: keep the experts stacked for the C++ op (CPU) instead of as per-expert Linears."""
         moe: MoEConfig = config.moe
         hidden, width = config.hidden_size, moe.intermediate_size
         mlp = layer_prefix + "mlp."
         if mlp + "experts.gate_up_proj" in weights:
-            experts = _fused_experts(weights, mlp + "experts.", moe.num_experts, hidden, width)
-        elif config.architecture == "MixtralForCausalLM":
-            mlp = layer_prefix + "block_sparse_moe."
-            experts = [_swiglu(weights, mlp + f"experts.{e}.", ("w1", "w3", "w2"), hidden, width)
-                       for e in range(moe.num_experts)]
+            gate_up, down = _fused_experts(weights, mlp + "experts.", moe.num_experts, hidden, width)
         else:
-            experts = [_swiglu(weights, mlp + f"experts.{e}.", ("gate_proj", "up_proj", "down_proj"), hidden, width)
-                       for e in range(moe.num_experts)]
+            names = ("gate_proj", "up_proj", "down_proj")
+            if config.architecture == "MixtralForCausalLM":
+                mlp, names = layer_prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+            per_expert = [_swiglu_weights(weights, mlp + f"experts.{e}.", names, hidden, width)
+                          for e in range(moe.num_experts)]
+            gate_up = torch.stack([g for g, _ in per_expert])
+            down = torch.stack([d for _, d in per_expert])
+            del per_expert
         bias = (_fp32(weights, mlp + "gate.e_score_correction_bias", (moe.num_experts,))
                 if moe.topk_method == NOAUX_TC else None)
         router = Router(moe, weights.get(mlp + "gate.weight", (moe.num_experts, hidden)), bias)
@@ -140,32 +158,45 @@ class MoEBlock:
         if moe.shared_intermediate_size:
             shared = _swiglu(weights, mlp + "shared_experts.", ("gate_proj", "up_proj", "down_proj"), hidden,
                              moe.shared_intermediate_size)
+        if fused:
+            return cls(moe, router, None, shared, stacked=(gate_up.contiguous(), down.contiguous()))
+        experts = [(Linear(gate_up[e]), Linear(down[e])) for e in range(moe.num_experts)]
         return cls(moe, router, experts, shared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        flat = ids.view(-1)
-        counts = torch.bincount(flat, minlength=self.config.num_experts)
+        counts = torch.bincount(ids.view(-1), minlength=self.config.num_experts)
         self.routed_tokens += counts
         self.last_routed = counts
-        order = torch.argsort(flat, stable=True)  # (token, expert) pairs grouped by expert
-        rows_of_pairs = order // self.config.top_k
-        inputs = x[rows_of_pairs]  # one gather; each expert's rows are a slice of it
-        outputs, start = [], 0
-        for expert, n in enumerate(counts.tolist()):
-            if n:
-                gate_up, down = self.experts[expert]
-                outputs.append(down(_silu_mul(gate_up(inputs[start:start + n]))))
-                start += n
-        weighted = (torch.cat(outputs) * weights.view(-1, 1)[order]).to(x.dtype)
-        # One index_add_ adds a token's pairs in their (expert-sorted) order: in fp32 bit for bit what
-        # transformers' loop of one index_add_ per expert gives (in bf16 equal to rounding), and
-        # at 16 decode tokens 1.7x faster than that loop (small-moe, one layer: 1.46 against 2.45 ms).
-        out = torch.zeros_like(x).index_add_(0, rows_of_pairs, weighted)
+        if self.stacked is not None:
+            out = cpu_kernels.moe_experts(x.contiguous(), ids, weights, *self.stacked)
+        else:
+            out = routed_experts_torch(x, ids, weights, self.experts, counts)
         if self.shared is not None:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
         return out
+
+
+def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                         experts: list[tuple[Linear, Linear]], counts: torch.Tensor) -> torch.Tensor:
+    """The routed experts' summed output [T, hidden] in torch ops (the reference of the C++ op);
+    `counts` [E] is the bincount of `ids`."""
+    top_k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)  # (token, expert) pairs grouped by expert
+    rows_of_pairs = order // top_k
+    inputs = x[rows_of_pairs]  # one gather; each expert's rows are a slice of it
+    outputs, start = [], 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            gate_up, down = experts[expert]
+            outputs.append(down(_silu_mul(gate_up(inputs[start:start + n]))))
+            start += n
+    weighted = (torch.cat(outputs) * weights.reshape(-1, 1)[order]).to(x.dtype)
+    # One index_add_ adds a token's pairs in their (expert-sorted) order: in fp32 bit for bit what
+    # transformers' loop of one index_add_ per expert gives (in bf16 equal to rounding), and
+    # at 16 decode tokens 1.7x faster than that loop (small-moe, one layer: 1.46 against 2.45 ms).
+    return torch.zeros_like(x).index_add_(0, rows_of_pairs, weighted)
 
 
 def expert_load(blocks: list[MoEBlock]) -> ExpertLoad | None:
@@ -194,17 +225,27 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _swiglu_weights(weights: ShardedReader, prefix: str, names: tuple[str, str, str], hidden: int,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One published-layout SwiGLU MLP's gate_up [2 * I / tp, hidden] and down [hidden, I / tp]."""
+    gate, up, down = (weights.get(prefix + f"{n}.weight", shape)
+                      for n, shape in zip(names, ((width, hidden), (width, hidden), (hidden, width)), strict=True))
+    return torch.cat([weights.rows(gate), weights.rows(up)]), weights.columns(down).contiguous()
+
+
 def _swiglu(weights: ShardedReader, prefix: str, names: tuple[str, str, str], hidden: int,
             width: int) -> tuple[Linear, Linear]:
     """One published-layout SwiGLU MLP: (gate_up, down) with this rank's intermediate columns."""
-    gate, up, down = (weights.get(prefix + f"{n}.weight", shape)
-                      for n, shape in zip(names, ((width, hidden), (width, hidden), (hidden, width)), strict=True))
-    return Linear(torch.cat([weights.rows(gate), weights.rows(up)])), Linear(weights.columns(down))
+    gate_up, down = _swiglu_weights(weights, prefix, names, hidden, width)
+    return Linear(gate_up), Linear(down)
 
 
 def _fused_experts(weights: ShardedReader, prefix: str, num_experts: int, hidden: int,
-                   width: int) -> list[tuple[Linear, Linear]]:
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused-layout checkpoint's experts with this rank's columns: gate_up [E, 2 * I / tp, hidden],
+    down [E, hidden, I / tp]."""
     gate_up = weights.get(prefix + "gate_up_proj", (num_experts, 2 * width, hidden))
     down = weights.get(prefix + "down_proj", (num_experts, hidden, width))
-    return [(Linear(torch.cat([weights.rows(gate_up[e, :width]), weights.rows(gate_up[e, width:])])),
-             Linear(weights.columns(down[e]))) for e in range(num_experts)]
+    return (torch.stack([torch.cat([weights.rows(gate_up[e, :width]), weights.rows(gate_up[e, width:])])
+                         for e in range(num_experts)]),
+            torch.stack([weights.columns(down[e]) for e in range(num_experts)]))
