@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from engine.models.linear import Linear
 from engine.models.moe_config import GROUP_LIMITED_GREEDY, NOAUX_TC, SIGMOID, MoEConfig
-from engine.models.weights import MisshapenTensor, ShardedReader
+from engine.models.weights import ShardedReader
 from kernels import cpu_kernels
 
 
@@ -151,7 +151,9 @@ class MoEBlock:
             gate_up = torch.stack([g for g, _ in per_expert])
             down = torch.stack([d for _, d in per_expert])
             del per_expert
-        bias = (_fp32(weights, mlp + "gate.e_score_correction_bias", (moe.num_experts,))
+        # In fp32 whatever the model dtype: transformers keeps V3's correction bias in fp32
+        # (`_keep_in_fp32_modules_strict`); in bf16 its small differences between experts round away.
+        bias = (weights.get(mlp + "gate.e_score_correction_bias", (moe.num_experts,), torch.float32)
                 if moe.topk_method == NOAUX_TC else None)
         router = Router(moe, weights.get(mlp + "gate.weight", (moe.num_experts, hidden)), bias)
         shared = None
@@ -207,17 +209,6 @@ def expert_load(blocks: list[MoEBlock]) -> ExpertLoad | None:
     ratios = [float(b.last_routed.max()) / mean for b in blocks
               if (mean := float(b.last_routed.sum()) / b.config.num_experts) > 0]
     return ExpertLoad(tuple(total.tolist()), max(ratios, default=0.0))
-
-
-def _fp32(weights: ShardedReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor read in fp32 whatever the model dtype: transformers keeps DeepSeek V3's correction
-    bias in fp32 (`_keep_in_fp32_modules_strict`), and in bf16 its small differences between
-    experts would round away."""
-    tensor = weights.reader.get(name)
-    if tuple(tensor.shape) != shape:
-        raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-                              f"implies {shape}")
-    return tensor.to(device=weights.device, dtype=torch.float32)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
