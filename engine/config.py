@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.tp.topology import Topology
+
 
 def _help(text: str) -> dict:
     return {"help": text}
@@ -45,10 +47,39 @@ class EngineConfig:
     cpu_kernels: str = field(default="auto", metadata=_help(
         "fused C++ CPU kernels (engine.models.layer_ops) built by `make setup`: auto (if built), on (required) "
         "or off"))
-    tp_size: int = field(default=1, metadata=_help(
+    tp_size: int = field(default=1, metadata={"flags": ("--tp-size", "--tp"), "help": (
         "tensor-parallel ranks, one process each: rank 0 (this process: scheduler, and a worker's gRPC) starts "
         "tp_size - 1 more, each holding 1/tp_size of the attention heads, KV heads and MLP columns (must divide "
-        "them); 1 = no collectives at all"))
+        "them); 1 = no collectives at all")})
+    pp_size: int = field(default=1, metadata={"flags": ("--pp-size", "--pipeline-parallel-size"), "help": (
+        "pipeline stages: the layers split into pp_size consecutive blocks, each on its own tp_size ranks "
+        "(tp_size * pp_size ranks in all), activations passed stage to stage")})
+    dp_size: int = field(default=1, metadata={"flags": ("--dp-size", "--data-parallel-size"), "help": (
+        "with --enable-dp-attention: attention data-parallel groups inside the tp_size ranks, each with its own "
+        "requests, batch and KV pool (must divide --tp-size); the MLP/MoE layers still span all tp_size ranks")})
+    enable_dp_attention: bool = field(default=False, metadata=_help(
+        "data-parallel attention over --dp-size groups (SGLang's flag); --dp-size > 1 requires it"))
+    ep_size: int = field(default=1, metadata={"flags": ("--ep-size", "--ep", "--expert-parallel-size"), "help": (
+        "expert parallelism: experts split into ep_size blocks over the tp_size ranks (must divide --tp-size), "
+        "tokens dispatched to their experts' ranks and combined with an all-to-all")})
+    moe_a2a_backend: str = field(default="none", metadata=_help(
+        "none | deepep | mooncake: the all-to-all library of expert parallelism (deepep and mooncake set "
+        "--ep-size to --tp-size, as SGLang); where the library or its hardware is missing, torch.distributed's "
+        "all-to-all runs instead and the worker says so at start (identical output, only speed differs)"))
+    elastic_ep_backend: str = field(default="none", metadata=_help(
+        "none | mooncake: accepted so the seeds' command lines run; an EP rank that dies takes its worker down "
+        "(see the README's expert-parallelism section)"))
+    mooncake_ib_device: str | None = field(default=None, metadata=_help(
+        "RDMA device(s) of Mooncake's expert-parallel all-to-all (used where that backend runs)"))
+    nnodes: int = field(default=1, metadata=_help(
+        "nodes this worker's tp_size * pp_size ranks are spread over (each runs as many); node 0 runs the "
+        "scheduler and the gRPC endpoint, the others only ranks"))
+    node_rank: int = field(default=0, metadata=_help("this node's index, 0..nnodes-1"))
+    dist_init_addr: str | None = field(default=None, metadata=_help(
+        "HOST:PORT where node 0 listens for the other nodes' ranks to join (required with --nnodes > 1; "
+        "unset on one node: a free loopback port)"))
+    dist_timeout: float = field(default=300.0, metadata=_help(
+        "seconds to wait for every node's ranks to join, and for one collective"))
     trust_remote_code: bool = field(default=False, metadata=_help(
         "accepted so that SGLang command lines run unchanged, and ignored: pdserve never executes code from a "
         "checkpoint folder (it reads config.json, *.safetensors and the tokenizer files as data, and refuses "
@@ -66,5 +97,31 @@ class EngineConfig:
             raise ValueError(f"--num-pages must be positive, got {self.num_pages}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.moe_a2a_backend not in ("none", "deepep", "mooncake"):
+            raise ValueError(f"--moe-a2a-backend must be none, deepep or mooncake, got {self.moe_a2a_backend!r}")
+        if self.elastic_ep_backend not in ("none", "mooncake"):
+            raise ValueError(f"--elastic-ep-backend must be none or mooncake, got {self.elastic_ep_backend!r}")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(f"--dp-size {self.dp_size} needs --enable-dp-attention (whole-model data parallelism "
+                             "is more workers behind the gateway: start --dp-size of them)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, where "
+                             "the other nodes' ranks join)")
+        self.topology()  # raises TopologyError naming what does not fit
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"--cpu-kernels must be auto, on or off, got {self.cpu_kernels!r}")
+
+    def topology(self) -> Topology:
+        """The rank layout these flags ask for. `--moe-a2a-backend deepep|mooncake` implies expert
+        parallelism over all TP ranks, as in SGLang."""
+        ep_size = self.ep_size
+        if self.moe_a2a_backend != "none" and ep_size == 1:
+            ep_size = self.tp_size
+        return Topology(tp_size=self.tp_size, pp_size=self.pp_size,
+                        dp_size=self.dp_size if self.enable_dp_attention else 1, ep_size=ep_size,
+                        nnodes=self.nnodes, node_rank=self.node_rank)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one worker: tp_size * pp_size."""
+        return self.tp_size * self.pp_size

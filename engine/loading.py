@@ -48,7 +48,7 @@ def load(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, model_config)
     layout = model_config.kv_layout(config.page_size, dtype)
     layer_ops = select_layer_ops(config.cpu_kernels, device)
-    if config.tp_size > 1:
+    if config.world_size > 1:
         return _load_tensor_parallel(config, model_config, device)
 
     def load_tensors() -> tuple[DecoderModel, KVPool]:

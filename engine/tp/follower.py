@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.tp.control import connect_to_rank0, serve
-from engine.tp.group import TPGroup
+from engine.tp.group import TPGroup, open_store
 from engine.tp.load import load_rank
 from engine.tp.runner import follow
 from engine.tp.setup import RENDEZVOUS_HOST
@@ -53,7 +53,9 @@ def main() -> int:
     if device.type == "cuda":
         device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
-    group = TPGroup(rank, config.tp_size, RENDEZVOUS_HOST, spec["port"], device)
+    topology = config.topology()
+    store = open_store(RENDEZVOUS_HOST, spec["port"], topology.world_size, False, config.dist_timeout)
+    group = TPGroup(rank, topology, store, device, config.dist_timeout)
     host, port, authkey = spec["control"]
     control = connect_to_rank0((host, port), bytes.fromhex(authkey), rank)
     transfer = None
@@ -61,7 +63,7 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size)
+        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size)  # TODO(pp): world rank vs tp rank
         threading.Thread(target=serve, args=(control, transfer), name="pdserve-tp-control", daemon=True).start()
         follow(group, rank_engine.runner)
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group

@@ -15,6 +15,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from engine.tp.topology import Topology
+
 # How long one collective may wait for the slowest rank. A step of a big prompt can take seconds
 # on CPU; a rank that takes minutes is broken.
 DEFAULT_TIMEOUT_S = 300.0
@@ -26,33 +28,62 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def open_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: rank 0 serves it on (host, port), every other rank connects to it."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 class TPGroup:
-    """One rank's view of the group: all-reduce for the model, object broadcast for the step plan.
+    """One rank's view of the worker's ranks: all-reduce over its TP group for the model, object
+    broadcast from rank 0 to every rank for the step plan.
+
+    `rank` and `size` are the world's (tp_size * pp_size ranks, engine.tp.topology); `tp_rank` and
+    `tp_size` place this rank in its pipeline stage's TP group, over which `all_reduce` sums.
+    `tp_group` and `ep_group` are the torch.distributed groups of this rank's stage and of the ranks
+    it exchanges tokens with under expert parallelism (None: the whole world is that group).
 
     Every method is a collective: all ranks call it in the same order (rank 0's engine thread
     drives; followers mirror it in engine.tp.runner.follow).
     """
 
-    def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
+    def __init__(self, rank: int, topology: Topology, store: dist.Store, device: torch.device,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.rank = rank
-        self.size = size
+        self.size = topology.world_size
+        self.topology = topology
+        self.tp_rank, self.tp_size = topology.tp_rank(rank), topology.tp_size
+        self.pp_rank = topology.pp_rank(rank)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        store = dist.TCPStore(host, port, size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=size,
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self._store = store
+        self.tp_group = self._own_group([topology.stage_ranks(stage) for stage in range(topology.pp_size)])
+        self.ep_group = self._own_group([
+            [first + moe_tp + block * topology.moe_tp_size for block in range(topology.ep_size)]
+            for first in range(0, self.size, topology.tp_size) for moe_tp in range(topology.moe_tp_size)])
+
+    def _own_group(self, partition: list[list[int]]):
+        """Make one torch.distributed group per part (every rank must make every group, in the same
+        order) and return the one holding this rank; None when that part is the whole world."""
+        if len(partition) == 1 and len(partition[0]) == self.size:
+            return None
+        mine = None
+        for ranks in partition:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the ranks, in place. Half-precision partial sums are added in fp32 and
-        rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each add)."""
+        """Sum `tensor` over this rank's TP group, in place. Half-precision partial sums are added in
+        fp32 and rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each add)."""
         if tensor.dtype == torch.float32:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.tp_group)
             return
         wide = tensor.float()
-        dist.all_reduce(wide)
+        dist.all_reduce(wide, group=self.tp_group)
         tensor.copy_(wide)
 
     def broadcast(self, obj: object) -> object:

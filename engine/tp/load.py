@@ -41,7 +41,7 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     layout = rank_layout(config, model_config, dtype)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
-                              shard=TPShard(group.rank, group.size), all_reduce=group.all_reduce)
+                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce)
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]

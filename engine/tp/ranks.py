@@ -45,7 +45,7 @@ class FollowerRanks:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         procs = []
-        for rank in range(1, config.tp_size):
+        for rank in range(1, config.world_size):
             spec = json.dumps({"config": asdict(config), "rank": rank, "port": port, "parent": os.getpid(),
                                "control": [*control.address, control.authkey.hex()]})
             # The spec goes through a pipe, not argv: it carries the control socket's key, and any

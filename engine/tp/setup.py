@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.tp.control import ControlListener
-from engine.tp.group import TPGroup, free_port
+from engine.tp.group import TPGroup, free_port, open_store
 from engine.tp.ranks import FollowerRanks, default_threads
 from engine.tp.shard import check_tp_size
 
@@ -27,18 +27,20 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[T
     (with the followers killed) if one of them exits first, instead of waiting for a timeout."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
+    topology = config.topology()
     port = free_port(RENDEZVOUS_HOST)
+    store = open_store(RENDEZVOUS_HOST, port, topology.world_size, True, config.dist_timeout)
     control = ControlListener()
     followers = FollowerRanks.start(config, port, control)
     try:
-        group = _while_followers_run(followers, lambda: TPGroup(0, config.tp_size, RENDEZVOUS_HOST, port, device),
+        group = _while_followers_run(followers, lambda: TPGroup(0, topology, store, device, config.dist_timeout),
                                      "join the group")
-        controls = _while_followers_run(followers, lambda: control.accept(config.tp_size - 1),
+        controls = _while_followers_run(followers, lambda: control.accept(topology.world_size - 1),
                                         "connect its control channel")
     except BaseException:
         followers.kill()
         raise
-    followers.controls = [controls[rank] for rank in range(1, config.tp_size)]
+    followers.controls = [controls[rank] for rank in range(1, topology.world_size)]
     return group, followers
 
 
@@ -70,4 +72,4 @@ def prepare_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     check_tp_size(config.tp_size, model_config)
     if config.num_threads:
         return config
-    return replace(config, num_threads=default_threads(config.tp_size))
+    return replace(config, num_threads=default_threads(config.topology().ranks_per_node))
