@@ -35,6 +35,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    if config.engine.node_rank > 0:  # not node 0: this node only runs its ranks of node 0's worker
+        from engine.tp.node import run_node
+        return run_node(config.engine, config.server.host)
     runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
     code = 0
     try:

@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 
 
 class ControlListener:
-    """Rank 0: listens on loopback for the followers' control connections."""
+    """Rank 0: listens for the followers' control connections, on loopback unless other nodes' ranks
+    must reach it (then on the --dist-init-addr host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self._listener = Listener((host, 0), authkey=self.authkey)
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
 
     def accept(self, num_followers: int) -> dict[int, RankControl]:

@@ -19,10 +19,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.tp.control import connect_to_rank0, serve
-from engine.tp.group import TPGroup, open_store
+from engine.tp.group import TPGroup
+from engine.tp.rendezvous import RendezvousError, open_store
 from engine.tp.load import load_rank
 from engine.tp.runner import follow
-from engine.tp.setup import RENDEZVOUS_HOST
 from libkv.transfer import exit_process
 from libkv.transfer.tensor_parallel import RankTransfer
 
@@ -40,6 +40,20 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=run, name="pdserve-tp-parent", daemon=True).start()
 
 
+_leaving = threading.Event()
+
+
+def _serve_then_exit(control, transfer: RankTransfer) -> None:
+    """Answer rank 0's control calls; once rank 0's end of the channel is gone (its process died,
+    maybe on another node, where no parent watch sees it), nobody drives this rank: leave."""
+    serve(control, transfer)
+    if _leaving.is_set():  # rank 0 closed the group first: the orderly way out is under way
+        return
+    log.error("tp follower: rank 0's control channel closed; exiting")
+    logging.shutdown()
+    os._exit(1)
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.read())
     rank = spec["rank"]
@@ -54,8 +68,14 @@ def main() -> int:
         device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     topology = config.topology()
-    store = open_store(RENDEZVOUS_HOST, spec["port"], topology.world_size, False, config.dist_timeout)
-    group = TPGroup(rank, topology, store, device, config.dist_timeout)
+    store_host, store_port = spec["store"]
+    try:
+        store = open_store(store_host, store_port, topology.world_size, False, config.dist_timeout,
+                           topology.node_of(rank))
+        group = TPGroup(rank, topology, store, device, config.dist_timeout)
+    except (RendezvousError, RuntimeError) as exc:
+        log.error("cannot join the rank group: %s", exc)
+        return 1
     host, port, authkey = spec["control"]
     control = connect_to_rank0((host, port), bytes.fromhex(authkey), rank)
     transfer = None
@@ -63,12 +83,15 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size)  # TODO(pp): world rank vs tp rank
-        threading.Thread(target=serve, args=(control, transfer), name="pdserve-tp-control", daemon=True).start()
+        # Ranks on another node bind their transfer engines to that node's address, not rank 0's.
+        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size, bind_host=spec.get("transfer_host"))
+        threading.Thread(target=_serve_then_exit, args=(control, transfer), name="pdserve-tp-control",
+                         daemon=True).start()
         follow(group, rank_engine.runner)
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group
         log.error("stopping: %s", exc)
         return 1
+    _leaving.set()
     group.close()
     if transfer is not None and transfer.backend is not None:
         transfer.close()

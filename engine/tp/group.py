@@ -1,7 +1,7 @@
 """TPGroup: the torch.distributed process group of one worker's tensor-parallel ranks.
 
-gloo on CPU, NCCL where the ranks run on CUDA. Rank 0 listens on a free TCP port of the worker's
-host (the rendezvous store); followers connect to it. Collectives time out after `timeout_s`, so a
+gloo on CPU, NCCL where the ranks run on CUDA. The ranks meet through a store that rank 0 serves
+(engine.tp.rendezvous), on one node or across nodes. Collectives time out after `timeout_s`, so a
 rank that stops answering fails the step instead of hanging it (a rank that dies closes its
 sockets and fails it at once).
 """
@@ -26,12 +26,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
-
-
-def open_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store: rank 0 serves it on (host, port), every other rank connects to it."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class TPGroup:

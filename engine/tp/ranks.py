@@ -1,10 +1,12 @@
-"""FollowerRanks: the processes of TP ranks 1..N-1, started and watched by rank 0's process.
+"""FollowerRanks: the processes of follower ranks, started and watched by their node's process.
 
-Each follower is `python -m engine.tp.follower` with the engine config; it connects to rank 0's
-rendezvous port and control listener, loads its shard and follows the steps (engine.tp.runner). Lifetimes are tied both
-ways: a follower exits when rank 0's process goes away (it watches its parent), and rank 0's
-process learns of a follower that exits unexpectedly through `watch` (the worker then exits, so
-its registry lease expires, instead of serving with a rank missing).
+On node 0 that is rank 0's process (ranks 1..k-1 of the node's k); on another node, that node's
+supervising process (engine.tp.node) starts all of its ranks. Each follower is `python -m
+engine.tp.follower` with the engine config; it connects to the rendezvous store and rank 0's control
+listener, loads its shard and follows the steps (engine.tp.runner). Lifetimes are tied both ways: a
+follower exits when its parent process goes away (it watches it), and rank 0's process learns of
+a follower that exits unexpectedly, or of another node that is lost, through `watch` (the worker
+then exits, so its registry lease expires, instead of serving with a rank missing).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.tp.control import ControlListener, RankControl
+from engine.tp.control import RankControl
 
 log = logging.getLogger(__name__)
 
@@ -33,44 +35,57 @@ def default_threads(tp_size: int) -> int:
 
 
 class FollowerRanks:
-    """Ranks 1..size-1 as child processes. `stop` after rank 0 closed the group (or to kill them)."""
+    """Follower ranks as child processes of this one (rank 0's, or another node's supervising
+    process). `stop` after rank 0 closed the group (or to kill them)."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], ranks: list[int]) -> None:
         self.procs = procs
-        self.controls: list[RankControl] = []  # rank order; set once every follower has connected
+        self.ranks = ranks
+        self.controls: list[RankControl] = []  # every follower's, world ranks 1..N-1 in order; set by rank 0
         self._stopping = threading.Event()
+        self._lost: list[str] = []  # why a rank on another node is gone (engine.tp.rendezvous.HeartbeatWatch)
+        self.heartbeat = None  # rank 0 across nodes: its engine.tp.rendezvous.HeartbeatWatch
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int, control: ControlListener) -> FollowerRanks:
+    def start(cls, config: EngineConfig, ranks: list[int], store: tuple[str, int], control: tuple[str, int],
+              authkey: bytes, transfer_host: str | None = None) -> FollowerRanks:
+        """Start world ranks `ranks`, each joining the store at `store` and rank 0's control listener
+        at `control`; `transfer_host` is the address their transfer engines bind (None: rank 0's)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         procs = []
-        for rank in range(1, config.world_size):
-            spec = json.dumps({"config": asdict(config), "rank": rank, "port": port, "parent": os.getpid(),
-                               "control": [*control.address, control.authkey.hex()]})
+        for rank in ranks:
+            spec = json.dumps({"config": asdict(config), "rank": rank, "store": list(store), "parent": os.getpid(),
+                               "control": [*control, authkey.hex()], "transfer_host": transfer_host})
             # The spec goes through a pipe, not argv: it carries the control socket's key, and any
             # local user can read a process's argv.
             proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env, stdin=subprocess.PIPE)
             proc.stdin.write(spec.encode())
             proc.stdin.close()
             procs.append(proc)
-        return cls(procs)
+        return cls(procs, list(ranks))
 
     def exited(self) -> tuple[int, int] | None:
         """(rank, returncode) of a follower that has exited, or None while all run."""
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, proc in zip(self.ranks, self.procs, strict=True):
             code = proc.poll()
             if code is not None:
                 return rank, code
         return None
 
-    def watch(self, on_exit: Callable[[int, int], None]) -> None:
-        """Call `on_exit(rank, returncode)` (from a daemon thread) if a follower exits before `stop`."""
+    def lost(self, why: str) -> None:
+        """Ranks on another node are gone (`why` says which): `watch` reports it like an exit."""
+        self._lost.append(why)
+
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(why)` (from a daemon thread) if a follower exits, or another node's ranks are
+        lost, before `stop`."""
         def run() -> None:
             while not self._stopping.wait(0.2):
                 exited = self.exited()
-                if exited is not None and not self._stopping.is_set():
-                    on_exit(*exited)
+                why = f"tp rank {exited[0]} exited with code {exited[1]}" if exited else (self._lost or [None])[0]
+                if why is not None and not self._stopping.is_set():
+                    on_exit(why)
                     return
 
         threading.Thread(target=run, name="pdserve-tp-watch", daemon=True).start()
@@ -78,7 +93,9 @@ class FollowerRanks:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the followers to leave (rank 0 has sent them None); kill any that do not."""
         self._stopping.set()
-        for rank, proc in enumerate(self.procs, start=1):
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        for rank, proc in zip(self.ranks, self.procs, strict=True):
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -88,6 +105,8 @@ class FollowerRanks:
 
     def kill(self) -> None:
         self._stopping.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()

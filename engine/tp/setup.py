@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,36 +13,63 @@ import torch
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.tp.control import ControlListener
-from engine.tp.group import TPGroup, free_port, open_store
+from engine.tp.group import TPGroup, free_port
+from engine.tp.rendezvous import (NODE_LOST_AFTER_S, HeartbeatWatch, model_identity, open_store, parse_init_addr,
+                                  publish_control, publish_topology, use_interface_of, warn_if_exposed)
+from engine.tp.topology import Topology
 from engine.tp.ranks import FollowerRanks, default_threads
 from engine.tp.shard import check_tp_size
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # Ranks on one machine rendezvous over loopback, whatever address the worker serves on.
 RENDEZVOUS_HOST = "127.0.0.1"
 
 
 def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[TPGroup, FollowerRanks]:
-    """Start ranks 1..tp_size-1, join them as rank 0 and accept their control connections; raise
-    (with the followers killed) if one of them exits first, instead of waiting for a timeout."""
+    """Start this node's other ranks, serve the rendezvous store, join the group as rank 0 and accept
+    every follower's control connection (other nodes' too: engine.tp.node starts theirs); raise
+    (with the local followers killed) if one of them exits first, or a node does not join in time."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
     topology = config.topology()
-    port = free_port(RENDEZVOUS_HOST)
-    store = open_store(RENDEZVOUS_HOST, port, topology.world_size, True, config.dist_timeout)
-    control = ControlListener()
-    followers = FollowerRanks.start(config, port, control)
+    if topology.nnodes > 1:
+        host, port = parse_init_addr(config.dist_init_addr)  # type: ignore[arg-type]
+        warn_if_exposed(host)
+        use_interface_of(host)  # node 0's ranks (and their children, which inherit it) talk over it
+    else:
+        host, port = RENDEZVOUS_HOST, free_port(RENDEZVOUS_HOST)
+    store = open_store(host, port, topology.world_size, True, config.dist_timeout)
+    control = ControlListener(host)
+    if topology.nnodes > 1:
+        publish_topology(store, topology, model_identity(config.model_path))
+        publish_control(store, control.address, control.authkey)
+    followers = FollowerRanks.start(config, list(topology.node_ranks(0))[1:], (host, port), control.address,
+                                    control.authkey)
     try:
         group = _while_followers_run(followers, lambda: TPGroup(0, topology, store, device, config.dist_timeout),
-                                     "join the group")
+                                     _join_what(topology, config))
         controls = _while_followers_run(followers, lambda: control.accept(topology.world_size - 1),
                                         "connect its control channel")
     except BaseException:
         followers.kill()
         raise
     followers.controls = [controls[rank] for rank in range(1, topology.world_size)]
+    if topology.nnodes > 1:
+        followers.heartbeat = HeartbeatWatch(store, 0, list(range(1, topology.nnodes)), NODE_LOST_AFTER_S,
+                                             lambda node, why: followers.lost(f"node {node}'s ranks are lost: {why}"))
+        log.info("rank group of %s joined at --dist-init-addr %s:%d", topology.describe(), host, port)
     return group, followers
+
+
+def _join_what(topology: Topology, config: EngineConfig) -> str:
+    if topology.nnodes == 1:
+        return "join the group"
+    return (f"join the group (ranks {topology.ranks_per_node}..{topology.world_size - 1} on nodes "
+            f"1..{topology.nnodes - 1} join at --dist-init-addr {config.dist_init_addr} within "
+            f"--dist-timeout {config.dist_timeout:.0f}s)")
 
 
 def _while_followers_run(followers: FollowerRanks, function: Callable[[], T], what: str) -> T:

@@ -40,14 +40,18 @@ class RankTransfer:
     through a RankChannel (rank 0's own in-process). Also serves the TPKVPool's calls for the
     rank's pool (checksums, poison)."""
 
-    def __init__(self, pool: KVPool, rank: int, tp_size: int, backend: EngineBackend | None = None) -> None:
+    def __init__(self, pool: KVPool, rank: int, tp_size: int, backend: EngineBackend | None = None,
+                 bind_host: str | None = None) -> None:
         self.pool = pool
         self.rank, self.tp_size = rank, tp_size
         self.backend = backend
+        self.bind_host = bind_host  # a rank on another node than rank 0 binds its own node's address
         self._handles: dict[int, TransferHandle] = {}
         self._lock = threading.Lock()
 
     def create_backend(self, name: str, options: dict) -> TransferEndpoint:
+        if self.bind_host:
+            options = {**options, "host": self.bind_host}
         self.backend = create_backend(name, **options)
         self.backend.register(self.pool, tp_rank=self.rank, tp_size=self.tp_size)
         return self.backend.endpoint()

@@ -42,11 +42,11 @@ def _backend_options(config: WorkerConfig) -> dict:
     return options
 
 
-def _exit_worker(engine: Engine, config: WorkerConfig, rank: int, code: int) -> None:
-    """A tensor-parallel rank died: this worker cannot run a step any more. Exit at once (the other
-    ranks are killed, the registry lease expires, callers' RPCs fail and the gateway retries
-    elsewhere) rather than serve errors or hang in a collective."""
-    log.error("%s worker: tp rank %d of %d exited with code %d; exiting", config.role, rank, config.engine.tp_size, code)
+def _exit_worker(engine: Engine, config: WorkerConfig, why: str) -> None:
+    """A rank died (or another node's ranks are lost): this worker cannot run a step any more. Exit
+    at once (the other ranks are killed, the registry lease expires, callers' RPCs fail and the
+    gateway retries elsewhere) rather than serve errors or hang in a collective."""
+    log.error("%s worker: %s (of %d ranks); exiting", config.role, why, config.engine.world_size)
     if engine.tp_followers is not None:
         engine.tp_followers.kill()
     logging.shutdown()
@@ -73,7 +73,7 @@ class WorkerRuntime:
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
         engine = Engine.load(config.engine)
         if engine.tp_followers is not None:
-            engine.tp_followers.watch(lambda rank, code: _exit_worker(engine, config, rank, code))
+            engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
         backend: TransferBackend | None = None
         if config.role != "colocated":
             options = _backend_options(config)

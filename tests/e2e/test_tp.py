@@ -86,7 +86,7 @@ def test_dead_rank_takes_the_worker_down(cluster: Cluster, tiny_model):
     os.kill(follower, signal.SIGKILL)
     wait_until(lambda: not worker.alive(), 30, "the worker to exit after its rank 1 died")
     assert worker.popen.returncode == 1
-    assert "tp rank 1 of 2 exited with code -9; exiting" in worker.log()
+    assert "tp rank 1 exited with code -9 (of 2 ranks); exiting" in worker.log()
 
 
 def test_killed_worker_leaves_no_rank_behind(cluster: Cluster, tiny_model):
