@@ -215,6 +215,13 @@ class PageManager:
         with self._lock:
             self.cache.insert(token_ids, page_ids, hashes, first)
 
+    def cached_prefix_pages(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> int:
+        """How many of `token_ids`' leading full pages the cache holds now (retains nothing)."""
+        if self.cache is None:
+            return 0
+        with self._lock:
+            return len(self.cache.match(token_ids, len(token_ids) // self.page_size, hashes))
+
     def watch_cache(self, listener) -> list[int]:
         """Call `listener(kind, hashes)` on every change of the cache from now on (under this
         manager's lock: keep it short) and return the hashes cached now: taken together, so no

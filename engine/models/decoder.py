@@ -65,6 +65,7 @@ class DecoderModel:
         self.ops = layer_ops or TorchLayerOps()
         self.heads = HeadShape(config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim)
         self.all_reduce = all_reduce
+        self.dp = None  # engine.tp.dp_attention.DPAttentionComm under DP attention
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -80,12 +81,16 @@ class DecoderModel:
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
              device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
-             all_reduce: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
+             all_reduce: Callable[[torch.Tensor], None] | None = None,
+             attn_shard: TPShard | None = None) -> DecoderModel:
+        """`shard`: this rank's slice of everything; under DP attention `attn_shard` is its slice of
+        the attention weights (its place in its DP group), and `shard` that of the MLPs."""
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
+        attn_weights = ShardedReader(weights.reader, device, dtype, attn_shard) if attn_shard else weights
         get = weights.get
         mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
         fused_moe = layer_ops is not None and layer_ops.fused_moe_experts
-        layers = [_load_layer(weights, config, i, mla_rope, fused_moe) for i in range(config.num_layers)]
+        layers = [_load_layer(weights, config, i, mla_rope, fused_moe, attn_weights) for i in range(config.num_layers)]
         vocab = (config.vocab_size, config.hidden_size)
         embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -95,7 +100,7 @@ class DecoderModel:
         final_norm = get("model.norm.weight", (config.hidden_size,))
         weights.reader.close()
         return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops,
-                   shard.size if shard else 1, all_reduce)
+                   attn_weights.tp_size, all_reduce)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_buffer: torch.Tensor,
@@ -118,22 +123,49 @@ class DecoderModel:
                 attended = paged_attention(q, k, v, kv_buffer, index, meta, self.scale,
                                            ops.paged_decode_attention, ops.extend_attention)
                 attn_out = layer.o_proj(attended.view(num_tokens, self.heads.q_size))
-            if self.all_reduce is not None:
+            if self.dp is not None:
+                self.dp.attn_all_reduce(attn_out)
+            elif self.all_reduce is not None:
                 self.all_reduce(attn_out)
             x = ops.add_rms_norm(hidden, attn_out, layer.post_norm, eps)
-            if layer.moe is not None:
-                mlp = layer.moe(x)
-            else:
-                mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
-            if self.all_reduce is not None:
-                self.all_reduce(mlp)
+            mlp = self._mlp(layer, x)
             if index + 1 < len(self.layers):
                 x = ops.add_rms_norm(hidden, mlp, self.layers[index + 1].input_norm, eps)
             else:
                 hidden.add_(mlp)
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
-        return self.logits(ops.rms_norm(hidden, self.final_norm, eps))
+        normed = ops.rms_norm(hidden, self.final_norm, eps)
+        if self.dp is not None:
+            return self._dp_logits(normed)
+        return self.logits(normed)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The layer's whole MLP output for the rows `x`: this rank's partial summed over its TP
+        group. Under DP attention the MLP runs on every group's rows (engine.tp.dp_attention)."""
+        rows = self.dp.gather(x) if self.dp is not None else x
+        if layer.moe is not None:
+            out = layer.moe(rows)
+        else:
+            out = layer.down(self.ops.silu_and_mul(layer.gate_up(rows)))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return self.dp.mine(out) if self.dp is not None else out
+
+    def _dp_logits(self, normed: torch.Tensor) -> torch.Tensor | None:
+        """DP attention: rank 0 gets every group's rows to sample and returns their logits (rows in
+        group order); other ranks return None."""
+        rows = self.dp.gather(normed, self.dp.shape.sampled)
+        return self.logits(rows) if self.dp.is_driver else None
+
+    def idle_forward(self) -> torch.Tensor | None:
+        """DP attention, a step in which this rank's group has no tokens: join every layer's MLP
+        for the other groups' rows, and the final gather."""
+        hidden = self.config.hidden_size
+        empty = self.dp.empty(hidden, self.dtype)
+        for layer in self.layers:
+            self._mlp(layer, empty)
+        return self._dp_logits(empty)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
@@ -141,15 +173,16 @@ class DecoderModel:
 
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,
-                fused_moe: bool = False) -> LayerWeights:
+                fused_moe: bool = False, attn_weights: ShardedReader | None = None) -> LayerWeights:
     p = f"model.layers.{i}."
+    attn_weights = attn_weights or weights
     hidden = config.hidden_size
     layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight", (hidden,)),
                          post_norm=weights.get(p + "post_attention_layernorm.weight", (hidden,)))
     if config.mla is not None:
-        layer.mla = MLAAttention.load(weights, p + "self_attn.", config, mla_rope)
+        layer.mla = MLAAttention.load(attn_weights, p + "self_attn.", config, mla_rope)
     else:
-        _load_gqa(weights, config, p + "self_attn.", layer)
+        _load_gqa(attn_weights, config, p + "self_attn.", layer)
         if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):
             raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
     if config.moe is not None and i in config.moe.sparse_layers:

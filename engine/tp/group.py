@@ -57,6 +57,13 @@ class TPGroup:
         self.ep_group = self._own_group([
             [first + moe_tp + block * topology.moe_tp_size for block in range(topology.ep_size)]
             for first in range(0, self.size, topology.tp_size) for moe_tp in range(topology.moe_tp_size)])
+        # DP attention: the ranks of one attention group sum attention's outputs among themselves
+        # (None when each group is one rank: nothing to sum).
+        self.attn_group = None
+        if topology.dp_size > 1 and topology.attn_tp_size > 1:
+            self.attn_group = self._own_group([
+                [first + g * topology.attn_tp_size + i for i in range(topology.attn_tp_size)]
+                for first in range(0, self.size, topology.tp_size) for g in range(topology.dp_size)])
 
     def _own_group(self, partition: list[list[int]]):
         """Make one torch.distributed group per part (every rank must make every group, in the same

@@ -13,6 +13,7 @@ from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.tp.control import RankControl
+from engine.tp.dp_attention import DPAttentionComm, DPRankRunner
 from engine.tp.group import TPGroup
 from engine.tp.shard import TPShard
 from libkv.landing import TPKVPool
@@ -28,8 +29,9 @@ class RankParts:
 
 
 def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1)."""
-    return model_config.kv_layout(config.page_size, dtype, config.tp_size)
+    """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1); under
+    DP attention its share of its group's heads (num_kv_heads / attn_tp_size)."""
+    return model_config.kv_layout(config.page_size, dtype, config.topology().attn_tp_size)
 
 
 def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
@@ -39,12 +41,20 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
     layout = rank_layout(config, model_config, dtype)
+    topology = group.topology
+    dp_attention = topology.dp_size > 1
+    attn_shard = TPShard(topology.attn_tp_rank(group.rank), topology.attn_tp_size) if dp_attention else None
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
-                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce)
+                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce,
+                              attn_shard=attn_shard)
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
     else:
         pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
-    return RankParts(model, pool, ModelRunner(model, pool))
+    runner = ModelRunner(model, pool)
+    if dp_attention:
+        model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device)
+        return RankParts(model, pool, DPRankRunner(runner, model.dp))  # type: ignore[arg-type]
+    return RankParts(model, pool, runner)

@@ -32,15 +32,21 @@ def check_divisible(tp_size: int, num_heads: int, num_kv_heads: int, intermediat
         raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {intermediate_size}")
 
 
-def check_tp_size(tp_size: int, model_config) -> None:
+def check_tp_size(tp_size: int, model_config, attn_tp_size: int | None = None) -> None:
     """`check_divisible` for a loaded ModelConfig, naming the flag in the message. An MLA model
-    (DeepSeek) has no KV heads to split: every rank holds the whole latent, only query heads divide."""
-    kv_heads = tp_size if model_config.mla is not None else model_config.num_kv_heads  # MLA: nothing to split
+    (DeepSeek) has no KV heads to split: every rank holds the whole latent, only query heads divide.
+    Under DP attention the heads split over `attn_tp_size` ranks (a DP group), the MLPs over tp_size."""
+    attn = attn_tp_size or tp_size
+    kv_heads = attn if model_config.mla is not None else model_config.num_kv_heads  # MLA: nothing to split
     try:
-        check_divisible(tp_size, model_config.num_heads, kv_heads, model_config.intermediate_size)
+        check_divisible(attn, model_config.num_heads, kv_heads, model_config.intermediate_size * attn)
+        if model_config.intermediate_size % tp_size:
+            raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {model_config.intermediate_size}")
         if model_config.moe is not None and model_config.moe.intermediate_size % tp_size:  # experts split like the MLP
             raise UnshardableModel(f"tp size {tp_size} does not divide the expert width {model_config.moe.intermediate_size}")
     except UnshardableModel as exc:
+        if attn != tp_size:
+            raise UnshardableModel(f"--tp-size {tp_size} in {tp_size // attn} DP attention groups: {exc}") from None
         raise UnshardableModel(f"--tp-size {tp_size}: {exc}") from None
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from engine.dp_engine import load_engine
 from engine.engine import Engine
 from engine.outputs import EngineStats
 from libkv.layout import KVLayout
@@ -71,7 +72,7 @@ class WorkerRuntime:
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        engine = Engine.load(config.engine)
+        engine = load_engine(config.engine)  # a DPEngine under --enable-dp-attention
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
         backend: TransferBackend | None = None
@@ -141,8 +142,8 @@ class WorkerRuntime:
     def model_layout(self) -> KVLayout:
         """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
         compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it; an
-        MLA rank's the whole latent)."""
-        return whole_model(self.engine.kv_layout, self.config.engine.tp_size)
+        MLA rank's the whole latent; under DP attention a rank holds 1/attn_tp_size of its group's)."""
+        return whole_model(self.engine.kv_layout, self.config.engine.topology().attn_tp_size)
 
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""

@@ -1,0 +1,255 @@
+"""DPEngine: DP attention's D groups behind the one Engine API a worker uses.
+
+Each DP group is a member Engine of its own: its own requests, scheduler, page manager (so its
+own KV pool's pages and prefix cache) and engine thread. The groups' forward passes must run
+together, since every layer's MLP spans all of them (engine.tp.dp_attention), so a member's
+runner hands its plan to the `DPStepper`, which joins whatever plans the members have ready into
+one DPStep, runs it over every rank (rank 0 broadcasts it like any step) and gives each member
+its own logits. A member with nothing to do is simply absent from the step: its ranks run only
+the MLP collectives.
+
+Placement: a new request goes to the group whose prefix cache holds the longest run of its
+prompt's leading pages, ties (and no hit anywhere) to the least loaded (live requests placed
+there, then used pages). The worker's KV events cover every group's cache (a page hash is
+"stored" while any group holds it), so the gateway's cache-aware routing picks the worker and
+the worker the group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import fields, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loading import _page_manager, load
+from engine.models.moe import ExpertLoad
+from engine.outputs import EngineStats, TokenOutput
+from engine.request import EngineRequest
+from engine.scheduler import SchedulerOutput
+from engine.tp.dp_attention import DPStep
+from pdserve.page_hash import page_hashes
+
+# How long the member that starts a step waits for the other members with work to hand in their
+# plans: without it, groups that stepped together once drift into alternate steps (each step then
+# carries one group's batch while the others wait), halving throughput.
+JOIN_WINDOW_S = 0.002
+
+
+class DPStepper:
+    """Joins the members' plans into DPSteps and runs them (see the module doc). Thread-safe: each
+    member's engine thread calls `forward`; one of them runs the step, the others wait for it."""
+
+    def __init__(self, driver, dp_size: int) -> None:
+        self.driver = driver  # engine.tp.runner.DriverRunner over the DPRankRunner of rank 0
+        self.dp_size = dp_size
+        self.has_work: list[Callable[[], bool]] = [lambda: False] * dp_size
+        self._cond = threading.Condition()
+        self._pending: dict[int, SchedulerOutput] = {}
+        self._results: dict[int, torch.Tensor | BaseException] = {}
+        self._running = False
+
+    def forward(self, member: int, batch: SchedulerOutput) -> torch.Tensor:
+        with self._cond:
+            self._pending[member] = batch
+            self._cond.notify_all()
+            while member not in self._results:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True  # this member leads the next step
+                deadline = time.monotonic() + JOIN_WINDOW_S
+                while not self._all_ready() and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                taken, self._pending = self._pending, {}
+                self._cond.release()
+                try:
+                    results = self._run(taken)
+                finally:
+                    self._cond.acquire()
+                self._results.update(results)
+                self._running = False
+                self._cond.notify_all()
+            result = self._results.pop(member)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _all_ready(self) -> bool:
+        return all(g in self._pending or not self.has_work[g]() for g in range(self.dp_size))
+
+    def _run(self, taken: dict[int, SchedulerOutput]) -> dict[int, torch.Tensor | BaseException]:
+        step = DPStep([taken.get(g) for g in range(self.dp_size)])
+        try:
+            logits = self.driver.forward(step)
+        except Exception as exc:  # every member in the step fails it (a broken group, ...)
+            return dict.fromkeys(taken, exc)
+        per_group = logits.split(step.shape().sampled)
+        return {g: per_group[g] for g in taken}
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+class _MemberRunner:
+    """A member engine's runner: its steps go through the stepper."""
+
+    def __init__(self, stepper: DPStepper, member: int) -> None:
+        self.stepper, self.member = stepper, member
+
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        return self.stepper.forward(self.member, batch)
+
+    def close(self) -> None:
+        if self.member == 0:  # member 0 owns the rank group (and the followers)
+            self.stepper.close()
+
+
+class DPPages:
+    """The members' page managers, as the worker's leak detector and KV-event stream read them."""
+
+    def __init__(self, members: list[Engine]) -> None:
+        self.members = members
+        self.page_size = members[0].pages.page_size
+        self._lock = threading.Lock()
+        self._held: Counter[int] = Counter()  # page hash -> groups caching it
+        self._listeners: list = []
+        self._watching = False
+
+    @property
+    def used_pages(self) -> int:
+        return sum(m.pages.used_pages for m in self.members)
+
+    @property
+    def cache(self):
+        return self.members[0].pages.cache
+
+    def pages_by_room(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for member in self.members:
+            merged.update(member.pages.pages_by_room())
+        return merged
+
+    def watch_cache(self, listener) -> list[int]:
+        """As PageManager.watch_cache, over every group: a hash is stored while any group caches it."""
+        with self._lock:
+            if not self._watching:
+                self._watching = True
+                for member in self.members:
+                    self._held.update(member.pages.watch_cache(self._changed))
+            self._listeners.append(listener)
+            return list(self._held)
+
+    def unwatch_cache(self, listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _changed(self, kind: str, hashes: list[int]) -> None:
+        with self._lock:
+            if kind == "stored":
+                news = [h for h in hashes if self._held[h] == 0]
+                self._held.update(hashes)
+            else:
+                self._held.subtract(hashes)
+                news = [h for h in hashes if self._held[h] <= 0]
+                for h in news:
+                    del self._held[h]
+            listeners = list(self._listeners)
+        if news:
+            for listener in listeners:
+                listener(kind, news)
+
+
+class DPEngine:
+    """The Engine API over D member engines (see the module doc)."""
+
+    def __init__(self, members: list[Engine]) -> None:
+        self.members = members
+        first = members[0]
+        self.config, self.model_config, self.model = first.config, first.model_config, first.model
+        self.tokenizer, self.pool, self.kv_layout = first.tokenizer, first.pool, first.kv_layout
+        self.pages = DPPages(members)
+        self._rooms: dict[str, Engine] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> DPEngine:
+        loaded = load(config)
+        dp_size = config.topology().dp_size
+        stepper = DPStepper(loaded.runner, dp_size)
+        members = [Engine(replace(loaded, pages=loaded.pages if g == 0 else _page_manager(loaded.config, loaded.pool),
+                                  runner=_MemberRunner(stepper, g), followers=loaded.followers if g == 0 else None))
+                   for g in range(dp_size)]
+        for g, member in enumerate(members):
+            stepper.has_work[g] = member.scheduler.has_work
+        return cls(members)
+
+    @property
+    def tp_followers(self):
+        return self.members[0].tp_followers
+
+    def start(self) -> None:
+        for member in self.members:
+            member.start()
+
+    def shutdown(self) -> None:
+        for member in reversed(self.members):  # member 0 last: it closes the rank group
+            member.shutdown()
+
+    def check(self, request: EngineRequest) -> EngineRequest:
+        return self.members[0].check(request)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
+        with self._lock:  # placed and counted at once: concurrent requests see each other
+            member = self._place(request.prompt_ids)
+            self._rooms[request.room] = member
+        try:
+            async for batch in member.generate(request):
+                yield batch
+        finally:
+            with self._lock:
+                if self._rooms.get(request.room) is member:
+                    del self._rooms[request.room]
+
+    def _place(self, prompt_ids: list[int]) -> Engine:
+        """The group with the longest cached prefix of the prompt, then the fewest live requests
+        (placed here and not finished), then the fewest used pages."""
+        hashes = page_hashes(prompt_ids, self.pages.page_size) if self.pages.cache is not None else None
+        live = Counter(id(member) for member in self._rooms.values())
+
+        def rank(member: Engine) -> tuple:
+            hit = member.pages.cached_prefix_pages(prompt_ids, hashes) if hashes else 0
+            return -hit, live[id(member)], member.pages.used_pages
+
+        return min(self.members, key=rank)
+
+    def abort(self, room: str) -> None:
+        with self._lock:
+            member = self._rooms.get(room)
+        for target in [member] if member is not None else self.members:
+            target.abort(room)
+
+    def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
+        return self.members[0].prompt_hashes(prompt_ids)
+
+    def stats(self) -> EngineStats:
+        each = [member.stats() for member in self.members]
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in each) for f in fields(EngineStats)})
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Rank 0's MoE layers run every group's rows: its counts are the worker's."""
+        return self.members[0].expert_load()
+
+
+def load_engine(config: EngineConfig) -> Engine | DPEngine:
+    """The engine a worker runs: one Engine, or a DPEngine under --enable-dp-attention."""
+    if config.topology().dp_size > 1:
+        return DPEngine.load(config)
+    return Engine.load(config)
+
