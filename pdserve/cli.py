@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench engine": ("tools.bench.engine", "decode throughput of the engine against HF transformers"),
     "bench transfer": ("tools.bench.transfer", "KV page transfer bandwidth against memcpy"),
     "bench kv-bytes": ("tools.bench.kv_bytes", "KV bytes prefill ships per prompt token, model against model"),
+    "bench parallel": ("tools.bench.parallel", "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
     "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
     "bench serving": ("tools.bench.serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),

@@ -20,6 +20,7 @@ group's logits (the LM head is replicated), so rank 0 samples for all groups as 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,8 @@ class DPAttentionComm:
     row-parallel outputs within this rank's DP group (None: the group is one rank, nothing to sum);
     `tp_group` is the stage's TP group the MLP spans (None: the whole world)."""
 
-    def __init__(self, rank: int, topology, tp_group, attn_group, device: torch.device) -> None:
+    def __init__(self, rank: int, topology, tp_group, attn_group, device: torch.device,
+                 traffic: Counter | None = None) -> None:
         self.dp_size = topology.dp_size
         self.attn_tp_size = topology.attn_tp_size
         self.dp_rank = topology.attn_dp_rank(rank)
@@ -47,7 +49,7 @@ class DPAttentionComm:
         self.is_driver = rank == 0
         self.device = device
         self.shape = StepShape([0] * self.dp_size, [0] * self.dp_size)
-        self.gathered_bytes = 0  # all-gather payload this rank sent, since load (for the bench)
+        self.traffic = traffic if traffic is not None else Counter()  # the rank group's byte counts
 
     def set_step(self, shape: StepShape) -> None:
         self.shape = shape
@@ -55,6 +57,7 @@ class DPAttentionComm:
     def attn_all_reduce(self, tensor: torch.Tensor) -> None:
         if self.attn_group is None:
             return
+        self.traffic["all_reduce"] += tensor.numel() * 4
         wide = tensor if tensor.dtype == torch.float32 else tensor.float()
         dist.all_reduce(wide, group=self.attn_group)
         if wide is not tensor:
@@ -69,7 +72,7 @@ class DPAttentionComm:
         padded[:rows.shape[0]] = rows
         parts = [torch.empty_like(padded) for _ in range(self.dp_size * self.attn_tp_size)]
         dist.all_gather(parts, padded, group=self.tp_group)
-        self.gathered_bytes += padded.numel() * padded.element_size()
+        self.traffic["all_gather"] += padded.numel() * padded.element_size()
         # ranks of one group hold the same rows: take the first rank of each
         return torch.cat([parts[g * self.attn_tp_size][:n] for g, n in enumerate(counts)])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import socket
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ class TPGroup:
         self.pp_rank = topology.pp_rank(rank)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # Bytes this rank put into each kind of collective since start (`pdserve bench parallel`).
+        self.traffic: Counter[str] = Counter()
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self._store = store
@@ -80,6 +83,7 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over this rank's TP group, in place. Half-precision partial sums are added in
         fp32 and rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each add)."""
+        self.traffic["all_reduce"] += tensor.numel() * 4
         if tensor.dtype == torch.float32:
             dist.all_reduce(tensor, group=self.tp_group)
             return
@@ -93,6 +97,8 @@ class TPGroup:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                        dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.long)
+            self.traffic["plan"] += payload.numel()
+            self.traffic["broadcasts"] += 1
         else:
             size = torch.zeros(1, dtype=torch.long)
         self._broadcast_host(size)

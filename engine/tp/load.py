@@ -55,6 +55,6 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
         pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
     runner = ModelRunner(model, pool)
     if dp_attention:
-        model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device)
+        model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device, group.traffic)
         return RankParts(model, pool, DPRankRunner(runner, model.dp))  # type: ignore[arg-type]
     return RankParts(model, pool, runner)
