@@ -20,7 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.tp.control import connect_to_rank0, serve
 from engine.tp.group import TPGroup
-from engine.tp.rendezvous import RendezvousError, open_store
+from engine.tp.rendezvous import NODE_LOST_AFTER_S, HeartbeatWatch, RendezvousError, open_store
 from engine.tp.load import load_rank
 from engine.tp.runner import follow
 from libkv.transfer import exit_process
@@ -41,6 +41,14 @@ def _exit_with_parent(parent: int) -> None:
 
 
 _leaving = threading.Event()
+
+
+def _rank0_lost(why: str) -> None:
+    if _leaving.is_set():
+        return
+    log.error("tp follower: %s; exiting", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _serve_then_exit(control, transfer: RankTransfer) -> None:
@@ -73,6 +81,11 @@ def main() -> int:
         store = open_store(store_host, store_port, topology.world_size, False, config.dist_timeout,
                            topology.node_of(rank))
         group = TPGroup(rank, topology, store, device, config.dist_timeout)
+        # This rank's heartbeat, on its own store connection with a short timeout (engine.tp.rendezvous):
+        # rank 0 notices this rank freezing; this rank notices rank 0's process (the store's) freezing.
+        beat_store = open_store(store_host, store_port, topology.world_size, False, NODE_LOST_AFTER_S,
+                                topology.node_of(rank))
+        HeartbeatWatch(beat_store, f"tp rank {rank}", [], NODE_LOST_AFTER_S, _rank0_lost)
     except (RendezvousError, RuntimeError) as exc:
         log.error("cannot join the rank group: %s", exc)
         return 1

@@ -71,8 +71,8 @@ def run_node(config: EngineConfig, host: str) -> int:
         outcome.setdefault("result", (code, why))
         done.set()
 
-    heartbeat = HeartbeatWatch(beat_store, topology.node_rank, [0], NODE_LOST_AFTER_S,
-                               lambda node, why: finish(1, f"node 0 is lost: {why}"))
+    heartbeat = HeartbeatWatch(beat_store, f"node {topology.node_rank}", ["tp rank 0"], NODE_LOST_AFTER_S,
+                               lambda why: finish(1, f"node 0 is lost: {why}"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: finish(0, f"got {signal.Signals(received).name}"))
     log.info("node %d of %d: ranks %d..%d of %s started, joining --dist-init-addr %s:%d, transfer engines on %s",

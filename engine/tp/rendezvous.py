@@ -9,9 +9,9 @@ processes connect there. Besides the group's own rendezvous the store carries:
   joining, so that a node started with other sizes is refused naming both;
 - `pdserve/control`: the address and key of rank 0's control listener (engine.tp.control), for
   ranks that were not started by rank 0's process;
-- `pdserve/heartbeat/<node>`: a counter each node's supervising process bumps every second, so
-  that rank 0 notices a node that died or froze, and a node notices that rank 0 did
-  (`HeartbeatWatch`).
+- `pdserve/heartbeat/<name>`: a counter each rank (and each other node's supervising process)
+  bumps every second, so that rank 0 notices a rank or node that died or froze, and a node
+  notices that rank 0 did (`HeartbeatWatch`).
 
 The store is not authenticated (neither is torch.distributed's group): anyone who can reach the
 init address can read it or join. `warn_if_exposed` says so at start when it is not loopback.
@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 TOPOLOGY_KEY = "pdserve/topology"
 CONTROL_KEY = "pdserve/control"
 HEARTBEAT_INTERVAL_S = 1.0
-# A node whose heartbeat has not moved for this long is lost (dead, frozen or cut off): its
-# worker exits rather than wait out a collective's --dist-timeout.
-NODE_LOST_AFTER_S = 10.0
+# A rank or node whose heartbeat has not moved for this long is lost (dead, frozen or cut off):
+# its worker exits rather than wait out a collective's --dist-timeout. Generous against a loaded
+# machine starving a heartbeat thread, short against a frozen peer holding every request.
+NODE_LOST_AFTER_S = 15.0
 
 
 class RendezvousError(RuntimeError):
@@ -141,37 +142,41 @@ def warn_if_exposed(host: str) -> None:
 
 
 class HeartbeatWatch:
-    """Bumps this node's heartbeat counter in the store every second, and watches other nodes'.
+    """Bumps this process's heartbeat counter in the store every second, and watches others'.
 
-    `on_lost(node, why)` is called once (from the watch thread) when a watched node's counter has not
-    moved for `timeout_s`, or the store cannot be reached (node 0 is gone: it serves the store).
-    A counter, not a timestamp: the nodes' clocks need not agree.
+    Every rank's process beats (`tp rank R`), and so does each other node's supervising process
+    (`node N`). Rank 0 watches every follower rank and node, so a rank that froze (SIGSTOP, a hung
+    host: alive to the OS, silent to the group) takes the worker down within `timeout_s` instead of
+    holding a collective until --dist-timeout; a node's supervisor watches rank 0. `on_lost(why)`
+    is called once, from the watch thread, when a watched counter has not moved for `timeout_s`, or
+    the store cannot be reached (it lives in rank 0's process). Counters, not timestamps: the
+    nodes' clocks need not agree.
     """
 
-    def __init__(self, store: dist.Store, node_rank: int, watched: list[int], timeout_s: float,
-                 on_lost: Callable[[int, str], None]) -> None:
-        self.store, self.node_rank, self.watched = store, node_rank, watched
+    def __init__(self, store: dist.Store, me: str, watched: list[str], timeout_s: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self.store, self.me, self.watched = store, me, watched
         self.timeout_s, self.on_lost = timeout_s, on_lost
         self._stop = threading.Event()
-        threading.Thread(target=self._run, name="pdserve-node-heartbeat", daemon=True).start()
+        threading.Thread(target=self._run, name="pdserve-heartbeat", daemon=True).start()
 
     def _run(self) -> None:
-        seen = {node: (-1, time.monotonic()) for node in self.watched}
+        seen = {name: (-1, time.monotonic()) for name in self.watched}
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self.store.add(f"pdserve/heartbeat/{self.node_rank}", 1)
-                counts = {node: self.store.add(f"pdserve/heartbeat/{node}", 0) for node in self.watched}
+                self.store.add(f"pdserve/heartbeat/{self.me}", 1)
+                counts = {name: self.store.add(f"pdserve/heartbeat/{name}", 0) for name in self.watched}
             except (RuntimeError, OSError) as exc:
                 if not self._stop.is_set():
-                    self.on_lost(0, f"the rank group's store (node 0) is unreachable: {exc}")
+                    self.on_lost(f"the rank group's store (in rank 0's process) is unreachable: {exc}")
                 return
             now = time.monotonic()
-            for node, count in counts.items():
-                last, since = seen[node]
+            for name, count in counts.items():
+                last, since = seen[name]
                 if count != last:
-                    seen[node] = (count, now)
+                    seen[name] = (count, now)
                 elif now - since > self.timeout_s and not self._stop.is_set():
-                    self.on_lost(node, f"node {node} sent no heartbeat for {self.timeout_s:.0f}s")
+                    self.on_lost(f"{name} sent no heartbeat for {self.timeout_s:.0f}s")
                     return
 
     def stop(self) -> None:

@@ -57,9 +57,10 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[T
         followers.kill()
         raise
     followers.controls = [controls[rank] for rank in range(1, topology.world_size)]
+    watched = [f"tp rank {rank}" for rank in range(1, topology.world_size)]
+    watched += [f"node {node}" for node in range(1, topology.nnodes)]
+    followers.heartbeat = HeartbeatWatch(store, "tp rank 0", watched, NODE_LOST_AFTER_S, followers.lost)
     if topology.nnodes > 1:
-        followers.heartbeat = HeartbeatWatch(store, 0, list(range(1, topology.nnodes)), NODE_LOST_AFTER_S,
-                                             lambda node, why: followers.lost(f"node {node}'s ranks are lost: {why}"))
         log.info("rank group of %s joined at --dist-init-addr %s:%d", topology.describe(), host, port)
     return group, followers
 

@@ -89,6 +89,21 @@ def test_dead_rank_takes_the_worker_down(cluster: Cluster, tiny_model):
     assert "tp rank 1 exited with code -9 (of 2 ranks); exiting" in worker.log()
 
 
+def test_frozen_rank_takes_the_worker_down(cluster: Cluster, tiny_model):
+    """A rank that stops (alive to the OS, silent to the group) must not hold the worker's requests
+    in a collective until --dist-timeout: its heartbeat stops and the worker exits."""
+    worker = cluster.worker("colocated-tp2", tiny_model, "null", extra=(*CHUNK, "--tp-size", "2"))
+    [follower] = followers_of(worker.pid)
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not worker.alive(), 60, "the worker to exit after its rank 1 froze")
+    finally:
+        if alive(follower):
+            os.kill(follower, signal.SIGKILL)
+    assert worker.popen.returncode == 1
+    assert "tp rank 1 sent no heartbeat for 15s (of 2 ranks); exiting" in worker.log()
+
+
 def test_killed_worker_leaves_no_rank_behind(cluster: Cluster, tiny_model):
     worker = cluster.worker("colocated-tp2", tiny_model, "null", extra=(*CHUNK, "--tp-size", "2"))
     [follower] = followers_of(worker.pid)
