@@ -6,13 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.tp.topology import Topology
 from libkv.layout import KVLayout
 from services.worker.runtime import WorkerRuntime
 
 
 def runtime_of(rank_layout: KVLayout, tp_size: int) -> WorkerRuntime:
     """A runtime with only what model_layout reads: the engine's (rank 0's) layout and the TP size."""
-    config = SimpleNamespace(role="decode", engine=SimpleNamespace(tp_size=tp_size))
+    config = SimpleNamespace(role="decode", engine=SimpleNamespace(tp_size=tp_size,
+                                                                   topology=lambda: Topology(tp_size=tp_size)))
     return WorkerRuntime(config=config, engine=SimpleNamespace(kv_layout=rank_layout),  # type: ignore[arg-type]
                          backend=None, metrics=None)  # type: ignore[arg-type]
 
