@@ -26,6 +26,7 @@ from engine.models.mla import MLAAttention, MLARope
 from engine.models.moe import MoEBlock
 from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader, ShardedReader
+from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.shard import TPShard
 
 
@@ -80,12 +81,16 @@ class DecoderModel:
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
              device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
-             all_reduce: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
+             all_reduce: Callable[[torch.Tensor], None] | None = None,
+             expert_parallel: ExpertParallel | None = None) -> DecoderModel:
+        """`expert_parallel`: this rank's place under --ep-size (engine.tp.expert_parallel); its MoE
+        layers then hold only their EP rank's experts and exchange tokens with the other owners."""
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         get = weights.get
         mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
         fused_moe = layer_ops is not None and layer_ops.fused_moe_experts
-        layers = [_load_layer(weights, config, i, mla_rope, fused_moe) for i in range(config.num_layers)]
+        layers = [_load_layer(weights, config, i, mla_rope, fused_moe, expert_parallel)
+                  for i in range(config.num_layers)]
         vocab = (config.vocab_size, config.hidden_size)
         embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -141,7 +146,7 @@ class DecoderModel:
 
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,
-                fused_moe: bool = False) -> LayerWeights:
+                fused_moe: bool = False, expert_parallel: ExpertParallel | None = None) -> LayerWeights:
     p = f"model.layers.{i}."
     hidden = config.hidden_size
     layer = LayerWeights(input_norm=weights.get(p + "input_layernorm.weight", (hidden,)),
@@ -153,7 +158,7 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
         if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):
             raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
     if config.moe is not None and i in config.moe.sparse_layers:
-        layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe)
+        layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe, ep=expert_parallel)
     else:
         mlp, width = p + "mlp.", config.intermediate_size
         layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),

@@ -13,6 +13,7 @@ from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.tp.control import RankControl
+from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.group import TPGroup
 from engine.tp.shard import TPShard
 from libkv.landing import TPKVPool
@@ -39,9 +40,13 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
     layout = rank_layout(config, model_config, dtype)
+    expert_parallel = None
+    if group.topology.ep_size > 1:
+        expert_parallel = ExpertParallel.for_rank(group, model_config.moe.num_experts)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
-                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce)
+                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce,
+                              expert_parallel=expert_parallel)
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]

@@ -107,7 +107,8 @@ class WorkerConfig:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
         if self.engine.tp_size > 1:
-            check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path))
+            check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path),
+                          self.engine.topology().ep_size)
         if self.engine.device == "auto":
             object.__setattr__(self, "engine", replace(self.engine, device=self._auto_device()))
 
