@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.models.config import ModelConfig
 from engine.models.linear import Linear
-from engine.models.moe import routed_experts_torch
+from engine.models.moe import routed_experts_torch, run_grouped_experts
 from engine.sampling import SamplingParams
 from engine.tp import a2a_backend
 from engine.tp.expert_parallel import ExpertParallel
@@ -125,22 +125,12 @@ def _local_tokens_rank(rank: int, port: int) -> None:
         ep = ExpertParallel(rank, 2, num_experts, None, TPShard(0, 1))
         mine = experts[ep.first_expert:ep.first_expert + ep.num_local]
 
-        def run_local(rows, counts):
-            outputs, start = [], 0
-            for expert, n in enumerate(counts.tolist()):
-                if n:
-                    gate_up, down = mine[expert]
-                    gate, up = gate_up(rows[start:start + n]).chunk(2, dim=-1)
-                    outputs.append(down(torch.nn.functional.silu(gate) * up))
-                    start += n
-            return torch.cat(outputs) if outputs else rows.new_empty(rows.shape)
-
         for step, tokens in enumerate([(5, 3), (1, 0), (0, 4), (9, 9)]):
             count = tokens[rank]
             x = torch.randn(count, hidden, generator=torch.Generator().manual_seed(10 * step + rank))
             scores = torch.rand(count, num_experts, generator=torch.Generator().manual_seed(100 * step + rank))
             route_weights, ids = scores.topk(top_k, dim=-1)
-            got = ep.local(x, ids, route_weights, run_local)
+            got = ep.local(x, ids, route_weights, lambda rows, counts: run_grouped_experts(mine, rows, counts))
             if count == 0:
                 assert got.shape == (0, hidden)
                 continue
