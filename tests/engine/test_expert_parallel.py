@@ -31,6 +31,7 @@ from engine.tp import a2a_backend
 from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.group import free_port
 from engine.tp.shard import TPShard, UnshardableModel, check_tp_size
+from services.worker.config import WorkerConfig
 from tests.engine.conftest import generate, random_prompts, start_engine
 from tests.engine.test_moe import LENGTHS, MIXTRAL_OVERRIDES, check_equal
 from tests.engine.test_parity import NEW_TOKENS, engine_outputs, hf_reference
@@ -197,3 +198,8 @@ async def test_a2a_backend_warns_once_at_start_and_serves(caplog, prompts, tmp_p
                                   "its worker down")
     assert len(load.tokens_per_ep_rank) == 2  # deepep implied EP over both TP ranks
     assert [t for t, _ in got] == [t for t, _ in hf_reference(ckpt, prompts[:3])]
+
+
+def test_worker_config_refuses_ep_at_start(qwen3_ckpt):
+    with pytest.raises(UnshardableModel, match="--ep-size 2: Qwen3ForCausalLM has no routed experts"):
+        WorkerConfig(engine=EngineConfig(model_path=str(qwen3_ckpt), tp_size=2, ep_size=2))
