@@ -117,7 +117,8 @@ class ExpertLoad:
     """Tokens routed to each expert since load, summed over the MoE layers, and the last step's
     imbalance: max / mean tokens per expert in its most unevenly loaded layer (1.0 is even).
     Under expert parallelism also the same tokens summed per EP rank's block of experts, and the
-    bytes rank 0's all-to-alls sent and received (every rank's are alike: the slices are even)."""
+    bytes rank 0's all-to-alls sent to and received from the other ranks (rank 0's only: the
+    other ranks' depend on where their slices' tokens went)."""
 
     tokens_per_expert: tuple[int, ...]
     last_step_imbalance: float
@@ -200,7 +201,6 @@ class MoEBlock:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
         return out
-
 
     def _run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism's owner side: this rank's experts on `rows` grouped by local expert

@@ -8,7 +8,8 @@ mix decodes and chunked extends (and some ranks' slice of a short step is empty)
 (two ranks per expert block, each expert's columns split between them, tokens exchanged within
 each EP subgroup); a prefix-cache hit; the dispatch/combine on rank-local tokens (DP attention's
 entry point) equals the single-rank experts bit for bit; EP sizes that do not fit are refused
-before any rank starts; `--moe-a2a-backend` says at start what runs instead.
+before any rank starts; a fused-layout checkpoint loads each rank's block; `--moe-a2a-backend` says
+at start what runs instead.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ async def test_prefix_cache_hit_under_ep(prompts, tmp_path):
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(ckpt, later), strict=True):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-3
+
+
+async def test_fused_checkpoint_layout_under_ep(prompts, tmp_path):
+    # transformers' in-memory layout (all experts in one tensor): each EP rank slices its block out.
+    published = write_tiny_model(tmp_path / "published", **MODELS["qwen3_moe"])
+    fused = write_tiny_model(tmp_path / "fused", **MODELS["qwen3_moe"], fused_experts=True)
+    expected, _ = await run(published, prompts, tp_size=2, ep_size=2)
+    got, _ = await run(fused, prompts, tp_size=2, ep_size=2)
+    assert got == expected
 
 
 def _local_tokens_rank(rank: int, port: int) -> None:
