@@ -56,6 +56,7 @@ class ExpertParallel:
                  expert_shard: TPShard) -> None:
         if num_experts % ep_size:
             raise ValueError(f"--ep-size {ep_size} does not divide the model's {num_experts} experts")
+        # ep_rank is also this rank's index in `group`: TPGroup lists an EP group's ranks by block.
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.num_experts = num_experts
         self.num_local = num_experts // ep_size
