@@ -18,6 +18,7 @@ from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.page_manager import PageManager
+from engine.tp import a2a_backend
 from engine.tp.ranks import FollowerRanks
 from engine.tp.runner import DriverRunner
 from libkv.pool import KVPool
@@ -48,6 +49,8 @@ def load(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, model_config)
     layout = model_config.kv_layout(config.page_size, dtype)
     layer_ops = select_layer_ops(config.cpu_kernels, device)
+    a2a_backend.announce(config.moe_a2a_backend, config.elastic_ep_backend,
+                         "nccl" if device.type == "cuda" else "gloo")
     if config.world_size > 1:
         return _load_tensor_parallel(config, model_config, device)
 
@@ -71,7 +74,7 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, devic
     from engine.tp.load import load_rank
     from engine.tp.setup import prepare_config, start_tensor_parallel
 
-    config = prepare_config(config, model_config)
+    config = prepare_config(config, model_config)  # refuses a layout the model cannot split, before any rank starts
     torch.set_num_threads(config.num_threads)
     group, followers = start_tensor_parallel(config, device)
     try:

@@ -26,6 +26,7 @@ from engine.models.mla import MLAAttention, MLARope
 from engine.models.moe import MoEBlock
 from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader, ShardedReader
+from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.shard import TPShard
 
 
@@ -82,15 +83,18 @@ class DecoderModel:
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
              device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
              all_reduce: Callable[[torch.Tensor], None] | None = None,
-             attn_shard: TPShard | None = None) -> DecoderModel:
+             attn_shard: TPShard | None = None, expert_parallel: ExpertParallel | None = None) -> DecoderModel:
         """`shard`: this rank's slice of everything; under DP attention `attn_shard` is its slice of
-        the attention weights (its place in its DP group), and `shard` that of the MLPs."""
+        the attention weights (its place in its DP group), and `shard` that of the MLPs.
+        `expert_parallel`: this rank's place under --ep-size (engine.tp.expert_parallel); its MoE
+        layers then hold only their EP rank's experts and exchange tokens with the other owners."""
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         attn_weights = ShardedReader(weights.reader, device, dtype, attn_shard) if attn_shard else weights
         get = weights.get
         mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
         fused_moe = layer_ops is not None and layer_ops.fused_moe_experts
-        layers = [_load_layer(weights, config, i, mla_rope, fused_moe, attn_weights) for i in range(config.num_layers)]
+        layers = [_load_layer(weights, config, i, mla_rope, fused_moe, expert_parallel, attn_weights)
+                  for i in range(config.num_layers)]
         vocab = (config.vocab_size, config.hidden_size)
         embed = get("model.embed_tokens.weight", vocab)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -173,7 +177,8 @@ class DecoderModel:
 
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,
-                fused_moe: bool = False, attn_weights: ShardedReader | None = None) -> LayerWeights:
+                fused_moe: bool = False, expert_parallel: ExpertParallel | None = None,
+                attn_weights: ShardedReader | None = None) -> LayerWeights:
     p = f"model.layers.{i}."
     attn_weights = attn_weights or weights
     hidden = config.hidden_size
@@ -186,7 +191,7 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
         if config.qk_norm and (layer.q_norm is None or layer.k_norm is None):
             raise ValueError(f"{config.architecture} checkpoint lacks q_norm/k_norm in layer {i}")
     if config.moe is not None and i in config.moe.sparse_layers:
-        layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe)
+        layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe, ep=expert_parallel)
     else:
         mlp, width = p + "mlp.", config.intermediate_size
         layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),

@@ -34,10 +34,15 @@ the shared experts `mlp.shared_experts.{gate,up,down}_proj.weight`.
 Tensor parallelism: every rank keeps every expert and holds its 1/N slice of each expert's
 intermediate dimension (gate/up rows, down columns), exactly like the dense MLP; the router is
 replicated, so every rank routes identically and needs no exchange, and the decoder's one
-all-reduce after the MLP sums the partial outputs. Expert parallelism (whole experts per rank)
-would need an all-to-all of tokens per layer, which on CPU ranks joined over gloo costs more than
-the matmuls it spreads, and would load ranks unevenly when the router is; split by intermediate
-columns, every rank does 1/N of every expert's work, balanced by construction.
+all-reduce after the MLP sums the partial outputs. Split by intermediate columns, every rank does
+1/N of every expert's work, balanced by construction.
+
+Expert parallelism (`--ep-size`, engine.tp.expert_parallel): loaded with an `ExpertParallel`, a
+block holds only its EP rank's experts (each still split by columns over the moe_tp ranks that
+share them). Every rank still routes every token (the router is cheap, and so the expert-load
+counts stay whole on rank 0), then sends the pairs of its slice of the rows to the experts' owners
+and sums what comes back; the result is this rank's partial output like any other, zero outside
+its slice, and the decoder's all-reduce completes it. Shared experts stay column-split over TP.
 
 Expert load: each block counts its (token, expert) pairs per expert with one `bincount` on the
 ids it computes anyway; `expert_load` sums them over layers for the worker's metrics.
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 from engine.models.linear import Linear
 from engine.models.moe_config import GROUP_LIMITED_GREEDY, NOAUX_TC, SIGMOID, MoEConfig
 from engine.models.weights import ShardedReader
+from engine.tp.expert_parallel import ExpertParallel
 from kernels import cpu_kernels
 
 
@@ -109,10 +115,16 @@ class Router:
 @dataclass(frozen=True)
 class ExpertLoad:
     """Tokens routed to each expert since load, summed over the MoE layers, and the last step's
-    imbalance: max / mean tokens per expert in its most unevenly loaded layer (1.0 is even)."""
+    imbalance: max / mean tokens per expert in its most unevenly loaded layer (1.0 is even).
+    Under expert parallelism also the same tokens summed per EP rank's block of experts, and the
+    bytes rank 0's all-to-alls sent to and received from the other ranks (rank 0's only: the
+    other ranks' depend on where their slices' tokens went)."""
 
     tokens_per_expert: tuple[int, ...]
     last_step_imbalance: float
+    tokens_per_ep_rank: tuple[int, ...] = ()  # empty without expert parallelism
+    a2a_sent_bytes: int = 0
+    a2a_received_bytes: int = 0
 
 
 class MoEBlock:
@@ -120,34 +132,43 @@ class MoEBlock:
 
     def __init__(self, config: MoEConfig, router: Router, experts: list[tuple[Linear, Linear]] | None,
                  shared: tuple[Linear, Linear] | None = None,
-                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None, ep: ExpertParallel | None = None) -> None:
         self.config = config
         self.router = router
         self.experts = experts  # per expert: gate_up [2 * I / tp, hidden], down [hidden, I / tp]
         # Or, for the fused C++ op (kernels.cpu_kernels.moe_experts), every expert's weights stacked:
         # gate_up [E, 2 * I / tp, hidden], down [E, hidden, I / tp] (exactly one of the two is set).
+        # Under expert parallelism only this EP rank's experts, split over the moe_tp ranks instead.
         self.stacked = stacked
         if (experts is None) == (stacked is None):
             raise ValueError("MoEBlock needs either per-expert Linears or stacked expert weights")
         self.shared = shared
+        self.ep = ep
         self.routed_tokens = torch.zeros(config.num_experts, dtype=torch.int64)  # since load
         self.last_routed = torch.zeros(config.num_experts, dtype=torch.int64)  # in the last call
 
     @classmethod
-    def load(cls, weights: ShardedReader, layer_prefix: str, config, fused: bool = False) -> MoEBlock:
+    def load(cls, weights: ShardedReader, layer_prefix: str, config, fused: bool = False,
+             ep: ExpertParallel | None = None) -> MoEBlock:
         """Layer `layer_prefix`'s router, experts and shared experts, in either checkpoint layout.
-        `fused`: keep the experts stacked for the C++ op (CPU) instead of as per-expert Linears."""
+        `fused`: keep the experts stacked for the C++ op (CPU) instead of as per-expert Linears.
+        `ep`: load only this EP rank's experts, split over its moe_tp ranks (the shared experts and
+        router as without it)."""
         moe: MoEConfig = config.moe
         hidden, width = config.hidden_size, moe.intermediate_size
         mlp = layer_prefix + "mlp."
+        experts, expert_weights = range(moe.num_experts), weights
+        if ep is not None:
+            experts = ep.local_experts
+            expert_weights = ShardedReader(weights.reader, weights.device, weights.dtype, ep.expert_shard)
         if mlp + "experts.gate_up_proj" in weights:
-            gate_up, down = _fused_experts(weights, mlp + "experts.", moe.num_experts, hidden, width)
+            gate_up, down = _fused_experts(expert_weights, mlp + "experts.", moe.num_experts, hidden, width, experts)
         else:
             names = ("gate_proj", "up_proj", "down_proj")
             if config.architecture == "MixtralForCausalLM":
                 mlp, names = layer_prefix + "block_sparse_moe.", ("w1", "w3", "w2")
-            per_expert = [_swiglu_weights(weights, mlp + f"experts.{e}.", names, hidden, width)
-                          for e in range(moe.num_experts)]
+            per_expert = [_swiglu_weights(expert_weights, mlp + f"experts.{e}.", names, hidden, width)
+                          for e in experts]
             gate_up = torch.stack([g for g, _ in per_expert])
             down = torch.stack([d for _, d in per_expert])
             del per_expert
@@ -161,16 +182,18 @@ class MoEBlock:
             shared = _swiglu(weights, mlp + "shared_experts.", ("gate_proj", "up_proj", "down_proj"), hidden,
                              moe.shared_intermediate_size)
         if fused:
-            return cls(moe, router, None, shared, stacked=(gate_up.contiguous(), down.contiguous()))
-        experts = [(Linear(gate_up[e]), Linear(down[e])) for e in range(moe.num_experts)]
-        return cls(moe, router, experts, shared)
+            return cls(moe, router, None, shared, stacked=(gate_up.contiguous(), down.contiguous()), ep=ep)
+        linears = [(Linear(gate_up[e]), Linear(down[e])) for e in range(len(experts))]
+        return cls(moe, router, linears, shared, ep=ep)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         counts = torch.bincount(ids.view(-1), minlength=self.config.num_experts)
         self.routed_tokens += counts
         self.last_routed = counts
-        if self.stacked is not None:
+        if self.ep is not None:
+            out = self.ep.replicated(x, ids, weights, self._run_local_experts)
+        elif self.stacked is not None:
             out = cpu_kernels.moe_experts(x.contiguous(), ids, weights, *self.stacked)
         else:
             out = routed_experts_torch(x, ids, weights, self.experts, counts)
@@ -178,6 +201,16 @@ class MoEBlock:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
         return out
+
+    def _run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism's owner side: this rank's experts on `rows` grouped by local expert
+        (`counts` [E_local] rows each), unweighted (the origin rank applies the routing weights)."""
+        if self.stacked is not None:
+            # The fused op with one pair per row of weight 1: its output is the expert's rounded
+            # output (x 1.0 rounds to itself), what the torch path below gives.
+            ids = torch.repeat_interleave(torch.arange(len(counts)), counts).unsqueeze(1)
+            return cpu_kernels.moe_experts(rows.contiguous(), ids, torch.ones(ids.shape), *self.stacked)
+        return run_grouped_experts(self.experts, rows, counts)
 
 
 def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -188,17 +221,24 @@ def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     order = torch.argsort(ids.reshape(-1), stable=True)  # (token, expert) pairs grouped by expert
     rows_of_pairs = order // top_k
     inputs = x[rows_of_pairs]  # one gather; each expert's rows are a slice of it
-    outputs, start = [], 0
-    for expert, n in enumerate(counts.tolist()):
-        if n:
-            gate_up, down = experts[expert]
-            outputs.append(down(_silu_mul(gate_up(inputs[start:start + n]))))
-            start += n
-    weighted = (torch.cat(outputs) * weights.reshape(-1, 1)[order]).to(x.dtype)
+    weighted = (run_grouped_experts(experts, inputs, counts) * weights.reshape(-1, 1)[order]).to(x.dtype)
     # One index_add_ adds a token's pairs in their (expert-sorted) order: in fp32 bit for bit what
     # transformers' loop of one index_add_ per expert gives (in bf16 equal to rounding), and
     # at 16 decode tokens 1.7x faster than that loop (small-moe, one layer: 1.46 against 2.45 ms).
     return torch.zeros_like(x).index_add_(0, rows_of_pairs, weighted)
+
+
+def run_grouped_experts(experts: list[tuple[Linear, Linear]], rows: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+    """Each expert once on its run of `rows` (grouped by expert: `counts[e]` rows for expert e, in
+    order), unweighted outputs in the same row order (a Python loop over experts, never tokens)."""
+    outputs, start = [], 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            gate_up, down = experts[expert]
+            outputs.append(down(_silu_mul(gate_up(rows[start:start + n]))))
+            start += n
+    return torch.cat(outputs) if outputs else rows.new_empty(rows.shape)
 
 
 def expert_load(blocks: list[MoEBlock]) -> ExpertLoad | None:
@@ -208,7 +248,12 @@ def expert_load(blocks: list[MoEBlock]) -> ExpertLoad | None:
     total = torch.stack([b.routed_tokens for b in blocks]).sum(0)
     ratios = [float(b.last_routed.max()) / mean for b in blocks
               if (mean := float(b.last_routed.sum()) / b.config.num_experts) > 0]
-    return ExpertLoad(tuple(total.tolist()), max(ratios, default=0.0))
+    ep = blocks[0].ep
+    if ep is None:
+        return ExpertLoad(tuple(total.tolist()), max(ratios, default=0.0))
+    per_rank = total.view(ep.ep_size, ep.num_local).sum(1)
+    return ExpertLoad(tuple(total.tolist()), max(ratios, default=0.0), tuple(per_rank.tolist()),
+                      ep.sent_bytes, ep.received_bytes)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -232,11 +277,11 @@ def _swiglu(weights: ShardedReader, prefix: str, names: tuple[str, str, str], hi
 
 
 def _fused_experts(weights: ShardedReader, prefix: str, num_experts: int, hidden: int,
-                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fused-layout checkpoint's experts with this rank's columns: gate_up [E, 2 * I / tp, hidden],
-    down [E, hidden, I / tp]."""
+                   width: int, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused-layout checkpoint's `experts` with this rank's columns: gate_up [e, 2 * I / tp, hidden],
+    down [e, hidden, I / tp]."""
     gate_up = weights.get(prefix + "gate_up_proj", (num_experts, 2 * width, hidden))
     down = weights.get(prefix + "down_proj", (num_experts, hidden, width))
     return (torch.stack([torch.cat([weights.rows(gate_up[e, :width]), weights.rows(gate_up[e, width:])])
-                         for e in range(num_experts)]),
-            torch.stack([weights.columns(down[e]) for e in range(num_experts)]))
+                         for e in experts]),
+            torch.stack([weights.columns(down[e]) for e in experts]))

@@ -14,6 +14,7 @@ from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.tp.control import RankControl
 from engine.tp.dp_attention import DPAttentionComm, DPRankRunner
+from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.group import TPGroup
 from engine.tp.shard import TPShard
 from libkv.landing import TPKVPool
@@ -44,10 +45,13 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     topology = group.topology
     dp_attention = topology.dp_size > 1
     attn_shard = TPShard(topology.attn_tp_rank(group.rank), topology.attn_tp_size) if dp_attention else None
+    expert_parallel = None
+    if topology.ep_size > 1:
+        expert_parallel = ExpertParallel.for_rank(group, model_config.moe.num_experts)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
                               shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce,
-                              attn_shard=attn_shard)
+                              attn_shard=attn_shard, expert_parallel=expert_parallel)
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]

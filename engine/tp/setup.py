@@ -98,7 +98,8 @@ def _while_followers_run(followers: FollowerRanks, function: Callable[[], T], wh
 def prepare_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """Refuse a model that does not split `tp_size` ways; give each rank its share of the CPUs
     when no thread count is set (N ranks each using every core would fight over them)."""
-    check_tp_size(config.tp_size, model_config, config.topology().attn_tp_size)
+    topology = config.topology()
+    check_tp_size(config.tp_size, model_config, topology.ep_size, topology.attn_tp_size)
     if config.num_threads:
         return config
     return replace(config, num_threads=default_threads(config.topology().ranks_per_node))

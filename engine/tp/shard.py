@@ -32,22 +32,38 @@ def check_divisible(tp_size: int, num_heads: int, num_kv_heads: int, intermediat
         raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {intermediate_size}")
 
 
-def check_tp_size(tp_size: int, model_config, attn_tp_size: int | None = None) -> None:
+def check_tp_size(tp_size: int, model_config, ep_size: int = 1, attn_tp_size: int | None = None) -> None:
     """`check_divisible` for a loaded ModelConfig, naming the flag in the message. An MLA model
     (DeepSeek) has no KV heads to split: every rank holds the whole latent, only query heads divide.
-    Under DP attention the heads split over `attn_tp_size` ranks (a DP group), the MLPs over tp_size."""
+    Under DP attention the heads split over `attn_tp_size` ranks (a DP group), the MLPs over tp_size.
+    With `ep_size` > 1 (expert parallelism) the experts divide into ep_size blocks and each expert's
+    width over the tp_size / ep_size ranks sharing a block."""
     attn = attn_tp_size or tp_size
     kv_heads = attn if model_config.mla is not None else model_config.num_kv_heads  # MLA: nothing to split
     try:
         check_divisible(attn, model_config.num_heads, kv_heads, model_config.intermediate_size * attn)
         if model_config.intermediate_size % tp_size:
             raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {model_config.intermediate_size}")
-        if model_config.moe is not None and model_config.moe.intermediate_size % tp_size:  # experts split like the MLP
-            raise UnshardableModel(f"tp size {tp_size} does not divide the expert width {model_config.moe.intermediate_size}")
     except UnshardableModel as exc:
         if attn != tp_size:
             raise UnshardableModel(f"--tp-size {tp_size} in {tp_size // attn} DP attention groups: {exc}") from None
         raise UnshardableModel(f"--tp-size {tp_size}: {exc}") from None
+    moe = model_config.moe
+    if ep_size > 1 and moe is None:
+        raise UnshardableModel(f"--ep-size {ep_size}: {model_config.architecture} has no routed experts to split "
+                               "(expert parallelism, also implied by --moe-a2a-backend, is for MoE models)")
+    if moe is None:
+        return
+    if moe.num_experts % ep_size:
+        raise UnshardableModel(f"--ep-size {ep_size} does not divide the model's {moe.num_experts} experts "
+                               "(each EP rank owns a whole block of experts)")
+    moe_tp_size = tp_size // ep_size  # ranks sharing one block of experts split each expert's columns
+    if moe.intermediate_size % moe_tp_size:
+        if ep_size == 1:
+            raise UnshardableModel(f"--tp-size {tp_size}: tp size {tp_size} does not divide the expert width "
+                                   f"{moe.intermediate_size}")
+        raise UnshardableModel(f"--tp-size {tp_size} / --ep-size {ep_size}: the {moe_tp_size} ranks sharing each "
+                               f"expert block do not divide the expert width {moe.intermediate_size}")
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,10 @@ class WorkerMetrics:
         """A mixture-of-experts model's expert load (Engine.expert_load), read at scrape time:
         `moe_expert_tokens_total{expert}`, tokens routed to each expert summed over the MoE layers
         (one series per expert, however many layers), and `moe_expert_imbalance`, max / mean tokens
-        per expert in the last step's most unevenly loaded layer."""
+        per expert in the last step's most unevenly loaded layer. Under expert parallelism also
+        `moe_ep_rank_tokens_total{ep_rank}`, the same tokens per EP rank's block of experts (rank 0
+        routes every token, so it counts for all ranks), and `moe_a2a_bytes_total{direction}`, the
+        bytes rank 0's dispatch/combine sent to and received from the other ranks."""
         self.registry.register(_ExpertLoadCollector(self.labels, read))
 
 
@@ -125,6 +128,18 @@ class _ExpertLoadCollector(Collector):
                                       "step's most unevenly loaded MoE layer (1 is even)", labels=list(self._labels))
         imbalance.add_metric(values, load.last_step_imbalance)
         yield imbalance
+        if not load.tokens_per_ep_rank:
+            return
+        per_rank = CounterMetricFamily(m("moe_ep_rank_tokens"), "Tokens routed to each expert-parallel rank's "
+                                       "experts, summed over the MoE layers", labels=[*self._labels, "ep_rank"])
+        for ep_rank, count in enumerate(load.tokens_per_ep_rank):
+            per_rank.add_metric([*values, str(ep_rank)], count)
+        yield per_rank
+        moved = CounterMetricFamily(m("moe_a2a_bytes"), "Bytes rank 0's expert-parallel all-to-alls sent to and "
+                                    "received from the other ranks", labels=[*self._labels, "direction"])
+        moved.add_metric([*values, "sent"], load.a2a_sent_bytes)
+        moved.add_metric([*values, "received"], load.a2a_received_bytes)
+        yield moved
 
 
 class _ReadCounter(Collector):

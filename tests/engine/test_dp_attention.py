@@ -2,8 +2,8 @@
 KV pool and prefix cache, attention over their own tokens and the MLP over every group's rows.
 
 Greedy tokens equal HF transformers' (and logprobs agree) for a dense model and for DeepSeek (MLA +
-routed experts) with TP 2 split into 2 groups of one rank, and for a model with 4 KV heads as TP 4 in
-2 groups of 2 ranks (attention TP inside each group); requests are spread over the groups, a
+routed experts, with and without expert parallelism) with TP 2 split into 2 groups of one rank, and
+for a model with 4 KV heads as TP 4 in 2 groups of 2 ranks (attention TP inside each group); requests are spread over the groups, a
 repeated prompt lands on the group that caches it, and every page is free afterwards.
 """
 
@@ -29,20 +29,22 @@ def kv4_ckpt(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "kv4", preset="tiny-kv4", seed=2, arch="llama")
 
 
-def start(model_dir, tp_size: int, dp_size: int) -> DPEngine:
+def start(model_dir, tp_size: int, dp_size: int, ep_size: int = 1) -> DPEngine:
     engine = load_engine(EngineConfig(model_path=str(model_dir), num_pages=128, chunked_prefill_size=64,
-                                      tp_size=tp_size, dp_size=dp_size, enable_dp_attention=True, num_threads=1))
+                                      tp_size=tp_size, dp_size=dp_size, enable_dp_attention=True, ep_size=ep_size,
+                                      num_threads=1))
     assert isinstance(engine, DPEngine) and len(engine.members) == dp_size
     engine.start()
     return engine
 
 
-@pytest.mark.parametrize(("model", "tp_size"), [("qwen3_ckpt", 2), ("deepseek_ckpt", 2), ("kv4_ckpt", 4)])
-async def test_dp_attention_matches_hf(model, tp_size, request):
+@pytest.mark.parametrize(("model", "tp_size", "ep_size"), [
+    ("qwen3_ckpt", 2, 1), ("deepseek_ckpt", 2, 1), ("deepseek_ckpt", 2, 2), ("kv4_ckpt", 4, 1)])
+async def test_dp_attention_matches_hf(model, tp_size, ep_size, request):
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts(LENGTHS, seed=7)
     expected = hf_reference(model_dir, prompts)
-    engine = start(model_dir, tp_size, 2)
+    engine = start(model_dir, tp_size, 2, ep_size)
     try:
         got = await engine_outputs(engine, prompts)
         steps = [member.stats().steps for member in engine.members]
@@ -52,7 +54,7 @@ async def test_dp_attention_matches_hf(model, tp_size, request):
         stats = engine.stats()
     finally:
         engine.shutdown()
-    check_equal(got, expected, f"{model} TP {tp_size} as 2 DP attention groups vs HF")
+    check_equal(got, expected, f"{model} TP {tp_size} (EP {ep_size}) as 2 DP attention groups vs HF")
     assert [t for t, _ in again] == [t for t, _ in got[3:]]
     assert all(steps), f"every group ran requests: steps per group {steps}"
     assert stats.prefix_hit_tokens - hits_before >= sum((n // 16) * 16 for n in LENGTHS[3:]) - 16 * 3
