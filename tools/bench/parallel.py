@@ -55,10 +55,15 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def rank0_traffic(engine) -> Counter:
-    """Rank 0's byte counts (engine.tp.group.TPGroup.traffic); empty at one rank."""
+    """Rank 0's byte counts (engine.tp.group.TPGroup.traffic, and its MoE layers' all-to-all bytes
+    sent); empty at one rank."""
     runner = engine.members[0].runner.stepper.driver if hasattr(engine, "members") else engine.runner
     group = getattr(runner, "group", None)
-    return Counter(group.traffic) if group is not None else Counter()
+    traffic = Counter(group.traffic) if group is not None else Counter()
+    load = engine.expert_load()
+    if load is not None:
+        traffic["all_to_all"] += load.a2a_sent_bytes
+    return traffic
 
 
 def _measure(model: str, layout: str, prompts: list[list[int]], new_tokens: int, threads: int, dtype: str,
