@@ -63,7 +63,7 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size)  # TODO(pp): world rank vs tp rank
+        transfer = RankTransfer(rank_engine.pool, rank, config.world_size, config.pp_size)  # world rank of world size
         threading.Thread(target=serve, args=(control, transfer), name="pdserve-tp-control", daemon=True).start()
         follow(group, rank_engine.runner)
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group

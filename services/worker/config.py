@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
+from engine.tp.pipeline import check_pp_size
 from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
@@ -108,6 +109,8 @@ class WorkerConfig:
                              f"got {self.disaggregation_transfer_backend!r}")
         if self.engine.tp_size > 1:
             check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path))
+        if self.engine.pp_size > 1:
+            check_pp_size(self.engine.topology(), ModelConfig.from_dir(self.engine.model_path).num_layers)
         if self.engine.device == "auto":
             object.__setattr__(self, "engine", replace(self.engine, device=self._auto_device()))
 
