@@ -18,7 +18,13 @@ from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank
 from libkv.transfer import TransferBackend, TransferState
 from libkv.transfer.tensor_parallel import RankTransfer, TensorParallelBackend
-from tests.libkv.transfer.test_tensor_parallel import GRANT, NUM_PAGES, RegionsBackend, _regions_engine, worker
+from tests.libkv.transfer.test_tensor_parallel import (
+    GRANT,
+    NUM_PAGES,
+    RegionsBackend,
+    _regions_engine,
+    worker,
+)
 
 __all__ = ["_regions_engine"]  # the fixture that lets followers make RegionsBackends by name
 
