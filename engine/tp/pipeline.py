@@ -38,8 +38,8 @@ def check_pp_size(topology: Topology, num_layers: int) -> None:
 
 class PipelineStage:
     """This rank's stage: which neighbours it receives from and sends to, and the bytes it sent
-    (`bytes_sent`: the residual streams and logits this rank handed to another rank, so a benchmark
-    can print what the pipeline moves)."""
+    (`bytes_sent` since start and `step_bytes` in the last step: the residual streams and logits
+    this rank handed to another rank, so a benchmark can print what the pipeline moves)."""
 
     def __init__(self, group: TPGroup, hidden_size: int, vocab_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -56,6 +56,7 @@ class PipelineStage:
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.dtype, self.device = dtype, device
         self.bytes_sent = 0
+        self.step_bytes = 0
         self.steps = 0
 
     def run(self, model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
@@ -65,6 +66,7 @@ class PipelineStage:
         (received from the last stage unless it is the last stage itself), on the last stage's ranks
         their own logits, elsewhere None."""
         self.steps += 1
+        self.step_bytes = 0
         if self.is_first:
             tokens = input_ids
         else:
@@ -83,7 +85,9 @@ class PipelineStage:
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
         dist.send(tensor, dst)
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
+        self.step_bytes += nbytes
 
     def _receive(self, shape: tuple[int, int], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
