@@ -1,4 +1,4 @@
-"""Workers with pipeline stages, in one process: each world rank's pool holds its stage's layers,
+"""Workers with pipeline stages, in one process (GQA and MLA pages): each world rank's pool holds its stage's layers,
 rank r writes whole pages into rank r of a peer of the same (tp, pp) layout, both sides agree on
 the page checksums, and the worker's endpoint has the whole model's layout (every layer, every KV
 head). A peer of another --pp-size, or of another --tp-size under stages, is refused in connect()
@@ -31,10 +31,16 @@ __all__ = ["_regions_engine"]  # the fixture that lets followers make RegionsBac
 STAGE_LAYERS = [2, 1]  # a 3-layer model in 2 stages: the first stage one layer longer
 
 
-def staged_worker(tp: int, heads: int = 4) -> tuple[TransferBackend, list[KVPool]]:
+def stage_layout(layers: int, tp: int, mla: bool) -> KVLayout:
+    """One rank's page: its stage's layers, and 4 // tp KV heads (MLA: the whole latent)."""
+    if mla:
+        return KVLayout.mla(num_layers=layers, kv_lora_rank=4, qk_rope_head_dim=2, page_size=2, dtype="float32")
+    return KVLayout(num_layers=layers, num_kv_heads=4 // tp, head_dim=4, page_size=2, dtype="float32")
+
+
+def staged_worker(tp: int, mla: bool = False) -> tuple[TransferBackend, list[KVPool]]:
     """A worker of 2 stages of `tp` ranks each (world rank order) and its ranks' pools."""
-    layouts = [KVLayout(num_layers=STAGE_LAYERS[rank // tp], num_kv_heads=heads // tp, head_dim=4, page_size=2,
-                        dtype="float32") for rank in range(2 * tp)]
+    layouts = [stage_layout(STAGE_LAYERS[rank // tp], tp, mla) for rank in range(2 * tp)]
     followers = [RankTransfer(KVPool(layouts[rank], NUM_PAGES), rank, 2 * tp, pp_size=2) for rank in range(1, 2 * tp)]
     channels = [InProcessRank(follower) for follower in followers]
     pool = TPKVPool(layouts[0], NUM_PAGES, "cpu", channels)
@@ -43,13 +49,15 @@ def staged_worker(tp: int, heads: int = 4) -> tuple[TransferBackend, list[KVPool
     return backend, [pool, *(follower.pool for follower in followers)]
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 @pytest.mark.parametrize("tp", [1, 2])
-async def test_each_rank_writes_its_stage_pages_to_the_same_rank(tp):
-    sender, sender_pools = staged_worker(tp)
-    receiver, receiver_pools = staged_worker(tp)
+async def test_each_rank_writes_its_stage_pages_to_the_same_rank(tp, mla):
+    sender, sender_pools = staged_worker(tp, mla)
+    receiver, receiver_pools = staged_worker(tp, mla)
     endpoint = receiver.endpoint()
     assert endpoint.pp_size() == 2 and len(endpoint.ranks()) == 2 * tp
-    assert (endpoint.layout.num_layers, endpoint.layout.num_kv_heads) == (3, 4)  # the whole model
+    # the whole model: every layer, every KV head (MLA: the one latent)
+    assert (endpoint.layout.num_layers, endpoint.layout.num_kv_heads) == (3, 1 if mla else 4)
     generator = torch.Generator().manual_seed(tp)
     for pool in sender_pools:
         pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=generator))
