@@ -1,8 +1,8 @@
-"""Workers with pipeline stages, in one process (GQA and MLA pages): each world rank's pool holds its stage's layers,
-rank r writes whole pages into rank r of a peer of the same (tp, pp) layout, both sides agree on
-the page checksums, and the worker's endpoint has the whole model's layout (every layer, every KV
-head). A peer of another --pp-size, or of another --tp-size under stages, is refused in connect()
-naming both values, before any byte moves.
+"""Workers with pipeline stages, in one process (GQA and MLA pages): each world rank's pool holds
+its stage's layers, rank r writes whole pages into rank r of a peer of the same (tp, pp) layout,
+both sides agree on the page checksums, and the worker's endpoint has the whole model's layout
+(every layer, every KV head). A peer of another --pp-size, or of another --tp-size under stages,
+is refused in connect() naming both values, before any byte moves.
 
 Same in-process engine and rank channels as tests.libkv.transfer.test_tensor_parallel.
 """
