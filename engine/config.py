@@ -104,6 +104,9 @@ class EngineConfig:
         if self.dp_size > 1 and not self.enable_dp_attention:
             raise ValueError(f"--dp-size {self.dp_size} needs --enable-dp-attention (whole-model data parallelism "
                              "is more workers behind the gateway: start --dp-size of them)")
+        if self.enable_dp_attention and self.pp_size > 1:
+            raise ValueError("--enable-dp-attention with --pp-size > 1 is not supported: DP attention groups "
+                             "split one stage's ranks")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, where "
                              "the other nodes' ranks join)")

@@ -70,10 +70,13 @@ def load(config: EngineConfig) -> LoadedModel:
 
 
 def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> LoadedModel:
-    """Rank 0 of `config.tp_size`: start the follower ranks, load this rank's shard, drive the group."""
+    """Rank 0 of `config.world_size` (tp_size * pp_size): start the follower ranks, load this rank's
+    shard (its stage's layers), drive the group."""
     from engine.tp.load import load_rank
+    from engine.tp.pipeline import check_pp_size
     from engine.tp.setup import prepare_config, start_tensor_parallel
 
+    check_pp_size(config.topology(), model_config.num_layers)
     config = prepare_config(config, model_config)  # refuses a layout the model cannot split, before any rank starts
     torch.set_num_threads(config.num_threads)
     group, followers = start_tensor_parallel(config, device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.models.attention import AttentionMetadata, ExtendSpan
@@ -9,13 +11,21 @@ from engine.models.decoder import DecoderModel
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
+if TYPE_CHECKING:
+    from engine.tp.pipeline import PipelineStage
+
 
 class ModelRunner:
-    """Runs one step of the model over the KV pool; knows nothing about requests or sampling."""
+    """Runs one step of the model over the KV pool; knows nothing about requests or sampling.
 
-    def __init__(self, model: DecoderModel, pool: KVPool) -> None:
+    With a `stage` (pipeline parallelism) the model is one stage's layers and the stage passes the
+    residual stream on (engine.tp.pipeline); forward then returns None on ranks that get no logits.
+    """
+
+    def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.stage = stage
         self.device = pool.device
         self.page_size = pool.layout.page_size
 
@@ -28,7 +38,7 @@ class ModelRunner:
         return [pages[pos // size] * size + pos % size for pos in range(chunk.start_pos, chunk.end_pos)]
 
     @torch.inference_mode()
-    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:  # None only on pipeline stages (see class doc)
         """fp32 logits [len(batch.sampled_chunks()), vocab], rows in that order."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -60,6 +70,8 @@ class ModelRunner:
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)
-        return self.model.forward(
-            self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
-            None if every_row else self._tensor(logit_rows))
+        args = (self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
+                None if every_row else self._tensor(logit_rows))
+        if self.stage is not None:
+            return self.stage.run(self.model, *args, len(logit_rows))  # type: ignore[return-value]
+        return self.model.forward(*args)

@@ -56,11 +56,16 @@ class DecoderModel:
     Tensor-parallel (engine.tp): loaded with a `TPShard`, the model holds one rank's heads and MLP
     columns, and `all_reduce` (in place) sums the row-parallel o_proj/down outputs across ranks.
     Without one (TP 1) no collective is called.
+
+    Pipeline-parallel (engine.tp.pipeline): loaded with `layers`, the model holds one stage's
+    consecutive block of layers; only the first stage has the embedding (`embed`, also the head's
+    matrix when tied) and only the last the final norm and LM head (None elsewhere). A stage runs
+    `forward_layers`, and the last one `final_logits`; `forward` is both, for the whole model.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: Linear, layer_ops: TorchLayerOps | None = None, tp_size: int = 1,
+                 embed: torch.Tensor | None, layers: list[LayerWeights], final_norm: torch.Tensor | None,
+                 lm_head: Linear | None, layer_ops: TorchLayerOps | None = None, tp_size: int = 1,
                  all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         self.config = config
         self.ops = layer_ops or TorchLayerOps()
@@ -83,27 +88,34 @@ class DecoderModel:
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
              device: torch.device, layer_ops: TorchLayerOps | None = None, shard: TPShard | None = None,
              all_reduce: Callable[[torch.Tensor], None] | None = None,
-             attn_shard: TPShard | None = None, expert_parallel: ExpertParallel | None = None) -> DecoderModel:
+             attn_shard: TPShard | None = None, expert_parallel: ExpertParallel | None = None,
+             layers: range | None = None) -> DecoderModel:
         """`shard`: this rank's slice of everything; under DP attention `attn_shard` is its slice of
         the attention weights (its place in its DP group), and `shard` that of the MLPs.
         `expert_parallel`: this rank's place under --ep-size (engine.tp.expert_parallel); its MoE
-        layers then hold only their EP rank's experts and exchange tokens with the other owners."""
+        layers then hold only their EP rank's experts and exchange tokens with the other owners.
+        `layers`: the checkpoint layers to hold (a pipeline stage's block; default all of them)."""
+        layers = range(config.num_layers) if layers is None else layers
+        first, last = layers.start == 0, layers.stop == config.num_layers
         weights = ShardedReader(CheckpointReader(model_dir), device, dtype, shard)
         attn_weights = ShardedReader(weights.reader, device, dtype, attn_shard) if attn_shard else weights
         get = weights.get
         mla_rope = MLARope(config, dtype, device) if config.mla is not None else None
         fused_moe = layer_ops is not None and layer_ops.fused_moe_experts
-        layers = [_load_layer(weights, config, i, mla_rope, fused_moe, expert_parallel, attn_weights)
-                  for i in range(config.num_layers)]
+        layer_weights = [_load_layer(weights, config, i, mla_rope, fused_moe, expert_parallel, attn_weights)
+                         for i in layers]
         vocab = (config.vocab_size, config.hidden_size)
-        embed = get("model.embed_tokens.weight", vocab)
-        if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            lm_head = Linear(get("lm_head.weight", vocab))
-        else:
-            lm_head = Linear(embed)  # packing copies: the embedding table itself stays plain
-        final_norm = get("model.norm.weight", (config.hidden_size,))
+        untied_head = "lm_head.weight" in weights and not config.tie_word_embeddings
+        # The last stage reads the embedding table only to use it as its (tied) head.
+        table = get("model.embed_tokens.weight", vocab) if first or (last and not untied_head) else None
+        embed = table if first else None
+        lm_head = final_norm = None
+        if last:
+            # packing copies: the embedding table itself stays plain
+            lm_head = Linear(get("lm_head.weight", vocab) if untied_head else table)
+            final_norm = get("model.norm.weight", (config.hidden_size,))
         weights.reader.close()
-        return cls(config, dtype, device, embed, layers, final_norm, lm_head, layer_ops,
+        return cls(config, dtype, device, embed, layer_weights, final_norm, lm_head, layer_ops,
                    attn_weights.tp_size, all_reduce)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
@@ -113,10 +125,22 @@ class DecoderModel:
 
         `logit_rows` None means every row (the pure-decode case, where each row is sampled).
         """
+        hidden = self.forward_layers(input_ids, positions, max_position, meta, kv_buffer)
+        return self.final_logits(hidden, logit_rows)
+
+    def forward_layers(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int,
+                       meta: AttentionMetadata, kv_buffer: torch.Tensor) -> torch.Tensor:
+        """Run this model's layers over T flattened tokens and store their K/V (layer i of this
+        model in layer i of `kv_buffer`); return the residual stream [T, hidden].
+
+        `tokens`: the token ids [T] on the first stage (embedded here), else the residual stream
+        [T, hidden] the previous stage returned (updated in place).
+        """
         ops, eps = self.ops, self.config.rms_norm_eps
-        num_tokens = input_ids.shape[0]
+        num_tokens = tokens.shape[0]
         rotary = ops.rotary(self.rotary, positions, max_position) if self.rotary is not None else None
-        hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        # the residual stream, updated in place
+        hidden = F.embedding(tokens, self.embed) if self.embed is not None else tokens
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             if layer.mla is not None:
@@ -137,9 +161,16 @@ class DecoderModel:
                 x = ops.add_rms_norm(hidden, mlp, self.layers[index + 1].input_norm, eps)
             else:
                 hidden.add_(mlp)
+        return hidden
+
+    def final_logits(self, hidden: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits [R, vocab] of the residual stream's `logit_rows` (None: every row); the last
+        stage's (the one holding the final norm and LM head)."""
+        if self.final_norm is None:
+            raise RuntimeError("final_logits on a pipeline stage without the LM head (not the last stage)")
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
-        normed = ops.rms_norm(hidden, self.final_norm, eps)
+        normed = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         if self.dp is not None:
             return self._dp_logits(normed)
         return self.logits(normed)
@@ -173,7 +204,7 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden).float()  # type: ignore[misc]
 
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,

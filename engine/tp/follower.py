@@ -20,8 +20,8 @@ import torch
 from engine.config import EngineConfig
 from engine.tp.control import connect_to_rank0, serve
 from engine.tp.group import TPGroup
-from engine.tp.rendezvous import NODE_LOST_AFTER_S, HeartbeatWatch, RendezvousError, open_store
 from engine.tp.load import load_rank
+from engine.tp.rendezvous import NODE_LOST_AFTER_S, HeartbeatWatch, RendezvousError, open_store
 from engine.tp.runner import follow
 from libkv.transfer import exit_process
 from libkv.transfer.tensor_parallel import RankTransfer
@@ -96,8 +96,10 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        # Ranks on another node bind their transfer engines to that node's address, not rank 0's.
-        transfer = RankTransfer(rank_engine.pool, rank, config.tp_size, bind_host=spec.get("transfer_host"))
+        # World rank of world size; ranks on another node bind their transfer engines to that node's
+        # address, not rank 0's.
+        transfer = RankTransfer(rank_engine.pool, rank, config.world_size, config.pp_size,
+                                bind_host=spec.get("transfer_host"))
         threading.Thread(target=_serve_then_exit, args=(control, transfer), name="pdserve-tp-control",
                          daemon=True).start()
         follow(group, rank_engine.runner)

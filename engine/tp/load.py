@@ -1,8 +1,12 @@
-"""Loading one rank: its shard of the weights and its KV pool (its KV heads, rank 0's page count)."""
+"""Loading one rank: its shard of the weights and its KV pool (its KV heads, rank 0's page count).
+
+Under pipeline parallelism a rank holds only its stage's layers (Topology.stage_layers), and its
+pool only those layers' K/V: layer i of the stage is layer i of the pool.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +20,7 @@ from engine.tp.control import RankControl
 from engine.tp.dp_attention import DPAttentionComm, DPRankRunner
 from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.group import TPGroup
+from engine.tp.pipeline import PipelineStage
 from engine.tp.shard import TPShard
 from libkv.landing import TPKVPool
 from libkv.layout import KVLayout
@@ -29,20 +34,25 @@ class RankParts:
     runner: ModelRunner
 
 
-def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1); under
-    DP attention its share of its group's heads (num_kv_heads / attn_tp_size)."""
-    return model_config.kv_layout(config.page_size, dtype, config.topology().attn_tp_size)
+def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                layers: range | None = None) -> KVLayout:
+    """The KV page of one rank: its num_kv_heads / tp_size heads (the whole model's at TP 1) of the
+    `layers` its stage holds (default: all); under DP attention its share of its group's heads
+    (num_kv_heads / attn_tp_size)."""
+    layout = model_config.kv_layout(config.page_size, dtype, config.topology().attn_tp_size)
+    return layout if layers is None else replace(layout, num_layers=len(layers))
 
 
 def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
               controls: list[RankControl] | None = None) -> RankParts:
     """Every rank calls this together: rank 0 sizes the pool and the others take its page count.
-    Rank 0 passes the followers' `controls`: its pool's checksums then cover every rank's heads."""
+    Rank 0 passes the followers' `controls`: its pool's checksums then cover every rank's heads
+    (and, under pipeline parallelism, every stage's layers)."""
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
-    layout = rank_layout(config, model_config, dtype)
     topology = group.topology
+    layers = topology.stage_layers(model_config.num_layers, group.pp_rank)
+    layout = rank_layout(config, model_config, dtype, layers)
     dp_attention = topology.dp_size > 1
     attn_shard = TPShard(topology.attn_tp_rank(group.rank), topology.attn_tp_size) if dp_attention else None
     expert_parallel = None
@@ -51,14 +61,18 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
                               shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce,
-                              attn_shard=attn_shard, expert_parallel=expert_parallel)
+                              attn_shard=attn_shard, expert_parallel=expert_parallel, layers=layers)
+    # Rank 0 sizes the pool for its own stage; a stage with fewer layers could hold more pages,
+    # but every rank must have the same page ids.
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
     else:
         pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
-    runner = ModelRunner(model, pool)
-    if dp_attention:
+    if dp_attention:  # (not with pipeline stages: EngineConfig refuses the two together)
         model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device, group.traffic)
-        return RankParts(model, pool, DPRankRunner(runner, model.dp))  # type: ignore[arg-type]
-    return RankParts(model, pool, runner)
+        return RankParts(model, pool, DPRankRunner(ModelRunner(model, pool), model.dp))  # type: ignore[arg-type]
+    stage = None
+    if topology.pp_size > 1:
+        stage = PipelineStage(group, model_config.hidden_size, model_config.vocab_size, dtype, device)
+    return RankParts(model, pool, ModelRunner(model, pool, stage))

@@ -24,8 +24,18 @@ import time
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.tp.ranks import FollowerRanks
-from engine.tp.rendezvous import (NODE_LOST_AFTER_S, HeartbeatWatch, RendezvousError, check_topology, is_loopback,
-                                  lookup_control, model_identity, open_store, parse_init_addr, use_interface_of)
+from engine.tp.rendezvous import (
+    NODE_LOST_AFTER_S,
+    HeartbeatWatch,
+    RendezvousError,
+    check_topology,
+    is_loopback,
+    lookup_control,
+    model_identity,
+    open_store,
+    parse_init_addr,
+    use_interface_of,
+)
 from engine.tp.setup import prepare_config
 from engine.tp.topology import TopologyError
 

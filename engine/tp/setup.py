@@ -14,11 +14,20 @@ from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.tp.control import ControlListener
 from engine.tp.group import TPGroup, free_port
-from engine.tp.rendezvous import (NODE_LOST_AFTER_S, HeartbeatWatch, model_identity, open_store, parse_init_addr,
-                                  publish_control, publish_topology, use_interface_of, warn_if_exposed)
-from engine.tp.topology import Topology
 from engine.tp.ranks import FollowerRanks, default_threads
+from engine.tp.rendezvous import (
+    NODE_LOST_AFTER_S,
+    HeartbeatWatch,
+    model_identity,
+    open_store,
+    parse_init_addr,
+    publish_control,
+    publish_topology,
+    use_interface_of,
+    warn_if_exposed,
+)
 from engine.tp.shard import check_tp_size
+from engine.tp.topology import Topology
 
 T = TypeVar("T")
 

@@ -5,7 +5,9 @@ the receiver's grant table and expectations, and the thread safety of all of it;
 implements the hooks of libkv.transfer.hooks. A write passes write() and one engine hook.
 
 Peers of any tensor-parallel size. A backend is registered on one pool: the worker's, or one
-rank's of a TP worker (`tp_rank` of `tp_size`, given by libkv.transfer.tensor_parallel). connect()
+rank's of a TP worker (`tp_rank` of `tp_size`, given by libkv.transfer.tensor_parallel; under
+pipeline parallelism the world rank of tp * pp ranks, and only a peer of the same tp and pp is
+accepted: rank r writes whole pages, its stage's layers, to rank r). connect()
 reads the peer's rank endpoints (TransferEndpoint.ranks):
   same TP size   one engine connection, to the peer's rank of the same index: whole pages, every
                  run of consecutive pages one engine write;
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from libkv.landing import sent_checksums
-from libkv.layout import KVLayout
+from libkv.layout import KVLayout, LayoutMismatch
 from libkv.pool import ByteRun, KVPool, PageRun, coalesce
 from libkv.transfer.errors import (
     BackendMismatch,
@@ -78,6 +80,7 @@ class EngineBackend(EngineHooks, TransferBackend):
         self.host = host
         self.pool: KVPool | None = None
         self.tp_rank, self.tp_size = 0, 1
+        self.pp_size = 1
         self._lock = threading.RLock()
         self._transfers: dict[int, Transfer] = {}  # unfinished writes, for close() / disconnect()
         self._peers: dict[PeerId, Peer] = {}
@@ -91,9 +94,11 @@ class EngineBackend(EngineHooks, TransferBackend):
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def register(self, pool: KVPool, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def register(self, pool: KVPool, *, tp_rank: int = 0, tp_size: int = 1, pp_size: int = 1) -> None:
         """Register the pool's memory with the engine. Call once, before endpoint/connect/write.
-        `tp_rank` of `tp_size`: which share of the model's KV heads the pool holds (a TP rank's)."""
+        `tp_rank` of `tp_size`: which share of the model's KV heads the pool holds (a TP rank's).
+        With `pp_size` pipeline stages they are the world rank and world size (tp * pp ranks) and
+        the pool holds its stage's layers: such a worker pairs only with one of the same layout."""
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp rank {tp_rank} of {tp_size}")
         with self._lock:
@@ -105,6 +110,7 @@ class EngineBackend(EngineHooks, TransferBackend):
             self._engine_register(pool)
             self.pool = pool
             self.tp_rank, self.tp_size = tp_rank, tp_size
+            self.pp_size = pp_size
 
     def endpoint(self) -> TransferEndpoint:
         pool = self._require_pool()
@@ -122,6 +128,7 @@ class EngineBackend(EngineHooks, TransferBackend):
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
         ranks = endpoint.ranks()
+        self._check_stages(endpoint.pp_size(), len(ranks))
         if len(ranks) == self.tp_size:
             return self._connect_rank(ranks[self.tp_rank], pool.layout)
         if pool.layout.is_mla or ranks[0].layout.is_mla:
@@ -138,6 +145,19 @@ class EngineBackend(EngineHooks, TransferBackend):
         links = [(cut, self._connect_rank(ranks[cut.dst_rank], replace(pool.layout, num_kv_heads=heads)))
                  for cut in cuts]
         return self._route(endpoint, len(ranks), links)
+
+    def _check_stages(self, their_pp: int, their_ranks: int) -> None:
+        """Refuse a peer split into other pipeline stages, or into another TP size under pipeline
+        parallelism: a rank's pages hold only its stage's layers, so only rank r to rank r of the
+        same (tp, pp) layout lines up (no layer remapping here)."""
+        if their_pp != self.pp_size:
+            raise LayoutMismatch(
+                f"pipeline stages differ: --pp-size {self.pp_size} (prefill) vs --pp-size {their_pp} (decode); "
+                "each rank's KV pages hold its stage's layers, so only workers of equal --pp-size exchange KV")
+        if self.pp_size > 1 and their_ranks != self.tp_size:
+            raise LayoutMismatch(
+                f"--tp-size {self.tp_size // self.pp_size} (prefill) vs --tp-size {their_ranks // their_pp} (decode) "
+                f"at --pp-size {self.pp_size}: pipeline-parallel workers exchange KV only at equal --tp-size")
 
     def _connect_rank(self, endpoint: TransferEndpoint, mine: KVLayout) -> PeerId:
         """One engine connection to the pool behind a (one-rank) endpoint whose layout must

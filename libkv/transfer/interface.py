@@ -56,7 +56,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from base64 import b64decode, b64encode
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NewType
 
 from libkv.layout import KVLayout
@@ -67,7 +67,8 @@ from libkv.transfer.head_map import whole_model
 PeerId = NewType("PeerId", str)
 
 # A TP worker's endpoint blob: this prefix, then the JSON list of its ranks' endpoints (each
-# TransferEndpoint.to_json()). The registry and the gRPC handshake carry it: never change it.
+# TransferEndpoint.to_json()); a pipeline-parallel worker's: the prefix, then {"pp_size": P,
+# "ranks": that list}. The registry and the gRPC handshake carry it: never change it.
 _RANKS_BLOB = b"pdserve-tp-endpoints:"
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.002
@@ -121,20 +122,42 @@ class TransferEndpoint:
                    b64decode(raw["blob"]))
 
     @classmethod
-    def of_ranks(cls, ranks: list[TransferEndpoint]) -> TransferEndpoint:
-        """The endpoint of a worker whose KV heads are split over `ranks` (rank order); a
-        worker of one rank is its rank's endpoint, unchanged."""
+    def of_ranks(cls, ranks: list[TransferEndpoint], pp_size: int = 1) -> TransferEndpoint:
+        """The endpoint of a worker whose KV heads are split over `ranks` (world rank order); a
+        worker of one rank is its rank's endpoint, unchanged. With `pp_size` pipeline stages the
+        ranks are pp_size stages of len(ranks) / pp_size TP ranks, each stage holding a block of
+        the layers: the endpoint's layout is still the whole model's (all layers, all KV heads)."""
         first = ranks[0]
         if len(ranks) == 1:
             return first
-        blob = _RANKS_BLOB + json.dumps([rank.to_json() for rank in ranks]).encode()
-        return cls(first.backend, whole_model(first.layout, len(ranks)), first.host, first.num_pages, blob)
+        tp_size = len(ranks) // pp_size
+        layout = whole_model(first.layout, tp_size)
+        if pp_size > 1:
+            layout = replace(layout, num_layers=sum(ranks[stage * tp_size].layout.num_layers
+                                                    for stage in range(pp_size)))
+            # The stage count travels only when there are stages, so a TP worker's blob reads as before.
+            body: object = {"pp_size": pp_size, "ranks": [rank.to_json() for rank in ranks]}
+        else:
+            body = [rank.to_json() for rank in ranks]
+        return cls(first.backend, layout, first.host, first.num_pages, _RANKS_BLOB + json.dumps(body).encode())
 
     def ranks(self) -> list[TransferEndpoint]:
-        """The endpoints of each rank of the worker behind this endpoint (itself at TP 1)."""
-        if not self.blob.startswith(_RANKS_BLOB):
+        """The endpoints of each rank of the worker behind this endpoint (itself at TP 1), in world
+        rank order (stage by stage under pipeline parallelism)."""
+        body = self._ranks_body()
+        if body is None:
             return [self]
-        return [TransferEndpoint.from_json(text) for text in json.loads(self.blob[len(_RANKS_BLOB):])]
+        return [TransferEndpoint.from_json(text) for text in (body["ranks"] if isinstance(body, dict) else body)]
+
+    def pp_size(self) -> int:
+        """The pipeline stages of the worker behind this endpoint (1 without pipeline parallelism)."""
+        body = self._ranks_body()
+        return int(body["pp_size"]) if isinstance(body, dict) else 1
+
+    def _ranks_body(self) -> list | dict | None:
+        if not self.blob.startswith(_RANKS_BLOB):
+            return None
+        return json.loads(self.blob[len(_RANKS_BLOB):])
 
 
 @dataclass(frozen=True)

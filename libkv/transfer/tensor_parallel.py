@@ -40,10 +40,11 @@ class RankTransfer:
     through a RankChannel (rank 0's own in-process). Also serves the TPKVPool's calls for the
     rank's pool (checksums, poison)."""
 
-    def __init__(self, pool: KVPool, rank: int, tp_size: int, backend: EngineBackend | None = None,
-                 bind_host: str | None = None) -> None:
+    def __init__(self, pool: KVPool, rank: int, tp_size: int, pp_size: int = 1,
+                 backend: EngineBackend | None = None, bind_host: str | None = None) -> None:
+        """`rank` of `tp_size`: the world rank and size (tp * pp ranks) with `pp_size` stages."""
         self.pool = pool
-        self.rank, self.tp_size = rank, tp_size
+        self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
         self.backend = backend
         self.bind_host = bind_host  # a rank on another node than rank 0 binds its own node's address
         self._handles: dict[int, TransferHandle] = {}
@@ -53,7 +54,7 @@ class RankTransfer:
         if self.bind_host:
             options = {**options, "host": self.bind_host}
         self.backend = create_backend(name, **options)
-        self.backend.register(self.pool, tp_rank=self.rank, tp_size=self.tp_size)
+        self.backend.register(self.pool, tp_rank=self.rank, tp_size=self.tp_size, pp_size=self.pp_size)
         return self.backend.endpoint()
 
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
@@ -134,7 +135,8 @@ class TensorParallelBackend(TransferBackend):
     0's own engine backend and the followers' channels; `register(pool)` (rank 0's pool) creates
     every follower's backend with the same `options`."""
 
-    def __init__(self, local: EngineBackend, followers: Sequence[RankChannel], options: dict) -> None:
+    def __init__(self, local: EngineBackend, followers: Sequence[RankChannel], options: dict,
+                 pp_size: int = 1) -> None:
         if not followers:
             raise ValueError("a tensor-parallel backend needs follower ranks; at TP 1 use the engine's backend")
         self.local = local
@@ -142,6 +144,7 @@ class TensorParallelBackend(TransferBackend):
         self.name, self.timeout_s = local.name, local.timeout_s
         self.one_sided, self.moves_bytes = local.one_sided, local.moves_bytes
         self._options = options
+        self.pp_size = pp_size  # the followers are the world's ranks: pp_size stages of TP ranks
         self._ranks: list[RankChannel] = []
         self._endpoint: TransferEndpoint | None = None
         self._peers: dict[PeerId, _Peer] = {}
@@ -155,10 +158,11 @@ class TensorParallelBackend(TransferBackend):
         return len(self.followers) + 1
 
     def register(self, pool: KVPool) -> None:
-        self.local.register(pool, tp_rank=0, tp_size=self.size)
-        self._ranks = [InProcessRank(RankTransfer(pool, 0, self.size, self.local)), *self.followers]
+        self.local.register(pool, tp_rank=0, tp_size=self.size, pp_size=self.pp_size)
+        self._ranks = [InProcessRank(RankTransfer(pool, 0, self.size, self.pp_size, self.local)), *self.followers]
         self._endpoint = TransferEndpoint.of_ranks(
-            [self.local.endpoint(), *(f.call("create_backend", self.name, self._options) for f in self.followers)])
+            [self.local.endpoint(), *(f.call("create_backend", self.name, self._options) for f in self.followers)],
+            self.pp_size)
 
     def endpoint(self) -> TransferEndpoint:
         if self._endpoint is None:

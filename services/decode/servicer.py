@@ -235,8 +235,11 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             await self._check_arrived(room.id, pages, reply.page_checksums, prefill_address, context, reply.tp_size)
         if room.reservation.cached_pages:
             # In the units of the prefill's kv_transfer_bytes_total: every rank of this worker gets
-            # its own pages (its KV heads; MLA: the whole latent), so a page ships tp_size rank pages.
-            shipped_page_nbytes = self.engine.kv_layout.page_nbytes * self.config.engine.tp_size
+            # its own pages (its KV heads; MLA: the whole latent), so a page ships tp_size rank pages
+            # of every layer (under pipeline parallelism each stage's ranks hold their layers' part).
+            layout = self.engine.kv_layout
+            shipped_page_nbytes = (layout.page_nbytes // layout.num_layers * self.engine.model_config.num_layers
+                                   * self.config.engine.tp_size)
             self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * shipped_page_nbytes)
         return reply.first
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
+from engine.tp.pipeline import check_pp_size
 from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
@@ -112,6 +113,8 @@ class WorkerConfig:
         if self.engine.enable_dp_attention and self.disaggregation_mode != "null":
             raise ValueError("--enable-dp-attention runs on colocated workers (--disaggregation-mode null) only "
                              "for now: a prefill or decode worker's KV transfer does not yet target one DP group")
+        if self.engine.pp_size > 1:
+            check_pp_size(self.engine.topology(), ModelConfig.from_dir(self.engine.model_path).num_layers)
         if self.engine.device == "auto":
             object.__setattr__(self, "engine", replace(self.engine, device=self._auto_device()))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.dp_engine import load_engine
 from engine.engine import Engine
@@ -80,7 +80,8 @@ class WorkerRuntime:
             options = _backend_options(config)
             backend = create_backend(config.disaggregation_transfer_backend, **options)
             if engine.tp_followers is not None:  # every rank moves its own KV heads, to peers of any TP size
-                backend = TensorParallelBackend(backend, engine.tp_followers.controls, options)
+                backend = TensorParallelBackend(backend, engine.tp_followers.controls, options,
+                                                config.engine.pp_size)
             backend.register(engine.pool)
         runtime = cls(config=config, engine=engine, backend=backend,
                       metrics=WorkerMetrics(config.role, config.model_name))
@@ -142,8 +143,12 @@ class WorkerRuntime:
     def model_layout(self) -> KVLayout:
         """The KV page of the whole model (all KV heads), whatever the TP size: what the registry
         compares between the workers of one model (a TP rank's own pages hold 1/tp_size of it; an
-        MLA rank's the whole latent; under DP attention a rank holds 1/attn_tp_size of its group's)."""
-        return whole_model(self.engine.kv_layout, self.config.engine.topology().attn_tp_size)
+        MLA rank's the whole latent; under DP attention a rank holds 1/attn_tp_size of its group's;
+        under pipeline parallelism rank 0's only its stage's layers)."""
+        layout = whole_model(self.engine.kv_layout, self.config.engine.topology().attn_tp_size)
+        if self.config.engine.pp_size > 1:
+            layout = replace(layout, num_layers=self.engine.model_config.num_layers)
+        return layout
 
     async def register(self, grpc_address: str) -> None:
         """Register with the bootstrap registry (if configured) and keep the lease alive."""

@@ -35,11 +35,15 @@ def case(request):
     return request.param, model_dir, prompts, hf_reference(model_dir, prompts)
 
 
-async def run(model_dir, prompts, tp_size: int):
-    engine = start_engine(model_dir, chunked_prefill_size=64, tp_size=tp_size)
+async def run(model_dir, prompts, tp_size: int, on_engine=None, **overrides):
+    """Greedy outputs of `prompts` on an engine of `tp_size` (and any other EngineConfig
+    `overrides`); `on_engine(engine)` looks at the engine before it shuts down."""
+    engine = start_engine(model_dir, chunked_prefill_size=64, tp_size=tp_size, **overrides)
     try:
         got = await engine_outputs(engine, prompts)
         stats = engine.stats()
+        if on_engine is not None:
+            on_engine(engine)
     finally:
         engine.shutdown()
     assert stats.used_pages == 0
