@@ -1,5 +1,6 @@
 """One worker's ranks across nodes (`--nnodes 2 --node-rank R --dist-init-addr HOST:PORT`), as the
-seeds run DeepSeek-V3, scaled to a tiny DeepSeek checkpoint on this machine.
+seeds run DeepSeek-V3 (TP over two nodes) and DeepSeek-V3.1 (pipeline stages over nodes), scaled to
+a tiny DeepSeek checkpoint on this machine.
 
 Each node is its own host (a network namespace on a bridge, tests/e2e/hosts.py): the prefill's two
 nodes, the decode's two nodes and the router (registry + gateway) bind and register only their own
@@ -62,36 +63,45 @@ def worker_on(model, mode: str, host: str, backend: str, registry: str, *extra: 
             registry, "--num-threads", "1", "--num-pages", "96", "--chunked-prefill-size", "64", *extra]
 
 
-def seeds_node(model, mode: str, host: str, node0: str, node_rank: int, backend: str, registry: str) -> list[str]:
-    """The seeds' multi-node DeepSeek command line, scaled: TP 2 over two nodes (no RDMA device)."""
+# The seeds' layouts over two nodes, scaled: DeepSeek-V3's TP 16 (here TP 2, no RDMA device) and
+# DeepSeek-V3.1's `--tp 8 --pp-size 4 --nnodes 4` (here `--tp 1 --pp-size 2 --nnodes 2`).
+LAYOUTS = {"tp": ("--tp-size", "2"), "pp": ("--tp", "1", "--pp-size", "2")}
+
+
+def seeds_node(model, mode: str, host: str, node0: str, node_rank: int, backend: str, registry: str,
+               layout: str = "tp") -> list[str]:
+    """The seeds' multi-node DeepSeek command line, scaled to two nodes of one rank each."""
     return worker_on(model, mode, host, backend, registry, "--trust-remote-code", "--dist-init-addr",
-                     f"{node0}:{INIT_PORT}", "--nnodes", "2", "--node-rank", str(node_rank), "--tp-size", "2")
+                     f"{node0}:{INIT_PORT}", "--nnodes", "2", "--node-rank", str(node_rank), *LAYOUTS[layout])
 
 
-def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str, backend: str, registry: str):
+def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str, backend: str, registry: str,
+                          layout: str = "tp"):
     """Node 1 first (it waits for node 0's store), then node 0, ready once both nodes' ranks joined."""
     node0, node1 = hosts.hosts[f"{mode}0"], hosts.hosts[f"{mode}1"]
-    second = cluster.spawn(f"{mode}-node1", seeds_node(model, mode, node1.address, node0.address, 1, backend, registry),
-                           wrapper=node1.wrapper)
-    first = cluster.spawn(f"{mode}-node0", seeds_node(model, mode, node0.address, node0.address, 0, backend, registry),
-                          wrapper=node0.wrapper)
+    second = cluster.spawn(f"{mode}-node1", seeds_node(model, mode, node1.address, node0.address, 1, backend, registry,
+                                                       layout), wrapper=node1.wrapper)
+    first = cluster.spawn(f"{mode}-node0", seeds_node(model, mode, node0.address, node0.address, 0, backend, registry,
+                                                      layout), wrapper=node0.wrapper)
     return first, second
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork, deepseek, backend):
+@pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake")])
+def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork, deepseek, layout, backend):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
                                            "--metrics-port", "0"], wrapper=router.wrapper)
-    prefill, prefill_node1 = start_two_node_worker(cluster, hosts, deepseek, "prefill", backend, registry.address)
-    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", backend, registry.address)
+    prefill, prefill_node1 = start_two_node_worker(cluster, hosts, deepseek, "prefill", backend, registry.address,
+                                                   layout)
+    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", backend, registry.address, layout)
     for proc in (prefill, decode):
         proc.wait_ready(240)
     assert (prefill.host, decode.host) == (hosts.hosts["prefill0"].address, hosts.hosts["decode0"].address)
     prompts = prompts_of(LENGTHS, seed=41)
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
-    assert_matches(got, hf_greedy(deepseek, prompts), f"{backend} PD, TP 2 over two nodes each")
-    # The prefill's rank on its second host wrote its share itself (MLA: decode rank 1's whole pages).
+    assert_matches(got, hf_greedy(deepseek, prompts), f"{backend} PD, {LAYOUTS[layout]} over two nodes each")
+    # The prefill's rank on its second host wrote its share itself (MLA: decode rank 1's whole pages;
+    # PP: its stage's layers).
     assert prefill.metric("pdserve:kv_transfer_rank_bytes", rank="1") > 0
     assert "transfer engines on " + hosts.hosts["prefill1"].address in prefill_node1.log()
 
