@@ -60,8 +60,9 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
         expert_parallel = ExpertParallel.for_rank(group, model_config.moe.num_experts)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
-                              shard=TPShard(group.tp_rank, group.tp_size), all_reduce=group.all_reduce,
-                              attn_shard=attn_shard, expert_parallel=expert_parallel, layers=layers)
+                              shard=TPShard(group.tp_rank, group.tp_size),
+                              # a stage of one rank has nothing to sum
+                              all_reduce=group.all_reduce if group.tp_size > 1 else None, attn_shard=attn_shard, expert_parallel=expert_parallel, layers=layers)
     # Rank 0 sizes the pool for its own stage; a stage with fewer layers could hold more pages,
     # but every rank must have the same page ids.
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)

@@ -58,6 +58,7 @@ class PipelineStage:
         self.bytes_sent = 0
         self.step_bytes = 0
         self.steps = 0
+        self.traffic = group.traffic  # `pdserve bench parallel` reads rank 0's: what it sent and received
 
     def run(self, model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
             meta: AttentionMetadata, kv_buffer: torch.Tensor, logit_rows: torch.Tensor | None,
@@ -88,8 +89,10 @@ class PipelineStage:
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += nbytes
         self.step_bytes += nbytes
+        self.traffic["stage"] += nbytes
 
     def _receive(self, shape: tuple[int, int], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(tensor, src)
+        self.traffic["stage"] += tensor.numel() * tensor.element_size()
         return tensor

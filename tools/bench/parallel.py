@@ -9,7 +9,8 @@ greedy, eos off, prefix cache off, every layout's ranks sharing `--threads` core
 counts the tokens after every request has its first token, over the time from then to the last
 token (pure decode steps). Bytes per decode step are rank 0's, over those steps, per collective:
 all-reduce (TP sums, fp32 on the wire), all-gather (DP attention's token exchange), all-to-all
-(expert parallelism's dispatch + combine), stage (pipeline activations and logits), plan (the step
+(expert parallelism's dispatch + combine, what rank 0 sent), stage (pipeline hand-offs: the residual
+stream rank 0 sent to stage 1 and the fp32 logits it received from the last stage), plan (the step
 plan rank 0 broadcasts). Where a layout needs more ranks than the machine has cores, its tokens/s
 says how the machine copes, not how the layout scales.
 """
