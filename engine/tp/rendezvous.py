@@ -5,11 +5,11 @@ process group. On one node it is a free loopback port. Across nodes (`--nnodes N
 --dist-init-addr HOST:PORT`, SGLang's flags) node 0 serves it on HOST:PORT and the other nodes'
 processes connect there. Besides the group's own rendezvous the store carries:
 
-- `pdserve/topology`: node 0's rank layout, which every other node compares with its own before
+- `pdserve:topology`: node 0's rank layout, which every other node compares with its own before
   joining, so that a node started with other sizes is refused naming both;
-- `pdserve/control`: the address and key of rank 0's control listener (engine.tp.control), for
+- `pdserve:control`: the address and key of rank 0's control listener (engine.tp.control), for
   ranks that were not started by rank 0's process;
-- `pdserve/heartbeat/<name>`: a counter each rank (and each other node's supervising process)
+- `pdserve:heartbeat:<name>`: a counter each rank (and each other node's supervising process)
   bumps every second, so that rank 0 notices a rank or node that died or froze, and a node
   notices that rank 0 did (`HeartbeatWatch`).
 
@@ -37,8 +37,8 @@ from engine.tp.topology import Topology, TopologyError
 
 log = logging.getLogger(__name__)
 
-TOPOLOGY_KEY = "pdserve/topology"
-CONTROL_KEY = "pdserve/control"
+TOPOLOGY_KEY = "pdserve:topology"
+CONTROL_KEY = "pdserve:control"
 HEARTBEAT_INTERVAL_S = 1.0
 # A rank or node whose heartbeat has not moved for this long is lost (dead, frozen or cut off):
 # its worker exits rather than wait out a collective's --dist-timeout. Generous against a loaded
@@ -164,8 +164,8 @@ class HeartbeatWatch:
         seen = {name: (-1, time.monotonic()) for name in self.watched}
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self.store.add(f"pdserve/heartbeat/{self.me}", 1)
-                counts = {name: self.store.add(f"pdserve/heartbeat/{name}", 0) for name in self.watched}
+                self.store.add(f"pdserve:heartbeat:{self.me}", 1)
+                counts = {name: self.store.add(f"pdserve:heartbeat:{name}", 0) for name in self.watched}
             except (RuntimeError, OSError) as exc:
                 if not self._stop.is_set():
                     self.on_lost(f"the rank group's store (in rank 0's process) is unreachable: {exc}")
