@@ -206,16 +206,63 @@ class DPEngine:
         return self.members[0].check(request)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
+        """On the group holding the room's reservation (a prefilled request on a decode worker),
+        else on the group `_place` picks."""
         with self._lock:  # placed and counted at once: concurrent requests see each other
-            member = self._place(request.prompt_ids)
+            member = self._rooms.get(request.room) or self._place(request.prompt_ids)
             self._rooms[request.room] = member
         try:
             async for batch in member.generate(request):
                 yield batch
         finally:
-            with self._lock:
-                if self._rooms.get(request.room) is member:
-                    del self._rooms[request.room]
+            # A prefill-only request's pages stay held under the room until `release`, which must
+            # find its group; any other request's room ends with its stream.
+            if not request.prefill_only:
+                self._forget(request.room, member)
+
+    # ---- PD: pages reserved for a prompt whose K/V arrives by transfer ---------------------
+    def reserve_prompt(self, room: str, prompt_ids: list[int], hashes: list[int] | None = None):
+        """Engine.reserve_prompt on the group `_place` picks (the prefix-cache hit counts); the room
+        stays on that group until it is released or its prefilled request finishes."""
+        with self._lock:
+            member = self._rooms.get(room) or self._place(prompt_ids)
+            reservation = member.reserve_prompt(room, prompt_ids, hashes)
+            if reservation is not None:
+                self._rooms[room] = member
+        return reservation
+
+    def reserve(self, room: str, num_tokens: int) -> list[int] | None:
+        with self._lock:
+            member = self._rooms.get(room) or self._place([])
+            pages = member.reserve(room, num_tokens)
+            if pages is not None:
+                self._rooms[room] = member
+        return pages
+
+    def release(self, room: str) -> bool:
+        with self._lock:
+            member = self._rooms.get(room)
+        if member is None:
+            return False
+        released = member.release(room)
+        self._forget(room, member)
+        return released
+
+    def group_of(self, room: str) -> int | None:
+        """The DP group a room's request or reservation is on; None when it is on none."""
+        with self._lock:
+            member = self._rooms.get(room)
+        return None if member is None else self.members.index(member)
+
+    def pool_for(self, room: str):
+        """The KV pool (rank 0's view) holding the room's pages. TODO(dp-pd): a view over the room's
+        group's ranks (libkv), so that poison and landing checksums read that group's pages."""
+        return self.members[0].pool
+
+    def _forget(self, room: str, member: Engine) -> None:
+        with self._lock:
+            if self._rooms.get(room) is member:
+                del self._rooms[room]
 
     def _place(self, prompt_ids: list[int]) -> Engine:
         """The group with the longest cached prefix of the prompt, then the fewest live requests
