@@ -13,6 +13,10 @@ prompt's leading pages, ties (and no hit anywhere) to the least loaded (live req
 there, then used pages). The worker's KV events cover every group's cache (a page hash is
 "stored" while any group holds it), so the gateway's cache-aware routing picks the worker and
 the worker the group.
+
+PD: a decode worker reserves a room's pages on a group (`reserve_prompt`, placed the same way) and
+the prefilled request then runs there; `group_of(room)` and `pool_for(room)` tell the KV transfer
+(libkv.transfer.dp_groups) which group's ranks hold the room's pages, on prefill and decode alike.
 """
 
 from __future__ import annotations
