@@ -95,7 +95,14 @@ class DPGroupsBackend(TransferBackend):
             known = self._by_endpoint.get(endpoint)
         if known is not None:
             return known
-        links = [group.connect(endpoint) for group in self.groups]
+        links: list[PeerId] = []
+        try:
+            for group in self.groups:
+                links.append(group.connect(endpoint))
+        except BaseException:  # refused or unreachable from one group: keep no link of the others
+            for group, link in zip(self.groups, links, strict=False):
+                group.disconnect(link)
+            raise
         peer = PeerId(f"dp{len(self.groups)}-peer-{next(self._ids)}")
         with self._lock:
             self._peers[peer] = links

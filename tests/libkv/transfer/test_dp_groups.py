@@ -14,7 +14,7 @@ import torch
 from libkv.landing import RankGroupPool, TPKVPool, checksums_in_parts
 from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank
-from libkv.transfer import TransferBackend
+from libkv.transfer import PeerUnreachable, TransferBackend
 from libkv.transfer.dp_groups import DPGroupsBackend
 from libkv.transfer.tensor_parallel import RankTransfer, TensorParallelBackend
 from tests.libkv.transfer.test_tensor_parallel import (  # noqa: F401 (the fixture registers the engine)
@@ -129,3 +129,13 @@ def test_a_room_on_no_group_is_refused_and_a_late_release_reaches_its_group():
     dp.backend.release_expectation("room")
     assert dp.backend.expected_pages("room") == frozenset()
     assert dp.backend.groups[1].expected_pages("room") == frozenset()
+
+
+def test_a_peer_one_group_cannot_connect_to_leaves_no_link_in_the_others():
+    dp = DPWorker(2, 1)
+    receiver, _ = worker(1)
+    first, second = dp.backend.groups
+    second.connect = lambda endpoint: (_ for _ in ()).throw(PeerUnreachable("group 1 cannot reach it"))
+    with pytest.raises(PeerUnreachable, match="group 1 cannot reach it"):
+        dp.backend.connect(receiver.endpoint())
+    assert not first._peers and not dp.backend._peers
