@@ -16,8 +16,8 @@ from engine.engine import Engine
 from engine.outputs import EngineStats
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
-from libkv.transfer.head_map import whole_model
 from libkv.transfer.dp_groups import DPGroupsBackend
+from libkv.transfer.head_map import whole_model
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2

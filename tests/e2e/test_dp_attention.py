@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 DP2 = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--chunked-prefill-size", "64",
        "--num-pages", "128")
+DP2_EP2 = (*DP2, "--ep", "2")
 TP1 = ("--chunked-prefill-size", "64", "--num-pages", "128")
+TP2 = (*TP1, "--tp-size", "2")
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,10 @@ def test_colocated_dp_attention_matches_hf(cluster: Cluster, deepseek):
 # (prefill, decode) layouts: DP groups on both sides, and DP groups against a plain worker.
 PD_LAYOUTS = [
     pytest.param(DP2, DP2, "mooncake", id="dp2-dp2-mooncake"),
-    pytest.param(DP2, DP2, "nixl", id="dp2-dp2-nixl"),
+    pytest.param(DP2_EP2, DP2_EP2, "nixl", id="dp2ep2-dp2ep2-nixl"),
     pytest.param(DP2, TP1, "mooncake", id="dp2-tp1-mooncake"),
     pytest.param(TP1, DP2, "nixl", id="tp1-dp2-nixl"),
+    pytest.param(TP2, DP2_EP2, "mooncake", id="tp2-dp2ep2-mooncake"),
 ]
 
 
@@ -61,11 +64,11 @@ def test_pd_dp_attention_matches_hf(cluster: Cluster, deepseek, prefill_layout, 
     for prompts, want, what in ((first, expected[:len(first)], "cold"), (second, expected[len(first):], "prefix hits")):
         got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
         assert_matches(got, want, f"{backend} PD {what}")
-    if prefill_layout is DP2:  # both prefill groups computed prompts and wrote their pages
+    if prefill_layout in (DP2, DP2_EP2):  # both prefill groups computed prompts and wrote their pages
         for rank in ("0", "1"):
             assert prefill.metric("pdserve:kv_transfer_rank_bytes", rank=rank) > 0
     for proc, layout in ((prefill, prefill_layout), (decode, decode_layout)):
-        if layout is DP2:  # both groups took requests (decode: reserved their pages)
+        if layout in (DP2, DP2_EP2):  # both groups took requests (decode: reserved their pages)
             for group in ("0", "1"):
                 assert proc.metric("pdserve:dp_rank_requests_total", dp_rank=group) > 0, proc.name
     for proc in (prefill, decode):
@@ -86,7 +89,7 @@ def test_clients_leaving_at_any_stage_leave_no_page_held_on_any_group(cluster: C
     with ThreadPoolExecutor(8) as pool:
         cut = list(pool.map(lambda pair: run_all(decode.address, [pair[1]], [prefill.address], max_new_tokens=64,
                                                  timeout_s=pair[0])[0],
-                            zip([0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], prompts)))
+                            zip([0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], prompts, strict=True)))
     assert any(r.code == grpc.StatusCode.DEADLINE_EXCEEDED for r in cut), [r.code for r in cut]
     for proc in (prefill, decode):
         for group in ("0", "1"):

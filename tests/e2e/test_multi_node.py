@@ -91,7 +91,7 @@ def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str
 
 
 @pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake"),
-                                                 ("dp", "nixl")])
+                                                 ("dp", "mooncake"), ("dp", "nixl")])
 def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork, deepseek, layout, backend):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
