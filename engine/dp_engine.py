@@ -13,6 +13,10 @@ prompt's leading pages, ties (and no hit anywhere) to the least loaded (live req
 there, then used pages). The worker's KV events cover every group's cache (a page hash is
 "stored" while any group holds it), so the gateway's cache-aware routing picks the worker and
 the worker the group.
+
+PD: a decode worker reserves a room's pages on a group (`reserve_prompt`, placed the same way) and
+the prefilled request then runs there; `group_of(room)` and `pool_for(room)` tell the KV transfer
+(libkv.transfer.dp_groups) which group's ranks hold the room's pages, on prefill and decode alike.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engine.outputs import EngineStats, TokenOutput
 from engine.request import EngineRequest
 from engine.scheduler import SchedulerOutput
 from engine.tp.dp_attention import DPStep
+from libkv.landing import RankGroupPool
 from pdserve.page_hash import page_hashes
 
 # How long the member that starts a step waits for the other members with work to hand in their
@@ -169,13 +174,18 @@ class DPPages:
 class DPEngine:
     """The Engine API over D member engines (see the module doc)."""
 
-    def __init__(self, members: list[Engine]) -> None:
+    def __init__(self, members: list[Engine], group_pools: list | None = None) -> None:
         self.members = members
         first = members[0]
+        # Each group's KV pool as rank 0 reaches it: rank 0's own for group 0, a view over the
+        # group's ranks (libkv.landing.RankGroupPool) for the others: poison, landing checksums and
+        # KV transfer of a room go to its group's pool.
+        self.group_pools = group_pools or [first.pool] * len(members)
         self.config, self.model_config, self.model = first.config, first.model_config, first.model
         self.tokenizer, self.pool, self.kv_layout = first.tokenizer, first.pool, first.kv_layout
         self.pages = DPPages(members)
         self._rooms: dict[str, Engine] = {}
+        self.placed = [0] * len(members)  # requests placed on each group since start
         self._lock = threading.Lock()
 
     @classmethod
@@ -188,7 +198,7 @@ class DPEngine:
                    for g in range(dp_size)]
         for g, member in enumerate(members):
             stepper.has_work[g] = member.scheduler.has_work
-        return cls(members)
+        return cls(members, _group_pools(loaded.pool, loaded.followers, config.topology().attn_tp_size, dp_size))
 
     @property
     def tp_followers(self):
@@ -206,16 +216,72 @@ class DPEngine:
         return self.members[0].check(request)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
+        """On the group holding the room's reservation (a prefilled request on a decode worker),
+        else on the group `_place` picks."""
         with self._lock:  # placed and counted at once: concurrent requests see each other
-            member = self._place(request.prompt_ids)
-            self._rooms[request.room] = member
+            member = self._rooms.get(request.room) or self._place(request.prompt_ids)
+            self._assign(request.room, member)
         try:
             async for batch in member.generate(request):
                 yield batch
         finally:
-            with self._lock:
-                if self._rooms.get(request.room) is member:
-                    del self._rooms[request.room]
+            # A prefill-only request's pages stay held under the room until `release`, which must
+            # find its group; any other request's room ends with its stream.
+            if not request.prefill_only:
+                self._forget(request.room, member)
+
+    # ---- PD: pages reserved for a prompt whose K/V arrives by transfer ---------------------
+    def reserve_prompt(self, room: str, prompt_ids: list[int], hashes: list[int] | None = None):
+        """Engine.reserve_prompt on the group `_place` picks (the prefix-cache hit counts); the room
+        stays on that group until it is released or its prefilled request finishes."""
+        with self._lock:
+            member = self._rooms.get(room) or self._place(prompt_ids)
+            reservation = member.reserve_prompt(room, prompt_ids, hashes)
+            if reservation is not None:
+                self._assign(room, member)
+        return reservation
+
+    def reserve(self, room: str, num_tokens: int) -> list[int] | None:
+        with self._lock:
+            member = self._rooms.get(room) or self._place([])
+            pages = member.reserve(room, num_tokens)
+            if pages is not None:
+                self._assign(room, member)
+        return pages
+
+    def release(self, room: str) -> bool:
+        with self._lock:
+            member = self._rooms.get(room)
+        if member is None:
+            return False
+        released = member.release(room)
+        self._forget(room, member)
+        return released
+
+    def group_of(self, room: str) -> int | None:
+        """The DP group a room's request or reservation is on; None when it is on none."""
+        with self._lock:
+            member = self._rooms.get(room)
+        return None if member is None else self.members.index(member)
+
+    def pool_for(self, room: str):
+        """The KV pool (as rank 0 reaches it) holding the room's pages; KeyError when the room is on
+        no group (its pages were released)."""
+        group = self.group_of(room)
+        if group is None:
+            raise KeyError(f"room {room!r} holds no pages on this worker")
+        return self.group_pools[group]
+
+    def _assign(self, room: str, member: Engine) -> None:
+        """Record the room on `member` (under the lock), counting a new placement."""
+        if self._rooms.get(room) is not member:
+            self._rooms[room] = member
+            self.placed[self.members.index(member)] += 1
+
+    def _forget(self, room: str, member: Engine) -> None:
+        with self._lock:
+            if self._rooms.get(room) is member:
+                del self._rooms[room]
 
     def _place(self, prompt_ids: list[int]) -> Engine:
         """The group with the longest cached prefix of the prompt, then the fewest live requests
@@ -230,10 +296,14 @@ class DPEngine:
         return min(self.members, key=rank)
 
     def abort(self, room: str) -> None:
+        """Engine.abort on the room's group (every group when it is on none). The room is forgotten:
+        an aborted request's pages are freed by the abort (a prefill-only one's included)."""
         with self._lock:
             member = self._rooms.get(room)
         for target in [member] if member is not None else self.members:
             target.abort(room)
+        if member is not None:
+            self._forget(room, member)
 
     def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
         return self.members[0].prompt_hashes(prompt_ids)
@@ -245,6 +315,14 @@ class DPEngine:
     def expert_load(self) -> ExpertLoad | None:
         """Rank 0's MoE layers run every group's rows: its counts are the worker's."""
         return self.members[0].expert_load()
+
+
+def _group_pools(pool, followers, attn_tp_size: int, dp_size: int) -> list:
+    """Group 0's pool is rank 0's (over its group's ranks, engine.tp.load); group g's a view over
+    world ranks g * attn_tp_size onwards, reached through their control channels."""
+    controls = followers.controls  # world ranks 1..N-1
+    return [pool, *(RankGroupPool(pool.layout, pool.num_pages, controls[g * attn_tp_size - 1:(g + 1) * attn_tp_size - 1])
+                    for g in range(1, dp_size))]
 
 
 def load_engine(config: EngineConfig) -> Engine | DPEngine:

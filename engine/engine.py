@@ -228,6 +228,11 @@ class Engine:
             return None
         return page_hashes(prompt_ids, self.pages.page_size)
 
+    def pool_for(self, room: str):
+        """The KV pool holding `room`'s pages: the engine's one pool (engine.dp_engine.DPEngine has
+        one per DP group)."""
+        return self.pool
+
     def release(self, room: str) -> bool:
         """Free the pages reserved or held under `room`; False if it has none."""
         released = self.pages.release(room)

@@ -62,7 +62,42 @@ def _combine(digests) -> int:
     return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
 
 
-class TPKVPool(KVPool):
+class SplitPages:
+    """Checksums and poison of pages split over ranks: each rank holds its KV heads of every page (MLA:
+    its copy of the whole latent page). A page's checksum is the xxh3 of its ranks' checksums in rank
+    order (module doc). Subclasses say how to call each rank (`_each_rank`)."""
+
+    layout: KVLayout
+
+    @property
+    def tp_size(self) -> int:
+        raise NotImplementedError
+
+    def _each_rank(self, method: str, *args: object, ranks: int | None = None) -> list:
+        """`method` (a KVPool method) called on ranks 0..`ranks`-1 (default: all), in rank order."""
+        raise NotImplementedError
+
+    def page_checksums(self, page_ids: list[int]) -> list[int]:
+        per_rank = self._each_rank("page_checksums", list(page_ids))
+        # one rank: the page's own checksum, as a worker of one rank computes it
+        return per_rank[0] if len(per_rank) == 1 else combine_checksums(per_rank)
+
+    def poison(self, page_ids: list[int]) -> None:
+        self._each_rank("poison", list(page_ids))
+
+    def rank_checksums(self, page_ids: list[int], ranks: int) -> list[list[int]]:
+        """Each of ranks 0..`ranks`-1's page checksums of its own pool, in rank order."""
+        return self._each_rank("page_checksums", list(page_ids), ranks=ranks)
+
+    def part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
+        """Per page, the checksums of `parts` equal KV-head parts of the whole model's page."""
+        if self.layout.is_mla:
+            raise ValueError("an MLA latent page has no KV heads to split: checksum whole pages")
+        ranks = self._each_rank("head_part_checksums", list(page_ids), parts // self.tp_size)
+        return [[d for rank in ranks for d in rank[k]] for k in range(len(page_ids))]
+
+
+class TPKVPool(SplitPages, KVPool):
     """Rank 0's pool of a TP worker: its own heads, with checksums (and poison) that cover every
     rank's heads (MLA: every rank's copy of the latent page). `followers` reach ranks 1..N-1, each
     served by a RankTransfer on its own pool."""
@@ -76,28 +111,27 @@ class TPKVPool(KVPool):
     def tp_size(self) -> int:
         return len(self.followers) + 1
 
-    def page_checksums(self, page_ids: list[int]) -> list[int]:
-        mine = super().page_checksums(page_ids)
-        return combine_checksums([mine, *(f.call("page_checksums", list(page_ids)) for f in self.followers)])
+    def _each_rank(self, method: str, *args: object, ranks: int | None = None) -> list:
+        others = self.followers if ranks is None else self.followers[:ranks - 1]
+        return [getattr(KVPool, method)(self, *args), *(f.call(method, *args) for f in others)]
 
-    def poison(self, page_ids: list[int]) -> None:
-        super().poison(page_ids)
-        for follower in self.followers:
-            follower.call("poison", list(page_ids))
 
-    def rank_checksums(self, page_ids: list[int], ranks: int) -> list[list[int]]:
-        """Each of ranks 0..`ranks`-1's page checksums of its own pool, in rank order."""
-        mine = super().page_checksums(page_ids)
-        return [mine, *(f.call("page_checksums", list(page_ids)) for f in self.followers[:ranks - 1])]
+class RankGroupPool(SplitPages):
+    """The pool of a group of ranks none of which is this process (a DP attention group other than
+    rank 0's: engine.dp_engine): no memory here, only the checksums and poison of the group's pages,
+    through each rank's channel (a RankTransfer serves it). Reads as a TPKVPool of the group's size."""
 
-    def part_checksums(self, page_ids: list[int], parts: int) -> list[list[int]]:
-        """Per page, the checksums of `parts` equal KV-head parts of the whole model's page."""
-        if self.layout.is_mla:
-            raise ValueError("an MLA latent page has no KV heads to split: checksum whole pages")
-        per_rank = parts // self.tp_size
-        ranks = [self.head_part_checksums(page_ids, per_rank),
-                 *(f.call("head_part_checksums", list(page_ids), per_rank) for f in self.followers)]
-        return [[d for rank in ranks for d in rank[k]] for k in range(len(page_ids))]
+    def __init__(self, layout: KVLayout, num_pages: int, ranks: list[RankChannel]) -> None:
+        if not ranks:
+            raise ValueError("a rank group's pool needs at least one rank")
+        self.layout, self.num_pages, self.ranks = layout, num_pages, list(ranks)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ranks)
+
+    def _each_rank(self, method: str, *args: object, ranks: int | None = None) -> list:
+        return [rank.call(method, *args) for rank in self.ranks[:ranks]]
 
 
 def checksums_in_parts(pool: KVPool, page_ids: list[int], peer_tp_size: int) -> list[int]:
@@ -108,9 +142,8 @@ def checksums_in_parts(pool: KVPool, page_ids: list[int], peer_tp_size: int) -> 
     parts = max(size, peer_tp_size)
     if parts == size or pool.layout.is_mla:
         return pool.page_checksums(page_ids)
-    if isinstance(pool, TPKVPool):
-        return [_combine(d) for d in pool.part_checksums(page_ids, parts)]
-    return [_combine(d) for d in pool.head_part_checksums(page_ids, parts)]
+    split = pool.part_checksums if isinstance(pool, SplitPages) else pool.head_part_checksums
+    return [_combine(d) for d in split(page_ids, parts)]
 
 
 def sent_checksums(pool: KVPool, page_ids: list[int], receiver_tp_size: int) -> list[int]:
@@ -124,7 +157,7 @@ def sent_checksums(pool: KVPool, page_ids: list[int], receiver_tp_size: int) -> 
     if receiver_tp_size == size:
         return pool.page_checksums(page_ids)
     writers = min(size, receiver_tp_size)
-    per_rank = pool.rank_checksums(page_ids, writers) if isinstance(pool, TPKVPool) \
+    per_rank = pool.rank_checksums(page_ids, writers) if isinstance(pool, SplitPages) \
         else [pool.page_checksums(page_ids)]
     if receiver_tp_size == 1:
         return per_rank[0]
@@ -132,7 +165,7 @@ def sent_checksums(pool: KVPool, page_ids: list[int], receiver_tp_size: int) -> 
 
 
 def _tp_size(pool: KVPool) -> int:
-    return pool.tp_size if isinstance(pool, TPKVPool) else 1
+    return pool.tp_size if isinstance(pool, SplitPages) else 1
 
 
 async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],

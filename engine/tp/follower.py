@@ -96,10 +96,15 @@ def main() -> int:
         rank_engine = load_rank(config, device, group)
         log.info("loaded shard %d/%d: %d KV pages of %s", rank, config.tp_size, rank_engine.pool.num_pages,
                  rank_engine.pool.layout.describe())
-        # World rank of world size; ranks on another node bind their transfer engines to that node's
+        # World rank of world size (under DP attention: rank in its attention group, whose pages it
+        # holds a share of); ranks on another node bind their transfer engines to that node's
         # address, not rank 0's.
-        transfer = RankTransfer(rank_engine.pool, rank, config.world_size, config.pp_size,
-                                bind_host=spec.get("transfer_host"))
+        if topology.dp_size > 1:
+            transfer = RankTransfer(rank_engine.pool, topology.attn_tp_rank(rank), topology.attn_tp_size,
+                                    bind_host=spec.get("transfer_host"))
+        else:
+            transfer = RankTransfer(rank_engine.pool, rank, config.world_size, config.pp_size,
+                                    bind_host=spec.get("transfer_host"))
         threading.Thread(target=_serve_then_exit, args=(control, transfer), name="pdserve-tp-control",
                          daemon=True).start()
         follow(group, rank_engine.runner)

@@ -47,7 +47,7 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
               controls: list[RankControl] | None = None) -> RankParts:
     """Every rank calls this together: rank 0 sizes the pool and the others take its page count.
     Rank 0 passes the followers' `controls`: its pool's checksums then cover every rank's heads
-    (and, under pipeline parallelism, every stage's layers)."""
+    (and, under pipeline parallelism, every stage's layers; under DP attention, its group's ranks')."""
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
     topology = group.topology
@@ -66,6 +66,10 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     # Rank 0 sizes the pool for its own stage; a stage with fewer layers could hold more pages,
     # but every rank must have the same page ids.
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
+    if controls is not None and dp_attention:
+        # Rank 0's pool is its DP group's (the first attn_tp_size ranks); the other groups' pools
+        # are views over their ranks (engine.dp_engine)
+        controls = controls[:topology.attn_tp_size - 1] or None
     if controls is not None:
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
     else:

@@ -334,7 +334,7 @@ class EngineBackend(EngineHooks, TransferBackend):
                                       sum(p.handle.num_runs for p in parts), sum(p.handle.nbytes for p in parts), group)
         return group.handle
 
-    def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
+    def page_checksums_for(self, peer: PeerId, page_ids: list[int], *, key: str = "") -> list[int]:
         with self._lock:
             route = self._routes.get(peer)
         return sent_checksums(self._require_pool(), page_ids, route.tp_size if route else self.tp_size)

@@ -198,6 +198,11 @@ class TransferBackend(ABC):
     def endpoint(self) -> TransferEndpoint:
         """What a peer needs to connect to this worker (published through the registry)."""
 
+    def endpoint_for(self, key: str) -> TransferEndpoint:
+        """The endpoint a sender writes `key`'s pages through: endpoint(), except on a worker with
+        DP attention groups (libkv.transfer.dp_groups), where it is the key's group's."""
+        return self.endpoint()
+
     @abstractmethod
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
         """Make a peer writable, whatever its TP size. Refuses a different backend or KV layout,
@@ -259,8 +264,10 @@ class TransferBackend(ABC):
         """
 
     @abstractmethod
-    def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
-        """Checksums of local pages as the peer will compute them on arrival (libkv.landing)."""
+    def page_checksums_for(self, peer: PeerId, page_ids: list[int], *, key: str = "") -> list[int]:
+        """Checksums of local pages as the peer will compute them on arrival (libkv.landing). `key`:
+        the room the pages are written for (a worker with DP attention groups holds them on the
+        room's group; others ignore it)."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> TransferState:

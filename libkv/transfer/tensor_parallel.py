@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from libkv.landing import sent_checksums
 from libkv.pool import KVPool
 from libkv.rank_channel import InProcessRank, RankCallFailed, RankChannel
-from libkv.transfer import create_backend
+from libkv.transfer import backend_class, create_backend
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
@@ -99,6 +99,9 @@ class RankTransfer:
     def release_expectation(self, key: str) -> None:
         self.backend.release_expectation(key)  # type: ignore[union-attr]
 
+    def expected_pages(self, key: str) -> frozenset[int]:
+        return self.backend.expected_pages(key)  # type: ignore[union-attr]
+
     def page_checksums(self, pages: list[int]) -> list[int]:
         return self.pool.page_checksums(pages)
 
@@ -133,19 +136,38 @@ class _Write:
 class TensorParallelBackend(TransferBackend):
     """Rank 0's TransferBackend for a PD worker of TP size > 1 (see the module doc). Built on rank
     0's own engine backend and the followers' channels; `register(pool)` (rank 0's pool) creates
-    every follower's backend with the same `options`."""
+    every follower's backend with the same `options`.
+
+    `over_ranks` builds one for a group of ranks none of which is in this process (a DP attention
+    group other than rank 0's, engine.dp_engine): every rank is a channel, and `register` takes the
+    group's pool view (libkv.landing.RankGroupPool), used for checksums only."""
 
     def __init__(self, local: EngineBackend, followers: Sequence[RankChannel], options: dict,
                  pp_size: int = 1) -> None:
         if not followers:
             raise ValueError("a tensor-parallel backend needs follower ranks; at TP 1 use the engine's backend")
-        self.local = local
+        self._setup(local, local.name, type(local), followers, options, pp_size)
+        self.timeout_s = local.timeout_s
+
+    @classmethod
+    def over_ranks(cls, name: str, ranks: Sequence[RankChannel], options: dict) -> TensorParallelBackend:
+        """A backend over remote `ranks` only (see the class doc), for engine `name` with `options`."""
+        if not ranks:
+            raise ValueError("a rank group's backend needs at least one rank")
+        self = cls.__new__(cls)
+        self._setup(None, name, backend_class(name), ranks, options, 1)
+        self.timeout_s = float(options.get("timeout_s", 30.0))
+        return self
+
+    def _setup(self, local: EngineBackend | None, name: str, engine: type[EngineBackend],
+               followers: Sequence[RankChannel], options: dict, pp_size: int) -> None:
+        self.local, self.name = local, name
+        self.one_sided, self.moves_bytes = engine.one_sided, engine.moves_bytes
         self.followers = list(followers)
-        self.name, self.timeout_s = local.name, local.timeout_s
-        self.one_sided, self.moves_bytes = local.one_sided, local.moves_bytes
         self._options = options
         self.pp_size = pp_size  # the followers are the world's ranks: pp_size stages of TP ranks
         self._ranks: list[RankChannel] = []
+        self._pool: KVPool | None = None
         self._endpoint: TransferEndpoint | None = None
         self._peers: dict[PeerId, _Peer] = {}
         self._by_endpoint: dict[TransferEndpoint, PeerId] = {}
@@ -155,9 +177,15 @@ class TensorParallelBackend(TransferBackend):
 
     @property
     def size(self) -> int:
-        return len(self.followers) + 1
+        return len(self.followers) + (self.local is not None)
 
     def register(self, pool: KVPool) -> None:
+        self._pool = pool
+        if self.local is None:  # every rank is remote; `pool` is their view
+            self._ranks = list(self.followers)
+            self._endpoint = TransferEndpoint.of_ranks(
+                [rank.call("create_backend", self.name, self._options) for rank in self._ranks])
+            return
         self.local.register(pool, tp_rank=0, tp_size=self.size, pp_size=self.pp_size)
         self._ranks = [InProcessRank(RankTransfer(pool, 0, self.size, self.pp_size, self.local)), *self.followers]
         self._endpoint = TransferEndpoint.of_ranks(
@@ -172,7 +200,8 @@ class TensorParallelBackend(TransferBackend):
     def close(self) -> None:
         log.info("KV bytes written per tp rank: %s", ", ".join(
             f"rank {rank} {sent}" for rank, sent in enumerate(self.bytes_per_rank)))
-        self.local.close()  # each follower closes its own engine when rank 0 closes the group
+        if self.local is not None:
+            self.local.close()  # each follower closes its own engine when rank 0 closes the group
 
     # ---- sender side -----------------------------------------------------------------------
 
@@ -219,8 +248,8 @@ class TensorParallelBackend(TransferBackend):
                 self.bytes_per_rank[rank] += nbytes
         return TransferHandle(next(self._ids), peer, key, len(src_pages), len(write.parts), sum(sent), write)
 
-    def page_checksums_for(self, peer: PeerId, page_ids: list[int]) -> list[int]:
-        return sent_checksums(self.local.pool, page_ids, self._peer(peer).tp_size)  # type: ignore[arg-type]
+    def page_checksums_for(self, peer: PeerId, page_ids: list[int], *, key: str = "") -> list[int]:
+        return sent_checksums(self._pool, page_ids, self._peer(peer).tp_size)  # type: ignore[arg-type]
 
     def poll(self, handle: TransferHandle) -> TransferState:
         write = self._write(handle)
@@ -252,21 +281,19 @@ class TensorParallelBackend(TransferBackend):
     # ---- receiver side ---------------------------------------------------------------------
 
     def expect(self, key: str, dst_pages: list[int], grant: bytes = b"") -> None:
-        self.local.expect(key, dst_pages, grant=grant)
         try:
-            for follower in self.followers:
-                follower.call("expect", key, list(dst_pages), grant)
+            for rank in self._ranks:
+                rank.call("expect", key, list(dst_pages), grant)
         except BaseException:
             self.release_expectation(key)
             raise
 
     def release_expectation(self, key: str) -> None:
-        self.local.release_expectation(key)
-        for follower in self.followers:
-            follower.call("release_expectation", key)
+        for rank in self._ranks:
+            rank.call("release_expectation", key)
 
     def expected_pages(self, key: str) -> frozenset[int]:
-        return self.local.expected_pages(key)
+        return self._ranks[0].call("expected_pages", key)
 
     # ---- helpers ---------------------------------------------------------------------------
 

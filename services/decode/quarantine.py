@@ -105,7 +105,7 @@ class PageQuarantine:
             log.error("room %s: the prefill reports %d writes for %d pages; not waiting for them", room,
                       len(sent), len(pages))
             return
-        never = await wait_landed(self.engine.pool, pages[:len(sent)], sent, sender_tp_size=sender_tp_size)
+        never = await wait_landed(self.engine.pool_for(room), pages[:len(sent)], sent, sender_tp_size=sender_tp_size)
         if never:  # a write that failed midway never completes; it cannot land later either
             log.warning("room %s: %d of the %d pages the prefill wrote before the abort never matched "
                         "what it sent (a write cut short); freeing them", room, len(never), len(sent))

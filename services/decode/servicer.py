@@ -39,6 +39,7 @@ from engine.outputs import FirstToken
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
 from libkv.landing import wait_landed
+from libkv.transfer.dp_groups import DPGroupsBackend
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry_client import RegistryClient
 from services.decode.prefill_client import PrefillClients, PrefillFailed
@@ -143,6 +144,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         # they are always on there: --no-kv-checksum only spares two-sided engines the hashing.
         self._checksums = self.backend.moves_bytes and (self.config.kv_checksum or self.backend.one_sided)
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
+        self._dp_groups = isinstance(runtime.backend, DPGroupsBackend)
         self.local_prefill = self.config.local_prefill_rule()
 
     def _open_on(self, prefill_address: str) -> int:
@@ -197,7 +199,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             # The landing check takes matching bytes as proof of arrival; a page that held this
             # same prompt before would match before the write lands (KVPool.poison). Inline, not
             # in a thread: no await between reserving and the try below that frees on failure.
-            self.engine.pool.poison(pages)
+            self.engine.pool_for(room.id).poison(pages)
         # Binds the pages to this room and request: the prefill checks the binding through the
         # transfer engine before it writes (two-sided engines also check every write), so only the
         # prefill given this grant can fill them.
@@ -205,7 +207,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         self.backend.expect(room.id, pages, grant=grant)
         prefill_request = worker_pb2.PrefillRequest(  # the sampling message as the client sent it
             room=room.id, prompt_token_ids=parsed.prompt_ids, sampling=sampling, dst_page_ids=pages,
-            dst=self._endpoint, decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
+            dst=self._endpoint_for(room.id), decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.model_name, grant=grant, page_checksums=self._checksums,
             skip_pages=room.reservation.cached_pages)
         room.prefill_address = prefill_address
@@ -239,9 +241,15 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             # of every layer (under pipeline parallelism each stage's ranks hold their layers' part).
             layout = self.engine.kv_layout
             shipped_page_nbytes = (layout.page_nbytes // layout.num_layers * self.engine.model_config.num_layers
-                                   * self.config.engine.tp_size)
+                                   * self.config.engine.topology().attn_tp_size)
             self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * shipped_page_nbytes)
         return reply.first
+
+    def _endpoint_for(self, room: str) -> common_pb2.TransferEndpoint:
+        """Where the prefill writes the room's pages: under DP attention, its group's ranks."""
+        if not self._dp_groups:
+            return self._endpoint
+        return endpoint_to_proto(self.backend.endpoint_for(room))
 
     async def _check_arrived(self, room: str, pages: list[int], sent: list[int], prefill_address: str,
                              context: grpc.aio.ServicerContext, sender_tp_size: int = 1) -> None:
@@ -253,7 +261,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             bad, problem = pages, f"{len(sent)} checksums for {len(pages)} pages"
         else:
             try:
-                bad = await finish_despite_cancel(wait_landed(self.engine.pool, pages, sent,
+                bad = await finish_despite_cancel(wait_landed(self.engine.pool_for(room), pages, sent,
                                                               sender_tp_size=sender_tp_size))
             except BaseException:  # cancelled (client gone) after everything landed or was given up on
                 self.engine.release(room)

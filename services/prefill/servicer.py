@@ -109,7 +109,7 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(
             first_token=token_to_proto(first.token_id, "", first.logprob, first.top_logprobs),
             num_pages_written=writes.pages_pushed, bytes_transferred=writes.bytes_pushed,
-            transfer_seconds=elapsed, page_checksums=writes.checksums, tp_size=self.config.engine.tp_size,
+            transfer_seconds=elapsed, page_checksums=writes.checksums, tp_size=self.config.engine.topology().attn_tp_size,
             num_pages_skipped=writes.skip_pages)
 
     async def _first_token(self, request: EngineRequest) -> TokenOutput:
@@ -200,11 +200,11 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         room = self.rooms.name_in_abort(request.room)  # a Prefill of it from now on is refused
         if room.stage is Stage.DONE:  # finished, or already stopped (decode cancelling the call comes first)
-            return worker_pb2.AbortResponse(found=False, page_checksums=room.checksums, tp_size=self.config.engine.tp_size)
+            return worker_pb2.AbortResponse(found=False, page_checksums=room.checksums, tp_size=self.config.engine.topology().attn_tp_size)
         if room.task is not None and not room.closing:
             room.task.cancel()
         await asyncio.shield(room.ended.wait())
-        return worker_pb2.AbortResponse(found=True, page_checksums=room.writes.checksums, tp_size=self.config.engine.tp_size)
+        return worker_pb2.AbortResponse(found=True, page_checksums=room.writes.checksums, tp_size=self.config.engine.topology().attn_tp_size)
 
 
 def _check_destination(request: worker_pb2.PrefillRequest, num_tokens: int, page_size: int) -> None:

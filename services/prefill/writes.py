@@ -89,7 +89,7 @@ class RoomWrites:
             self.pages_pushed += len(new)
 
     def _issue(self, src: list[int], dst: list[int]) -> TransferHandle:
-        sums = self.backend.page_checksums_for(self.peer, src) if self.want_checksums else []
+        sums = self.backend.page_checksums_for(self.peer, src, key=self.room) if self.want_checksums else []
         handle = self.backend.write(self.peer, src, dst, key=self.room, grant=self.grant)
         with self._lock:  # one room's writes run in push order on its queue
             self.checksums.extend(sums)  # only for issued writes: decode waits for these to land

@@ -110,9 +110,6 @@ class WorkerConfig:
         if self.engine.tp_size > 1:
             check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path),
                           self.engine.topology().ep_size, self.engine.topology().attn_tp_size)
-        if self.engine.enable_dp_attention and self.disaggregation_mode != "null":
-            raise ValueError("--enable-dp-attention runs on colocated workers (--disaggregation-mode null) only "
-                             "for now: a prefill or decode worker's KV transfer does not yet target one DP group")
         if self.engine.pp_size > 1:
             check_pp_size(self.engine.topology(), ModelConfig.from_dir(self.engine.model_path).num_layers)
         if self.engine.device == "auto":

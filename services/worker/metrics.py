@@ -73,6 +73,7 @@ class WorkerMetrics:
                                        "prefill worker (conditional disaggregation), by rule",
                                        labelnames=[*labels, "reason"], registry=r)
         self._gauges: dict[str, Gauge] = {}
+        self._read_counters: dict[str, _ReadCounter] = {}
         # at 0 from the start: a rate over a series that does not exist yet is no data, not 0
         for stage in FAILURE_STAGES.get(role, ()):
             self._failures.labels(**labels, stage=stage)
@@ -87,9 +88,14 @@ class WorkerMetrics:
     def failure(self, stage: str) -> None:
         self._failures.labels(**self.labels, stage=stage).inc()
 
-    def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
-        """A counter whose running total is kept elsewhere (the engine) and read at scrape time."""
-        self.registry.register(_ReadCounter(m(name), doc, self.labels, read))
+    def counter_from(self, name: str, doc: str, read: Callable[[], float], **extra_labels: str) -> None:
+        """A counter whose running total is kept elsewhere (the engine) and read at scrape time;
+        one call per series when `extra_labels` tell series apart."""
+        collector = self._read_counters.get(name)
+        if collector is None:
+            collector = self._read_counters[name] = _ReadCounter(m(name), doc, [*self.labels, *extra_labels])
+            self.registry.register(collector)
+        collector.series.append(([*self.labels.values(), *extra_labels.values()], read))
 
     def gauge(self, name: str, doc: str, read: Callable[[], float], **extra_labels: str) -> None:
         """A gauge whose value is read at scrape time."""
@@ -143,10 +149,12 @@ class _ExpertLoadCollector(Collector):
 
 
 class _ReadCounter(Collector):
-    def __init__(self, name: str, doc: str, labels: dict[str, str], read: Callable[[], float]) -> None:
-        self._name, self._doc, self._labels, self._read = name.removesuffix("_total"), doc, labels, read
+    def __init__(self, name: str, doc: str, label_names: list[str]) -> None:
+        self._name, self._doc, self._label_names = name.removesuffix("_total"), doc, label_names
+        self.series: list[tuple[list[str], Callable[[], float]]] = []
 
     def collect(self):
-        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), self._read())
+        family = CounterMetricFamily(self._name, self._doc, labels=self._label_names)
+        for values, read in self.series:
+            family.add_metric(values, read())
         yield family

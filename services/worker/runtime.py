@@ -11,11 +11,12 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 
-from engine.dp_engine import load_engine
+from engine.dp_engine import DPEngine, load_engine
 from engine.engine import Engine
 from engine.outputs import EngineStats
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
+from libkv.transfer.dp_groups import DPGroupsBackend
 from libkv.transfer.head_map import whole_model
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
@@ -54,6 +55,31 @@ def _exit_worker(engine: Engine, config: WorkerConfig, why: str) -> None:
     os._exit(1)
 
 
+def _transfer_backend(config: WorkerConfig, engine: Engine | DPEngine) -> TransferBackend:
+    """The worker's backend, registered: every rank moves its own KV heads, to peers of any TP size.
+    Under DP attention each group is a worker of attn_tp_size ranks of its own (dp_groups)."""
+    name, options = config.disaggregation_transfer_backend, _backend_options(config)
+    if isinstance(engine, DPEngine):
+        size = config.engine.topology().attn_tp_size
+        controls = engine.tp_followers.controls
+        groups: list[TransferBackend] = []
+        for g, pool in enumerate(engine.group_pools):
+            if g > 0:
+                group = TensorParallelBackend.over_ranks(name, controls[g * size - 1:(g + 1) * size - 1], options)
+            elif size > 1:
+                group = TensorParallelBackend(create_backend(name, **options), controls[:size - 1], options)
+            else:
+                group = create_backend(name, **options)
+            group.register(pool)
+            groups.append(group)
+        return DPGroupsBackend(groups, engine.group_of)
+    backend = create_backend(name, **options)
+    if engine.tp_followers is not None:
+        backend = TensorParallelBackend(backend, engine.tp_followers.controls, options, config.engine.pp_size)
+    backend.register(engine.pool)
+    return backend
+
+
 @dataclass
 class WorkerRuntime:
     """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
@@ -75,14 +101,7 @@ class WorkerRuntime:
         engine = load_engine(config.engine)  # a DPEngine under --enable-dp-attention
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
-        backend: TransferBackend | None = None
-        if config.role != "colocated":
-            options = _backend_options(config)
-            backend = create_backend(config.disaggregation_transfer_backend, **options)
-            if engine.tp_followers is not None:  # every rank moves its own KV heads, to peers of any TP size
-                backend = TensorParallelBackend(backend, engine.tp_followers.controls, options,
-                                                config.engine.pp_size)
-            backend.register(engine.pool)
+        backend = None if config.role == "colocated" else _transfer_backend(config, engine)
         runtime = cls(config=config, engine=engine, backend=backend,
                       metrics=WorkerMetrics(config.role, config.model_name))
         runtime._add_gauges()
@@ -109,6 +128,13 @@ class WorkerRuntime:
                       lambda: engine.stats().cached_pages)
         if engine.model_config.moe is not None:
             metrics.expert_load(engine.expert_load)
+        if isinstance(engine, DPEngine):  # where the requests went, and what each group holds
+            for g, member in enumerate(engine.members):
+                metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "
+                                     "(prefilled ones on decode by their reservation)",
+                                     lambda g=g: engine.placed[g], dp_rank=str(g))
+                metrics.gauge("dp_rank_kv_pages_used", "KV pages in use on each DP attention group",
+                              lambda member=member: member.pages.used_pages, dp_rank=str(g))
         if self.backend is not None:
             for rank in range(len(self.backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",

@@ -63,9 +63,13 @@ def worker_on(model, mode: str, host: str, backend: str, registry: str, *extra: 
             registry, "--num-threads", "1", "--num-pages", "96", "--chunked-prefill-size", "64", *extra]
 
 
-# The seeds' layouts over two nodes, scaled: DeepSeek-V3's TP 16 (here TP 2, no RDMA device) and
-# DeepSeek-V3.1's `--tp 8 --pp-size 4 --nnodes 4` (here `--tp 1 --pp-size 2 --nnodes 2`).
-LAYOUTS = {"tp": ("--tp-size", "2"), "pp": ("--tp", "1", "--pp-size", "2")}
+# The seeds' layouts over two nodes, scaled: DeepSeek-V3's TP 16 (here TP 2, no RDMA device),
+# DeepSeek-V3's `--tp-size 16 --dp-size 8 --enable-dp-attention --moe-a2a-backend deepep` (here TP 2
+# in 2 DP attention groups, one per node, experts over both; DeepEP is absent on CPU: the torch
+# all-to-all stands in, with a warning) and DeepSeek-V3.1's `--tp 8 --pp-size 4 --nnodes 4` (here
+# `--tp 1 --pp-size 2 --nnodes 2`).
+LAYOUTS = {"tp": ("--tp-size", "2"), "pp": ("--tp", "1", "--pp-size", "2"),
+           "dp": ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--moe-a2a-backend", "deepep")}
 
 
 def seeds_node(model, mode: str, host: str, node0: str, node_rank: int, backend: str, registry: str,
@@ -86,7 +90,8 @@ def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str
     return first, second
 
 
-@pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake")])
+@pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake"),
+                                                 ("dp", "mooncake"), ("dp", "nixl")])
 def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork, deepseek, layout, backend):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
@@ -101,9 +106,13 @@ def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
     assert_matches(got, hf_greedy(deepseek, prompts), f"{backend} PD, {LAYOUTS[layout]} over two nodes each")
     # The prefill's rank on its second host wrote its share itself (MLA: decode rank 1's whole pages;
-    # PP: its stage's layers).
+    # PP: its stage's layers; DP attention: the pages of the rooms its group prefilled).
     assert prefill.metric("pdserve:kv_transfer_rank_bytes", rank="1") > 0
     assert "transfer engines on " + hosts.hosts["prefill1"].address in prefill_node1.log()
+    if layout == "dp":  # each node's group took requests; the seeds' DeepEP ran as the torch all-to-all
+        for proc in (prefill, decode):
+            assert all(proc.metric("pdserve:dp_rank_requests_total", dp_rank=g) > 0 for g in "01"), proc.name
+        assert "--moe-a2a-backend deepep: DeepEP needs NVIDIA GPUs" in decode.log()
 
     gateway = cluster.start("gateway", ["launch-router", "--bootstrap", registry.address, "--host", router.address,
                                         "--port", "0"], wrapper=router.wrapper)

@@ -62,6 +62,17 @@ async def generate(engine: Engine, prompt: list[int], params: SamplingParams, ro
                 yield output
 
 
+async def run_in_turn(engine: Engine, prompts: list[list[int]],
+                      params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and logprobs, one request after another (so later prompts can hit the
+    prefix cache the earlier ones filled)."""
+    got = []
+    for i, prompt in enumerate(prompts):
+        outputs = [o async for o in generate(engine, prompt, params, f"r{i}")]
+        got.append(([o.token_id for o in outputs], [o.logprob for o in outputs]))
+    return got
+
+
 async def prefill_first_token(engine: Engine, prompt: list[int], params: SamplingParams, room: str,
                   on_pages_filled=None) -> FirstToken:
     """A prefill-only request's first token (its pages stay held under `room`); RequestAborted if

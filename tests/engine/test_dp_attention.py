@@ -59,3 +59,25 @@ async def test_dp_attention_matches_hf(model, tp_size, ep_size, request):
     assert all(steps), f"every group ran requests: steps per group {steps}"
     assert stats.prefix_hit_tokens - hits_before >= sum((n // 16) * 16 for n in LENGTHS[3:]) - 16 * 3
     assert stats.used_pages == 0
+
+
+async def test_reservations_are_placed_on_groups_and_released_there(qwen3_ckpt):
+    """The PD side of a DP engine (the decode's reservation, the prefill's held pages): a room's
+    pages are reserved on one group, stay there until released, and free that group's pages."""
+    engine = start(qwen3_ckpt, 2, 2)
+    try:
+        prompts = random_prompts([40, 40, 40], seed=9)
+        first = engine.reserve_prompt("r0", prompts[0])
+        second = engine.reserve_prompt("r1", prompts[1])
+        assert first is not None and second is not None
+        assert {engine.group_of("r0"), engine.group_of("r1")} == {0, 1}  # the least loaded each time
+        with pytest.raises(ValueError, match="already has reserved or held pages"):
+            engine.reserve_prompt("r0", prompts[2])  # a room holds one reservation, as on one engine
+        used = [member.pages.used_pages for member in engine.members]
+        assert used == [3, 3], used
+        assert engine.release("r0") and engine.group_of("r0") is None
+        assert not engine.release("r0")
+        assert engine.release("r1")
+        assert engine.stats().used_pages == 0
+    finally:
+        engine.shutdown()

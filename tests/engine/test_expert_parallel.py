@@ -33,7 +33,7 @@ from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.group import free_port
 from engine.tp.shard import TPShard, UnshardableModel, check_tp_size
 from services.worker.config import WorkerConfig
-from tests.engine.conftest import generate, random_prompts, start_engine
+from tests.engine.conftest import random_prompts, run_in_turn, start_engine
 from tests.engine.test_moe import LENGTHS, MIXTRAL_OVERRIDES, check_equal
 from tests.engine.test_parity import NEW_TOKENS, engine_outputs, hf_reference
 from tools.models.tiny_model import write_tiny_model
@@ -100,10 +100,7 @@ async def test_prefix_cache_hit_under_ep(prompts, tmp_path):
     engine = start_engine(ckpt, chunked_prefill_size=32, page_size=16, num_threads=1, tp_size=2, ep_size=2)
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
     try:
-        got = []
-        for i, prompt in enumerate(later):  # one after another, so the later ones hit
-            outputs = [o async for o in generate(engine, prompt, params, f"r{i}")]
-            got.append(([o.token_id for o in outputs], [o.logprob for o in outputs]))
+        got = await run_in_turn(engine, later, params)  # one after another, so the later ones hit
         stats = engine.stats()
     finally:
         engine.shutdown()

@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.models.weights import MisshapenTensor, MissingTensor
 from engine.sampling import SamplingParams
-from tests.engine.conftest import generate, random_prompts, start_engine
+from tests.engine.conftest import generate, random_prompts, run_in_turn, start_engine
 from tests.engine.test_parity import NEW_TOKENS, engine_outputs, hf_reference
 from tools.models.tiny_model import write_tiny_model
 
@@ -106,10 +106,7 @@ async def test_prefix_cache_hits_change_nothing(moe_ckpt):
     engine = start_engine(moe_ckpt, chunked_prefill_size=32, page_size=16)
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
     try:
-        got = []
-        for i, prompt in enumerate(prompts):  # one after another, so the later ones hit
-            outputs = [o async for o in generate(engine, prompt, params, f"r{i}")]
-            got.append(([o.token_id for o in outputs], [o.logprob for o in outputs]))
+        got = await run_in_turn(engine, prompts, params)  # one after another, so the later ones hit
         stats = engine.stats()
     finally:
         engine.shutdown()

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.tp.topology import TopologyError
-from tests.engine.conftest import generate, random_prompts, start_engine
+from tests.engine.conftest import random_prompts, run_in_turn, start_engine
 from tests.engine.test_parity import NEW_TOKENS, hf_reference
 from tests.engine.test_tp import LENGTHS, check_equal, run
 from tools.models.tiny_model import write_tiny_model
@@ -58,10 +58,7 @@ async def test_prefix_cache_hits_under_pp(case):
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
     engine = start_engine(model_dir, chunked_prefill_size=64, page_size=16, pp_size=2, num_threads=1)
     try:
-        got = []
-        for i, prompt in enumerate(prompts):  # one after another, so the later ones hit
-            outputs = [o async for o in generate(engine, prompt, params, f"r{i}")]
-            got.append(([o.token_id for o in outputs], [o.logprob for o in outputs]))
+        got = await run_in_turn(engine, prompts, params)  # one after another, so the later ones hit
         stats = engine.stats()
     finally:
         engine.shutdown()
