@@ -10,14 +10,16 @@ rest of the process, so an unprofiled step costs the engine one boolean check.
 
 A step with prefill chunks counts as a prefill step even when decodes ride along in it. Steps of the
 other kind that run while the profiler records are in the trace too, labelled with their kind but
-not counted. Profiling must never break serving: a profiler that fails to start or to write is
-logged as a warning and profiling stops; the step itself always runs.
+not counted. One engine per process is profiled (DP attention's member engines: the first to start).
+Profiling must never break serving: a profiler that fails to start or to write is logged as a
+warning and profiling stops; the step itself always runs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,10 @@ from engine.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 PERFETTO_URL = "https://ui.perfetto.dev"
+# torch's profiler is one per process, and a second one started beside it corrupts both traces.
+# DP attention runs several member engines (each with a StepProfiler) in one process: the first to
+# start records, the others turn off.
+_ONE_PER_PROCESS = threading.Lock()
 
 
 def step_kind(batch: SchedulerOutput) -> str:
@@ -88,12 +94,19 @@ class StepProfiler:
         return result
 
     def _start(self) -> bool:
+        if not _ONE_PER_PROCESS.acquire(blocking=False):
+            self._turn_off("another engine of this process is being profiled")
+            return False
+        profiler = None
         try:
-            self._profiler = profile(activities=self.activities)
-            self._profiler.start()
-        except Exception as exc:  # e.g. another profiler already runs in this process
+            profiler = profile(activities=self.activities)
+            profiler.start()
+        except Exception as exc:
+            _stop_quietly(profiler)
+            _ONE_PER_PROCESS.release()
             self._turn_off(f"could not start the torch profiler: {exc!r}")
             return False
+        self._profiler = profiler
         log.info("profiling the next %d %s steps", self.steps, " and ".join(sorted(self.kinds)))
         return True
 
@@ -109,15 +122,20 @@ class StepProfiler:
         except Exception as exc:
             self._turn_off(f"could not write the profile to {path}: {exc!r}")
             return
+        finally:
+            _ONE_PER_PROCESS.release()
         log.info("profile of %d steps written to %s: open it at %s (Open trace file)", self._seen, path.resolve(),
                  PERFETTO_URL)
 
     def _turn_off(self, why: str) -> None:
         log.warning("%s; profiling is off for the rest of this process", why)
         self.active = False
-        profiler, self._profiler = self._profiler, None
+
+
+def _stop_quietly(profiler: profile | None) -> None:
+    """Stop a profiler whose start failed halfway, if it runs: the start's error is the one to report."""
+    try:
         if profiler is not None:
-            try:
-                profiler.stop()
-            except Exception:
-                pass  # it failed to start, or already stopped: nothing more to release
+            profiler.stop()
+    except Exception:
+        pass  # it never started, or already stopped

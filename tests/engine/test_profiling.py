@@ -111,3 +111,17 @@ def test_environment_knobs_set_the_flags_defaults(monkeypatch, tmp_path):
         (True, True, 7, str(tmp_path))
     with pytest.raises(ValueError, match="--profile-steps"):
         EngineConfig(model_path="unused", profile_steps=0)
+
+
+def test_one_engine_per_process_is_profiled(tmp_path):
+    # DP attention's member engines share a process, and torch has one profiler per process.
+    first, second = (profiling.StepProfiler(frozenset({"decode"}), 1, str(tmp_path / name), torch.device("cpu"))
+                     for name in ("first", "second"))
+    batch = SchedulerOutput(decodes=[ScheduledChunk("a", [5], 3, [0], sample=True)])
+
+    def step(profiler):
+        return lambda _batch: profiler.run(batch, lambda _: True)  # the other engine steps meanwhile
+
+    assert first.run(batch, step(second)) is True
+    assert not first.active and not second.active
+    assert [p.name for p in tmp_path.iterdir()] == ["first"]
