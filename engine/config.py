@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.tp.topology import Topology
+from pdserve import envs
 
 
 def _help(text: str) -> dict:
@@ -87,6 +88,15 @@ class EngineConfig:
     disable_radix_cache: bool = field(default=False, metadata=_help(
         "turn the prefix cache off (SGLang's flag name): every prompt is computed in full, a decode worker "
         "reuses none of its cached pages, and no KV events are published"))
+    profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
+        "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
+        "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))
+    profile_decode: bool = field(default_factory=envs.PROFILE_DECODE.get, metadata=_help(
+        "the same for decode-only steps (SGLang's flag); with --profile-prefill, steps of both kinds count"))
+    profile_steps: int = field(default_factory=envs.PROFILE_STEPS.get, metadata=_help(
+        "steps of the profiled kind(s) one trace records; profiling is off afterwards"))
+    profile_dir: str = field(default_factory=envs.PROFILE_DIR.get, metadata=_help(
+        "folder the trace file (KIND-PID-TIME.trace.json) is written to, created if missing"))
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -95,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"--page-size must be positive, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"--num-pages must be positive, got {self.num_pages}")
+        if self.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be at least 1, got {self.profile_steps}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
         if self.moe_a2a_backend not in ("none", "deepep", "mooncake"):

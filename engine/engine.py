@@ -42,6 +42,7 @@ from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
 from engine.outputs import EngineStats, FirstToken, TokenOutput
 from engine.page_manager import Reservation
+from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.sampling import sample
 from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
@@ -123,6 +124,7 @@ class Engine:
         self._deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = defaultdict(list)
         self._generated_tokens = 0
         self._steps = 0
+        self.profiler = StepProfiler.from_config(self.config, self.pool.device)
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -351,6 +353,12 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return False
+        if self.profiler.active:  # off after its bounded steps: this check is all it costs then
+            return self.profiler.run(batch, self._run_step)
+        return self._run_step(batch)
+
+    def _run_step(self, batch: SchedulerOutput) -> bool:
+        """Forward, sample and emit one scheduled batch (inside `step`'s inference mode)."""
         logits = self.runner.forward(batch)
         self.scheduler.advance(batch)
         self._steps += 1

@@ -82,6 +82,14 @@ API_KEY = EnvVar(
     "PDSERVE_API_KEY", "",
     "Gateway: the API key clients must send as `Authorization: Bearer KEY` (what --api-key sets; the "
     "flag wins). Empty: no key is asked for.")
+PROFILE_PREFILL = EnvVar(
+    "PDSERVE_PROFILE_PREFILL", False,
+    "Record a torch profiler trace of the first prefill steps (SGLang's SGLANG_PROFILE_PREFILL).")
+PROFILE_DECODE = EnvVar(
+    "PDSERVE_PROFILE_DECODE", False,
+    "Record a torch profiler trace of the first decode steps (SGLang's SGLANG_PROFILE_DECODE).")
+PROFILE_STEPS = EnvVar("PDSERVE_PROFILE_STEPS", 5, "Steps of the profiled kind one trace records.")
+PROFILE_DIR = EnvVar("PDSERVE_PROFILE_DIR", "pdserve-profile", "Folder profiler traces are written to.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
