@@ -10,7 +10,7 @@ the MLP collectives.
 
 Placement: a new request goes to the group whose prefix cache holds the longest run of its
 prompt's leading pages, ties (and no hit anywhere) to the least loaded (live requests placed
-there, then used pages). The worker's KV events cover every group's cache (a page hash is
+there, then used pages), and ties of those in turn (round robin). The worker's KV events cover every group's cache (a page hash is
 "stored" while any group holds it), so the gateway's cache-aware routing picks the worker and
 the worker the group.
 
@@ -186,6 +186,7 @@ class DPEngine:
         self.pages = DPPages(members)
         self._rooms: dict[str, Engine] = {}
         self.placed = [0] * len(members)  # requests placed on each group since start
+        self._next_turn = 0  # the group a tie goes to next
         self._lock = threading.Lock()
 
     @classmethod
@@ -276,7 +277,9 @@ class DPEngine:
         """Record the room on `member` (under the lock), counting a new placement."""
         if self._rooms.get(room) is not member:
             self._rooms[room] = member
-            self.placed[self.members.index(member)] += 1
+            g = self.members.index(member)
+            self.placed[g] += 1
+            self._next_turn = (g + 1) % len(self.members)
 
     def _forget(self, room: str, member: Engine) -> None:
         with self._lock:
@@ -285,15 +288,19 @@ class DPEngine:
 
     def _place(self, prompt_ids: list[int]) -> Engine:
         """The group with the longest cached prefix of the prompt, then the fewest live requests
-        (placed here and not finished), then the fewest used pages."""
+        (placed here and not finished), then the fewest used pages, then the next in turn after the
+        last placement (round robin: requests that arrive one at a time, each finished before the
+        next, still spread over the groups instead of all landing on group 0)."""
         hashes = page_hashes(prompt_ids, self.pages.page_size) if self.pages.cache is not None else None
         live = Counter(id(member) for member in self._rooms.values())
+        size = len(self.members)
 
-        def rank(member: Engine) -> tuple:
+        def rank(g: int) -> tuple:
+            member = self.members[g]
             hit = member.pages.cached_prefix_pages(prompt_ids, hashes) if hashes else 0
-            return -hit, live[id(member)], member.pages.used_pages
+            return -hit, live[id(member)], member.pages.used_pages, (g - self._next_turn) % size
 
-        return min(self.members, key=rank)
+        return self.members[min(range(size), key=rank)]
 
     def abort(self, room: str) -> None:
         """Engine.abort on the room's group (every group when it is on none). The room is forgotten:

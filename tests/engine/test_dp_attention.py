@@ -79,5 +79,13 @@ async def test_reservations_are_placed_on_groups_and_released_there(qwen3_ckpt):
         assert not engine.release("r0")
         assert engine.release("r1")
         assert engine.stats().used_pages == 0
+        # One at a time, each released before the next: the groups still take turns.
+        turns = []
+        for i, prompt in enumerate(random_prompts([40] * 4, seed=10)):
+            assert engine.reserve_prompt(f"s{i}", prompt) is not None
+            turns.append(engine.group_of(f"s{i}"))
+            assert engine.release(f"s{i}")
+        assert turns == [0, 1, 0, 1], turns
+        assert engine.placed == [3, 3]
     finally:
         engine.shutdown()
