@@ -98,6 +98,7 @@ async def serve(runtime: WorkerRuntime) -> None:
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
                  config.disaggregation_transfer_backend if runtime.backend else "none",
                  config.security.describe())
+        config.security.warn_if_open(config.server.host, f"this {config.role} worker")
         received = await shutdown.wait()
         log.info("%s worker got %s: shutting down", config.role, received.name)
         for task in background:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine.tp.topology import Topology, TopologyError
+from pdserve.netaddr import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,6 @@ def use_interface_of(host: str) -> None:
             return
     raise RendezvousError(f"no network interface of this node has the address {host} (--host, or node 0's "
                           "--dist-init-addr host): the other nodes' ranks could not reach this one")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def warn_if_exposed(host: str) -> None:

@@ -90,6 +90,7 @@ async def serve(config: BootstrapConfig) -> None:
         follow_store_health(registry, server)
         log.info("bootstrap registry listening on %s (metrics :%d), lease ttl %.1fs, %s, %s", server.address,
                  metrics.port, registry.ttl_s, config.security.describe(), registry.describe())
+        config.security.warn_if_open(config.server.host, "the bootstrap registry")
         received = await shutdown.wait()
         log.info("bootstrap registry got %s: shutting down", received.name)
         await registry.close()  # ends the Watch streams, which would otherwise hold the grace period

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from pdserve import envs
+from pdserve.netaddr import is_loopback
 
 log = logging.getLogger("pdserve.security")
 
@@ -73,6 +74,17 @@ class GrpcSecurity:
     @property
     def tls(self) -> bool:
         return bool(self.grpc_tls_ca or self.grpc_tls_cert)
+
+    def warn_if_open(self, host: str, what: str) -> None:
+        """Say loudly at start when `what` (the registry, a worker) binds an address other hosts can
+        reach with no cluster secret: anyone there can then register workers, send prompts to
+        workers and read their outputs, or drive KV transfers."""
+        if self.secret or is_loopback(host):
+            return
+        log.warning("%s listens on %s without a cluster secret: anyone who can reach this address can "
+                    "register workers, send prompts and read the answers. Set one for every process of the "
+                    "deployment: --cluster-secret-file FILE or PDSERVE_CLUSTER_SECRET (and TLS: "
+                    "--grpc-tls-cert/--grpc-tls-key/--grpc-tls-ca).", what, host)
 
     def describe(self) -> str:
         """For the ready line: what protects this process's gRPC, never the secret itself."""

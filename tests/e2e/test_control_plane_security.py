@@ -258,3 +258,12 @@ def test_a_room_in_use_is_refused_not_shared(cluster: Cluster, tiny_model):
     assert first[0] == grpc.StatusCode.OK, first
     assert second[0] == grpc.StatusCode.ALREADY_EXISTS, second
     assert_pages_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("with_secret", [False, True])
+def test_a_registry_open_to_other_hosts_without_a_secret_says_so(cluster: Cluster, tmp_path, with_secret):
+    extra = ["--cluster-secret-file", security_with(tmp_path, "s3cret").cluster_secret_file] if with_secret else []
+    registry = cluster.start("bootstrap", ["bootstrap", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "0",
+                                           *extra])
+    warned = "listens on 0.0.0.0 without a cluster secret: anyone who can reach this address" in registry.log()
+    assert warned is not with_secret, registry.log()[-2000:]
