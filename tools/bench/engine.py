@@ -321,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(report)
+        print_table(report)
     return 0
 
 
@@ -337,7 +337,7 @@ def _compare(pdserve: dict, peer: dict) -> dict:
             "greedy_outputs_equal": f"{same}/{len(pdserve['tokens'])}"}
 
 
-def _print_table(report: dict) -> None:
+def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
               f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from contextlib import redirect_stdout
 
-from tools.bench.engine import SEED_FIGURE, _print_table
+from tools.bench.engine import SEED_FIGURE, print_table
 
 
 def _report(device: str) -> dict:
@@ -20,7 +20,7 @@ def _report(device: str) -> dict:
 def _table(report: dict) -> str:
     out = io.StringIO()
     with redirect_stdout(out):
-        _print_table(report)
+        print_table(report)
     return out.getvalue()
 
 
