@@ -49,7 +49,7 @@ def row_from_junit(part: str, path: Path, returncode: int) -> Row:
             row.passed += 1
         elif outcome.tag == "skipped":
             row.skipped += 1
-            skips.append(outcome.get("message", ""))
+            skips.append(_skip_reason(outcome))
         else:
             row.failed += 1
             failures.append(f"{case.get('name')}: {outcome.get('message', '')}")
@@ -59,6 +59,15 @@ def row_from_junit(part: str, path: Path, returncode: int) -> Row:
     first = (failures or skips or [""])[0]
     row.reason = first.splitlines()[0][:160] if first else ""
     return row
+
+
+def _skip_reason(skipped: ET.Element) -> str:
+    """A module-level skip's message is just "collection skipped"; its reason is in the element's
+    text, a repr of (file, line, "Skipped: <reason>")."""
+    text = skipped.text or ""
+    if "Skipped: " in text:
+        return text.split("Skipped: ", 1)[1].rstrip("')\"")
+    return skipped.get("message", "")
 
 
 def run_tests(part: str, paths: tuple[str, ...], out: Path) -> Row:
