@@ -3,7 +3,7 @@
 Every module of tests/gpu calls `require(...)` before importing anything heavy, so on a machine
 without CUDA the whole suite is collected and skipped in seconds, loading no model. The reasons
 start with the part's name so `pytest -rs` and scripts/test_gpu.sh's summary say which part
-skipped and why; tests/tools/gpu/test_gpu_skips.py checks them on CPU machines.
+skipped and why; tests/tools/gpu/test_skips.py checks them on CPU machines.
 """
 
 from __future__ import annotations
