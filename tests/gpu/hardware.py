@@ -9,7 +9,6 @@ skipped and why; tests/tools/gpu/test_skips.py checks them on CPU machines.
 from __future__ import annotations
 
 import importlib
-import subprocess
 
 import pytest
 import torch
@@ -41,15 +40,8 @@ def require(part: str, gpus: int = 1, modules: tuple[str, ...] = ()) -> None:
         pytest.skip(f"[gpu:{part}] {reason}", allow_module_level=True)
 
 
-def gpus_of_pids() -> dict[int, set[int]]:
-    """Which GPU indices each process holds memory on, as nvidia-smi reports it."""
-    def query(what: str, fields: str) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", f"--query-{what}={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True, timeout=30).stdout
-        return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
-
-    index_of_bus = {bus: int(index) for index, bus in query("gpu", "index,pci.bus_id")}
-    held: dict[int, set[int]] = {}
-    for pid, bus in query("compute-apps", "pid,gpu_bus_id"):
-        held.setdefault(int(pid), set()).add(index_of_bus[bus])
-    return held
+def used_bytes(index: int) -> int:
+    """Memory in use on GPU `index` by every process, as the driver counts it (a process's own
+    allocator cannot see another's, and nvidia-smi's PIDs may be from another PID namespace)."""
+    free, total = torch.cuda.mem_get_info(index)
+    return total - free
