@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: setup run test lint protos check-protos unit e2e docker docker-smoke
+.PHONY: setup run test test-gpu lint protos check-protos unit e2e docker docker-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,11 @@ e2e: setup
 
 test: setup lint check-protos
 	$(PY) -m pytest -q -ra --durations=15 tests
+
+# On a machine with NVIDIA GPUs: its own venv (.venv-gpu, CUDA wheels), then the GPU suite (tests/gpu)
+# and the CUDA bench, with a summary table. Not part of `test`, and independent of `setup`.
+test-gpu:
+	@bash scripts/test_gpu.sh
 
 # Container images of the four services, and a compose up + one request + down (needs a Docker engine).
 docker:

@@ -93,9 +93,11 @@ async def serve(runtime: WorkerRuntime) -> None:
             if runtime.registry is not None:
                 background.append(asyncio.create_task(binding.servicer.watch_prefills(runtime.registry)))
         layout = runtime.engine.kv_layout
-        log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens, "
+        # The pool's device names the GPU the worker ended up on (--device auto, --base-gpu-id).
+        log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens on %s, "
                  "transfer backend %s, %s", config.role, server.address, runtime.metrics_server.port,
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
+                 runtime.engine.pool.device,
                  config.disaggregation_transfer_backend if runtime.backend else "none",
                  config.security.describe())
         config.security.warn_if_open(config.server.host, f"this {config.role} worker")

@@ -29,7 +29,7 @@ NEW_TOKENS = 16
 LOGPROB_TOLERANCE = 0.25  # two bf16 logit steps at |logit| ~ 20
 
 
-async def _generate(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+async def generate_bf16(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
 
     async def one(index: int, prompt: list[int]):
@@ -53,15 +53,23 @@ async def test_bf16_logprobs_match_hf_teacher_forced(qwen3_ckpt, hf_bf16, cpu_ke
     engine = start_engine(qwen3_ckpt, dtype="bfloat16", cpu_kernels=cpu_kernels, chunked_prefill_size=64,
                           num_pages=512)
     try:
-        outputs = await _generate(engine, prompts)
+        outputs = await generate_bf16(engine, prompts)
     finally:
         engine.shutdown()
+    check_teacher_forced(hf_bf16, prompts, outputs)
+
+
+def check_teacher_forced(hf_model, prompts: list[list[int]], outputs: list[tuple[list[int], list[float]]],
+                         tolerance: float = LOGPROB_TOLERANCE) -> None:
+    """HF (on its own device) over each prompt plus the engine's tokens: the engine's logprobs and
+    its greedy choices agree with HF's within `tolerance` (see the module docstring)."""
     for prompt, (tokens, logprobs) in zip(prompts, outputs, strict=True):
         with torch.inference_mode():
-            logits = hf_bf16(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+            ids = torch.tensor([prompt + tokens], device=hf_model.device)
+            logits = hf_model(ids).logits[0, len(prompt) - 1:-1].float().cpu()
         reference = torch.log_softmax(logits, dim=-1)
         chosen = reference.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         worst = (chosen - torch.tensor(logprobs)).abs().max().item()
-        assert worst < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}: logprob off by {worst}"
+        assert worst < tolerance, f"prompt of {len(prompt)}: logprob off by {worst}"
         regret = (reference.max(dim=-1).values - chosen).max().item()
-        assert regret < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}: a token {regret} below HF's best"
+        assert regret < tolerance, f"prompt of {len(prompt)}: a token {regret} below HF's best"

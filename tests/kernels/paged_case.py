@@ -29,7 +29,20 @@ def make_case(seq_lens: list[int], *, num_layers: int = 2, page_size: int = 4, n
     """Random K/V for each sequence, written page by page onto a random permutation of pages.
 
     The pool starts filled with large garbage so a read of a wrong slot shows up in the result.
+    Drawn on the CPU (the same numbers everywhere), then moved to torch's default device, so the
+    cases run on CUDA under `torch.set_default_device("cuda")` (tests/gpu/test_triton_cuda.py).
     """
+    with torch.device("cpu"):
+        case = _make_case_on_cpu(seq_lens, num_layers, page_size, num_kv_heads, num_q_heads, head_dim, dtype,
+                                 extra_pages, filler, seed)
+    device = torch.get_default_device()
+    return PagedCase(case.buffer.to(device), case.page_table.to(device), case.seq_lens.to(device),
+                     [[t.to(device) for t in layer] for layer in case.dense_k],
+                     [[t.to(device) for t in layer] for layer in case.dense_v], case.q.to(device), case.page_ids)
+
+
+def _make_case_on_cpu(seq_lens, num_layers, page_size, num_kv_heads, num_q_heads, head_dim, dtype, extra_pages,
+                      filler, seed) -> PagedCase:
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_seq) + extra_pages

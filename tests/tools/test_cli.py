@@ -29,6 +29,7 @@ def test_bench_engine_json(qwen3_ckpt):
     assert report["pdserve"]["decode_tokens_per_s"] > 0 and report["hf"]["decode_tokens_per_s"] > 0
     assert report["ratio"] > 0 and report["pdserve"]["peak_rss_mib"] > 0
     assert report["greedy_outputs_equal"] == "2/2"
+    assert report["device"] == "cpu" and "seed_figure" not in report  # the seeds' figure is a GPU one
 
 
 def test_bench_engine_peer_without_vllm_fails_clearly(qwen3_ckpt):

@@ -49,7 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pdserve's fused C++ CPU kernels (engine config cpu_kernels)")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="pdserve's tensor-parallel ranks; --threads is shared out between them")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N: where pdserve and HF run (vLLM picks its own)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# The figure a CUDA run is set beside: SGLang's decode log for Qwen3-4B at batch 1 in the seeds
+# (../shared/seeds/000_*.txt, "gen throughput (token/s): 144.11", CUDA graphs on, one GPU per role).
+SEED_FIGURE = {"system": "SGLang, Qwen3-4B, batch 1, CUDA graphs", "decode_tokens_per_s": 144.0}
 
 
 def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -66,7 +73,7 @@ class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
@@ -77,7 +84,7 @@ class PdserveSystem:
         self.engine = Engine.load(EngineConfig(
             model_path=model, dtype=dtype, num_threads=threads,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
-            cpu_kernels=cpu_kernels, tp_size=tp_size,
+            cpu_kernels=cpu_kernels, tp_size=tp_size, device=device,
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
             disable_radix_cache=True))
@@ -118,19 +125,23 @@ class HfSystem:
     """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1) -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(self.device)
         self.model.generation_config.eos_token_id = None  # same as the engine's ignore_eos
-        self.ids = torch.tensor(prompts)
+        self.ids = torch.tensor(prompts, device=self.device)
         self.new_tokens = new_tokens
 
     def _generate(self, n: int) -> torch.Tensor:
         with torch.inference_mode():
-            return self.model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
-                                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = self.model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+                                      max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the clock stops when the GPU is done, not when it is queued
+        return out
 
     def round(self, index: int) -> dict:
         t0 = time.perf_counter()
@@ -255,13 +266,13 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
-        cpu_kernels: str = "auto", tp_size: int = 1) -> dict[str, dict]:
+        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
     systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
-        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size))
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size, device))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -294,9 +305,11 @@ def main(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
-                    "dtype": args.dtype, "tp_size": args.tp_size}
+                    "dtype": args.dtype, "tp_size": args.tp_size, "device": args.device}
+    if args.device.startswith("cuda"):
+        report["seed_figure"] = SEED_FIGURE
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size)
+                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device)
     report.update(results)
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
@@ -308,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(report)
+        print_table(report)
     return 0
 
 
@@ -324,10 +337,10 @@ def _compare(pdserve: dict, peer: dict) -> dict:
             "greedy_outputs_equal": f"{same}/{len(pdserve['tokens'])}"}
 
 
-def _print_table(report: dict) -> None:
+def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
-              f"{report['threads']} threads, {report['dtype']}\n")
+              f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")
     for system in ("pdserve", "hf", "vllm"):
         if system in report:
             r = report[system]
@@ -340,3 +353,7 @@ def _print_table(report: dict) -> None:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
                       f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
+    if "seed_figure" in report:
+        seed = report["seed_figure"]
+        out.write(f"  seeds    decode {seed['decode_tokens_per_s']:8.1f} tok/s ({seed['system']}; pdserve / seeds: "
+                  f"{report['pdserve']['decode_tokens_per_s'] / seed['decode_tokens_per_s']:.2f}x)\n")

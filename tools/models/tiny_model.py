@@ -23,6 +23,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,13 @@ class TinyPreset:
     # Architecture-specific config.json fields (experts, latent attention), written when the
     # checkpoint's arch is of the preset's family (deepseek_v2 and _v3 are one family).
     extra: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # of the saved tensors and config.json's torch_dtype
+    # A vocabulary far beyond what the corpus can teach a BPE tokenizer trains for minutes: the
+    # tokenizer then gets this many tokens and the embedding matrix is padded, as real ones are.
+    tokenizer_vocab_size: int | None = None
+    # Write model-NNNNN-of-NNNNN.safetensors shards of about this many bytes plus an index, drawing
+    # each shard's tensors only when it is written, so host memory holds one shard, not the model.
+    shard_bytes: int | None = None
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -114,6 +122,14 @@ PRESETS: dict[str, TinyPreset] = {
                                             qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
                                             rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
                                             scoring_func="sigmoid", topk_method="noaux_tc")),
+    # Qwen3-4B's dimensions (its published config.json), random bf16 weights: 4.0B parameters, 8 GB,
+    # for decode throughput on a GPU beside the seeds' Qwen3-4B figures (scripts/test_gpu.sh writes it
+    # there; it is never committed or downloaded). HF's init range, since nothing compares its tokens.
+    "qwen3-4b-shape": TinyPreset(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                                 tie_word_embeddings=True, corpus_bytes=4_000_000, initializer_range=0.02,
+                                 max_position_embeddings=40960, dtype="bfloat16", tokenizer_vocab_size=32000,
+                                 shard_bytes=2 << 30),
 }
 
 
@@ -145,7 +161,7 @@ def model_config(preset: TinyPreset, arch: str | None = None, **overrides: Any) 
         "rope_scaling": None,
         "rope_theta": preset.rope_theta,
         "tie_word_embeddings": preset.tie_word_embeddings,
-        "torch_dtype": "float32",
+        "torch_dtype": preset.dtype,
         "use_cache": True,
         "vocab_size": preset.vocab_size,
     }
@@ -191,19 +207,60 @@ def random_weights(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], std: 
     Tensors are drawn in sorted-name order from one generator, so the bytes depend only on the
     names, shapes, std and seed.
     """
+    return dict(iter_random_weights(shapes, std, seed))
+
+
+def iter_random_weights(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], std: float, seed: int,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_weights` one (name, tensor) at a time, floating ones cast to `dtype` if given."""
     generator = torch.Generator().manual_seed(seed)
     half_width = std * math.sqrt(3.0)
-    weights = {}
     for name in sorted(shapes):
-        shape, dtype = shapes[name]
+        shape, own = shapes[name]
+        out = dtype if dtype is not None and own.is_floating_point else own
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=dtype)
+            yield name, torch.ones(shape, dtype=out)
         elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape, dtype=dtype)
+            yield name, torch.zeros(shape, dtype=out)
         else:
             uniform = torch.rand(shape, generator=generator, dtype=torch.float32)
-            weights[name] = ((uniform * 2.0 - 1.0) * half_width).to(dtype).contiguous()
-    return weights
+            yield name, ((uniform * 2.0 - 1.0) * half_width).to(out).contiguous()
+
+
+def _shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], element_bytes: int,
+            shard_bytes: int) -> list[list[str]]:
+    """Names in sorted order cut into runs of at most `shard_bytes` (a bigger tensor gets its own)."""
+    runs: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(shapes):
+        nbytes = math.prod(shapes[name][0]) * element_bytes
+        if runs[-1] and size + nbytes > shard_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(name)
+        size += nbytes
+    return runs
+
+
+def _save_weights(out: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], std: float, seed: int,
+                  dtype: torch.dtype, shard_bytes: int | None, arch: str, fused_experts: bool) -> None:
+    """model.safetensors, or shards and model.safetensors.index.json when `shard_bytes` is set.
+    The weights are the same either way: one generator draws every tensor in sorted-name order."""
+    runs = [sorted(shapes)] if shard_bytes is None else _shards(shapes, dtype.itemsize, shard_bytes)
+    drawn = iter_random_weights(shapes, std, seed, dtype)
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(runs):
+        weights = dict(next(drawn) for _ in names)
+        if not fused_experts:
+            weights = published_layout(weights, arch)
+        file = "model.safetensors" if shard_bytes is None else f"model-{index + 1:05d}-of-{len(runs):05d}.safetensors"
+        save_file(weights, str(out / file), metadata={"format": "pt"})
+        (out / file).chmod(0o644)  # safetensors creates it owner-only; match the other files
+        weight_map.update(dict.fromkeys(weights, file))
+    if shard_bytes is not None:
+        total = sum(math.prod(shape) for shape, _ in shapes.values()) * dtype.itemsize
+        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                            "weight_map": weight_map})
 
 
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)")
@@ -262,7 +319,7 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(spec, arch, **overrides)
-    vocab = tokenizer_vocab_size or config["vocab_size"]
+    vocab = tokenizer_vocab_size or spec.tokenizer_vocab_size or config["vocab_size"]
     if vocab > config["vocab_size"]:
         raise ValueError(f"tokenizer_vocab_size {vocab} exceeds the model's vocab_size {config['vocab_size']}")
 
@@ -276,11 +333,8 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
         "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
         "pad_token_id": ids[ENDOFTEXT],
     })
-    weights = random_weights(_parameter_shapes(out), std=config["initializer_range"], seed=seed)
-    if not fused_experts:
-        weights = published_layout(weights, arch or spec.arch)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only; match the other files
+    _save_weights(out, _parameter_shapes(out), config["initializer_range"], seed, getattr(torch, spec.dtype),
+                  spec.shard_bytes, arch or spec.arch, fused_experts)
     return out
 
 
@@ -292,7 +346,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "experts, 2 per token (tests); small-moe: Qwen3-MoE, about 153M, 16 experts, 4 per "
                         "token (benchmarks); tiny-deepseek: DeepSeek-V3, latent attention, grouped experts "
                         "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with V3's latent (512 + 64), about 170M, "
-                        "16 experts, 4 per token (benchmarks)")
+                        "16 experts, 4 per token (benchmarks); qwen3-4b-shape: Qwen3-4B's dimensions, random "
+                        "bf16 weights in 2 GB shards, 8 GB (GPU benchmarks)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
                         help="write the preset as this architecture (default: the preset's own)")
