@@ -1,7 +1,8 @@
-"""`nixl` backend: one-sided RDMA-style WRITEs through a NIXL agent (UCX plugin, host memory).
+"""`nixl` backend: one-sided RDMA-style WRITEs through a NIXL agent (UCX plugin).
 
 Endpoint blob: the agent's metadata (NIXL's own serialization) plus the pool's base address and
-size, as JSON. connect() loads the peer's metadata into the local agent (add_remote_agent);
+size, as JSON; a pool in GPU memory adds its NIXL memory type (VRAM) and GPU, which every write's
+descriptors name on both sides (not yet run on a GPU: `make test-gpu` has the test). connect() loads the peer's metadata into the local agent (add_remote_agent);
 a write is one NIXL transfer request whose descriptor list has one entry per page run.
 
 Grants: the grant table (libkv.transfer.grants) is registered with the agent next to the pool, so
@@ -26,6 +27,8 @@ import uuid
 from base64 import b64decode, b64encode
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from libkv.pool import KVPool
 from libkv.transfer.base import EngineBackend
@@ -56,10 +59,18 @@ class _NixlPeer:
     base_addr: int
     nbytes: int
     grants_addr: int
+    mem: str = "DRAM"  # where the peer's pool lives (NIXL's memory type) and on which GPU
+    dev: int = 0
+
+
+def _memory_of(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id for a pool on `device`: a CUDA pool is VRAM of its GPU
+    (register_memory infers the same from the tensor, and a transfer's descriptors must agree)."""
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
 class NixlBackend(EngineBackend):
-    """NIXL agent with one plugin (`nixl_backend`, default UCX), DRAM only.
+    """NIXL agent with one plugin (`nixl_backend`, default UCX), host or GPU memory.
 
     Abort waits (bounded by timeout_s) until the request is no longer in progress and then
     releases it: only then can nothing more land. Releasing a request still in progress (after
@@ -121,9 +132,12 @@ class NixlBackend(EngineBackend):
         pool = self._require_pool()
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
-        return json.dumps({"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
-                           "base": pool.data_ptr(), "nbytes": pool.nbytes,
-                           "grants": self.grants.address()}).encode()
+        blob = {"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
+                "base": pool.data_ptr(), "nbytes": pool.nbytes, "grants": self.grants.address()}
+        mem, dev = _memory_of(self._require_pool().device)
+        if mem != "DRAM":  # only then: a host pool's blob reads as it always did
+            blob.update(mem=mem, dev=dev)
+        return json.dumps(blob).encode()
 
     def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
         try:
@@ -136,7 +150,8 @@ class NixlBackend(EngineBackend):
             raise PeerUnreachable(f"bad nixl endpoint from {endpoint.host}: {exc}") from exc
         except Exception as exc:
             raise PeerUnreachable(f"nixl could not load agent metadata of {endpoint.host}: {exc}") from exc
-        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]))
+        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]), str(raw.get("mem", "DRAM")),
+                         int(raw.get("dev", 0)))
 
     def _engine_disconnect(self, peer: Peer) -> None:
         state: _NixlPeer = peer.engine
@@ -151,14 +166,15 @@ class NixlBackend(EngineBackend):
     def _engine_write(self, peer: Peer, record: Transfer) -> Any:
         state: _NixlPeer = peer.engine
         base = self._require_pool().data_ptr()
+        mem, dev = _memory_of(self._require_pool().device)
         local, remote = [], []
         for run in record.runs:
             src, dst, nbytes = self._run_bytes(run)
-            local.append((base + src, nbytes, 0))
-            remote.append((state.base_addr + dst, nbytes, 0))
+            local.append((base + src, nbytes, dev))
+            remote.append((state.base_addr + dst, nbytes, state.dev))
         with self._agent_lock:
-            local_descs = self._agent.get_xfer_descs(local, "DRAM")
-            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            local_descs = self._agent.get_xfer_descs(local, mem)
+            remote_descs = self._agent.get_xfer_descs(remote, state.mem)
             xfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, state.agent_name)
             status = self._agent.transfer(xfer)
         if status == "ERR":
