@@ -21,7 +21,7 @@
   background, so both workers free the request's pages.
 - If the decode (or colocated) worker's registry lease expires while the call is open (it froze
   or was cut off), discovery cuts the call: before the first token that is a retryable failure,
-  after it the stream ends with an error. Keepalive pings (services.common.keepalive) catch a
+  after it the request migrates (above). Keepalive pings (services.common.keepalive) catch a
   frozen worker the same way when no registry is used.
 - Before the gateway's registry view is synced, a request waits (bounded) for it instead of
   failing with "no workers".
