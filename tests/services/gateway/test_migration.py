@@ -165,6 +165,19 @@ async def test_the_limit_ends_the_stream_with_the_error_of_today() -> None:
     assert not decodes[2].requests and migrations(metrics, "unavailable") == 1
 
 
+async def test_migrations_chain_up_to_the_limit() -> None:
+    dispatcher, decodes, metrics = cluster(
+        [[chunk(10), CUT]], [[chunk(11), rpc_error(grpc.StatusCode.INTERNAL)]],
+        [[chunk(12), chunk(13, finish=common_pb2.FINISH_REASON_STOP, usage=(5, 2))]], limit=2)
+    chunks = await run(dispatcher)
+    assert [t.token_id for c in chunks for t in c.tokens] == [10, 11, 12, 13]
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 3, 4)
+    second, third = decodes[1].requests[0], decodes[2].requests[0]
+    assert (list(second.prompt_token_ids), second.sampling.max_new_tokens, second.room) == (PROMPT + [10], 5, "r.m1")
+    assert (list(third.prompt_token_ids), third.sampling.max_new_tokens, third.room) == (PROMPT + [10, 11], 4, "r.m2")
+    assert migrations(metrics, "worker_lost") == migrations(metrics, "internal") == 1
+
+
 async def test_limit_zero_disables_migration() -> None:
     dispatcher, (_, second), metrics = cluster([[chunk(10), CUT]], [[chunk(11)]], limit=0)
     with pytest.raises(GenerationFailed, match="lease expired mid-stream") as info:
