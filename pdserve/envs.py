@@ -82,6 +82,11 @@ API_KEY = EnvVar(
     "PDSERVE_API_KEY", "",
     "Gateway: the API key clients must send as `Authorization: Bearer KEY` (what --api-key sets; the "
     "flag wins). Empty: no key is asked for.")
+MIGRATION_LIMIT = EnvVar(
+    "PDSERVE_MIGRATION_LIMIT", 3,
+    "Gateway: times one generation may move to another (prefill, decode) pair when its decode worker "
+    "fails after the first token (what --migration-limit sets; the flag wins). 0: no migration, the "
+    "stream ends with an error event.")
 PROFILE_PREFILL = EnvVar(
     "PDSERVE_PROFILE_PREFILL", False,
     "Record a torch profiler trace of the first prefill steps (SGLang's SGLANG_PROFILE_PREFILL).")

@@ -8,7 +8,8 @@ A request's path through the package:
     prompts.py      chat template + tokenizer: prompt text -> token ids, checked against the model
     responses.py    run the choices and merge their chunks (each timed by its RequestTimer);
                     answer whole or as server-sent events
-    dispatcher.py   one generation: route, Worker.Generate, retries, abort
+    dispatcher.py   one generation: route, Worker.Generate, retries, abort, migration
+    migration.py    a generation whose decode failed mid-stream, continued on another pair
     workers.py      Router + policies/ pick (prefill, decode) among the WorkerPool's workers,
                     whose circuit breakers say which may take traffic
 

@@ -67,6 +67,11 @@ class GatewayConfig:
     retry_backoff: float = field(default=0.05, metadata=_help("seconds before the first retry; doubles each time"))
     first_token_timeout: float = field(default=300.0, metadata=_help(
         "seconds to wait for a request's first token before trying another pair"))
+    migration_limit: int = field(default_factory=envs.MIGRATION_LIMIT.get, metadata=_help(
+        "times one generation may move to another (prefill, decode) pair when its decode worker dies, "
+        "freezes or is cut off after the first token: it continues from the tokens already sent, the "
+        "client sees no error; 0: no migration (the stream ends with an error event); default: "
+        "$PDSERVE_MIGRATION_LIMIT, else 3"))
     breaker_failures: int = field(default=3, metadata=_help(
         "consecutive failures that open a worker's circuit (it gets no traffic)"))
     breaker_cooldown: float = field(default=5.0, metadata=_help(
@@ -121,6 +126,8 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be one of {POLICIES}, got {value!r}")
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.breaker_failures < 1:
             raise ValueError(f"--breaker-failures must be >= 1, got {self.breaker_failures}")
         if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):

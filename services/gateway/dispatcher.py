@@ -9,13 +9,19 @@
   another route, at most `max_attempts` attempts, with doubling backoff. The worker to blame is
   charged on its circuit breaker and not tried again by this request: the prefill worker when
   decode's error names it (decode reports "prefill ADDRESS failed ..."), else the decode worker.
-- After the first token a failure cannot be hidden: GenerationFailed(after_first_token=True).
+- After the first token, a failure that is the worker's (it died, froze past its lease or was
+  cut off, ended the stream without a finish, or failed with UNAVAILABLE, INTERNAL, UNKNOWN,
+  ABORTED, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED) migrates the request (migration.py): it is
+  resubmitted to another pair, the failed worker excluded, as a continuation (the prompt plus the
+  tokens already yielded, the rest of max_new_tokens), and the chunks go on with no gap and no
+  repeat; at most `migration_limit` times per generation. Past the limit, or for a failure that is
+  not the worker's (INVALID_ARGUMENT, ...), GenerationFailed(after_first_token=True).
 - If the consumer stops early (client disconnected: the task is cancelled or the iterator
   closed), the gRPC call is cancelled at once and Worker.Abort(room) is sent to decode in the
   background, so both workers free the request's pages.
 - If the decode (or colocated) worker's registry lease expires while the call is open (it froze
   or was cut off), discovery cuts the call: before the first token that is a retryable failure,
-  after it the stream ends with an error. Keepalive pings (services.common.keepalive) catch a
+  after it the request migrates (above). Keepalive pings (services.common.keepalive) catch a
   frozen worker the same way when no registry is used.
 - Before the gateway's registry view is synced, a request waits (bounded) for it instead of
   failing with "no workers".
@@ -24,15 +30,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
+from tokenizers import Tokenizer
 
 from protos.v1 import common_pb2, worker_pb2
 from services.gateway.errors import GatewayError, status_for_grpc
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import ContinuationText, Delivered, continuation_sampling
 from services.gateway.workers import NoWorkersError, Route, Router, WorkerHandle
 
 log = logging.getLogger("pdserve.gateway")
@@ -43,6 +52,9 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REAS
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Not the worker's fault: retry elsewhere, but do not count against its circuit.
 _NOT_A_HEALTH_SIGNAL = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
+# After the first token: the worker's failure, so the request migrates (not the client's request,
+# which another worker would refuse the same way, nor a cancellation of the gateway's own).
+_MIGRATABLE = (*_RETRYABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED)
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,18 @@ class DispatchSettings:
     first_token_timeout_s: float = 300.0
     abort_timeout_s: float = 2.0
     sync_wait_s: float = 10.0  # how long a request waits for the registry view at start-up
+    migration_limit: int = 3  # continuations on another pair after a mid-stream failure; 0: none
+
+
+class _MidStream(Exception):
+    """A failure after the first token that is the worker's: the generation may migrate.
+    `error` is what the client gets when it does not."""
+
+    def __init__(self, reason: str, worker: WorkerHandle, error: GenerationFailed) -> None:
+        super().__init__(error.message)
+        self.reason = reason
+        self.worker = worker
+        self.error = error
 
 
 class _Retryable(Exception):
@@ -111,11 +135,12 @@ class Dispatcher:
     """Generations with retries over a Router. One per gateway."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, settings: DispatchSettings,
-                 synced: asyncio.Event | None = None) -> None:
+                 synced: asyncio.Event | None = None, tokenizer: Tokenizer | None = None) -> None:
         self.router = router
         self.metrics = metrics
         self.settings = settings
         self.synced = synced  # set once the registry view is complete; None without a registry
+        self.tokenizer = tokenizer  # makes a migrated continuation's text (migration.py)
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
@@ -126,6 +151,59 @@ class Dispatcher:
             except asyncio.TimeoutError:
                 pass  # route on what is known; NoWorkersError says the rest
         exclude: set[str] = set()
+        delivered = Delivered(token_ids=[])
+        prompt, params, attempt_room = prompt_token_ids, sampling, room
+        text: ContinuationText | None = None
+        migrations = carried = 0  # carried: tokens generated before the last migration
+        lost = ""  # why the last migration happened
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempts(attempt_room, model, prompt, params,
+                                                              exclude)) as chunks:
+                    async for chunk in chunks:
+                        if migrations:
+                            chunk = _continued(chunk, text, len(prompt_token_ids), carried, delivered)
+                        delivered.add(chunk)
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return  # (a stop string the gateway found: closing `chunks` aborts the worker)
+                return
+            except NoWorkersError as exc:
+                if not migrations:
+                    raise
+                raise GenerationFailed(exc.status, f"{lost}; no other worker to continue on: {exc.message}",
+                                       "worker_error", after_first_token=True) from None
+            except GenerationFailed as failure:
+                if migrations:  # the continuation could not start: the client has tokens already
+                    failure.after_first_token = True
+                    failure.message = f"{lost}; the continuation failed: {failure.message}"
+                raise
+            except _MidStream as failure:
+                exclude.add(failure.worker.key)
+                params = continuation_sampling(sampling, len(delivered.token_ids))
+                if migrations >= self.settings.migration_limit:
+                    if migrations:
+                        failure.error.message += f" (after {migrations} migrations)"
+                    raise failure.error from None
+                migrations += 1
+                lost = failure.error.message
+                self.metrics.migrations.labels(reason=failure.reason).inc()
+                log.warning("room %s: migrating off %s with %d tokens carried (migration %d of at most %d): %s",
+                            room, failure.worker.address, len(delivered.token_ids), migrations,
+                            self.settings.migration_limit, lost)
+                if params is None:  # every token was generated, only the finish was lost
+                    yield GenerationChunk(tokens=(), finish_reason="length", prompt_tokens=len(prompt_token_ids),
+                                          completion_tokens=len(delivered.token_ids))
+                    return
+                carried = len(delivered.token_ids)
+                prompt = [*prompt_token_ids, *delivered.token_ids]
+                attempt_room = f"{room}.m{migrations}"
+                text = (ContinuationText(self.tokenizer, sampling, prompt_token_ids, delivered)
+                        if self.tokenizer is not None else None)
+
+    async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
+                        sampling: common_pb2.SamplingParams, exclude: set[str]) -> AsyncIterator[GenerationChunk]:
+        """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
         for attempt in range(1, self.settings.max_attempts + 1):
@@ -141,8 +219,10 @@ class Dispatcher:
             for worker in route.workers:
                 self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
-                async for chunk in self._attempt(attempt_room, route, prompt_token_ids, sampling):
-                    yield chunk
+                async with contextlib.aclosing(self._attempt(attempt_room, route, prompt_token_ids,
+                                                             sampling)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except _Retryable as failure:
                 last_failure = failure
@@ -194,8 +274,9 @@ class Dispatcher:
             if not finished:
                 if delivered:
                     blame = [route.decode]
-                    raise GenerationFailed(502, f"{route.decode.address} ended the stream without finishing",
-                                           "worker_error", after_first_token=True)
+                    raise _MidStream("truncated", route.decode, GenerationFailed(
+                        502, f"{route.decode.address} ended the stream without finishing", "worker_error",
+                        after_first_token=True))
                 blame = [route.decode]
                 raise _Retryable("truncated", f"{route.decode.address} ended the stream without a token",
                                  route.decode, (502, "worker_error"))
@@ -208,7 +289,8 @@ class Dispatcher:
             blame = [route.decode]
             message = f"{route.decode.address} {cut}"
             if delivered:
-                raise GenerationFailed(502, f"{message} mid-stream", "worker_error", after_first_token=True) from None
+                raise _MidStream("worker_lost", route.decode, GenerationFailed(
+                    502, f"{message} mid-stream", "worker_error", after_first_token=True)) from None
             raise _Retryable("worker_lost", message, route.decode, (503, "worker_unavailable")) from None
         except GeneratorExit:
             client_gone = True
@@ -227,8 +309,12 @@ class Dispatcher:
                 blame = [target]
             if delivered:
                 status, error_code = status_for_grpc(code)
-                raise GenerationFailed(status, f"{route.describe()} failed mid-stream: {code.name}: {details}",
-                                       error_code, after_first_token=True) from None
+                error = GenerationFailed(status, f"{route.describe()} failed mid-stream: {code.name}: {details}",
+                                         error_code, after_first_token=True)
+                if code in _MIGRATABLE:
+                    reason = "prefill_failed" if target is route.prefill else code.name.lower()
+                    raise _MidStream(reason, target, error) from None
+                raise error from None
             if code in _RETRYABLE:
                 reason = "prefill_failed" if target is route.prefill else code.name.lower()
                 raise _Retryable(reason, f"{code.name}: {details}", target, status_for_grpc(code)) from None
@@ -268,6 +354,21 @@ class Dispatcher:
         """Wait for background aborts (shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=self.settings.abort_timeout_s)
+
+
+def _continued(chunk: GenerationChunk, text: ContinuationText | None, prompt_tokens: int, carried: int,
+               delivered: Delivered) -> GenerationChunk:
+    """A continuation's chunk as the original request's: the gateway's text (when it has the
+    tokenizer) and, on the last chunk, the original prompt's length and every generated token."""
+    if text is not None:
+        chunk = text.apply(chunk)
+    if chunk.finish_reason is None:
+        return chunk
+    if chunk.prompt_tokens:  # the worker's usage: its completion tokens are the continuation's
+        completion = carried + chunk.completion_tokens
+    else:  # the gateway ended it at a stop string
+        completion = len(delivered.token_ids) + len(chunk.tokens)
+    return replace(chunk, prompt_tokens=prompt_tokens, completion_tokens=completion)
 
 
 def _failed_peer(exc: grpc.aio.AioRpcError) -> str | None:

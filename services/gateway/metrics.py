@@ -25,10 +25,12 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
                     10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.5, 5.0)
-# Exported at 0 from the start (see GatewayMetrics.start_at_zero): the dispatcher's retry reasons
-# (services/gateway/dispatcher.py) and the admission queue's shed reasons (middleware.py).
+# Exported at 0 from the start (see GatewayMetrics.start_at_zero): the dispatcher's retry and
+# migration reasons (services/gateway/dispatcher.py) and the admission queue's shed reasons
+# (middleware.py).
 RETRY_REASONS = ("prefill_failed", "unavailable", "resource_exhausted", "deadline_exceeded", "worker_abort",
                  "truncated", "worker_lost", "first_token_timeout")
+MIGRATION_REASONS = ("worker_lost", "truncated", "unavailable", "internal", "unknown", "prefill_failed")
 SHED_REASONS = ("queue_full", "queue_timeout")
 
 
@@ -103,6 +105,10 @@ class GatewayMetrics:
         self.routed = Counter(metric_name("gateway_worker_requests"),
                               "Attempts routed to each worker (a retried request counts once per attempt)",
                               ["worker", "role"], registry=self.registry)
+        self.migrations = Counter(metric_name("gateway_migrations"),
+                                  "Generations moved to another worker pair after a mid-stream failure "
+                                  "(a continuation of the tokens already sent), by reason",
+                                  ["reason"], registry=self.registry)
         self.aborts = Counter(metric_name("gateway_aborts"),
                               "Requests the client left early (Generate cancelled, Worker.Abort sent)",
                               registry=self.registry)
@@ -112,6 +118,8 @@ class GatewayMetrics:
         self.registry.register(_PoolCollector(pool))
         for reason in RETRY_REASONS:
             self.retries.labels(reason=reason)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason=reason)
 
     def start_at_zero(self, model: str) -> None:
         """Export the shed counters of `model` at 0 before the first shed: a rate over a series that

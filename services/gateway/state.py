@@ -83,14 +83,16 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
     discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,
                                   rejoin_grace_s=config.registry_rejoin_grace,
                                   check=worker_check) if config.bootstrap else None
+    model_files = model_files or ModelFiles(config.model_path)
     dispatcher = Dispatcher(router, metrics, DispatchSettings(
         max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff,
-        first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout),
-        synced=discovery.synced if discovery is not None else None)
+        first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout,
+        migration_limit=config.migration_limit),
+        synced=discovery.synced if discovery is not None else None, tokenizer=model_files.tokenizer)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
     # Only cache_aware reads the workers' KV events: other policies need no subscription.
     kv_events = KvEventSubscriptions(pool) if "cache_aware" in (config.prefill_policy_name,
                                                                 config.decode_policy_name) else None
-    return GatewayState(config=config, model_name=model_name, model_files=model_files or ModelFiles(config.model_path),
+    return GatewayState(config=config, model_name=model_name, model_files=model_files,
                         pool=pool, router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery,
                         prober=prober, kv_events=kv_events)

@@ -6,7 +6,8 @@
 - work served: a prefill counts `pdserve:prompt_tokens_total` (it has no finished requests), a decode
   `pdserve:request_success_total` without aborts. A counter that grew means the worker served.
 - the gateway's `pdserve:gateway_retries_total{reason}`: attempts that failed on a worker and were
-  retried on another; the client never sees them, so they are read here.
+  retried on another, and `pdserve:gateway_migrations_total{reason}`: streams whose decode failed
+  mid-stream, continued on another pair; the client never sees either, so they are read here.
 Scrapes are async (a frozen worker accepts the connection and never answers), bounded by a timeout.
 """
 
@@ -61,14 +62,24 @@ async def read_worker(service: Service, role: str) -> WorkerReading | None:
                          served=served_from(samples, role))
 
 
-async def gateway_retries(gateway: Service) -> dict[str, float] | None:
-    """Retried attempts by reason, or None if the gateway's /metrics did not answer."""
+def grown(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    """The counts (by reason) that grew from `before` to `after`."""
+    return {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v > before.get(k, 0.0)}
+
+
+RETRIES = "pdserve:gateway_retries_total"
+MIGRATIONS = "pdserve:gateway_migrations_total"
+
+
+async def gateway_retries(gateway: Service, counter: str = RETRIES) -> dict[str, float] | None:
+    """Retried attempts (or, with `counter` MIGRATIONS, migrated streams) by reason, or None if
+    the gateway's /metrics did not answer."""
     samples = await scrape_service(gateway)
     if samples is None:
         return None
-    retries = {}
+    counts = {}
     for key, value in samples.items():
-        if key.startswith("pdserve:gateway_retries_total{") and 'reason="' in key:
+        if key.startswith(counter + "{") and 'reason="' in key:
             reason = key.split('reason="', 1)[1].split('"', 1)[0]
-            retries[reason] = retries.get(reason, 0.0) + value
-    return retries
+            counts[reason] = counts.get(reason, 0.0) + value
+    return counts

@@ -24,7 +24,7 @@ import httpx
 from tools.chaos.client import TIMEOUT, chat
 from tools.chaos.deployment import Deployment, role_of
 from tools.chaos.load import Tally
-from tools.chaos.observe import WorkerReading, gateway_retries, read_worker
+from tools.chaos.observe import WorkerReading, gateway_retries, grown, read_worker
 from tools.launch import Service
 
 _BATCH = 4  # recovery requests in flight at once: spreads them over the workers
@@ -149,8 +149,7 @@ async def check_recovery(dep: Deployment, prompts: Sequence[str], reference: Seq
                 if was is not None and is_ is not None and is_.served > was.served:
                     pending.discard(name)
     retries_after = await gateway_retries(dep.gateway) or {}
-    recovery.retries = {k: int(v - retries_before.get(k, 0.0)) for k, v in retries_after.items()
-                        if v > retries_before.get(k, 0.0)}
+    recovery.retries = grown(retries_after, retries_before)
     recovery.not_recovered += [f"{name} (served nothing in {timeout_s:.0f}s)" for name in sorted(pending)]
     recovery.recovered = not recovery.not_recovered
     return recovery

@@ -8,6 +8,8 @@ Fields (the JSON keys):
   each held when the scenario started (0 for a worker started during it); `pages_in_use` has the
   absolute values per worker (idle value 0).
 - gateway_retries: attempts the gateway retried on another worker during the scenario, by reason
+- gateway_migrations: streams the gateway continued on another pair after their decode failed
+  mid-stream (request migration), by reason
   (clients do not see them; they are problems where every worker stayed up).
 - leak_detections: growth of the workers' `pdserve:kv_leak_detections_total` during the scenario
   (null where no worker exposes it).
@@ -40,6 +42,7 @@ class Row:
     pages_in_use: dict[str, float] = field(default_factory=dict)
     leak_detections: float | None = None
     gateway_retries: dict[str, int] = field(default_factory=dict)
+    gateway_migrations: dict[str, int] = field(default_factory=dict)
     recovered: bool = True
     not_recovered: list[str] = field(default_factory=list)
     recovery_failed: int = 0
@@ -90,6 +93,8 @@ def to_table(rows: Sequence[Row]) -> str:
         lines += [f"- {label}: {problem}" for problem in row.problems]
         if row.gateway_retries:
             lines.append(f"  {label} gateway retries: {row.gateway_retries}")
+        if row.gateway_migrations:
+            lines.append(f"  {label} gateway migrations: {row.gateway_migrations}")
         if row.errors:
             kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(row.errors.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {label} failures: {kinds}")

@@ -21,7 +21,7 @@ from tools.chaos.config import ChaosConfig
 from tools.chaos.deployment import Deployment
 from tools.chaos.load import SteadyLoad, Tally
 from tools.chaos.netns import NetnsUnavailable, NetworkNamespace
-from tools.chaos.observe import gateway_retries
+from tools.chaos.observe import MIGRATIONS, gateway_retries, grown
 from tools.chaos.recovery import Recovery, Settled, baseline_of, check_recovery, settle_pages
 from tools.chaos.reference import NoReferenceAnswer, collect_reference
 from tools.chaos.report import Row
@@ -64,6 +64,9 @@ def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery
     failed = tally.failed_clear + tally.failed_unclear
     if failed and not scenario.failures_allowed:
         row.problems.append(f"{failed} requests failed although every worker stayed up")
+    if row.gateway_migrations and not scenario.failures_allowed:
+        row.problems.append(f"the gateway migrated {sum(row.gateway_migrations.values())} streams although every "
+                            f"worker stayed up ({row.gateway_migrations})")
     if row.gateway_retries and not scenario.failures_allowed:
         row.problems.append(f"the gateway retried {sum(row.gateway_retries.values())} attempts although every "
                             f"worker stayed up ({row.gateway_retries})")
@@ -77,6 +80,7 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     row = Row(scenario.name, dep.backend)
     baseline = await baseline_of(dep)
     gateway_before, retries_before = dep.gateway, await gateway_retries(dep.gateway) or {}
+    migrations_before = await gateway_retries(dep.gateway, MIGRATIONS) or {}
     load = SteadyLoad(dep.url, dep.model_name, prompts, reference, clients=cfg.clients,
                       max_tokens=cfg.max_tokens, hung_after=cfg.hung_after, hung_wait=cfg.hung_wait)
     ctx = FaultContext(dep, load, cfg, prompts)
@@ -89,10 +93,10 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     except BaseException:
         await load.abort()
         raise
-    retries_after = await gateway_retries(dep.gateway) or {}
-    if dep.gateway is gateway_before:  # a restarted gateway counts from 0
-        retries_after = {k: v - retries_before.get(k, 0.0) for k, v in retries_after.items()}
-    row.gateway_retries = {k: int(v) for k, v in retries_after.items() if v > 0}
+    restarted = dep.gateway is not gateway_before  # a restarted gateway counts from 0
+    row.gateway_retries = grown(await gateway_retries(dep.gateway) or {}, {} if restarted else retries_before)
+    row.gateway_migrations = grown(await gateway_retries(dep.gateway, MIGRATIONS) or {},
+                                    {} if restarted else migrations_before)
     settled = await settle_pages(dep, baseline, cfg.settle)
     recovery = await check_recovery(dep, prompts, reference, max_tokens=cfg.max_tokens,
                                     timeout_s=cfg.recovery_timeout)

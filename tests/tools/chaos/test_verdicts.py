@@ -65,6 +65,16 @@ def test_hidden_retries_fail_only_where_every_worker_stayed_up():
     assert _verdict("freeze-prefill", Tally(), retries={"prefill_failed": 1}).ok
 
 
+def test_hidden_migrations_fail_only_where_every_worker_stayed_up():
+    row = Row("idle", "mooncake", gateway_migrations={"worker_lost": 1})
+    judge(row, BY_NAME["idle"], Tally(), Settled(), Recovery())
+    assert not row.ok and "migrated 1 streams" in row.problems[0]
+    row = Row("kill-decode", "mooncake", gateway_migrations={"unavailable": 2})
+    judge(row, BY_NAME["kill-decode"], Tally(), Settled(), Recovery())
+    assert row.ok and "gateway migrations: {'unavailable': 2}" in to_table([row])
+    assert json.loads(to_json([row]))[0]["gateway_migrations"] == {"unavailable": 2}
+
+
 def test_retries_after_the_fault_fail_every_scenario():
     """A pair that stays broken is hidden by retries on another pair: the recovery check counts them."""
     row = _verdict("kill-gateway", Tally(), recovery=Recovery(retries={"prefill_failed": 2}))
