@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from libkv.transfer import exit_process
 from pdserve.config_flags import add_config_arguments, config_from_args
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
@@ -37,7 +38,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if config.engine.node_rank > 0:  # not node 0: this node only runs its ranks of node 0's worker
         from engine.tp.node import run_node
-        return run_node(config.engine, config.server.host)
+        # Not a return: the heartbeat thread may be inside a call to node 0's store (torch's C++
+        # client) as that store closes, and an error raised there during interpreter teardown
+        # aborts the process (std::terminate, code 134) after a clean stop.
+        exit_process(run_node(config.engine, config.server.host))
     runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
     code = 0
     try:
@@ -52,7 +56,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if runtime.backend is not None:
             # NIXL agents crash at interpreter exit: the backend is closed; leave without the teardown.
-            from libkv.transfer import exit_process
             logging.shutdown()
             exit_process(code)
     return code
