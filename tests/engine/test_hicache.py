@@ -1,0 +1,194 @@
+"""The store tier (--enable-hierarchical-cache, libkv/store/) against a real mooncake_master on a
+free loopback port: a prompt computed on one engine is fetched from Mooncake Store by a second
+engine that never saw it, and greedy output and logprobs are those of an engine without the store,
+bit for bit (fp32, C++ kernels; 1e-4 on the torch ops). A stored entry with flipped bytes is a
+counted corrupt miss and the answer stays exact; with the master killed requests are computed
+without the store, the tier says it is down, and it comes back when the master does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.sampling import SamplingParams
+from kernels import cpu_kernels
+from pdserve.page_hash import page_hashes
+from tests.engine.conftest import random_prompts, run_in_turn, start_engine
+
+PAGE = 16
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=True)
+MASTER = Path(sys.executable).parent / "mooncake_master"
+
+pytestmark = pytest.mark.skipif(not MASTER.exists() and shutil.which("mooncake_master") is None,
+                                reason="mooncake_master (the Mooncake wheel) is not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """A mooncake_master process on 127.0.0.1; `restart` starts it again on the same port (empty)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = _free_port()
+        self.log_dir = log_dir
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = str(MASTER) if MASTER.exists() else shutil.which("mooncake_master")
+        log = open(self.log_dir / f"master-{time.monotonic_ns()}.log", "w")
+        self.process = subprocess.Popen([binary, "-rpc_port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ready once it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            assert self.process.poll() is None, "mooncake_master exited at start"
+            time.sleep(0.05)
+        raise AssertionError("mooncake_master did not listen within 30 s")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    master = Master(tmp_path_factory.mktemp("mooncake"))
+    yield master
+    master.kill()
+
+
+def wait_for(condition, what: str, seconds: float = 60.0) -> None:
+    """Poll until `condition()` (a bound on a background thread's progress, not a timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def hicache_engine(ckpt, master: Master):
+    engine = start_engine(ckpt, dtype="float32", page_size=PAGE, chunked_prefill_size=64, num_pages=128,
+                          enable_hierarchical_cache=True, hicache_mooncake_master=master.address,
+                          hicache_mooncake_segment_mb=32)
+    wait_for(lambda: engine.hicache.up, "the store tier to connect")
+    return engine
+
+
+def assert_same(got, expected) -> None:
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, logprobs), (_, reference) in zip(got, expected, strict=True):
+        if cpu_kernels.available():
+            assert logprobs == reference
+        else:
+            assert logprobs == pytest.approx(reference, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_ckpt):
+    engine = start_engine(qwen3_ckpt, dtype="float32", page_size=PAGE, chunked_prefill_size=64, num_pages=128,
+                          disable_radix_cache=True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def writer(qwen3_ckpt, master):
+    engine = hicache_engine(qwen3_ckpt, master)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reader(qwen3_ckpt, master):
+    engine = hicache_engine(qwen3_ckpt, master)
+    yield engine
+    engine.shutdown()
+
+
+def full_pages(prompts) -> int:
+    return sum((len(p) - 1) // PAGE for p in prompts)
+
+
+def test_second_engine_fetches_pages_and_answers_exactly(reference, writer, reader):
+    prompts = random_prompts([3 * PAGE + 5, 2 * PAGE, 5 * PAGE + 1], seed=11)
+    expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+    assert_same(asyncio.run(run_in_turn(writer, prompts, GREEDY)), expected)
+    assert writer.hicache.stats.hit_pages == 0
+    # Prompt pages are written through as they are computed; the decoded ones when a request ends.
+    wait_for(lambda: writer.hicache.stats.pages_written >= full_pages(prompts), "the write-through")
+    assert writer.hicache.stats.bytes_written == writer.hicache.stats.pages_written * writer.pool.layout.page_nbytes
+
+    got = asyncio.run(run_in_turn(reader, prompts, GREEDY))
+    assert_same(got, expected)
+    stats = reader.hicache.stats
+    assert stats.hit_pages == full_pages(prompts)  # every leading page came from the store
+    assert stats.bytes_read == stats.hit_pages * reader.pool.layout.page_nbytes
+    assert stats.corrupt == 0 and stats.errors == 0 and stats.fetch_count == len(prompts)
+    assert reader.stats().used_pages == 0 and writer.stats().used_pages == 0  # every page back to idle
+
+
+def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, writer, reader, master):
+    from mooncake.store import MooncakeDistributedStore
+
+    prompt = random_prompts([4 * PAGE + 3], seed=23)
+    expected = asyncio.run(run_in_turn(reference, prompt, GREEDY))
+    written = writer.hicache.stats.pages_written
+    asyncio.run(run_in_turn(writer, prompt, GREEDY))
+    wait_for(lambda: writer.hicache.stats.pages_written >= written + 4, "the write-through")
+
+    # Flip one byte in the middle of the second page's stored KV bytes, through a client of our own.
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        key = writer.hicache.identity.key(page_hashes(prompt[0], PAGE)[1])
+        value = bytearray(store.get(key))
+        assert value, "the page was not in the store"
+        value[len(value) // 2] ^= 0x40
+        assert store.upsert(key, bytes(value)) == 0
+        assert store.get(key) == bytes(value)
+    finally:
+        store.close()
+
+    before = reader.hicache.stats
+    hits, corrupt = before.hit_pages, before.corrupt
+    assert_same(asyncio.run(run_in_turn(reader, prompt, GREEDY)), expected)
+    assert reader.hicache.stats.corrupt == corrupt + 1
+    assert reader.hicache.stats.hit_pages == hits + 1  # the page before the corrupt one only
+    assert reader.stats().used_pages == 0
+
+
+def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reader, master):
+    prompts = random_prompts([3 * PAGE + 2, 2 * PAGE + 9], seed=31)
+    expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+    master.kill()
+    try:
+        assert_same(asyncio.run(run_in_turn(reader, prompts, GREEDY)), expected)
+        assert not reader.hicache.up
+        assert reader.hicache.stats.errors >= 1
+        assert reader.stats().used_pages == 0
+    finally:
+        master.start()
+    wait_for(lambda: reader.hicache.up, "the probe to find the restarted master")
+    written = reader.hicache.stats.pages_written
+    more = random_prompts([3 * PAGE + 1], seed=37)
+    assert_same(asyncio.run(run_in_turn(reader, more, GREEDY)), asyncio.run(run_in_turn(reference, more, GREEDY)))
+    wait_for(lambda: reader.hicache.stats.pages_written >= written + 3, "writes to resume")
