@@ -98,6 +98,9 @@ class EngineConfig:
         default_factory=lambda: envs.HICACHE_MOONCAKE_MASTER.get() or envs.MOONCAKE_MASTER.get(),
         metadata=_help("the Mooncake Store master, HOST:PORT (default: PDSERVE_HICACHE_MOONCAKE_MASTER, "
                        "else MOONCAKE_MASTER)"))
+    hicache_local_host: str = field(default="127.0.0.1", metadata=_help(
+        "the address other Mooncake Store clients reach this process's segment at (a worker sets it from "
+        "its --host)"))
     hicache_mooncake_segment_mb: int = field(default=256, metadata=_help(
         "MiB of host memory this worker lends to Mooncake Store (the store is the sum of its clients' "
         "segments; an entry lives in one of them)"))

@@ -94,7 +94,7 @@ def open_store_tier(config: EngineConfig, pool: KVPool, pages: PageManager) -> S
     """The store tier of --enable-hierarchical-cache, started (it connects in the background: a
     store that is not there yet only means computing without it)."""
     client = create_client(config.hicache_storage_backend, config.hicache_mooncake_master,
-                           segment_bytes=config.hicache_mooncake_segment_mb << 20, timeout_s=config.hicache_timeout)
+                           host=config.hicache_local_host, segment_bytes=config.hicache_mooncake_segment_mb << 20, timeout_s=config.hicache_timeout)
     identity = StoreIdentity(model_digest(config.model_path), pool.layout)
     return StoreTier(client, pool, identity, pages.retain, pages.free,
                      write_queue_pages=config.hicache_write_queue_pages).start()

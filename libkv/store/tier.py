@@ -27,6 +27,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -45,7 +46,10 @@ _WRITTEN_MEMORY = 1 << 16  # page hashes remembered as already in the store (not
 
 @dataclass
 class StoreStats:
-    """Running totals (never reset), read by the worker's metrics at scrape time."""
+    """Running totals (never reset), read by the worker's metrics at scrape time. `fetch_buckets[i]`
+    counts fetches of at most FETCH_BUCKETS[i] seconds (and above them all, the last)."""
+
+    BOUNDS: ClassVar[tuple[float, ...]] = FETCH_BUCKETS
 
     hit_pages: int = 0
     bytes_read: int = 0

@@ -98,7 +98,10 @@ class WorkerRuntime:
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        engine = load_engine(config.engine)  # a DPEngine under --enable-dp-attention
+        engine_config = config.engine
+        if engine_config.enable_hierarchical_cache:  # other store clients read this worker's segment there
+            engine_config = replace(engine_config, hicache_local_host=config.server.host)
+        engine = load_engine(engine_config)  # a DPEngine under --enable-dp-attention
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
         backend = None if config.role == "colocated" else _transfer_backend(config, engine)
@@ -128,6 +131,8 @@ class WorkerRuntime:
                       lambda: engine.stats().cached_pages)
         if engine.model_config.moe is not None:
             metrics.expert_load(engine.expert_load)
+        if getattr(engine, "hicache", None) is not None:
+            metrics.store_tier(engine.hicache)
         if isinstance(engine, DPEngine):  # where the requests went, and what each group holds
             for g, member in enumerate(engine.members):
                 metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "

@@ -17,10 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling import SamplingParams
 from kernels import cpu_kernels
 from pdserve.page_hash import page_hashes
+from services.worker.metrics import WorkerMetrics
 from tests.engine.conftest import random_prompts, run_in_turn, start_engine
 
 PAGE = 16
@@ -124,6 +127,17 @@ def reader(qwen3_ckpt, master):
     engine.shutdown()
 
 
+def scrape(engine) -> dict[str, float]:
+    """The worker's hicache metrics as /metrics shows them (name -> value; the histogram's count)."""
+    metrics = WorkerMetrics("colocated", "tiny")
+    metrics.store_tier(engine.hicache)
+    values = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            values[sample.name] = sample.value
+    return values
+
+
 def full_pages(prompts) -> int:
     return sum((len(p) - 1) // PAGE for p in prompts)
 
@@ -143,6 +157,12 @@ def test_second_engine_fetches_pages_and_answers_exactly(reference, writer, read
     assert stats.hit_pages == full_pages(prompts)  # every leading page came from the store
     assert stats.bytes_read == stats.hit_pages * reader.pool.layout.page_nbytes
     assert stats.corrupt == 0 and stats.errors == 0 and stats.fetch_count == len(prompts)
+    seen = scrape(reader)
+    assert seen["pdserve:hicache_hit_pages_total"] == full_pages(prompts)
+    assert seen["pdserve:hicache_read_bytes_total"] == stats.bytes_read
+    assert seen["pdserve:hicache_fetch_latency_seconds_count"] == len(prompts)
+    assert seen["pdserve:hicache_store_up"] == 1
+    assert scrape(writer)["pdserve:hicache_written_pages_total"] == writer.hicache.stats.pages_written
     assert reader.stats().used_pages == 0 and writer.stats().used_pages == 0  # every page back to idle
 
 
@@ -172,6 +192,7 @@ def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, wri
     hits, corrupt = before.hit_pages, before.corrupt
     assert_same(asyncio.run(run_in_turn(reader, prompt, GREEDY)), expected)
     assert reader.hicache.stats.corrupt == corrupt + 1
+    assert scrape(reader)["pdserve:hicache_corrupt_entries_total"] == corrupt + 1
     assert reader.hicache.stats.hit_pages == hits + 1  # the page before the corrupt one only
     assert reader.stats().used_pages == 0
 
@@ -183,11 +204,13 @@ def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reade
     try:
         assert_same(asyncio.run(run_in_turn(reader, prompts, GREEDY)), expected)
         assert not reader.hicache.up
+        assert scrape(reader)["pdserve:hicache_store_up"] == 0
         assert reader.hicache.stats.errors >= 1
         assert reader.stats().used_pages == 0
     finally:
         master.start()
     wait_for(lambda: reader.hicache.up, "the probe to find the restarted master")
+    assert scrape(reader)["pdserve:hicache_store_up"] == 1
     written = reader.hicache.stats.pages_written
     more = random_prompts([3 * PAGE + 1], seed=37)
     assert_same(asyncio.run(run_in_turn(reader, more, GREEDY)), asyncio.run(run_in_turn(reference, more, GREEDY)))
