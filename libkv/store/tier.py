@@ -7,8 +7,11 @@ Two calls from the engine thread, neither of which waits on the store for long:
   not fit is dropped and counted, never waited for.
 - `fetch(...)` at admission, after the local match: which of the next leading pages the store
   holds (one exists call), then their values (one get), checked (entry.check), written into pages
-  the caller allocates. It runs synchronously on the engine thread, each store call bounded by the
-  client's timeout (default 0.5 s; a few pages from a master on this host take about a millisecond).
+  the caller allocates, 32 pages per call. It runs synchronously on the engine thread, each store
+  call bounded by the client's timeout (--hicache-timeout, 0.5 s): measured on this 2-core host, 40
+  pages of 64 KiB from a master on 127.0.0.1 took 6.9 ms per fetch (mean of 10), against about 90 ms
+  to compute those 640 tokens of the tiny model; a slow store delays one admission by the timeout
+  at most, once, and is then down.
 
 The store down: any failed call marks the tier down (one log line, `up` False); while down nothing
 is offered or fetched and requests are computed as without the store. A probe thread connects the
@@ -135,8 +138,13 @@ class StoreTier:
         if not self._up or first >= last:
             return []
         started = time.perf_counter()
+        values: list[bytes] = []
         try:
-            values = self._fetch_values(hashes, first, min(last, first + _MAX_BATCH))
+            for start in range(first, last, _MAX_BATCH):  # stops at the first page the store lacks
+                batch = self._fetch_values(hashes, start, min(last, start + _MAX_BATCH))
+                values += batch
+                if len(batch) < min(last, start + _MAX_BATCH) - start:
+                    break
         except StoreError as exc:
             self._down(exc)
             return []
