@@ -21,10 +21,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling import SamplingParams
-from kernels import cpu_kernels
+from kernels import cpu_kernels, ops
 from pdserve.page_hash import page_hashes
 from services.worker.metrics import WorkerMetrics
-from tests.engine.conftest import random_prompts, run_in_turn, start_engine
+from tests.engine.conftest import generate, prefill_first_token, random_prompts, run_in_turn, start_engine
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=True)
@@ -175,7 +175,8 @@ def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, wri
     asyncio.run(run_in_turn(writer, prompt, GREEDY))
     wait_for(lambda: writer.hicache.stats.pages_written >= written + 4, "the write-through")
 
-    # Flip one byte in the middle of the second page's stored KV bytes, through a client of our own.
+    # Flip one byte in the middle of the second page's stored KV bytes, through a client of our own
+    # (kept until the reader has fetched: the rewritten entry may live in this client's segment).
     store = MooncakeDistributedStore()
     assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master.address) == 0
     try:
@@ -185,16 +186,52 @@ def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, wri
         value[len(value) // 2] ^= 0x40
         assert store.upsert(key, bytes(value)) == 0
         assert store.get(key) == bytes(value)
+
+        hits, corrupt = reader.hicache.stats.hit_pages, reader.hicache.stats.corrupt
+        assert_same(asyncio.run(run_in_turn(reader, prompt, GREEDY)), expected)
     finally:
         store.close()
-
-    before = reader.hicache.stats
-    hits, corrupt = before.hit_pages, before.corrupt
-    assert_same(asyncio.run(run_in_turn(reader, prompt, GREEDY)), expected)
     assert reader.hicache.stats.corrupt == corrupt + 1
     assert scrape(reader)["pdserve:hicache_corrupt_entries_total"] == corrupt + 1
     assert reader.hicache.stats.hit_pages == hits + 1  # the page before the corrupt one only
     assert reader.stats().used_pages == 0
+
+
+def test_decode_writes_a_finished_request_so_the_next_turn_is_fetched(reference, writer, reader):
+    """PD in process (tests/engine/test_pd_hooks.py): `reference` prefills, `writer` decodes with the
+    store on. The decoded request's pages, prompt and answer, are written when it finishes, so the
+    conversation's next turn, on an engine that saw neither, fetches them all."""
+    prompt = random_prompts([2 * PAGE + 7], seed=41)[0]
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=True)
+    written = writer.hicache.stats.pages_written
+    answer = asyncio.run(pd_generate(reference, writer, prompt, params, "turn1"))
+    assert answer == asyncio.run(run_in_turn(reference, [prompt], params))[0][0]
+    computed = len(prompt) + len(answer) - 1  # the last sampled token is never fed back
+    wait_for(lambda: writer.hicache.stats.pages_written >= written + computed // PAGE,
+             "the decode side's write-through")
+
+    turn2 = [prompt + answer + random_prompts([9], seed=43)[0]]
+    hits = reader.hicache.stats.hit_pages
+    got = asyncio.run(run_in_turn(reader, turn2, GREEDY))
+    assert reader.hicache.stats.hit_pages == hits + computed // PAGE
+    # The answer's K/V came from the decode kernel, the reference computes it with the extend kernel:
+    # tokens equal, logprobs to 1e-4 (as for a retracted request: tests/engine/test_prefix_cache_exact.py).
+    expected = asyncio.run(run_in_turn(reference, turn2, GREEDY))
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert got[0][1] == pytest.approx(expected[0][1], abs=1e-4)
+    # Bit for bit what the decode worker's own prefix cache gives: the store changes nothing.
+    assert_same(got, asyncio.run(run_in_turn(writer, turn2, GREEDY)))
+    assert writer.stats().used_pages == 0 and reader.stats().used_pages == 0
+
+
+async def pd_generate(prefill, decode, prompt, params, room) -> list[int]:
+    """Prefill on one engine, pages copied into the decode engine's reservation, decode there."""
+    dst_pages = decode.reserve(room, len(prompt))
+    filled = []
+    first = await prefill_first_token(prefill, prompt, params, room, lambda pages, n: filled.append(list(pages)))
+    ops.scatter_pages(decode.pool.buffer, dst_pages[:len(filled[-1])], ops.gather_pages(prefill.pool.buffer, filled[-1]))
+    assert prefill.release(room)
+    return [o.token_id async for o in generate(decode, prompt, params, room, first_token=first)]
 
 
 def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reader, master):
