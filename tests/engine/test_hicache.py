@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -232,6 +233,38 @@ async def pd_generate(prefill, decode, prompt, params, room) -> list[int]:
     ops.scatter_pages(decode.pool.buffer, dst_pages[:len(filled[-1])], ops.gather_pages(prefill.pool.buffer, filled[-1]))
     assert prefill.release(room)
     return [o.token_id async for o in generate(decode, prompt, params, room, first_token=first)]
+
+
+def test_a_prefill_worker_sends_decode_the_pages_it_fetched(reference, writer, reader):
+    """PD in process with the store on the prefill side: `reader` prefills a prompt `writer` computed,
+    fetching its leading pages; its page reports (what prefill transfers) include them, and the
+    decode engine (`reference`, no cache) answers as it does colocated."""
+    prompt = random_prompts([3 * PAGE + 11], seed=47)[0]
+    expected = asyncio.run(run_in_turn(reference, [prompt], GREEDY))
+    written = writer.hicache.stats.pages_written
+    asyncio.run(run_in_turn(writer, [prompt], GREEDY))
+    wait_for(lambda: writer.hicache.stats.pages_written >= written + 3, "the write-through")
+    hits = reader.hicache.stats.hit_pages
+    tokens = asyncio.run(pd_generate(reader, reference, prompt, GREEDY, "fetched-prefill"))
+    assert reader.hicache.stats.hit_pages == hits + 3
+    assert tokens == expected[0][0]
+    assert reader.stats().used_pages == 0 and reference.stats().used_pages == 0
+
+
+def test_a_frozen_master_costs_a_bounded_wait_and_the_tier_comes_back(reference, reader, master):
+    """SIGSTOP: the master keeps its connections but answers nothing, so only the tier's own bound
+    (--hicache-timeout) ends each call."""
+    prompts = random_prompts([2 * PAGE + 3], seed=53)
+    expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+    errors = reader.hicache.stats.errors
+    master.process.send_signal(signal.SIGSTOP)
+    try:
+        assert_same(asyncio.run(run_in_turn(reader, prompts, GREEDY)), expected)
+        assert not reader.hicache.up and reader.hicache.stats.errors > errors
+        assert reader.stats().used_pages == 0
+    finally:
+        master.process.send_signal(signal.SIGCONT)
+    wait_for(lambda: reader.hicache.up, "the probe to find the master again")
 
 
 def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reader, master):
