@@ -26,6 +26,7 @@ class StoreClient(Protocol):
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
     def get(self, keys: Sequence[str]) -> list[bytes]: ...
     def put(self, keys: Sequence[str], values: Sequence[bytes]) -> None: ...
+    def upsert(self, keys: Sequence[str], values: Sequence[bytes]) -> None: ...
     def ping(self) -> None: ...
     def close(self) -> None: ...
 
@@ -88,6 +89,12 @@ class MooncakeStoreClient:
     def put(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         code = self._call(self._write, lambda: self._store.put_batch(list(keys), list(values)))
         self._checked("put_batch", code)
+
+    def upsert(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Put that replaces: Mooncake's put leaves an existing key's value as it is (checked), so
+        repairing a corrupt entry needs this."""
+        code = self._call(self._write, lambda: self._store.upsert_batch(list(keys), list(values)))
+        self._checked("upsert_batch", code)
 
     def ping(self) -> None:
         """A small write: it succeeds only once the master answers and this client's segment is

@@ -5,6 +5,8 @@ Two calls from the engine thread, neither of which waits on the store for long:
   reuses them before their bytes are copied) and queued for the writer thread, which copies the
   bytes out, releases the pages and puts them. The queue is bounded (in pages); a page that does
   not fit is dropped and counted, never waited for.
+  An entry that failed its check on a fetch is overwritten by the next copy of that page
+  computed here (Mooncake's put keeps an existing value; upsert replaces it).
 - `fetch(...)` at admission, after the local match: which of the next leading pages the store
   holds (one exists call), then their values (one get), checked (entry.check), written into pages
   the caller allocates, 32 pages per call. It runs synchronously on the engine thread, each store
@@ -95,6 +97,7 @@ class StoreTier:
         self._up = False
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=write_queue_pages)
         self._written: OrderedDict[int, None] = OrderedDict()
+        self._repair: set[int] = set()  # page hashes whose stored entry failed its check: overwrite them
         self._written_lock = threading.Lock()
         self._stopping = threading.Event()
         self._wake_probe = threading.Event()
@@ -109,6 +112,12 @@ class StoreTier:
     @property
     def up(self) -> bool:
         return self._up
+
+    @property
+    def repairs_pending(self) -> int:
+        """Pages whose stored entry failed its check and has not been overwritten yet."""
+        with self._written_lock:
+            return len(self._repair)
 
     # ---- engine thread --------------------------------------------------------------------------
     def offer(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int], first: int) -> None:
@@ -157,6 +166,8 @@ class StoreTier:
             if not entry.check(value, hashes[index], digest, self.page_nbytes):
                 if value:  # b"": evicted between the exists check and the get
                     self.stats.corrupt += 1
+                    with self._written_lock:
+                        self._repair.add(hashes[index])
                     log.warning("hicache: store entry %s failed its check (corrupt or foreign); computing it",
                                 self.identity.key(hashes[index]))
                 break
@@ -216,8 +227,15 @@ class StoreTier:
             self.stats.dropped_pages += len(batch)
             return
         values = [entry.encode(w.page_hash, w.tokens_digest, memoryview(data[i])) for i, w in enumerate(batch)]
+        keys = [self.identity.key(w.page_hash) for w in batch]
+        with self._written_lock:
+            repair = [i for i, w in enumerate(batch) if w.page_hash in self._repair]
         try:
-            self.client.put([self.identity.key(w.page_hash) for w in batch], values)
+            self.client.put(keys, values)  # leaves an existing key's value as it is
+            if repair:  # the page this worker just computed replaces the entry that failed its check
+                self.client.upsert([keys[i] for i in repair], [values[i] for i in repair])
+                with self._written_lock:
+                    self._repair.difference_update(batch[i].page_hash for i in repair)
         except StoreError as exc:
             self.stats.dropped_pages += len(batch)
             self._down(exc)

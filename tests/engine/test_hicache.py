@@ -167,7 +167,7 @@ def test_second_engine_fetches_pages_and_answers_exactly(reference, writer, read
     assert reader.stats().used_pages == 0 and writer.stats().used_pages == 0  # every page back to idle
 
 
-def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, writer, reader, master):
+def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(qwen3_ckpt, reference, writer, reader, master):
     from mooncake.store import MooncakeDistributedStore
 
     prompt = random_prompts([4 * PAGE + 3], seed=23)
@@ -195,6 +195,14 @@ def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(reference, wri
     assert reader.hicache.stats.corrupt == corrupt + 1
     assert scrape(reader)["pdserve:hicache_corrupt_entries_total"] == corrupt + 1
     assert reader.hicache.stats.hit_pages == hits + 1  # the page before the corrupt one only
+    # The reader computed the page again and overwrote the bad entry: a third fetch finds all four.
+    wait_for(lambda: reader.hicache.repairs_pending == 0, "the corrupt entry to be overwritten")
+    fresh = hicache_engine(qwen3_ckpt, master)
+    try:
+        assert_same(asyncio.run(run_in_turn(fresh, prompt, GREEDY)), expected)
+        assert fresh.hicache.stats.hit_pages == 4 and fresh.hicache.stats.corrupt == 0
+    finally:
+        fresh.shutdown()
     assert reader.stats().used_pages == 0
 
 
