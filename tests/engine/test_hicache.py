@@ -89,10 +89,10 @@ def wait_for(condition, what: str, seconds: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def hicache_engine(ckpt, master: Master):
+def hicache_engine(ckpt, master: Master, **overrides):
     engine = start_engine(ckpt, dtype="float32", page_size=PAGE, chunked_prefill_size=64, num_pages=128,
                           enable_hierarchical_cache=True, hicache_mooncake_master=master.address,
-                          hicache_mooncake_segment_mb=32)
+                          hicache_mooncake_segment_mb=32, **overrides)
     wait_for(lambda: engine.hicache.up, "the store tier to connect")
     return engine
 
@@ -257,6 +257,22 @@ def test_a_prefill_worker_sends_decode_the_pages_it_fetched(reference, writer, r
     assert reader.hicache.stats.hit_pages == hits + 3
     assert tokens == expected[0][0]
     assert reader.stats().used_pages == 0 and reference.stats().used_pages == 0
+
+
+def test_a_full_write_queue_drops_pages_and_leaks_none(qwen3_ckpt, reference, master):
+    """A one-page write queue: pages offered while it is full are dropped and counted, never waited
+    for (here 6 of 10); every offered page is either written or dropped, and every page returns to
+    idle."""
+    engine = hicache_engine(qwen3_ckpt, master, hicache_write_queue_pages=1)
+    try:
+        prompts = random_prompts([5 * PAGE + 2, 4 * PAGE + 9], seed=59)
+        assert_same(asyncio.run(run_in_turn(engine, prompts, GREEDY)), asyncio.run(run_in_turn(reference, prompts, GREEDY)))
+        offered = sum((len(p) + GREEDY.max_new_tokens - 1) // PAGE for p in prompts)
+        stats = engine.hicache.stats
+        wait_for(lambda: stats.pages_written + stats.dropped_pages == offered, "every offered page written or dropped")
+        assert engine.stats().used_pages == 0
+    finally:
+        engine.shutdown()
 
 
 def test_a_frozen_master_costs_a_bounded_wait_and_the_tier_comes_back(reference, reader, master):
