@@ -2,8 +2,9 @@
 
 Mooncake Store's Python client answers errors with negative codes and returns b"" for a missing
 key. Measured here (TCP, master on 127.0.0.1): with the master killed most calls fail in under a
-millisecond (-900, RPC_FAIL), but some wait seconds for a reconnect (batch_is_exist took 4.3 s),
-and `setup` with no master retries for about 90 s before it fails. So every call runs on a lane
+millisecond (-900, RPC_FAIL), but some wait seconds for a reconnect (batch_is_exist took 4.3 s);
+with the master frozen (SIGSTOP) every call waits 30 s; `setup` with no master retries for about
+90 s, holding the GIL (see `connect`). So every call runs on a lane
 thread of its own and the caller waits at most `timeout_s`: past it the call counts as failed (the
 lane thread finishes it in the background; later calls on that lane queue behind it and time out
 too until it returns). Reads (fetches, on the engine thread) and writes (the writer thread, the
@@ -13,6 +14,7 @@ probe) have separate lanes, so a slow put never delays a fetch.
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -63,10 +65,19 @@ class MooncakeStoreClient:
         return code
 
     def connect(self) -> None:
-        """Set the client up (blocking: it retries for about 90 s when the master is away; the
-        tier calls it from its probe thread)."""
+        """Set the client up (the tier calls it from its probe thread).
+
+        Mooncake's setup holds the GIL while it retries a master that is not there (about 90 s,
+        measured: every Python thread of the worker stops meanwhile), so it is called only once
+        the master accepts a TCP connection; then it takes about 40 ms. Its data calls release
+        the GIL (a frozen master holds them 30 s, which the lanes' bound cuts short)."""
         from mooncake.store import MooncakeDistributedStore  # imported only where a store is used
 
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s).close()
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"mooncake store master {self.master} not reachable: {exc}") from None
         store = MooncakeDistributedStore()
         code = store.setup(self.host, "P2PHANDSHAKE", self.segment_bytes, self.buffer_bytes, "tcp", "",
                            self.master)

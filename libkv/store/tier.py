@@ -17,8 +17,8 @@ Two calls from the engine thread, neither of which waits on the store for long:
 
 The store down: any failed call marks the tier down (one log line, `up` False); while down nothing
 is offered or fetched and requests are computed as without the store. A probe thread connects the
-client at start (Mooncake's setup blocks for up to 90 s without a master, so never at start-up
-on the caller's thread) and, while down, pings the store every `probe_interval_s` until it answers.
+client at start (never on the caller's thread: a store that is not there only means computing
+without it) and, while down, pings the store every `probe_interval_s` until it answers.
 """
 
 from __future__ import annotations

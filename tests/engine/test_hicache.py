@@ -44,11 +44,12 @@ def _free_port() -> int:
 class Master:
     """A mooncake_master process on 127.0.0.1; `restart` starts it again on the same port (empty)."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.port = _free_port()
+    def __init__(self, log_dir: Path, port: int | None = None, start: bool = True) -> None:
+        self.port = port or _free_port()
         self.log_dir = log_dir
         self.process: subprocess.Popen | None = None
-        self.start()
+        if start:
+            self.start()
 
     @property
     def address(self) -> str:
@@ -57,7 +58,9 @@ class Master:
     def start(self) -> None:
         binary = str(MASTER) if MASTER.exists() else shutil.which("mooncake_master")
         log = open(self.log_dir / f"master-{time.monotonic_ns()}.log", "w")
-        self.process = subprocess.Popen([binary, "-rpc_port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        # Its HTTP metrics port too (default 9003): two masters on one host must not share it.
+        self.process = subprocess.Popen([binary, "-rpc_port", str(self.port), "-metrics_port", str(_free_port())],
+                                        stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # ready once it listens
@@ -261,7 +264,7 @@ def test_a_prefill_worker_sends_decode_the_pages_it_fetched(reference, writer, r
 
 def test_a_full_write_queue_drops_pages_and_leaks_none(qwen3_ckpt, reference, master):
     """A one-page write queue: pages offered while it is full are dropped and counted, never waited
-    for (here 6 of 10); every offered page is either written or dropped, and every page returns to
+    for (6 of 10 in one run); every offered page is either written or dropped, and every page returns to
     idle."""
     engine = hicache_engine(qwen3_ckpt, master, hicache_write_queue_pages=1)
     try:
@@ -309,3 +312,24 @@ def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reade
     more = random_prompts([3 * PAGE + 1], seed=37)
     assert_same(asyncio.run(run_in_turn(reader, more, GREEDY)), asyncio.run(run_in_turn(reference, more, GREEDY)))
     wait_for(lambda: reader.hicache.stats.pages_written >= written + 3, "writes to resume")
+
+
+@pytest.mark.timeout(60)  # Mooncake's setup, called with no master, would hold the GIL for 90 s
+def test_a_worker_started_before_its_master_serves_and_connects_later(qwen3_ckpt, reference, tmp_path):
+    later = Master(tmp_path, start=False)
+    engine = start_engine(qwen3_ckpt, dtype="float32", page_size=PAGE, chunked_prefill_size=64, num_pages=128,
+                          enable_hierarchical_cache=True, hicache_mooncake_master=later.address,
+                          hicache_mooncake_segment_mb=32)
+    try:
+        prompts = random_prompts([2 * PAGE + 1], seed=61)
+        expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+        for _ in range(3):  # the probe keeps failing meanwhile; every request is computed
+            assert_same(asyncio.run(run_in_turn(engine, prompts, GREEDY)), expected)
+        assert not engine.hicache.up
+        wait_for(lambda: engine.hicache.stats.errors >= 2, "the probe to retry")
+        later.start()
+        wait_for(lambda: engine.hicache.up, "the probe to connect")
+        assert_same(asyncio.run(run_in_turn(engine, prompts, GREEDY)), expected)
+    finally:
+        engine.shutdown()
+        later.kill()
