@@ -14,7 +14,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tools.chaos.config import ChaosConfig
@@ -167,9 +167,13 @@ async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Sc
 async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario], prompts: Sequence[str],
                       log_root: Path, env: dict[str, str]) -> BackendResult:
     result = BackendResult()
-    plain = [s for s in scenarios if s.isolate is None]
+    plain = [s for s in scenarios if s.isolate is None and s.registry_store in (None, cfg.registry_store)]
     if plain:
         await _deployment_run(backend, cfg, plain, prompts, log_root / backend, env, result)
+    for scenario in (s for s in scenarios if s.registry_store not in (None, cfg.registry_store)):
+        # a registry store of its own (etcd-restart: the registry on etcd), in a deployment of its own
+        await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario], prompts,
+                              log_root / f"{backend}-{scenario.name}", env, result)
     for scenario in (s for s in scenarios if s.isolate is not None):
         try:
             netns = NetworkNamespace.create()
