@@ -4,8 +4,9 @@ Per backend: one deployment on 127.0.0.1 for every scenario that needs no networ
 deployment per worker that network scenarios isolate (it runs inside a namespace, so everything binds
 the namespace link's addresses; network-cut-decode and idle-cut share decode-1's), and one per
 scenario that needs another registry store (etcd-restart: the registry on etcd). On each
-deployment: collect the fault-free answers, then for each scenario: steady load for a third of --duration, the fault (and its repair), two thirds more load,
-stop the load (every request answered or hung), let KV pages settle, check recovery, judge.
+deployment: collect the fault-free answers, then for each scenario: steady load for a third of
+--duration, the fault (and its repair), two thirds more load, stop the load (every request answered
+or hung), let KV pages settle, check recovery, judge.
 Processes and namespaces are removed when a deployment is done, whatever happened.
 """
 
