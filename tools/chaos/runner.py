@@ -13,6 +13,7 @@ Processes and namespaces are removed when a deployment is done, whatever happene
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -174,6 +175,11 @@ async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenar
         await _deployment_run(backend, cfg, plain, prompts, log_root / backend, env, result)
     for scenario in (s for s in scenarios if s.registry_store not in (None, cfg.registry_store)):
         # a registry store of its own (etcd-restart: the registry on etcd), in a deployment of its own
+        if scenario.registry_store == "etcd" and shutil.which("etcd") is None:
+            why = "etcd is not installed (scripts/setup.sh installs etcd-server)"
+            say(f"[{backend}] {scenario.name} skipped: {why}")
+            result.rows.append(Row(scenario.name, backend, skipped=why))
+            continue
         await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario], prompts,
                               log_root / f"{backend}-{scenario.name}", env, result)
     # one namespace deployment per isolated worker, shared by the scenarios that isolate it
