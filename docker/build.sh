@@ -28,9 +28,9 @@ IMAGE_TAG=${IMAGE_TAG:-latest}
 PUBLIC_BASE=python:3.11-slim-bookworm
 LOCAL_BASE=pdserve-base:bookworm
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-# Python 3.11 with venv, and the shared libraries Mooncake's non-CUDA wheel links (the same list
-# the Dockerfile installs with apt on a public base).
-BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,libnuma1,libcurl4
+# Python 3.11 with venv, the shared libraries Mooncake's non-CUDA wheel links and g++ for the
+# engine's C++ CPU kernels (the same list the Dockerfile installs with apt on a public base).
+BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,libnuma1,libcurl4,g++
 HOST_PYTHON=${HOST_PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 CACHE=${CACHE:-/var/cache/pdserve-docker}
 WHEELS=$CACHE/wheels

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -46,6 +47,7 @@ from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.sampling import sample
 from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.step_clock import StepClock
 from engine.stream import OutputStream, TextStream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
@@ -94,7 +96,8 @@ def open_store_tier(config: EngineConfig, pool: KVPool, pages: PageManager) -> S
     """The store tier of --enable-hierarchical-cache, started (it connects in the background: a
     store that is not there yet only means computing without it)."""
     client = create_client(config.hicache_storage_backend, config.hicache_mooncake_master,
-                           host=config.hicache_local_host, segment_bytes=config.hicache_mooncake_segment_mb << 20, timeout_s=config.hicache_timeout)
+                           host=config.hicache_local_host, segment_bytes=config.hicache_mooncake_segment_mb << 20,
+                           timeout_s=config.hicache_timeout)
     identity = StoreIdentity(model_digest(config.model_path), pool.layout)
     return StoreTier(client, pool, identity, pages.retain, pages.free,
                      write_queue_pages=config.hicache_write_queue_pages).start()
@@ -136,6 +139,7 @@ class Engine:
         self._deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = defaultdict(list)
         self._generated_tokens = 0
         self._steps = 0
+        self.step_clock = StepClock()
         self.profiler = StepProfiler.from_config(self.config, self.pool.device)
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
@@ -367,12 +371,17 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> bool:
         """Schedule and run one forward pass, then sample and emit. False when there was nothing to do."""
+        began = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return False
+        kind = StepClock.kind_of(len(batch.decodes), len(batch.extends))
         if self.profiler.active:  # off after its bounded steps: this check is all it costs then
-            return self.profiler.run(batch, self._run_step)
-        return self._run_step(batch)
+            ran = self.profiler.run(batch, self._run_step)
+        else:
+            ran = self._run_step(batch)
+        self.step_clock.record(kind, time.perf_counter() - began)
+        return ran
 
     def _run_step(self, batch: SchedulerOutput) -> bool:
         """Forward, sample and emit one scheduled batch (inside `step`'s inference mode)."""

@@ -74,6 +74,16 @@ CLUSTER_SECRET = EnvVar(
     "PDSERVE_CLUSTER_SECRET", "",
     "The deployment's shared secret: every gRPC call carries it and every server checks it "
     "(or `--cluster-secret-file`). Empty = no authentication.")
+GRPC_TLS_CERT = EnvVar(
+    "PDSERVE_GRPC_TLS_CERT", "",
+    "PEM certificate this process presents (what `--grpc-tls-cert` sets; the flag wins). The container "
+    "health check reads it too, so it can probe a server that speaks TLS.")
+GRPC_TLS_KEY = EnvVar(
+    "PDSERVE_GRPC_TLS_KEY", "",
+    "PEM private key of PDSERVE_GRPC_TLS_CERT (what `--grpc-tls-key` sets; the flag wins).")
+GRPC_TLS_CA = EnvVar(
+    "PDSERVE_GRPC_TLS_CA", "",
+    "PEM CA bundle for mutual TLS (what `--grpc-tls-ca` sets; the flag wins).")
 GRPC_KEEPALIVE_TIME = EnvVar(
     "PDSERVE_GRPC_KEEPALIVE_TIME", 10.0,
     "Seconds between keepalive pings on every gRPC connection; a peer that does not answer within "

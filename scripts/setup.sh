@@ -13,6 +13,8 @@ for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcu
 done
 # The chaos suite's network scenarios put a worker in a network namespace (`ip netns`, veth links).
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# Its idle-cut scenario drops a worker's open connections silently with an iptables rule in there.
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 # The registry's etcd store (`pdserve bootstrap --registry-store etcd`) and its tests run Debian's etcd.
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 # g++ builds the engine's C++ CPU kernels (below).

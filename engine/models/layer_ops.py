@@ -162,6 +162,9 @@ def select_layer_ops(mode: str, device: torch.device) -> TorchLayerOps:
     if mode == "off" or device.type != "cpu":
         return TorchLayerOps()
     if cpu_kernels.available():
+        # Said at load, so a deployment's logs show which path its workers run (the
+        # container images build the kernels too: tests/e2e/test_compose.py reads this line).
+        log.info("C++ CPU kernels loaded (%s)", cpu_ext.library_path().name)
         return CpuKernelLayerOps()
     reason = cpu_ext.unavailable_reason()
     if mode == "on":

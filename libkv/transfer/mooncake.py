@@ -49,6 +49,9 @@ _MC_DONE, _MC_PENDING, _MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 _MC_BAD_BATCH = (0, (1 << 64) - 1)
 
 
+_INITIALIZE_ATTEMPTS = 4
+
+
 def _import_engine():
     try:
         from mooncake.engine import TransferEngine
@@ -106,15 +109,7 @@ class MooncakeBackend(EngineBackend):
 
     def _engine_register(self, pool: KVPool) -> None:
         os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(self.max_queued_per_peer)
-        engine = self._engine_cls()
-        with bind_wildcard_to(self.host, _engine_libraries()) as patch:
-            status = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device)
-        if not patch.patched and not is_wildcard(self.host):
-            log.warning("mooncake: could not make the engine bind %s only (%s); its listeners bind "
-                        "every address", self.host, patch.skipped)
-        if status != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, "
-                               f"{self.protocol!r}, {self.ib_device!r}) failed")
+        engine = self._initialized_engine()
         if engine.register_memory(pool.data_ptr(), pool.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register the KV pool ({pool.nbytes} bytes)")
         grants = self.grants.memory
@@ -122,6 +117,25 @@ class MooncakeBackend(EngineBackend):
             raise RuntimeError(f"Mooncake could not register the grant table ({grants.numel()} bytes)")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
+
+    def _initialized_engine(self) -> Any:
+        """A started engine. Under P2PHANDSHAKE the engine picks its own listening ports (the RPC
+        handshake daemon, the TCP transport) by probing for a free one and binding it afterwards:
+        another process can take the port in between (workers starting together do), and then
+        initialize fails. A fresh engine probes again, so a few attempts make that race harmless."""
+        call = f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, {self.protocol!r}, {self.ib_device!r})"
+        for attempt in range(1, _INITIALIZE_ATTEMPTS + 1):
+            engine = self._engine_cls()
+            with bind_wildcard_to(self.host, _engine_libraries()) as patch:
+                status = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.ib_device)
+            if not patch.patched and not is_wildcard(self.host):
+                log.warning("mooncake: could not make the engine bind %s only (%s); its listeners bind "
+                            "every address", self.host, patch.skipped)
+            if status == 0:
+                return engine
+            log.warning("mooncake: %s failed (attempt %d of %d; a listening port it chose may have been "
+                        "taken meanwhile)", call, attempt, _INITIALIZE_ATTEMPTS)
+        raise RuntimeError(f"{call} failed {_INITIALIZE_ATTEMPTS} times")
 
     def _engine_blob(self) -> bytes:
         pool = self._require_pool()

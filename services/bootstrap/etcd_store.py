@@ -18,7 +18,8 @@ attached to the worker's own etcd lease.
 - Watch: each process keeps a cache of the workers, filled by one Range and kept current by one
   etcd watch from the Range's revision on, so no change between the two is lost; it fans out to
   the process's Watch streams exactly as the in-memory registry does (snapshot, SYNCED, changes).
-  A broken etcd watch resumes from the last revision seen; a compacted one resynchronises. While
+  A broken or compacted etcd watch reads the workers again and watches from that read (so an
+  etcd restarted on a wiped data dir, whose revisions start again from 1, is followed too). While
   it is broken this process cannot vouch for its view: its Watch streams end with UNAVAILABLE and
   new ones are refused, so gateways move to a registry process that still follows etcd.
 - List reads etcd itself, so it is as current as etcd, whichever process answers.
@@ -318,9 +319,19 @@ class EtcdStore:
     # -- the cache and its etcd watch -------------------------------------------------------------
 
     async def _watch_loop(self, revision: int) -> None:
+        """Follow etcd for as long as the store is open: never ends on an error. A broken or
+        compacted watch reads the workers again (one Range, reconciled into the cache and published
+        as changes) and watches from that read's revision, with backoff while etcd is away. Reading
+        again rather than resuming from the last revision seen also heals an etcd restarted on a
+        wiped or restored data dir, whose revisions went backwards: a watch from the old revision
+        would wait for a future one and miss every worker that registers meanwhile."""
         backoff_s = 0.1
+        resync = False
         while True:
             try:
+                if resync:
+                    revision = await self._read_all()
+                    resync = False
                 async for response in self.client.watch_prefix(self.prefix, revision):
                     if response.created and not self._following:
                         log.info("etcd watch on %s back from revision %d", self.client.address, revision)
@@ -328,33 +339,38 @@ class EtcdStore:
                     if response.compact_revision or response.canceled:
                         log.warning("etcd watch from revision %d ended (%s); reading the workers again",
                                     revision, response.cancel_reason or f"compacted to {response.compact_revision}")
-                        revision = await self._resync()
+                        resync = True
                         break
                     for event in response.events:
                         self._apply(event)
                         revision = max(revision, event.kv.mod_revision + 1)
                     backoff_s = 0.1
+                else:
+                    resync = True  # etcd ended the stream (shutting down): read again when it is back
             except grpc.aio.AioRpcError as exc:
-                if self._following:
-                    log.warning("etcd watch on %s broke: %s %s; ending this registry's watches, resuming "
-                                "from revision %d", self.client.address, exc.code().name, exc.details(), revision)
-                    self._set_following(False)
-                    self._watchers.fail(StoreUnavailable(f"registry lost its etcd watch: {exc.code().name}: "
-                                                         f"watch again"))
+                self._lose_etcd(f"{exc.code().name} {exc.details()}")
+                resync = True
                 self.client.next_member()
+            except Exception as exc:  # noqa: BLE001 - a registry that stops following etcd must not go quiet
+                log.exception("etcd watch on %s failed", self.client.address)
+                self._lose_etcd(repr(exc))
+                resync = True
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
 
-    async def _resync(self) -> int:
-        while True:
-            try:
-                response = await self.client.range_prefix(self.prefix)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("reading the workers from etcd failed: %s %s", exc.code().name, exc.details())
-                await asyncio.sleep(1.0)
-                continue
-            self._reconcile(response, publish=True)
-            return response.header.revision + 1
+    def _lose_etcd(self, why: str) -> None:
+        if self._following:
+            log.warning("etcd watch on %s broke: %s; ending this registry's watches until etcd answers "
+                        "again", self.client.address, why)
+            self._set_following(False)
+            self._watchers.fail(StoreUnavailable(f"registry lost its etcd watch: {why}: watch again"))
+
+    async def _read_all(self) -> int:
+        """Read every worker from etcd into the cache (publishing the differences); return the
+        revision to watch from."""
+        response = await self.client.range_prefix(self.prefix)
+        self._reconcile(response, publish=True)
+        return response.header.revision + 1
 
     def _reconcile(self, response: rpc_pb2.RangeResponse, *, publish: bool) -> None:
         fresh: dict[bytes, tuple[int, bootstrap_pb2.WorkerInfo]] = {}

@@ -64,6 +64,12 @@ class GrpcSecurity:
             if not secret:
                 raise ValueError(f"--cluster-secret-file {self.cluster_secret_file!r} is empty")
         object.__setattr__(self, "secret", secret.encode())
+        # The TLS files may come from the environment (compose passes PDSERVE_GRPC_TLS_*; the
+        # container health check reads the same variables); a flag wins.
+        for name, env in (("grpc_tls_cert", envs.GRPC_TLS_CERT), ("grpc_tls_key", envs.GRPC_TLS_KEY),
+                          ("grpc_tls_ca", envs.GRPC_TLS_CA)):
+            if getattr(self, name) is None and env.get():
+                object.__setattr__(self, name, env.get())
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
             raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
         for flag, path in (("--grpc-tls-cert", self.grpc_tls_cert), ("--grpc-tls-key", self.grpc_tls_key),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from engine.dp_engine import DPEngine, load_engine
 from engine.engine import Engine
 from engine.outputs import EngineStats
+from engine.step_clock import KINDS as STEP_KINDS
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
 from libkv.transfer.dp_groups import DPGroupsBackend
@@ -133,6 +134,14 @@ class WorkerRuntime:
             metrics.expert_load(engine.expert_load)
         if getattr(engine, "hicache", None) is not None:
             metrics.store_tier(engine.hicache)
+        clock = getattr(engine, "step_clock", None)  # a DP attention engine's members step jointly: none
+        for kind in STEP_KINDS if clock is not None else ():
+            # The serving-cost account's engine side (engine/step_clock.py, `pdserve bench serving-vs-vllm`).
+            metrics.counter_from("engine_step_seconds_total", "Seconds the engine thread spent in steps, by kind (decode "
+                                 "rows only, mixed with prompt chunks, prompt chunks only)",
+                                 lambda kind=kind: clock.seconds[kind], kind=kind)
+            metrics.counter_from("engine_steps_total", "Engine steps, by kind (see engine_step_seconds_total)",
+                                 lambda kind=kind: clock.steps[kind], kind=kind)
         if isinstance(engine, DPEngine):  # where the requests went, and what each group holds
             for g, member in enumerate(engine.members):
                 metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "

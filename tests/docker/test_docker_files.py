@@ -27,6 +27,8 @@ import tomllib
 import yaml
 
 from services.common.grpc_server import start_grpc_server
+from services.common.security import GrpcSecurity
+from tests.certificates import make_certificates
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -195,6 +197,44 @@ async def test_healthcheck_grpc_follows_server_health():
         await server.server.stop(0)
     gone = await _run_async(check, env)
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stdout
+
+
+async def test_healthcheck_grpc_speaks_mutual_tls_when_the_server_does(tmp_path: Path):
+    """Under mTLS the check presents the container's own certificate (PDSERVE_GRPC_TLS_*, as compose
+    passes them) and accepts a server certificate that names something other than the dialled
+    address (here localhost, dialled as 127.0.0.1's name is not asked)."""
+    certs = make_certificates(tmp_path)
+    tls_env = {"PDSERVE_GRPC_TLS_CERT": str(certs["node.pem"]), "PDSERVE_GRPC_TLS_KEY": str(certs["node.key"]),
+               "PDSERVE_GRPC_TLS_CA": str(certs["ca.pem"])}
+    security = GrpcSecurity(grpc_tls_cert=tls_env["PDSERVE_GRPC_TLS_CERT"],
+                            grpc_tls_key=tls_env["PDSERVE_GRPC_TLS_KEY"], grpc_tls_ca=tls_env["PDSERVE_GRPC_TLS_CA"])
+    server = await start_grpc_server([], "127.0.0.1", 0, security=security)
+    check = [sys.executable, str(DOCKER / "healthcheck.py"), "grpc", str(server.port)]
+    env = {"CONTAINER_HOST": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+    try:
+        healthy = await _run_async(check, {**env, **tls_env})
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        plaintext = await _run_async(check, env)  # what the check did before it read the TLS files
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stdout
+        stranger = {**tls_env, "PDSERVE_GRPC_TLS_CERT": str(certs["stranger.pem"]),
+                    "PDSERVE_GRPC_TLS_KEY": str(certs["stranger.key"])}
+        refused = await _run_async(check, {**env, **stranger})  # a client certificate from another CA
+        assert refused.returncode == 1 and "unhealthy" in refused.stdout
+    finally:
+        await server.server.stop(0)
+
+
+def test_tls_files_come_from_the_environment_and_a_flag_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    certs = make_certificates(tmp_path)
+    monkeypatch.setenv("PDSERVE_GRPC_TLS_CERT", str(certs["node.pem"]))
+    monkeypatch.setenv("PDSERVE_GRPC_TLS_KEY", str(certs["node.key"]))
+    monkeypatch.setenv("PDSERVE_GRPC_TLS_CA", str(certs["ca.pem"]))
+    assert GrpcSecurity().describe().startswith("mTLS")
+    flagged = GrpcSecurity(grpc_tls_cert=str(certs["stranger.pem"]), grpc_tls_key=str(certs["stranger.key"]))
+    assert flagged.grpc_tls_cert == str(certs["stranger.pem"]) and flagged.grpc_tls_ca == str(certs["ca.pem"])
+    monkeypatch.setenv("PDSERVE_GRPC_TLS_CA", str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="--grpc-tls-ca"):
+        GrpcSecurity()
 
 
 async def _run_async(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

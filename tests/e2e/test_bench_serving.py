@@ -102,6 +102,18 @@ def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, 
     for row in summary["rows"]:
         assert row["engine_step_ms"] > 0 and row["tpot_over_step"] > 0 and len(row["request_throughput"]) == 1
     assert "| deployment | req/s" in done.stdout
+    # The serving-cost account of each run: engine-only TPOT from the decoding worker's step totals,
+    # and CPU per token of every process (gateway; colocated worker, or prefill and decode).
+    accounts = summary["accounts"]
+    assert set(accounts) == {"colocated, round 1", "pd, round 1"}
+    for name, account in accounts.items():
+        assert account["engine_steps"] > 0 and account["account_tpot_ms"] > 0 and account["measured_over_account"] > 0
+        processes = {"gateway", "worker"} if name.startswith("colocated") else {"gateway", "prefill", "decode"}
+        assert set(account["cpu_ms_per_token"]) == processes
+        # /proc counts in clock ticks (10 ms): only the process running the model is sure to show some.
+        assert all(ms >= 0 for ms in account["cpu_ms_per_token"].values())
+        assert account["cpu_ms_per_token"][account["pacing_worker"]] > 0
+    assert "| deployment | measured TPOT ms | account TPOT ms" in done.stdout
 
     # A "peer" python without vLLM: its server exits at once, and the run says so instead of waiting.
     done = pdserve("bench", "serving-vs-vllm", *common, "--peer-python", sys.executable,

@@ -105,6 +105,11 @@ def test_compose_up_answers_like_colocated(docker_engine: None, cluster: Cluster
         answer = _chat(f"http://127.0.0.1:{port}/v1")
         print(f"[compose test] healthy {healthy_s:.0f}s after `up -d`; answer {answer!r}")
         assert answer and answer == expected
+        # The worker images build the C++ CPU kernels (docker/Dockerfile); the engine says which
+        # ops it runs when it loads.
+        workers_log = run("logs", "--no-color", "prefill", "decode").stdout
+        assert "C++ CPU kernels loaded" in workers_log, workers_log[-3000:]
+        assert "C++ CPU kernels unavailable" not in workers_log
     except BaseException:
         print(run("ps").stdout, run("logs", "--no-color", "--tail", "40").stdout)
         raise

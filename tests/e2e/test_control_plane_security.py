@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
+from tests.certificates import make_certificates
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
@@ -119,28 +119,8 @@ def test_worker_without_the_secret_cannot_join(cluster: Cluster, tiny_model):
     assert bootstrap.metric("pdserve:bootstrap_workers") == 0
 
 
-def _make_certificates(folder: Path) -> dict[str, Path]:
-    """A CA and one node certificate (server and client use, IP 127.0.0.1), plus a certificate
-    from another CA, with the openssl command line."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-    (folder / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                "extendedKeyUsage=serverAuth,clientAuth\n")
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
-                "-days", "2", "-subj", f"/CN=pdserve test {ca}")
-    for node, ca in (("node", "ca"), ("stranger", "other-ca")):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{node}.key", "-out", f"{node}.csr",
-                "-subj", f"/CN=pdserve {node}")
-        openssl("x509", "-req", "-in", f"{node}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-                "-CAcreateserial", "-out", f"{node}.pem", "-days", "2", "-extfile", "ext")
-    return {name: folder / name for name in ("ca.pem", "node.pem", "node.key", "stranger.pem", "stranger.key")}
-
-
 def test_mutual_tls_control_plane(cluster: Cluster, tiny_model, tmp_path):
-    certs = _make_certificates(tmp_path)
+    certs = make_certificates(tmp_path)
     tls = ("--grpc-tls-cert", str(certs["node.pem"]), "--grpc-tls-key", str(certs["node.key"]),
            "--grpc-tls-ca", str(certs["ca.pem"]))
     bootstrap = cluster.bootstrap(*tls)

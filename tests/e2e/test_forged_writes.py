@@ -5,7 +5,8 @@ refuse a write): learn decode's transfer endpoint from the registry, then call P
 prefill worker naming it and pages 0-23, which belong to other rooms while greedy load runs
 through the gateway. Without the cluster secret every call is refused (UNAUTHENTICATED); with it,
 every call is refused before anything is written (PERMISSION_DENIED: decode never granted those
-pages to that room), and every concurrent answer stays identical to its fault-free text.
+pages to that room), and every concurrent answer stays identical to its fault-free text. Also
+against a decode with DP attention, whose groups each guard their own pool.
 """
 
 from __future__ import annotations
@@ -71,15 +72,22 @@ async def forge(registry_address: str, prefill_address: str, security: GrpcSecur
     return codes
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_forged_prefill_calls_cannot_touch_other_rooms(cluster: Cluster, tiny_model, tmp_path, backend):
+# A decode with DP attention: each group has its own pool and grant table behind its own endpoint,
+# and the registry lists group 0's; pages 0-23 there belong to the rooms placed on group 0.
+DP_DECODE = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+
+
+@pytest.mark.parametrize(("backend", "decode_layout"), [("mooncake", ()), ("nixl", ()), ("mooncake", DP_DECODE)],
+                         ids=["mooncake", "nixl", "mooncake-dp-decode"])
+def test_forged_prefill_calls_cannot_touch_other_rooms(cluster: Cluster, tiny_model, tmp_path, backend,
+                                                       decode_layout):
     cluster.env["PDSERVE_CLUSTER_SECRET"] = SECRET
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend=backend, bootstrap=bootstrap,
                                 extra=("--num-pages", "512"))),
         ("decode", worker_args(tiny_model, "decode", backend=backend, bootstrap=bootstrap,
-                               extra=("--num-pages", "512")))])
+                               extra=("--num-pages", "512", *decode_layout)))])
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                         "--bootstrap", bootstrap.address])
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
@@ -119,3 +127,6 @@ def test_forged_prefill_calls_cannot_touch_other_rooms(cluster: Cluster, tiny_mo
     assert answered[0] >= CLIENTS and not wrong, wrong[:3]
     assert prefill.metric("pdserve:pd_failures_total", stage="grant") == FORGED_CALLS
     assert_pages_idle(prefill, decode)
+    if decode_layout:  # both groups served the load, and both are back to idle
+        assert all(decode.metric("pdserve:dp_rank_requests_total", dp_rank=g) > 0 for g in ("0", "1"))
+        assert all(decode.metric("pdserve:dp_rank_kv_pages_used", dp_rank=g) == 0 for g in ("0", "1"))

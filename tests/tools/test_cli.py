@@ -30,6 +30,10 @@ def test_bench_engine_json(qwen3_ckpt):
     assert report["ratio"] > 0 and report["pdserve"]["peak_rss_mib"] > 0
     assert report["greedy_outputs_equal"] == "2/2"
     assert report["device"] == "cpu" and "seed_figure" not in report  # the seeds' figure is a GPU one
+    # The floor a step cannot beat on this machine, and the step's ratio to it.
+    floor = report["floor"]
+    assert floor["weight_bytes"] > 0 and floor["kv_bytes"] > 0 and floor["read_gb_s"] > 0
+    assert report["pdserve_step_over_floor"] > 0
 
 
 def test_bench_engine_peer_without_vllm_fails_clearly(qwen3_ckpt):

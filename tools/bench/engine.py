@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from tools.bench.step_floor import step_floor
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint folder")
@@ -308,9 +310,16 @@ def main(args: argparse.Namespace) -> int:
                     "dtype": args.dtype, "tp_size": args.tp_size, "device": args.device}
     if args.device.startswith("cuda"):
         report["seed_figure"] = SEED_FIGURE
+    floor = None
+    if args.device == "cpu":  # measured first, with no engine process busy
+        floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads)
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
                   args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device)
     report.update(results)
+    if floor is not None:
+        report["floor"] = floor.to_dict()
+        report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
+        report["pdserve_best_step_over_floor"] = results["pdserve"]["best_decode_ms_per_step"] / floor.ms
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
         if peer in results:
@@ -353,6 +362,12 @@ def print_table(report: dict) -> None:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
                       f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
+    if "floor" in report:
+        floor = report["floor"]
+        out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of weights + "
+                  f"{floor['kv_bytes'] / 1e6:.1f} MB of K/V at {floor['read_gb_s']:.1f} GB/s read "
+                  f"(tools/bench/step_floor.py); pdserve step / floor {report['pdserve_step_over_floor']:.2f}x "
+                  f"(best round {report['pdserve_best_step_over_floor']:.2f}x)\n")
     if "seed_figure" in report:
         seed = report["seed_figure"]
         out.write(f"  seeds    decode {seed['decode_tokens_per_s']:8.1f} tok/s ({seed['system']}; pdserve / seeds: "

@@ -16,6 +16,7 @@ from pathlib import Path
 from pdserve import envs
 
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
+REGISTRY_STORES = ("memory", "etcd")
 
 
 def _help(text: str) -> dict:
@@ -52,6 +53,11 @@ class ChaosConfig:
     idle: float = field(default=45.0, metadata=_help(
         "seconds of no traffic in the idle scenario (gRPC's default ping policy cuts idle channels after "
         "three 10 s keepalive pings)"))
+    registry_store: str = field(default="memory", metadata=_help(
+        "where the registry keeps its workers: memory, or etcd (a single-member etcd started with the "
+        "deployment; the etcd-restart scenario always runs on one, in a deployment of its own)"))
+    etcd_down: float = field(default=5.0, metadata=_help(
+        "seconds etcd stays down each time the etcd-restart scenario kills it"))
     heartbeat_interval: float = field(default=1.0, metadata=_help(
         "workers' heartbeat interval (PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL in every child)"))
     prefill_policy: str = field(default="round_robin", metadata=_help(
@@ -72,6 +78,8 @@ class ChaosConfig:
         for backend in self.backend_list:
             if backend not in BACKENDS:
                 raise ValueError(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
+        if self.registry_store not in REGISTRY_STORES:
+            raise ValueError(f"--registry-store: unknown store {self.registry_store!r}; choose from {REGISTRY_STORES}")
         if self.clients < 1:
             raise ValueError("--clients must be >= 1")
         if self.duration <= 0 or self.hung_after <= 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from tools.chaos.config import ChaosConfig
+from tools.chaos.etcd import EtcdProcess
 from tools.chaos.lifecycle import stop, until_ready
 from tools.chaos.netns import NetworkNamespace
 from tools.launch import ProcessGroup, Service
@@ -44,6 +45,7 @@ class Deployment:
     bootstrap: Service | None = None
     gateway: Service | None = None
     workers: dict[str, Service] = field(default_factory=dict)
+    etcd: EtcdProcess | None = None  # with --registry-store etcd: the registry's store
 
     @property
     def model_name(self) -> str:
@@ -61,7 +63,8 @@ class Deployment:
     # -- arguments ------------------------------------------------------------------------------
 
     def bootstrap_args(self, port: int = 0) -> list[str]:
-        return ["bootstrap", "--host", self.host, "--port", str(port), "--metrics-port", "0"]
+        return ["bootstrap", "--host", self.host, "--port", str(port), "--metrics-port", "0",
+                *self.registry_store_args()]
 
     def gateway_args(self, port: int = 0) -> list[str]:
         assert self.bootstrap is not None
@@ -86,6 +89,7 @@ class Deployment:
         """Registry, then the four workers at once (model loading overlaps), then the gateway; returns
         once the gateway sees all four workers and says it can serve."""
         timeout = self.config.ready_timeout
+        await self.start_etcd()
         self.bootstrap = await until_ready(self.group.spawn("bootstrap", self.bootstrap_args()), timeout)
         for name in (*PREFILLS, *DECODES):
             args, wrapper = self.worker_args(name)
@@ -117,6 +121,25 @@ class Deployment:
         self.gateway = await until_ready(self.group.spawn("gateway", self.gateway_args(self.gateway.port)),
                                          self.config.ready_timeout)
         return self.gateway
+
+    # -- the registry's etcd (--registry-store etcd) ----------------------------------------------
+
+    def registry_store_args(self) -> list[str]:
+        if self.config.registry_store != "etcd":
+            return []
+        assert self.etcd is not None
+        return ["--registry-store", "etcd", "--etcd-endpoints", self.etcd.endpoint, "--etcd-cluster", "chaos"]
+
+    async def start_etcd(self, *, wipe: bool = False) -> None:
+        """Start the registry's etcd (first start, or again on the same ports after a kill; `wipe`:
+        on an empty data dir). Its process joins the group, which stops it after everything else."""
+        if self.config.registry_store != "etcd":
+            return
+        if self.etcd is None:
+            self.etcd = EtcdProcess.on_free_ports(self.host, self.group.workdir)
+        await self.etcd.start(wipe=wipe)
+        assert self.etcd.popen is not None
+        self.group.procs.insert(0, Service("etcd", [], self.etcd.popen, self.etcd.log_path))
 
     async def stop_all(self) -> None:
         """Gateway first (no new requests), then workers, the registry last."""

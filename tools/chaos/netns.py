@@ -4,13 +4,17 @@
         ns.host_address, ns.inner_address        # e.g. 10.213.5.1 (here) and 10.213.5.2 (inside)
         ns.wrapper                               # ("ip", "netns", "exec", NAME): run a process inside
         ns.cut(); ns.restore()
+        ns.cut_idle_flows(port); ns.restore_idle_flows()   # idle-cut: drop the flows open now
 
 The worker inside binds `inner_address`; every other process binds `host_address`, an address of this
 namespace that stays reachable from inside (and, being local, from here even while the link is cut).
 `cut` sets the link's inside end down: packets from here to the worker are dropped silently, as in a
 real partition, while the worker's own sends fail at once (its interface is gone). Setting the outer
 end down instead would remove the route here and send the worker's traffic out of the default route.
-Needs root and iproute2 (`ip`); scripts/setup.sh installs iproute2. Names carry the creating process
+`cut_idle_flows` models a stateful firewall or NAT that forgot idle connections: the packets of the
+TCP connections open now to one port inside are dropped silently (no RST), while new connections
+pass. Needs root and iproute2 (`ip`, `ss`), and iptables for the idle cut; scripts/setup.sh
+installs them. Names carry the creating process
 id, so concurrent runs do not collide and `remove_stale` can clean up after a run killed with -9.
 """
 
@@ -22,7 +26,7 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PREFIX = "pdchaos"  # namespace names: pdchaos-PID-N; veth names: pdcPIDhN / pdcPIDnN (15 chars max)
 _SUBNETS = ipaddress.ip_network("10.213.0.0/16")  # carved into /30 links
@@ -68,6 +72,7 @@ class NetworkNamespace:
     inner_dev: str
     host_address: str
     inner_address: str
+    _idle_rules: list[list[str]] = field(default_factory=list)  # cut_idle_flows's, to delete
 
     @classmethod
     def create(cls) -> NetworkNamespace:
@@ -117,6 +122,39 @@ class NetworkNamespace:
             if "LOWER_UP" in inner and "LOWER_UP" in outer:
                 return
             time.sleep(0.05)
+
+    def open_flows(self, port: int) -> list[tuple[str, int]]:
+        """(peer address, peer port) of each established TCP connection to `port` inside."""
+        out = subprocess.run([*self.wrapper, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        flows = []
+        for line in out.splitlines():
+            peer = line.split()[-1]  # Recv-Q Send-Q Local:Port Peer:Port
+            host, _, peer_port = peer.rpartition(":")
+            flows.append((host.strip("[]"), int(peer_port)))
+        return flows
+
+    def cut_idle_flows(self, port: int) -> int:
+        """Drop, silently and in both directions, every packet of the TCP connections to `port`
+        inside that are open now (an idle-cut middlebox); connections opened later pass. Returns
+        how many were cut. `restore_idle_flows` removes the rules."""
+        if shutil.which("iptables") is None:
+            raise NetnsUnavailable("iptables is not installed (scripts/setup.sh installs it)")
+        flows = self.open_flows(port)
+        for host, peer_port in flows:
+            for rule in (["INPUT", "-s", host, "-p", "tcp", "--sport", str(peer_port), "--dport", str(port)],
+                         ["OUTPUT", "-d", host, "-p", "tcp", "--sport", str(port), "--dport", str(peer_port)]):
+                subprocess.run([*self.wrapper, "iptables", "-I", *rule, "-j", "DROP"], capture_output=True,
+                               text=True, timeout=10, check=True)
+                self._idle_rules.append(rule)
+        return len(flows)
+
+    def restore_idle_flows(self) -> None:
+        """Remove the rules of `cut_idle_flows` (safe to call when there are none)."""
+        rules, self._idle_rules = self._idle_rules, []
+        for rule in rules:
+            subprocess.run([*self.wrapper, "iptables", "-D", *rule, "-j", "DROP"], capture_output=True,
+                           text=True, timeout=10, check=False)
 
     def remove(self) -> None:
         """Delete the namespace and the link; safe to call twice and on a half-built namespace."""

@@ -1,20 +1,23 @@
 """Runs scenarios on deployments of one backend and turns each into a Row.
 
-Per backend: one deployment on 127.0.0.1 for every scenario that needs no network namespace, and one
-deployment per network-cut scenario (its isolated worker runs inside a namespace, so everything binds
-the namespace link's addresses). On each deployment: collect the fault-free answers, then for each
-scenario: steady load for a third of --duration, the fault (and its repair), two thirds more load,
-stop the load (every request answered or hung), let KV pages settle, check recovery, judge.
+Per backend: one deployment on 127.0.0.1 for every scenario that needs no network namespace, one
+deployment per worker that network scenarios isolate (it runs inside a namespace, so everything binds
+the namespace link's addresses; network-cut-decode and idle-cut share decode-1's), and one per
+scenario that needs another registry store (etcd-restart: the registry on etcd). On each
+deployment: collect the fault-free answers, then for each scenario: steady load for a third of
+--duration, the fault (and its repair), two thirds more load, stop the load (every request answered
+or hung), let KV pages settle, check recovery, judge.
 Processes and namespaces are removed when a deployment is done, whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tools.chaos.config import ChaosConfig
@@ -167,17 +170,31 @@ async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Sc
 async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario], prompts: Sequence[str],
                       log_root: Path, env: dict[str, str]) -> BackendResult:
     result = BackendResult()
-    plain = [s for s in scenarios if s.isolate is None]
+    plain = [s for s in scenarios if s.isolate is None and s.registry_store in (None, cfg.registry_store)]
     if plain:
         await _deployment_run(backend, cfg, plain, prompts, log_root / backend, env, result)
+    for scenario in (s for s in scenarios if s.registry_store not in (None, cfg.registry_store)):
+        # a registry store of its own (etcd-restart: the registry on etcd), in a deployment of its own
+        if scenario.registry_store == "etcd" and shutil.which("etcd") is None:
+            why = "etcd is not installed (scripts/setup.sh installs etcd-server)"
+            say(f"[{backend}] {scenario.name} skipped: {why}")
+            result.rows.append(Row(scenario.name, backend, skipped=why))
+            continue
+        await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario], prompts,
+                              log_root / f"{backend}-{scenario.name}", env, result)
+    # one namespace deployment per isolated worker, shared by the scenarios that isolate it
+    isolated: dict[str, list[Scenario]] = {}
     for scenario in (s for s in scenarios if s.isolate is not None):
+        isolated.setdefault(scenario.isolate, []).append(scenario)
+    for group in isolated.values():
         try:
             netns = NetworkNamespace.create()
         except NetnsUnavailable as exc:
-            say(f"[{backend}] {scenario.name} skipped: {exc}")
-            result.rows.append(Row(scenario.name, backend, skipped=str(exc)))
+            for scenario in group:
+                say(f"[{backend}] {scenario.name} skipped: {exc}")
+                result.rows.append(Row(scenario.name, backend, skipped=str(exc)))
             continue
         with netns:
-            await _deployment_run(backend, cfg, [scenario], prompts, log_root / f"{backend}-{scenario.name}",
-                                  env, result, netns=netns, isolated=scenario.isolate)
+            await _deployment_run(backend, cfg, group, prompts, log_root / f"{backend}-{group[0].name}",
+                                  env, result, netns=netns, isolated=group[0].isolate)
     return result

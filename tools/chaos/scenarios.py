@@ -60,6 +60,7 @@ class Scenario:
     failures_allowed: bool
     unclear_allowed: bool = False
     isolate: str | None = None  # worker that runs inside a network namespace for this scenario
+    registry_store: str | None = None  # the registry store this scenario needs (its own deployment)
 
 
 # -- no fault ---------------------------------------------------------------------------------------------
@@ -189,6 +190,65 @@ async def _idle(ctx: FaultContext) -> None:
     ctx.notes.append(f"no traffic for {ctx.config.idle:.0f}s, then load again")
 
 
+# -- the registry's etcd ------------------------------------------------------------------------------
+
+async def _registry_sees_all(ctx: FaultContext, timeout_s: float) -> float | None:
+    """Seconds until the registry's view is current again (its store up) with all four workers in
+    it (pdserve:bootstrap_store_up, pdserve:bootstrap_workers); None if not within `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        samples = await scrape_service(ctx.dep.bootstrap) if ctx.dep.bootstrap is not None else None
+        if samples and sum_samples(samples, "pdserve:bootstrap_store_up") == 1 \
+                and (sum_samples(samples, "pdserve:bootstrap_workers") or 0) >= len(ctx.dep.workers):
+            return time.monotonic() - started
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def _etcd_restart(ctx: FaultContext) -> None:
+    """kill -9 the registry's etcd, keep it down, start it on its data; then again on a wiped data
+    dir (every record and lease gone). The workers must be back in the registry by themselves."""
+    etcd = ctx.dep.etcd
+    assert etcd is not None, "etcd-restart runs on a deployment with --registry-store etcd"
+    for wipe in (False, True):
+        await etcd.kill()
+        ctx.fault_now()
+        await asyncio.sleep(ctx.config.etcd_down)
+        await ctx.dep.start_etcd(wipe=wipe)
+        healed_s = await _registry_sees_all(ctx, ctx.config.recovery_timeout)
+        how = "wiped" if wipe else "on its data"
+        if healed_s is None:
+            ctx.problems.append(f"etcd restarted {how}: the registry did not list all "
+                                f"{len(ctx.dep.workers)} workers within {ctx.config.recovery_timeout:.0f}s")
+            return
+        ctx.notes.append(f"etcd down {ctx.config.etcd_down:.0f}s, restarted {how}: every worker back in the "
+                         f"registry {healed_s:.1f}s later")
+
+
+# -- idle, with the connections silently dropped ------------------------------------------------------
+
+async def _idle_cut(ctx: FaultContext) -> None:
+    """No traffic for --idle seconds; meanwhile the open TCP connections to the isolated worker's gRPC
+    port are dropped silently (a firewall or NAT that forgot idle flows: no RST), then the rule is
+    removed and load comes back. Requests after the idle period must be served, none hung."""
+    netns, name = ctx.dep.netns, ctx.dep.isolated
+    assert netns is not None and name is not None
+    port = ctx.dep.workers[name].port
+    pausing = asyncio.create_task(ctx.load.pause(ctx.config.idle))
+    # the requests in flight finish first (a few seconds; pause() then counts the idle time)
+    settle_s = min(10.0, ctx.config.idle / 4)
+    await asyncio.sleep(settle_s)
+    try:
+        cut = netns.cut_idle_flows(port)
+        ctx.fault_now()
+        await asyncio.sleep(max(ctx.config.idle - settle_s - 2, 1.0))
+    finally:
+        netns.restore_idle_flows()
+        await pausing
+    ctx.notes.append(f"no traffic for {ctx.config.idle:.0f}s; {cut} open connection(s) to {name} dropped "
+                     f"silently for {ctx.config.idle - settle_s - 2:.0f}s of it, then load again")
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("baseline", "no fault: the same load and checks, as a control", _no_fault, failures_allowed=False),
     Scenario("kill-bootstrap", "kill -9 the registry, start it again on its port", _kill_bootstrap,
@@ -210,6 +270,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("network-cut-decode", "cut decode-1's link (network namespace) mid-transfer, restore it",
              _cut_network("decode-1"), failures_allowed=True, isolate="decode-1"),
     Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle, failures_allowed=False),
+    Scenario("etcd-restart", "registry on etcd: kill -9 etcd, start it on its data, then again wiped; "
+             "workers re-register by themselves", _etcd_restart, failures_allowed=False, registry_store="etcd"),
+    Scenario("idle-cut", "no traffic; the open connections to decode-1 dropped silently (iptables in its "
+             "namespace), then load again", _idle_cut, failures_allowed=False, isolate="decode-1"),
 )
 
 

@@ -104,7 +104,13 @@ def env_links() -> dict[tuple[str, str], list[str]]:
     links: dict[tuple[str, str], list[str]] = {}
     for var in envs.ALL:
         with _environment(**{var.name: _probe_value(var)}):
-            parsers = {c: build_parser(c) for c in DOCUMENTED_COMMANDS}
+            try:
+                parsers = {c: build_parser(c) for c in DOCUMENTED_COMMANDS}
+            except ValueError:
+                # A variable whose value is checked when read (a file that must exist, a key that
+                # needs its certificate) cannot be probed with a made-up value; its own doc names
+                # the flag it stands for.
+                continue
         for command, parser in parsers.items():
             for action in parser._actions:
                 if action.option_strings and action.option_strings[0] in baseline[command] \

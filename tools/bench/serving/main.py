@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from tools.bench.serving import datasets, metrics, plots, report, runner, workload
+from tools.bench.serving.account import ServingAccount
 from tools.bench.serving.workload import RequestClass, WorkloadError
 
 
@@ -147,11 +148,17 @@ async def warm_up(base_url: str, model: str, prompts: list, count: int) -> None:
 
 def benchmark(batches: list[tuple[RequestClass, list]], settings: runner.RunSettings, slo: metrics.Slo, *,
               output_dir: Path, tag: str, backend: str, request_rate: float, warmup: int = 1,
-              title: str = "") -> dict:
-    """Run one benchmark, print the report, write TAG.json and TAG.png; returns the JSON payload."""
+              title: str = "", account: ServingAccount | None = None) -> dict:
+    """Run one benchmark, print the report, write TAG.json and TAG.png; returns the JSON payload.
+    With `account` (a deployment this process started), the payload's "account" is the run's
+    serving-cost account (tools/bench/serving/account.py)."""
     asyncio.run(warm_up(settings.base_url, settings.model, [p for _, ps in batches for p in ps], warmup))
+    if account is not None:
+        account.start()
     outcome = asyncio.run(runner.run(batches, settings))
     summary = metrics.summarize(outcome.results, outcome.duration_s, slo)
+    if account is not None:
+        summary["account"] = account.stop(summary["total_output_tokens"], summary.get("mean_tpot_ms"))
     per_class = {}
     if len(batches) > 1:
         for request_class, _ in batches:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from tools.bench.serving import datasets, deployments, metrics, report, runner
+from tools.bench.serving.account import ServingAccount, account_table
 from tools.bench.serving.main import benchmark
 from tools.bench.serving.pd_vs_colocated import DEFAULT_MODEL, parse_cores, wait_healthy
 from tools.bench.serving.workload import RequestClass
@@ -137,8 +138,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"engine decode step, batch {args.max_concurrency}, context {args.input_len + args.output_len // 2}: "
               f"{steps['colocated']} ms on {len(cores)} threads, {steps['pd']} ms on {len(decode_cores)} (PD decode)")
         with ProcessGroup(log_dir) as group:
+            started = {}
             for kind in ("colocated", "pd"):
-                urls[kind] = deployments.start(group, kind, settings, cores).url
+                started[kind] = deployments.start(group, kind, settings, cores)
+                urls[kind] = started[kind].url
                 wait_healthy(urls[kind])
             for round_index in range(args.rounds):
                 order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
@@ -149,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
                     print(f"\n### {kind}, round {round_index + 1}")
                     payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(),
                                         output_dir=args.output_dir, tag=f"{kind}-round{round_index + 1}",
-                                        backend=kind, request_rate=float("inf"))
+                                        backend=kind, request_rate=float("inf"),
+                                        account=ServingAccount(started[kind]) if kind in started else None)
                     payload["load_average"] = os.getloadavg()[0]
                     runs.setdefault(kind, []).append(payload)
     except NotReady as exc:
@@ -178,7 +182,14 @@ def main(args: argparse.Namespace) -> int:
         ratio = f"{row['tpot_over_step']:.2f}" if row["tpot_over_step"] else "-"
         print(f"| {row['deployment']} | {fmt(row['request_throughput'], '.2f')} | {fmt(row['mean_ttft_ms'], '.0f')} | "
               f"{fmt(row['mean_tpot_ms'], '.1f')} | {row['engine_step_ms'] or '-'} | {ratio} |")
+    accounts = {f"{kind}, round {i + 1}": p["account"] for kind, payloads in runs.items()
+                for i, p in enumerate(payloads) if "account" in p}
+    if accounts:
+        print("\nServing-cost account (tools/bench/serving/account.py): TPOT if a token paid only the engine's "
+              "decode steps and the prompt chunks inside them, against the clients' TPOT; CPU per token by process")
+        print(account_table(accounts))
     summary = {"model": model, "dtype": args.dtype, "cores": cores, "load": vars(load), "rows": rows,
+               "accounts": accounts,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "serving-vs-vllm", *sys.argv[3:]])}
     if "vllm" in runs and "colocated" in runs:
