@@ -283,6 +283,7 @@ def test_a_frozen_master_costs_a_bounded_wait_and_the_tier_comes_back(reference,
     (--hicache-timeout) ends each call."""
     prompts = random_prompts([2 * PAGE + 3], seed=53)
     expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+    wait_for(lambda: reader.hicache.up, "the store tier to be up")
     errors = reader.hicache.stats.errors
     master.process.send_signal(signal.SIGSTOP)
     try:
@@ -297,6 +298,7 @@ def test_a_frozen_master_costs_a_bounded_wait_and_the_tier_comes_back(reference,
 def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reader, master):
     prompts = random_prompts([3 * PAGE + 2, 2 * PAGE + 9], seed=31)
     expected = asyncio.run(run_in_turn(reference, prompts, GREEDY))
+    wait_for(lambda: reader.hicache.up, "the store tier to be up")
     master.kill()
     try:
         assert_same(asyncio.run(run_in_turn(reader, prompts, GREEDY)), expected)
