@@ -88,6 +88,28 @@ class EngineConfig:
     disable_radix_cache: bool = field(default=False, metadata=_help(
         "turn the prefix cache off (SGLang's flag name): every prompt is computed in full, a decode worker "
         "reuses none of its cached pages, and no KV events are published"))
+    enable_hierarchical_cache: bool = field(default=False, metadata=_help(
+        "write full KV pages through to a cluster-wide store and, on a local prefix-cache miss, fetch the "
+        "longest run of leading pages it holds (SGLang's flag; libkv/store/). Needs the prefix cache, "
+        "--tp-size 1, --pp-size 1 and no DP attention"))
+    hicache_storage_backend: str = field(default="mooncake", metadata=_help(
+        "the store of --enable-hierarchical-cache: mooncake (Mooncake Store)"))
+    hicache_mooncake_master: str = field(
+        default_factory=lambda: envs.HICACHE_MOONCAKE_MASTER.get() or envs.MOONCAKE_MASTER.get(),
+        metadata=_help("the Mooncake Store master, HOST:PORT (default: PDSERVE_HICACHE_MOONCAKE_MASTER, "
+                       "else MOONCAKE_MASTER)"))
+    hicache_local_host: str = field(default="127.0.0.1", metadata=_help(
+        "the address other Mooncake Store clients reach this process's segment at (a worker sets it from "
+        "its --host)"))
+    hicache_mooncake_segment_mb: int = field(default=256, metadata=_help(
+        "MiB of host memory this worker lends to Mooncake Store (the store is the sum of its clients' "
+        "segments; an entry lives in one of them)"))
+    hicache_timeout: float = field(default=0.5, metadata=_help(
+        "seconds one store call may take; past it the call fails and the store counts as down until a "
+        "probe answers (requests are computed without it meanwhile)"))
+    hicache_write_queue_pages: int = field(default=256, metadata=_help(
+        "pages waiting to be written to the store at most; pages offered beyond it are dropped (counted), "
+        "never waited for"))
     profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
         "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
         "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))
@@ -122,9 +144,26 @@ class EngineConfig:
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, where "
                              "the other nodes' ranks join)")
+        if self.enable_hierarchical_cache:
+            self._check_hicache()
         self.topology()  # raises TopologyError naming what does not fit
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"--cpu-kernels must be auto, on or off, got {self.cpu_kernels!r}")
+
+    def _check_hicache(self) -> None:
+        if self.hicache_storage_backend != "mooncake":
+            raise ValueError(f"--hicache-storage-backend must be mooncake, got {self.hicache_storage_backend!r}")
+        if not self.hicache_mooncake_master:
+            raise ValueError("--enable-hierarchical-cache needs the Mooncake Store master: --hicache-mooncake-master "
+                             "HOST:PORT (or PDSERVE_HICACHE_MOONCAKE_MASTER, MOONCAKE_MASTER)")
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the prefix cache: drop --disable-radix-cache")
+        if self.tp_size > 1 or self.pp_size > 1 or self.enable_dp_attention or self.nnodes > 1:
+            raise ValueError("--enable-hierarchical-cache runs with one rank for now (--tp-size 1, --pp-size 1, "
+                             "no --enable-dp-attention): each rank's pages would need a store entry of their own")
+        if self.hicache_timeout <= 0 or self.hicache_write_queue_pages < 1 or self.hicache_mooncake_segment_mb < 1:
+            raise ValueError("--hicache-timeout, --hicache-write-queue-pages and --hicache-mooncake-segment-mb "
+                             "must be positive")
 
     def topology(self) -> Topology:
         """The rank layout these flags ask for. `--moe-a2a-backend deepep|mooncake` implies expert

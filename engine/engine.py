@@ -42,13 +42,15 @@ from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
 from engine.outputs import EngineStats, FirstToken, TokenOutput
-from engine.page_manager import Reservation
+from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.sampling import sample
 from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_clock import StepClock
 from engine.stream import OutputStream, TextStream
+from libkv.pool import KVPool
+from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
 from pdserve.page_hash import page_hashes
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,17 @@ class _Wake:
 _Command = _Add | _Abort | _Stop | _Finish | _Wake
 
 
+def open_store_tier(config: EngineConfig, pool: KVPool, pages: PageManager) -> StoreTier:
+    """The store tier of --enable-hierarchical-cache, started (it connects in the background: a
+    store that is not there yet only means computing without it)."""
+    client = create_client(config.hicache_storage_backend, config.hicache_mooncake_master,
+                           host=config.hicache_local_host, segment_bytes=config.hicache_mooncake_segment_mb << 20,
+                           timeout_s=config.hicache_timeout)
+    identity = StoreIdentity(model_digest(config.model_path), pool.layout)
+    return StoreTier(client, pool, identity, pages.retain, pages.free,
+                     write_queue_pages=config.hicache_write_queue_pages).start()
+
+
 def step_seed(seed: int, index: int) -> int:
     """Seed of the generator that samples a request's `index`-th token.
 
@@ -128,6 +141,9 @@ class Engine:
         self._steps = 0
         self.step_clock = StepClock()
         self.profiler = StepProfiler.from_config(self.config, self.pool.device)
+        self.hicache = open_store_tier(self.config, self.pool, self.pages) \
+            if self.config.enable_hierarchical_cache else None
+        self.scheduler.store = self.hicache
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -158,6 +174,8 @@ class Engine:
         self._deliver()
         if self.tp_followers is not None:
             self._stop_followers()
+        if self.hicache is not None:
+            self.hicache.close()
 
     def _stop_followers(self) -> None:
         followers, self.tp_followers = self.tp_followers, None

@@ -195,6 +195,12 @@ class PageManager:
             self.allocator.release(reversed(page_ids))
         page_ids.clear()
 
+    def retain(self, page_ids: Sequence[int]) -> None:
+        """Add a reference to pages in use or idle in the cache (the store tier keeps pages it has
+        yet to copy out this way; it gives them back with `free`)."""
+        with self._lock:
+            self.allocator.retain(page_ids)
+
     # ---- prefix cache ---------------------------------------------------------------------------
     def acquire_prefix(self, token_ids: Sequence[int], max_pages: int,
                        hashes: Sequence[int] | None = None) -> list[int]:

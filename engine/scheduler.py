@@ -18,6 +18,10 @@ its longest cached run of leading full pages and computes only the rest. At leas
 always computed (its logits give the next token), so a prompt cached to its end recomputes its
 last page. Full pages enter the cache as soon as their K/V is computed (after each prefill
 chunk), and when a request leaves (finished, aborted or retracted) with the pages it decoded.
+
+Store tier (`store`, a libkv.store.StoreTier, with --enable-hierarchical-cache): pages entering
+the cache are offered to it (written through in the background), and admission asks it for the
+pages that follow the local match before computing them (fetched into fresh pages and cached).
 """
 
 from __future__ import annotations
@@ -160,6 +164,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_retractions = 0
         self._admissions = 0
+        self.store: Any = None  # a libkv.store.StoreTier, set by the engine
 
     # ---- entry and exit -------------------------------------------------------------------------
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -265,8 +270,10 @@ class Scheduler:
         cached: list[int] = []
         if self.pages.cache is not None:
             request.page_hashes = page_hashes(request.token_ids, size, request.page_hashes)
-            cached = self.pages.acquire_prefix(request.token_ids, (request.num_tokens - 1) // size,
-                                               request.page_hashes)
+            max_pages = (request.num_tokens - 1) // size
+            cached = self.pages.acquire_prefix(request.token_ids, max_pages, request.page_hashes)
+            if self.store is not None and len(cached) < max_pages:
+                cached += self._fetch_from_store(request, cached, max_pages)
         num_cached = len(cached)
         request.page_ids = cached  # grown in place below
         if not self.pages.grow(request.page_ids, request.num_tokens, keep_free=len(self.running)):
@@ -276,6 +283,20 @@ class Scheduler:
         request.pages_cached = num_cached
         self.pages.count_query(request.num_tokens, request.num_computed)
         return True
+
+    def _fetch_from_store(self, request: Request, cached: list[int], max_pages: int) -> list[int]:
+        """Pages after `cached` that the store holds, fetched into fresh pages and cached here."""
+        size = self.pages.page_size
+
+        def allocate(n: int) -> list[int] | None:
+            pages: list[int] = []
+            return pages if self.pages.grow(pages, n * size, keep_free=len(self.running)) else None
+
+        fetched = self.store.fetch(request.token_ids, request.page_hashes, len(cached), max_pages, allocate)
+        if fetched:
+            pages = cached + fetched
+            self.pages.cache_pages(request.token_ids, pages, request.page_hashes[:len(pages)], len(cached))
+        return fetched
 
     def _cache_computed(self, request: Request) -> None:
         """Offer the request's full pages whose K/V is computed to the prefix cache."""
@@ -289,6 +310,8 @@ class Scheduler:
                                               self.pages.page_size, request.page_hashes)
         self.pages.cache_pages(request.token_ids, request.page_ids, request.page_hashes[:full],
                                request.pages_cached)
+        if self.store is not None:
+            self.store.offer(request.token_ids, request.page_ids, request.page_hashes[:full], request.pages_cached)
         request.pages_cached = full
 
     def _schedule_decodes(self, batch: SchedulerOutput) -> None:

@@ -105,6 +105,14 @@ PROFILE_DECODE = EnvVar(
     "Record a torch profiler trace of the first decode steps (SGLang's SGLANG_PROFILE_DECODE).")
 PROFILE_STEPS = EnvVar("PDSERVE_PROFILE_STEPS", 5, "Steps of the profiled kind one trace records.")
 PROFILE_DIR = EnvVar("PDSERVE_PROFILE_DIR", "pdserve-profile", "Folder profiler traces are written to.")
+HICACHE_MOONCAKE_MASTER = EnvVar(
+    "PDSERVE_HICACHE_MOONCAKE_MASTER", "",
+    "Workers with --enable-hierarchical-cache: the Mooncake Store master, HOST:PORT (what "
+    "--hicache-mooncake-master sets; the flag wins).")
+MOONCAKE_MASTER = EnvVar(
+    "MOONCAKE_MASTER", "",
+    "SGLang's name for the Mooncake Store master (HOST:PORT), read when PDSERVE_HICACHE_MOONCAKE_MASTER "
+    "and --hicache-mooncake-master are unset.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

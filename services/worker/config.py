@@ -25,7 +25,7 @@ from services.common.server_config import ServerConfig
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
 # EngineConfig settings `pdserve launch-server` has no flag for (they keep the engine's defaults).
-_ENGINE_ONLY = ("max_total_tokens", "cpu_kv_cap_gib", "cpu_kernels")
+_ENGINE_ONLY = ("max_total_tokens", "cpu_kv_cap_gib", "cpu_kernels", "hicache_local_host")
 
 
 def _help(text: str) -> dict:

@@ -10,13 +10,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name as m
 
 if TYPE_CHECKING:  # the engine's dataclass only; this module must not import torch
     from engine.models.moe import ExpertLoad
+    from libkv.store import StoreTier
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -113,6 +114,51 @@ class WorkerMetrics:
         routes every token, so it counts for all ranks), and `moe_a2a_bytes_total{direction}`, the
         bytes rank 0's dispatch/combine sent to and received from the other ranks."""
         self.registry.register(_ExpertLoadCollector(self.labels, read))
+
+
+    def store_tier(self, tier: StoreTier) -> None:
+        """The store tier of --enable-hierarchical-cache (libkv/store/), read at scrape time:
+        `hicache_store_up` (1 while the store answers), `hicache_hit_pages_total` (pages fetched
+        from the store instead of computed), `hicache_read_bytes_total`, `hicache_written_bytes_total`,
+        `hicache_written_pages_total`, `hicache_dropped_pages_total` (offered, not written: the
+        write queue full or the store down), `hicache_store_errors_total` (failed or timed-out
+        calls, probes included), `hicache_corrupt_entries_total` (fetched entries that failed their
+        check: used as misses) and the `hicache_fetch_latency_seconds` histogram (one per fetch
+        that found pages)."""
+        self.gauge("hicache_store_up", "1 while the hierarchical cache's store answers, 0 while it is down "
+                   "(requests are computed without it)", lambda: 1 if tier.up else 0)
+        stats = tier.stats
+        for name, doc, read in (
+                ("hicache_hit_pages_total", "KV pages fetched from the store instead of computed",
+                 lambda: stats.hit_pages),
+                ("hicache_read_bytes_total", "KV bytes fetched from the store", lambda: stats.bytes_read),
+                ("hicache_written_bytes_total", "KV bytes written to the store", lambda: stats.bytes_written),
+                ("hicache_written_pages_total", "KV pages written to the store", lambda: stats.pages_written),
+                ("hicache_dropped_pages_total", "KV pages offered to the store but not written (write queue "
+                 "full, or the store down)", lambda: stats.dropped_pages),
+                ("hicache_store_errors_total", "Store calls that failed or timed out (probes included)",
+                 lambda: stats.errors),
+                ("hicache_corrupt_entries_total", "Fetched store entries that failed their check (token hash, "
+                 "byte checksum): used as misses", lambda: stats.corrupt)):
+            self.counter_from(name, doc, read)
+        self.registry.register(_FetchLatencyCollector(self.labels, tier))
+
+
+class _FetchLatencyCollector(Collector):
+    def __init__(self, labels: dict[str, str], tier: StoreTier) -> None:
+        self._labels, self._tier = labels, tier
+
+    def collect(self):
+        stats = self._tier.stats
+        family = HistogramMetricFamily(m("hicache_fetch_latency_seconds"), "Time of one store fetch (exists "
+                                       "check, get, checks, copy into the pool) that found pages",
+                                       labels=list(self._labels))
+        cumulative, buckets = 0, []
+        for bound, count in zip((*stats.BOUNDS, float("inf")), stats.fetch_buckets, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric(list(self._labels.values()), buckets, stats.fetch_seconds)
+        yield family
 
 
 class _ExpertLoadCollector(Collector):

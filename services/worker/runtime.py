@@ -99,7 +99,10 @@ class WorkerRuntime:
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        engine = load_engine(config.engine)  # a DPEngine under --enable-dp-attention
+        engine_config = config.engine
+        if engine_config.enable_hierarchical_cache:  # other store clients read this worker's segment there
+            engine_config = replace(engine_config, hicache_local_host=config.server.host)
+        engine = load_engine(engine_config)  # a DPEngine under --enable-dp-attention
         if engine.tp_followers is not None:
             engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
         backend = None if config.role == "colocated" else _transfer_backend(config, engine)
@@ -129,6 +132,8 @@ class WorkerRuntime:
                       lambda: engine.stats().cached_pages)
         if engine.model_config.moe is not None:
             metrics.expert_load(engine.expert_load)
+        if getattr(engine, "hicache", None) is not None:
+            metrics.store_tier(engine.hicache)
         clock = getattr(engine, "step_clock", None)  # a DP attention engine's members step jointly: none
         for kind in STEP_KINDS if clock is not None else ():
             # The serving-cost account's engine side (engine/step_clock.py, `pdserve bench serving-vs-vllm`).
