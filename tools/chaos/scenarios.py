@@ -182,6 +182,24 @@ def _cut_network(name: str) -> Callable[[FaultContext], Awaitable[None]]:
     return inject
 
 
+# -- a new process at an old address -------------------------------------------------------------------
+
+async def _restart_prefill_in_place(ctx: FaultContext) -> None:
+    """kill -9 prefill-0 while it has prompts or KV writes in flight, then start a new process on the
+    same host and gRPC port: decode must not take it for the old one (stale channel, the old process's
+    rooms) and must free the pages the old one was writing."""
+    name = "prefill-0"
+    busy = await _busy(ctx, name)
+    old = ctx.dep.workers[name]
+    await stop(old, signal.SIGKILL)
+    ctx.fault_now()
+    restarted = await ctx.dep.restart_worker(name, same_address=True)
+    ctx.notes.append(f"{name} (pid {old.pid}) killed {'with' if busy else 'without'} requests in its queues, "
+                     f"restarted as pid {restarted.pid} on the same address {restarted.address}")
+    if restarted.address != old.address:
+        ctx.problems.append(f"{name} came back on {restarted.address}, not on its old address {old.address}")
+
+
 # -- idle ----------------------------------------------------------------------------------------------
 
 async def _idle(ctx: FaultContext) -> None:
@@ -209,6 +227,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              _cut_network("prefill-1"), failures_allowed=True, isolate="prefill-1"),
     Scenario("network-cut-decode", "cut decode-1's link (network namespace) mid-transfer, restore it",
              _cut_network("decode-1"), failures_allowed=True, isolate="decode-1"),
+    Scenario("prefill-restart", "kill -9 prefill-0 mid-transfer, start a new process on its old gRPC port",
+             _restart_prefill_in_place, failures_allowed=True),
     Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle, failures_allowed=False),
 )
 
