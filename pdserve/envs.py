@@ -96,6 +96,11 @@ PROFILE_DECODE = EnvVar(
 PROFILE_STEPS = EnvVar("PDSERVE_PROFILE_STEPS", 5, "Steps of the profiled kind one trace records.")
 PROFILE_DIR = EnvVar("PDSERVE_PROFILE_DIR", "pdserve-profile", "Folder profiler traces are written to.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
+TEST_HOLD_ADMISSION = EnvVar(
+    "PDSERVE_TEST_HOLD_ADMISSION", "",
+    "Tests only (never set in a deployment): a decode worker holds every request whose room id starts "
+    "with this prefix after its KV landed and before its batch takes it, until the request is aborted: "
+    "the abort-window test lands its abort there. Empty: off.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 

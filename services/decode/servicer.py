@@ -40,6 +40,7 @@ from engine.page_manager import Reservation
 from engine.request import EngineRequest
 from libkv.landing import wait_landed
 from libkv.transfer.dp_groups import DPGroupsBackend
+from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry_client import RegistryClient
 from services.decode.prefill_client import PrefillClients, PrefillFailed
@@ -151,6 +152,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         # id a room's Prefill call went to ("" when the registry had not told yet).
         self._prefill_ids: dict[str, str] = {}
         self._call_prefill_ids: dict[str, str] = {}
+        self._hold_admission = envs.TEST_HOLD_ADMISSION.get()
 
     def _open_on(self, prefill_address: str) -> int:
         """Prefill calls this worker has open on `prefill_address` (its queue, as far as we load it)."""
@@ -180,10 +182,20 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                           len(parsed.prompt_ids))
             else:
                 first = await self._prefill_remotely(room, parsed, request.sampling, prefill_address, context)
+                await self._before_admission(room)
                 parsed = replace(parsed, first_token=first)  # the reserved pages become the request's
                 room.stage, room.reservation = Stage.RUNNING, None
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
                 yield response
+        except asyncio.CancelledError:
+            if not room.aborted:
+                raise  # the caller left or the server stops: nobody to answer
+            # Our Abort cancelled the handler; its caller still reads the stream. End it as a colocated
+            # worker ends an aborted request (finish reason abort), not by leaving it open until the
+            # caller's deadline. The cleanup above (quarantine, released pages) has run already.
+            yield worker_pb2.GenerateResponse(
+                finish_reason=common_pb2.FINISH_REASON_ABORT,
+                usage=worker_pb2.Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0))
         finally:
             if room.stage is not Stage.QUARANTINED:
                 self.rooms.close(room)
@@ -251,6 +263,22 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                                    * self.config.engine.topology().attn_tp_size)
             self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * shipped_page_nbytes)
         return reply.first
+
+    async def _before_admission(self, room: Room) -> None:
+        """The window between "the room's KV landed" (prefill is done with it) and "the engine took the
+        room into its batch" (engine.generate, with no await before it hands the request over). The
+        reserved pages are the engine's reservation until then, which no abort path frees (the engine
+        does not know the request yet, and the quarantine is only for pages a write may still reach):
+        a request cancelled here frees them itself. Only a test holds a request here
+        (PDSERVE_TEST_HOLD_ADMISSION), so that its abort lands in the window by construction."""
+        if not (self._hold_admission and room.id.startswith(self._hold_admission)):
+            return
+        log.info("room %s: held before admission (PDSERVE_TEST_HOLD_ADMISSION) until aborted", room.id)
+        try:
+            await asyncio.Event().wait()  # until cancelled: an Abort, the client gone, shutdown
+        except BaseException:
+            self.engine.release(room.id)
+            raise
 
     def _endpoint_for(self, room: str) -> common_pb2.TransferEndpoint:
         """Where the prefill writes the room's pages: under DP attention, its group's ranks."""
@@ -331,6 +359,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         if room.local:
             self.engine.abort(room.id)
         elif room.stage is not Stage.QUARANTINED and room.task is not None:
+            room.aborted = True  # the handler then ends the caller's stream with finish reason abort
             room.task.cancel()
         return worker_pb2.AbortResponse(found=True)
 
