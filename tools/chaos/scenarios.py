@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tools.chaos.abort_window import MODES as ABORT_WINDOW_MODES
+from tools.chaos.abort_window import abort_around_first_token
 from tools.chaos.client import TIMEOUT, chat
 from tools.chaos.config import ChaosConfig
 from tools.chaos.deployment import Deployment
@@ -140,6 +142,14 @@ async def _disconnects(ctx: FaultContext) -> None:
     ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut by their client ({dict(ctx.disconnects)})")
 
 
+async def _abort_window(ctx: FaultContext) -> None:
+    counts = await abort_around_first_token(ctx.dep.url, ctx.dep.model_name, ctx.prompts, count=ctx.config.disconnects,
+                                            max_tokens=DISCONNECT_MAX_TOKENS, seed=ctx.config.seed)
+    ctx.disconnects = counts
+    cut = sum(counts.get(mode, 0) for mode in ABORT_WINDOW_MODES)
+    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut around their first token ({dict(counts)})")
+
+
 # -- registry downtime -------------------------------------------------------------------------------
 
 async def _registry_restart(ctx: FaultContext) -> None:
@@ -229,6 +239,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              _cut_network("decode-1"), failures_allowed=True, isolate="decode-1"),
     Scenario("prefill-restart", "kill -9 prefill-0 mid-transfer, start a new process on its old gRPC port",
              _restart_prefill_in_place, failures_allowed=True),
+    Scenario("abort-window", "clients leave around the first token: aborts land as prefill finishes and "
+             "decode admits", _abort_window, failures_allowed=False),
     Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle, failures_allowed=False),
 )
 
