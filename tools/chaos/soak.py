@@ -102,8 +102,8 @@ async def soak_on(dep: Deployment, cfg: ChaosConfig, pool: Sequence[Scenario], p
     log = FaultLog()
     gateway_before = dep.gateway
     load.start()
-    try:
-        drawn = await inject_faults(dep, load, cfg, prompts, pool, started + cfg.soak_s,
+    try:  # the duration counts from here: starting the deployment is not part of it
+        drawn = await inject_faults(dep, load, cfg, prompts, pool, time.monotonic() + cfg.soak_s,
                                     random.Random(cfg.seed), log)
         tally = await load.stop()
     except BaseException:
