@@ -188,8 +188,8 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
                 yield response
         except asyncio.CancelledError:
-            if not room.aborted:
-                raise  # the caller left or the server stops: nobody to answer
+            if not room.aborted or context.done():
+                raise  # the caller left (the gateway cancels, then aborts) or the server stops: nobody to answer
             # Our Abort cancelled the handler; its caller still reads the stream. End it as a colocated
             # worker ends an aborted request (finish reason abort), not by leaving it open until the
             # caller's deadline. The cleanup above (quarantine, released pages) has run already.
