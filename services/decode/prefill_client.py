@@ -23,6 +23,12 @@ log = logging.getLogger("pdserve.decode")
 _PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                  grpc.StatusCode.RESOURCE_EXHAUSTED)
 _CONNECT_PROBE_S = 2.0
+# A channel given up on still carries the calls already on it (to a live process that only failed one
+# call); it is closed once they finish, or after this long.
+_RETIRED_GRACE_S = 600.0
+# gRPC shares connections (subchannels) between the channels of a process by default, so a new channel
+# would inherit the old one's reconnect backoff; each channel here owns its connections.
+_OWN_SUBCHANNELS = (("grpc.use_local_subchannel_pool", 1),)
 
 
 class PrefillFailed(RuntimeError):
@@ -64,28 +70,50 @@ class AbortReply:
 
 
 class PrefillClients:
-    """Cached channels to prefill workers, keyed by their gRPC address."""
+    """Cached channels to prefill workers, keyed by their gRPC address.
+
+    An address is not an identity: a prefill restarted on the same host and port is a new process. A
+    channel that saw a call fail UNAVAILABLE (connection refused or reset: the process may be gone)
+    is dropped, and so is the channel of an address where the registry reports a new worker
+    (`forget`): the next call opens a fresh one. Reused, the old channel would sit in gRPC's
+    reconnect backoff after the refused connections of the downtime and fail the new process's first
+    calls at once ("failed to connect to all addresses") though it listens."""
 
     def __init__(self, abort_timeout_s: float, security: GrpcSecurity | None = None) -> None:
         self.abort_timeout_s = abort_timeout_s
         self.security = security or GrpcSecurity()
         self._stubs: dict[str, worker_pb2_grpc.PrefillStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
 
-    def _stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
+    def _stub(self, address: str) -> tuple[worker_pb2_grpc.PrefillStub, grpc.aio.Channel]:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = open_channel(address, self.security)
+            channel = open_channel(address, self.security, options=_OWN_SUBCHANNELS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.PrefillStub(channel)
-        return stub
+        return stub, self._channels[address]
+
+    def forget(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        """Open a new channel for the next call to `address` (only if its channel is still `channel`,
+        when given: another call may have replaced it already). Calls on the old one run to their end."""
+        current = self._channels.get(address)
+        if current is None or (channel is not None and current is not channel):
+            return
+        del self._channels[address], self._stubs[address]
+        task = asyncio.get_running_loop().create_task(current.close(grace=_RETIRED_GRACE_S))
+        self._retiring[task] = current
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
 
     async def prefill(self, address: str, request: worker_pb2.PrefillRequest, params: SamplingParams,
                       timeout_s: float) -> PrefillReply:
+        stub, channel = self._stub(address)
         try:
-            response = await self._stub(address).Prefill(request, timeout=timeout_s)
+            response = await stub.Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.forget(address, channel)
             stage = HANDSHAKE if code == grpc.StatusCode.FAILED_PRECONDITION else "prefill"
             if code in _PASS_THROUGH:
                 raise PrefillFailed(f"prefill {address}: {exc.details()}", code, stage) from None
@@ -107,11 +135,14 @@ class PrefillClients:
         confirms. No answer is proof of nothing: a frozen process keeps its listening socket, and
         a partition heals, so an UNAVAILABLE call is followed by a plain TCP connect: only a
         refused connection means the process is gone."""
+        stub, channel = self._stub(address)
         try:
-            reply = await self._stub(address).Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
+            reply = await stub.Abort(worker_pb2.AbortRequest(room=room), timeout=self.abort_timeout_s)
             return AbortReply(AbortOutcome.CONFIRMED, list(reply.page_checksums), reply.tp_size or 1)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.forget(address, channel)  # the retry must not wait out the old channel's backoff
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
                 return AbortReply(AbortOutcome.CONFIRMED)  # not our prefill: it never wrote for this room
             if code == grpc.StatusCode.UNAVAILABLE and await _connection_refused(address):
@@ -122,6 +153,12 @@ class PrefillClients:
 
     async def close(self) -> None:
         for channel in self._channels.values():
+            await channel.close()
+        retiring = dict(self._retiring)
+        for task in retiring:
+            task.cancel()  # stop waiting for their calls: shutting down ends them
+        await asyncio.gather(*retiring, return_exceptions=True)
+        for channel in retiring.values():
             await channel.close()
 
 

@@ -40,6 +40,7 @@ from engine.page_manager import Reservation
 from engine.request import EngineRequest
 from libkv.landing import wait_landed
 from libkv.transfer.dp_groups import DPGroupsBackend
+from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry_client import RegistryClient
 from services.decode.prefill_client import PrefillClients, PrefillFailed
@@ -146,6 +147,12 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         self._endpoint = endpoint_to_proto(runtime.backend.endpoint())
         self._dp_groups = isinstance(runtime.backend, DPGroupsBackend)
         self.local_prefill = self.config.local_prefill_rule()
+        # A prefill's identity is its registry worker id, not its address: a process restarted on the
+        # same port is a new worker. The id registered at each address (from watch_prefills), and the
+        # id a room's Prefill call went to ("" when the registry had not told yet).
+        self._prefill_ids: dict[str, str] = {}
+        self._call_prefill_ids: dict[str, str] = {}
+        self._hold_admission = envs.TEST_HOLD_ADMISSION.get()
 
     def _open_on(self, prefill_address: str) -> int:
         """Prefill calls this worker has open on `prefill_address` (its queue, as far as we load it)."""
@@ -175,10 +182,20 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                           len(parsed.prompt_ids))
             else:
                 first = await self._prefill_remotely(room, parsed, request.sampling, prefill_address, context)
+                await self._before_admission(room)
                 parsed = replace(parsed, first_token=first)  # the reserved pages become the request's
                 room.stage, room.reservation = Stage.RUNNING, None
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
                 yield response
+        except asyncio.CancelledError:
+            if not room.aborted or context.done():
+                raise  # the caller left (the gateway cancels, then aborts) or the server stops: nobody to answer
+            # Our Abort cancelled the handler; its caller still reads the stream. End it as a colocated
+            # worker ends an aborted request (finish reason abort), not by leaving it open until the
+            # caller's deadline. The cleanup above (quarantine, released pages) has run already.
+            yield worker_pb2.GenerateResponse(
+                finish_reason=common_pb2.FINISH_REASON_ABORT,
+                usage=worker_pb2.Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0))
         finally:
             if room.stage is not Stage.QUARANTINED:
                 self.rooms.close(room)
@@ -211,6 +228,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             model=self.model_name, grant=grant, page_checksums=self._checksums,
             skip_pages=room.reservation.cached_pages)
         room.prefill_address = prefill_address
+        self._call_prefill_ids[room.id] = self._prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(
             prefill_address, prefill_request, parsed.params,
             timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
@@ -232,6 +250,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             room.call, room.lost = None, ""
+            self._call_prefill_ids.pop(room.id, None)
         self.backend.release_expectation(room.id)
         if self._checksums:
             await self._check_arrived(room.id, pages, reply.page_checksums, prefill_address, context, reply.tp_size)
@@ -244,6 +263,22 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                                    * self.config.engine.topology().attn_tp_size)
             self.runtime.metrics.transfer_bytes_saved.inc(room.reservation.cached_pages * shipped_page_nbytes)
         return reply.first
+
+    async def _before_admission(self, room: Room) -> None:
+        """The window between "the room's KV landed" (prefill is done with it) and "the engine took the
+        room into its batch" (engine.generate, with no await before it hands the request over). The
+        reserved pages are the engine's reservation until then, which no abort path frees (the engine
+        does not know the request yet, and the quarantine is only for pages a write may still reach):
+        a request cancelled here frees them itself. Only a test holds a request here
+        (PDSERVE_TEST_HOLD_ADMISSION), so that its abort lands in the window by construction."""
+        if not (self._hold_admission and room.id.startswith(self._hold_admission)):
+            return
+        log.info("room %s: held before admission (PDSERVE_TEST_HOLD_ADMISSION) until aborted", room.id)
+        try:
+            await asyncio.Event().wait()  # until cancelled: an Abort, the client gone, shutdown
+        except BaseException:
+            self.engine.release(room.id)
+            raise
 
     def _endpoint_for(self, room: str) -> common_pb2.TransferEndpoint:
         """Where the prefill writes the room's pages: under DP attention, its group's ranks."""
@@ -279,15 +314,38 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
     async def watch_prefills(self, registry: RegistryClient) -> None:
         """Fail the Prefill calls of a prefill whose registry lease expired (it stopped heartbeating:
         hung or partitioned), instead of waiting for their deadline. Other departures (deregistered,
-        replaced, registry unreachable) leave calls alone: the connection itself tells if it is dead."""
+        replaced, registry unreachable) leave calls alone: the connection itself tells if it is dead.
+
+        Calls are matched by worker id, so the late lease expiry of a killed prefill never fails the
+        calls of the new process that took its address meanwhile; and a new worker id at an address
+        drops decode's channel to it (PrefillClients.forget): nothing of the old process is reused."""
         async for event in registry.watch(role=common_pb2.WORKER_ROLE_PREFILL):
-            if event.type == bootstrap_pb2.WORKER_EVENT_TYPE_LEFT and event.reason == "lease expired":
-                address = event.worker.grpc_address
-                for room in self.rooms.rooms():
-                    call = room.call
-                    if call is not None and room.prefill_address == address and not call.done():
-                        room.lost = f"stopped heartbeating (registry lease of {event.worker.worker_id} expired)"
-                        call.cancel()
+            worker = event.worker
+            address, worker_id = worker.grpc_address, worker.worker_id
+            if event.type == bootstrap_pb2.WORKER_EVENT_TYPE_JOINED:
+                known = self._prefill_ids.get(address)
+                self._prefill_ids[address] = worker_id
+                if known is not None and known != worker_id:
+                    log.info("prefill %s is a new process (%s, was %s): new channel", address, worker_id, known)
+                    self.prefills.forget(address)
+            elif event.type == bootstrap_pb2.WORKER_EVENT_TYPE_LEFT:
+                current = self._prefill_ids.get(address)
+                if current == worker_id:
+                    del self._prefill_ids[address]
+                if event.reason == "lease expired":
+                    self._cancel_calls_of(address, worker_id, current)
+
+    def _cancel_calls_of(self, address: str, worker_id: str, current: str | None) -> None:
+        """Cancel the open Prefill calls that went to `worker_id` at `address`. A call sent before decode
+        learnt who is there is that worker's unless another one registered at the address since."""
+        for room in self.rooms.rooms():
+            call = room.call
+            if call is None or room.prefill_address != address or call.done():
+                continue
+            sent_to = self._call_prefill_ids.get(room.id, "")
+            if sent_to == worker_id or (not sent_to and current in (None, worker_id)):
+                room.lost = f"stopped heartbeating (registry lease of {worker_id} expired)"
+                call.cancel()
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         """Stop a room. A room this servicer works on is cancelled and cleans up after itself: its
@@ -301,6 +359,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         if room.local:
             self.engine.abort(room.id)
         elif room.stage is not Stage.QUARANTINED and room.task is not None:
+            room.aborted = True  # the handler then ends the caller's stream with finish reason abort
             room.task.cancel()
         return worker_pb2.AbortResponse(found=True)
 

@@ -17,6 +17,20 @@ from pdserve import envs
 
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
 REGISTRY_STORES = ("memory", "etcd")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """Seconds in "90", "90s", "30m", "1.5h"; a ValueError naming `flag` for anything else or <= 0."""
+    raw = text.strip().lower()
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in _UNITS else (raw, "s")
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a duration (e.g. 90s, 30m, 1h)") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{flag}: the duration must be > 0 and finite, got {text!r}")
+    return seconds
 
 
 def _help(text: str) -> dict:
@@ -72,7 +86,14 @@ class ChaosConfig:
         "seconds for every worker to be seen by the gateway and serve a request after a scenario"))
     log_dir: str | None = field(default=None, metadata=_help(
         "one log file per process here (kept); unset = a temporary folder, kept only if a row fails"))
-    seed: int = field(default=0, metadata=_help("seed of the prompt set and the disconnect points"))
+    seed: int = field(default=0, metadata=_help("seed of the prompt set, the disconnect points and the soak's faults"))
+    soak: str = field(default="", metadata=_help(
+        "soak mode: one deployment per backend under steady load for this long (90s, 30m, 1h; bare "
+        "numbers are seconds), faults drawn at random (--seed) from --scenarios one at a time; one "
+        "summary row per backend. Empty: one row per scenario"))
+    soak_gap: float = field(default=5.0, metadata=_help(
+        "soak mode: the most seconds of plain load between two faults (each gap is drawn from half that "
+        "to all of it)"))
 
     def __post_init__(self) -> None:
         for backend in self.backend_list:
@@ -84,6 +105,10 @@ class ChaosConfig:
             raise ValueError("--clients must be >= 1")
         if self.duration <= 0 or self.hung_after <= 0:
             raise ValueError("--duration and --hung-after must be > 0")
+        if self.soak:
+            parse_duration(self.soak, "--soak")  # a clear error at start, not after the deployment is up
+        if self.soak_gap <= 0:
+            raise ValueError("--soak-gap must be > 0")
 
     @property
     def backend_list(self) -> list[str]:
@@ -101,6 +126,25 @@ class ChaosConfig:
     @property
     def network_cut_s(self) -> float:
         return self.network_cut or self.lease_bound_s + self.hung_after + 2
+
+    @property
+    def soak_s(self) -> float:
+        """The soak's duration in seconds; 0 when not soaking."""
+        return parse_duration(self.soak, "--soak") if self.soak else 0.0
+
+    def fault_bound_s(self, scenario: str) -> float:
+        """The longest one fault of `scenario` may take, repair included: its own outage (a freeze, a
+        cut, the registry down, an idle spell), plus a restart's readiness wait and, after a gateway
+        restart, the health probe. A fault that overruns it is reported and its task cancelled."""
+        outage = {"freeze-prefill": self.freeze_s, "freeze-decode": self.freeze_s,
+                  "network-cut-prefill": self.network_cut_s, "network-cut-decode": self.network_cut_s,
+                  "registry-restart": self.registry_down, "idle": self.idle + self.hung_after + self.hung_wait,
+                  "idle-cut": self.idle + self.hung_after + self.hung_wait,
+                  # etcd down twice (on its data, then wiped), the workers re-registering after each
+                  "etcd-restart": 2 * (self.etcd_down + self.recovery_timeout)}
+        clients_leaving = self.disconnects * self.hung_after / 4  # disconnects: 4 at a time, each bounded
+        return (outage.get(scenario, 0.0) + self.ready_timeout + self.recovery_timeout + self.hung_after
+                + (clients_leaving if scenario in ("disconnects", "abort-window") else 0.0))
 
     @property
     def log_path(self) -> Path | None:

@@ -4,8 +4,9 @@ process on free ports, for one transfer backend.
 Every process binds `host` (127.0.0.1), except in the network scenario's deployment: there one worker
 runs inside a network namespace bound to the namespace's address, and the rest bind the address this
 side of the veth link so that the isolated worker can reach them. Services that are killed are
-started again with the same arguments: workers on new ports (they register anew), the registry and
-the gateway on their old ports (workers and clients know those addresses).
+started again with the same arguments: workers on new ports (they register anew; the prefill-restart
+scenario puts one back on its old gRPC port), the registry and the gateway on their old ports (workers
+and clients know those addresses).
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ class Deployment:
                 "--host", self.host, "--port", str(port), "--prefill-policy", self.config.prefill_policy,
                 "--decode-policy", self.config.decode_policy]
 
-    def worker_args(self, name: str) -> tuple[list[str], tuple[str, ...]]:
-        """`pdserve` arguments of worker `name`, and the wrapper it runs under (the namespace's, if isolated)."""
+    def worker_args(self, name: str, port: int = 0) -> tuple[list[str], tuple[str, ...]]:
+        """`pdserve` arguments of worker `name` (gRPC on `port`, 0: a free one), and the wrapper it runs
+        under (the namespace's, if isolated)."""
         assert self.bootstrap is not None
         inside = self.netns is not None and name == self.isolated
         host = self.netns.inner_address if inside else self.host
         args = ["launch-server", "--model-path", self.config.model_path, "--disaggregation-mode", role_of(name),
-                "--disaggregation-transfer-backend", self.backend, "--host", host, "--port", "0",
+                "--disaggregation-transfer-backend", self.backend, "--host", host, "--port", str(port),
                 "--metrics-port", "0", "--bootstrap", self.bootstrap.address,
                 "--num-pages", str(self.config.num_pages), "--num-threads", "1"]
         return args, (self.netns.wrapper if inside else ())
@@ -101,9 +103,12 @@ class Deployment:
             raise RuntimeError(f"{self.backend}: the gateway did not see 2 prefill + 2 decode workers "
                                f"within {timeout:.0f}s")
 
-    async def restart_worker(self, name: str) -> Service:
-        """Start worker `name` again (its process must be gone) on new ports."""
-        args, wrapper = self.worker_args(name)
+    async def restart_worker(self, name: str, same_address: bool = False) -> Service:
+        """Start worker `name` again (its process must be gone): on new ports, or with `same_address`
+        on its old host and gRPC port, so that peers meet a new process at an address they know."""
+        old = self.workers[name]
+        assert not old.alive(), f"{name} must be stopped before it is restarted"
+        args, wrapper = self.worker_args(name, old.port if same_address else 0)
         self.workers[name] = await until_ready(self.group.spawn(name, args, wrapper=wrapper),
                                                self.config.ready_timeout)
         return self.workers[name]

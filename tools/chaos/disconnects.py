@@ -24,7 +24,7 @@ from tools.chaos.client import TIMEOUT, chat_body
 MODES = ("before-first-token", "mid-stream", "whole")
 
 
-async def _cut_after(delay_s: float, request) -> bool:
+async def cut_after(delay_s: float, request) -> bool:
     """Run `request` but drop it after `delay_s`; True if it was cut, False if it finished first."""
     try:
         await asyncio.wait_for(request, delay_s)
@@ -36,12 +36,12 @@ async def _cut_after(delay_s: float, request) -> bool:
 async def _one(url: str, body: dict, mode: str, rng: random.Random) -> bool:
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
         if mode == "whole":
-            return await _cut_after(rng.uniform(0.002, 0.6), http.post(f"{url}/v1/chat/completions", json=body))
+            return await cut_after(rng.uniform(0.002, 0.6), http.post(f"{url}/v1/chat/completions", json=body))
         if mode == "before-first-token":
             async def open_stream() -> None:
                 async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                     await response.aread()
-            return await _cut_after(rng.uniform(0.002, 0.15), open_stream())
+            return await cut_after(rng.uniform(0.002, 0.15), open_stream())
         events_before_cut = rng.randint(1, max(1, body["max_tokens"] - 1))
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             seen = 0

@@ -3,6 +3,7 @@
 
     pdserve bench chaos --json                                  # every scenario on mooncake and nixl
     pdserve bench chaos --backends nixl --scenarios kill-decode,disconnects --duration 6
+    pdserve bench chaos --backends mooncake --soak 30m --seed 7   # random faults for 30 min, one row
 
 Every child gets a fresh random PDSERVE_CLUSTER_SECRET and PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL.
 Logs: one file per process under --log-dir (or a temporary folder, kept only when a row fails).
@@ -26,6 +27,7 @@ from tools.chaos.prompts import make_prompts
 from tools.chaos.report import Row, to_json, to_table
 from tools.chaos.runner import run_backend, say
 from tools.chaos.scenarios import SCENARIOS, select
+from tools.chaos.soak import soak_backend
 from tools.up import ensure_model
 
 
@@ -46,6 +48,10 @@ async def run_all(cfg: ChaosConfig, log_root: Path) -> list[Row]:
     prompts = make_prompts(cfg.seed)
     env = child_env(cfg)
     rows: list[Row] = []
+    if cfg.soak:
+        for backend in cfg.backend_list:
+            rows.append(await soak_backend(backend, cfg, scenarios, prompts, log_root, env))
+        return rows
     references: dict[str, list[list[str]]] = {}
     for backend in cfg.backend_list:
         result = await run_backend(backend, cfg, scenarios, prompts, log_root, env)

@@ -15,6 +15,7 @@ Fields (the JSON keys):
   (null where no worker exposes it).
 - recovered / not_recovered: every service alive and every worker served new requests afterwards;
   recovery_failed: requests that failed after the fault was over.
+- faults: soak mode only (tools/chaos/soak.py): the faults injected, by scenario.
 - problems: why the row fails; ok: no problems. A skipped row (skipped: the reason) is ok.
 """
 
@@ -47,6 +48,7 @@ class Row:
     not_recovered: list[str] = field(default_factory=list)
     recovery_failed: int = 0
     disconnects: dict[str, int] | None = None
+    faults: dict[str, int] | None = None
     errors: dict[str, int] = field(default_factory=dict)
     examples: dict[str, str] = field(default_factory=dict)
     hung_details: list[str] = field(default_factory=list)
@@ -93,6 +95,9 @@ def to_table(rows: Sequence[Row]) -> str:
         lines += [f"- {label}: {problem}" for problem in row.problems]
         if row.gateway_retries:
             lines.append(f"  {label} gateway retries: {row.gateway_retries}")
+        if row.faults is not None:
+            lines.append(f"  {label} faults: {sum(row.faults.values())} "
+                         f"({', '.join(f'{name} x{n}' for name, n in sorted(row.faults.items())) or 'none'})")
         if row.gateway_migrations:
             lines.append(f"  {label} gateway migrations: {row.gateway_migrations}")
         if row.errors:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tools.chaos.abort_window import MODES as ABORT_WINDOW_MODES
+from tools.chaos.abort_window import abort_around_first_token
 from tools.chaos.client import TIMEOUT, chat
 from tools.chaos.config import ChaosConfig
 from tools.chaos.deployment import Deployment
@@ -141,6 +143,14 @@ async def _disconnects(ctx: FaultContext) -> None:
     ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut by their client ({dict(ctx.disconnects)})")
 
 
+async def _abort_window(ctx: FaultContext) -> None:
+    counts = await abort_around_first_token(ctx.dep.url, ctx.dep.model_name, ctx.prompts, count=ctx.config.disconnects,
+                                            max_tokens=DISCONNECT_MAX_TOKENS, seed=ctx.config.seed)
+    ctx.disconnects = counts
+    cut = sum(counts.get(mode, 0) for mode in ABORT_WINDOW_MODES)
+    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut around their first token ({dict(counts)})")
+
+
 # -- registry downtime -------------------------------------------------------------------------------
 
 async def _registry_restart(ctx: FaultContext) -> None:
@@ -181,6 +191,24 @@ def _cut_network(name: str) -> Callable[[FaultContext], Awaitable[None]]:
         ctx.notes.append(f"{name}'s link cut for {ctx.config.network_cut_s:.0f}s "
                          f"({'with' if busy else 'no'} requests seen in its queues at the cut)")
     return inject
+
+
+# -- a new process at an old address -------------------------------------------------------------------
+
+async def _restart_prefill_in_place(ctx: FaultContext) -> None:
+    """kill -9 prefill-0 while it has prompts or KV writes in flight, then start a new process on the
+    same host and gRPC port: decode must not take it for the old one (stale channel, the old process's
+    rooms) and must free the pages the old one was writing."""
+    name = "prefill-0"
+    busy = await _busy(ctx, name)
+    old = ctx.dep.workers[name]
+    await stop(old, signal.SIGKILL)
+    ctx.fault_now()
+    restarted = await ctx.dep.restart_worker(name, same_address=True)
+    ctx.notes.append(f"{name} (pid {old.pid}) killed {'with' if busy else 'without'} requests in its queues, "
+                     f"restarted as pid {restarted.pid} on the same address {restarted.address}")
+    if restarted.address != old.address:
+        ctx.problems.append(f"{name} came back on {restarted.address}, not on its old address {old.address}")
 
 
 # -- idle ----------------------------------------------------------------------------------------------
@@ -269,6 +297,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              _cut_network("prefill-1"), failures_allowed=True, isolate="prefill-1"),
     Scenario("network-cut-decode", "cut decode-1's link (network namespace) mid-transfer, restore it",
              _cut_network("decode-1"), failures_allowed=True, isolate="decode-1"),
+    Scenario("prefill-restart", "kill -9 prefill-0 mid-transfer, start a new process on its old gRPC port",
+             _restart_prefill_in_place, failures_allowed=True),
+    Scenario("abort-window", "clients leave around the first token: aborts land as prefill finishes and "
+             "decode admits", _abort_window, failures_allowed=False),
     Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle, failures_allowed=False),
     Scenario("etcd-restart", "registry on etcd: kill -9 etcd, start it on its data, then again wiped; "
              "workers re-register by themselves", _etcd_restart, failures_allowed=False, registry_store="etcd"),
