@@ -60,8 +60,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise ValueError(f"image has no pixels ({width}x{height})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"image aspect ratio must be below {MAX_ASPECT_RATIO}, got {width}x{height}")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
