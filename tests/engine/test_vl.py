@@ -229,3 +229,14 @@ def test_preprocess_matches_transformers_pil_processor(vl_ckpt, processor_config
     got = preprocess(image, processor_config)
     assert [list(got.grid_thw)] == expected["image_grid_thw"].tolist()
     torch.testing.assert_close(got.pixel_values, expected["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_tiny_vl_checkpoint(vl_ckpt, tokenizer, tmp_path):
+    again = write_tiny_model(tmp_path / "vl", preset="tiny-vl", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "preprocessor_config.json"):
+        assert (again / name).read_bytes() == (vl_ckpt / name).read_bytes(), name
+    assert (vl_ckpt / "model.safetensors").stat().st_size < 5 << 20
+    assert tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]) == \
+        [VISION_TOKEN_IDS[t] for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]
+    # a pad written in text is the special token, never split
+    assert tokenizer("a<|image_pad|>b")["input_ids"].count(PAD) == 1
