@@ -6,6 +6,7 @@ prefix-cache hit); and the preprocessing's resize rule and patch order."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -240,3 +241,33 @@ def test_tiny_vl_checkpoint(vl_ckpt, tokenizer, tmp_path):
         [VISION_TOKEN_IDS[t] for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]
     # a pad written in text is the special token, never split
     assert tokenizer("a<|image_pad|>b")["input_ids"].count(PAD) == 1
+
+
+def encoded(picture: Image.Image, fmt: str = "PNG") -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def test_decode_refusals_and_expansion(vl_ckpt):
+    from engine.models.config import ModelConfig
+    from engine.multimodal.decode import MAX_IMAGES, decode_image, prepare
+
+    model = ModelConfig.from_dir(vl_ckpt)
+    png = encoded(random_image(100, 100, 10))
+    prompt, images = prepare(str(vl_ckpt), model, [1, PAD, 2], [png])
+    assert prompt == [1] + [PAD] * 16 + [2] and images[0].grid_thw == (1, 8, 8)
+    with pytest.raises(ValueError, match="not a PNG, JPEG or WebP"):
+        decode_image(b"GIF89a" + bytes(100))
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        decode_image(png[: len(png) // 2])
+    with pytest.raises(ValueError, match="pixels; at most"):
+        decode_image(encoded(Image.new("RGB", (10000, 5000))))
+    with pytest.raises(ValueError, match=f"at most {MAX_IMAGES}"):
+        prepare(str(vl_ckpt), model, [1] + [PAD] * 17, [png] * 17)
+    with pytest.raises(ValueError, match="text-only model"):
+        prepare(str(vl_ckpt), ModelConfig.from_dict(json.loads((vl_ckpt / "config.json").read_text())
+                                                    | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+                                                    ), [1, PAD], [png])
