@@ -41,6 +41,7 @@ import torch
 from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
+from engine.multimodal.state import MultimodalState
 from engine.outputs import EngineStats, FirstToken, TokenOutput
 from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
@@ -202,7 +203,22 @@ class Engine:
             raise ValueError("on_pages_filled is the hook of a prefill-only request")
         new_tokens = 1 if request.prefill_only else request.params.max_new_tokens
         self.scheduler.check_fits(len(request.prompt_ids), new_tokens)
+        if request.images:
+            self._multimodal(request)  # raises ValueError saying what does not match
         return request
+
+    def _multimodal(self, request: EngineRequest) -> MultimodalState | None:
+        """The request's multimodal state (None without images); ValueError for images this
+        engine cannot take or that do not match the prompt's image-pad tokens."""
+        if not request.images:
+            return None
+        config = self.model_config
+        if not config.is_multimodal:
+            raise ValueError(f"images sent to a text-only model ({config.architecture})")
+        if request.prefill_only or request.first_token is not None:
+            raise ValueError("images are served colocated only so far (not prefill-only or prefilled requests)")
+        return MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
+                                     self.model.vision.merge_size, self.pages.page_size)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """Stream the outputs of a request that passed `check`. Each item is every output ready
@@ -288,7 +304,8 @@ class Engine:
         """The engine's own state of a caller's request (the scheduler's Request)."""
         params = request.params
         state = Request(room=request.room, token_ids=list(request.prompt_ids), num_prompt=len(request.prompt_ids),
-                        params=params, prefill_only=request.prefill_only, on_pages_filled=request.on_pages_filled)
+                        params=params, prefill_only=request.prefill_only, on_pages_filled=request.on_pages_filled,
+                        multimodal=self._multimodal(request))
         if params.seed is not None:
             state.generator = torch.Generator(device=self.pool.device)
         state.stop_token_ids = frozenset(params.stop_token_ids) | (

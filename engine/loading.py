@@ -17,6 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
+from engine.models.vision import VisionTower
 from engine.page_manager import PageManager
 from engine.tp import a2a_backend
 from engine.tp.ranks import FollowerRanks
@@ -52,10 +53,14 @@ def load(config: EngineConfig) -> LoadedModel:
     a2a_backend.announce(config.moe_a2a_backend, config.elastic_ep_backend,
                          "nccl" if device.type == "cuda" else "gloo")
     if config.world_size > 1:
+        if model_config.is_multimodal:
+            raise ValueError(f"{model_config.architecture} is served on one rank only so far (tp/pp/dp size 1)")
         return _load_tensor_parallel(config, model_config, device)
 
     def load_tensors() -> tuple[DecoderModel, KVPool]:
         model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
+        if model_config.is_multimodal:
+            model.vision = VisionTower.load(config.model_path, model_config, dtype, device)
         pool = KVPool(layout, kv_pages(config, layout, device), device)
         return model, pool
 

@@ -8,6 +8,7 @@ import torch
 
 from engine.models.attention import AttentionMetadata, ExtendSpan
 from engine.models.decoder import DecoderModel
+from engine.multimodal.state import text_positions
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
@@ -70,8 +71,42 @@ class ModelRunner:
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)
+        if self.model.mrotary is not None:
+            return self._forward_multimodal(batch, input_ids, meta, None if every_row else logit_rows)
         args = (self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
                 None if every_row else self._tensor(logit_rows))
         if self.stage is not None:
             return self.stage.run(self.model, *args, len(logit_rows))  # type: ignore[return-value]
         return self.model.forward(*args)
+
+    def _forward_multimodal(self, batch: SchedulerOutput, input_ids: list[int], meta: AttentionMetadata,
+                            logit_rows: list[int] | None) -> torch.Tensor:
+        """A VL model's step: 3-D positions per token, and the image tokens' embeddings from the
+        vision tower (run once per request, at its first prefill chunk holding image tokens)."""
+        positions = [_positions(c) for c in batch.decodes + batch.extends]
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        offset = len(batch.decodes)
+        for chunk in batch.extends:
+            state = chunk.multimodal
+            if state is not None and chunk.start_pos < state.positions.shape[1]:
+                in_chunk, values = self._image_rows(state, chunk)
+                rows.append(in_chunk + offset)
+                embeds.append(values)
+            offset += len(chunk.token_ids)
+        stacked = torch.cat(positions, dim=1).to(self.device)
+        image_embeds = (torch.cat(rows).to(self.device), torch.cat(embeds)) if rows else None
+        return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta, self.pool.buffer,
+                                  None if logit_rows is None else self._tensor(logit_rows), image_embeds)
+
+    def _image_rows(self, state, chunk: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        if state.embeddings is None:
+            state.embeddings = self.model.vision.encode(state.images)
+        return state.embedding_rows(chunk.start_pos, chunk.end_pos)
+
+
+def _positions(chunk: ScheduledChunk) -> torch.Tensor:
+    """[3, len(chunk.token_ids)]: the request's M-RoPE positions, or a text request's plain ones."""
+    if chunk.multimodal is None:
+        return text_positions(chunk.start_pos, chunk.end_pos)
+    return chunk.multimodal.position_rows(chunk.start_pos, chunk.end_pos)

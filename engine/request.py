@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.multimodal.inputs import ImageInput
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
 
@@ -28,7 +29,11 @@ class EngineRequest:
       `on_pages_filled(page_ids, num_tokens_done)` is called from the engine thread after each
       chunk with the pages completely filled so far (in order), and once at the end with all the
       prompt's pages (the last one possibly partial), so a transfer can send them as they are
-      computed. A caller that stops listening stops the request; with `on_pages_filled` its pages
+      computed.
+
+    `images` (a vision-language model, plain requests only for now): preprocessed images
+    (engine.multimodal.image_processor), in prompt order; image i's tokens in `prompt_ids` are one
+    run of its num_tokens image-pad ids (engine.multimodal.prompt.expand_image_tokens). A caller that stops listening stops the request; with `on_pages_filled` its pages
       then stay held too (writes of them may still be reading them) until that abort or release.
     """
 
@@ -38,3 +43,4 @@ class EngineRequest:
     first_token: FirstToken | None = None
     prefill_only: bool = False
     on_pages_filled: PagesFilled | None = None
+    images: tuple[ImageInput, ...] = ()

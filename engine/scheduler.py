@@ -79,6 +79,9 @@ class Request:
     emit: Callable[[Any], None] | None = None  # delivers a TokenOutput (or a refusal) to the caller
     on_pages_filled: Callable[[list[int], int], None] | None = None
     pages_reported: int = 0
+    # Images (engine.multimodal.state.MultimodalState): its M-RoPE positions, image embeddings,
+    # and the page salts that put each image's digest into its pages' hashes.
+    multimodal: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +115,7 @@ class ScheduledChunk:
     start_pos: int
     page_ids: list[int]
     sample: bool
+    multimodal: Any = None  # the request's engine.multimodal.state.MultimodalState, if it has images
 
     @property
     def end_pos(self) -> int:
@@ -269,7 +273,7 @@ class Scheduler:
         size = self.pages.page_size
         cached: list[int] = []
         if self.pages.cache is not None:
-            request.page_hashes = page_hashes(request.token_ids, size, request.page_hashes)
+            request.page_hashes = page_hashes(request.token_ids, size, request.page_hashes, _salts(request))
             max_pages = (request.num_tokens - 1) // size
             cached = self.pages.acquire_prefix(request.token_ids, max_pages, request.page_hashes)
             if self.store is not None and len(cached) < max_pages:
@@ -307,7 +311,7 @@ class Scheduler:
             return
         if len(request.page_hashes) < full:
             request.page_hashes = page_hashes(request.token_ids[:full * self.pages.page_size],
-                                              self.pages.page_size, request.page_hashes)
+                                              self.pages.page_size, request.page_hashes, _salts(request))
         self.pages.cache_pages(request.token_ids, request.page_ids, request.page_hashes[:full],
                                request.pages_cached)
         if self.store is not None:
@@ -326,7 +330,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 batch.decodes.append(ScheduledChunk(
                     room=request.room, token_ids=request.token_ids[-1:], start_pos=request.num_computed,
-                    page_ids=request.page_ids, sample=True))
+                    page_ids=request.page_ids, sample=True, multimodal=request.multimodal))
 
     def _retraction_victim(self, needy: Request) -> Request:
         # The newest request loses least work. Requests iterate oldest first, so the victim is
@@ -341,7 +345,8 @@ class Scheduler:
         end = min(request.num_tokens, request.num_computed + budget)
         batch.extends.append(ScheduledChunk(
             room=request.room, token_ids=request.token_ids[request.num_computed:end],
-            start_pos=request.num_computed, page_ids=request.page_ids, sample=end == request.num_tokens))
+            start_pos=request.num_computed, page_ids=request.page_ids, sample=end == request.num_tokens,
+            multimodal=request.multimodal))
         return end - request.num_computed
 
     def advance(self, batch: SchedulerOutput) -> None:
@@ -355,3 +360,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+def _salts(request: Request) -> list[int]:
+    """The request's per-page hash salts: its images' digests (pdserve.page_hash.page_hash)."""
+    return request.multimodal.page_salts if request.multimodal is not None else []

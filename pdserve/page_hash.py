@@ -17,22 +17,42 @@ from collections.abc import Sequence
 ROOT_HASH = 0  # the "parent" of a prompt's first page
 
 
-def page_hash(parent: int, tokens: Sequence[int]) -> int:
-    """The hash of a page holding `tokens`, after the page whose hash is `parent`; an unsigned 64-bit int."""
+def page_hash(parent: int, tokens: Sequence[int], salt: int = 0) -> int:
+    """The hash of a page holding `tokens`, after the page whose hash is `parent`; an unsigned 64-bit int.
+
+    `salt` (non-zero): what else decides the page's K/V besides its tokens, the digests of the
+    images whose tokens it holds (`image_page_salts`): an image's pad tokens are the same ids
+    whatever the image. 0 leaves the hash of a text page as it always was."""
     digest = hashlib.blake2b(struct.pack("<Q", parent), digest_size=8)
     digest.update(array("q", tokens).tobytes())
+    if salt:
+        digest.update(struct.pack("<Q", salt))
     return int.from_bytes(digest.digest(), "little")
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] = ()) -> list[int]:
+def image_page_salts(spans: Sequence[tuple[int, int, int]], page_size: int, num_tokens: int) -> list[int]:
+    """Per page of a prompt of `num_tokens`, the salt of the images whose tokens it holds; `spans`
+    are (first token, end token, 64-bit digest) per image. Later pages need none: the chain carries it."""
+    salts = [0] * -(-num_tokens // page_size)
+    for first, end, digest in spans:
+        for page in range(first // page_size, -(-end // page_size)):
+            mixed = hashlib.blake2b(struct.pack("<QQ", salts[page], digest), digest_size=8).digest()
+            salts[page] = int.from_bytes(mixed, "little") or 1
+    return salts
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] = (),
+                salts: Sequence[int] = ()) -> list[int]:
     """Hashes of every full page of `token_ids` (a trailing partial page has none).
 
-    `start`: hashes already known for the leading pages (extended, not recomputed)."""
+    `start`: hashes already known for the leading pages (extended, not recomputed). `salts`: per
+    page, `page_hash`'s salt (pages past its end have none)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     hashes = list(start)
     parent = hashes[-1] if hashes else ROOT_HASH
     for index in range(len(hashes), len(token_ids) // page_size):
-        parent = page_hash(parent, token_ids[index * page_size:(index + 1) * page_size])
+        salt = salts[index] if index < len(salts) else 0
+        parent = page_hash(parent, token_ids[index * page_size:(index + 1) * page_size], salt)
         hashes.append(parent)
     return hashes

@@ -26,11 +26,15 @@ _ARCHITECTURES = {
     "MixtralForCausalLM": (False, False),
     "DeepseekV2ForCausalLM": (False, False),
     "DeepseekV3ForCausalLM": (False, False),
+    # Qwen2-VL: a Qwen2 decoder (config.json's text_config) with M-RoPE, and a vision tower
+    # (engine.models.vision) whose outputs replace the image-pad tokens' embeddings.
+    "Qwen2VLForConditionalGeneration": (True, False),
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,6 +91,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
     moe: MoEConfig | None = None  # routed experts (which layers, how routed); None: every MLP dense
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); None: GQA
+    # Vision-language (Qwen2-VL): M-RoPE's rotary sections, the image-pad token, and the vision
+    # tower's config.json section (engine.models.vision); None for a text-only model.
+    mrope_section: tuple[int, ...] | None = None
+    image_token_id: int | None = None
+    vision_config: dict | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision_config is not None
 
     def kv_layout(self, page_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:
         """One rank's KV page: its num_kv_heads / tp_size heads of K and V, or for MLA the whole
@@ -107,6 +120,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
         arch = _architecture(raw)
+        top = raw
+        if "text_config" in raw:  # transformers 5 nests a VL model's decoder fields
+            raw = {**raw, **{k: v for k, v in raw["text_config"].items() if v is not None}}
         qkv_bias_default, qk_norm = _ARCHITECTURES[arch]
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
@@ -156,7 +172,19 @@ class ModelConfig:
             eos_token_ids=eos,
             moe=MoEConfig.from_dict(raw, arch),
             mla=mla,
+            **_vision_fields(top, raw, arch),
         )
+
+
+def _vision_fields(top: dict, raw: dict, arch: str) -> dict:
+    if arch != "Qwen2VLForConditionalGeneration":
+        return {}
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    section = params.get("mrope_section")
+    if not section or "vision_config" not in top:
+        raise ValueError(f"{arch} config.json needs rope mrope_section and vision_config")
+    return dict(mrope_section=tuple(int(s) for s in section), image_token_id=int(top["image_token_id"]),
+                vision_config=dict(top["vision_config"]))
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
@@ -183,6 +211,8 @@ def _rope(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "mrope":  # Qwen2-VL's older configs: default frequencies, in sections (mrope_section)
+        rope_type = "default"
     if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"unsupported rope type {rope_type!r}; implemented: default, linear, llama3, yarn")
     if params.get("partial_rotary_factor", 1.0) != 1.0:

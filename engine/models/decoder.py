@@ -24,6 +24,7 @@ from engine.models.layer_ops import HeadShape, TorchLayerOps
 from engine.models.linear import Linear
 from engine.models.mla import MLAAttention, MLARope
 from engine.models.moe import MoEBlock
+from engine.models.mrope import MRotary
 from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader, ShardedReader
 from engine.tp.expert_parallel import ExpertParallel
@@ -81,8 +82,13 @@ class DecoderModel:
         self.scale = config.head_dim ** -0.5  # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
         # GQA layers rotate whole heads; MLA layers only their qk_rope_head_dim part, by the table
         # their MLARope holds.
-        self.rotary = None if config.mla is not None else RotaryTable(
+        self.rotary = None if config.mla is not None or config.mrope_section else RotaryTable(
             config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
+        # Qwen2-VL: positions are [3, T] (engine.models.mrope), rotated per token; the vision
+        # tower (engine.models.vision.VisionTower) is attached by the loader.
+        self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device) \
+            if config.mrope_section else None
+        self.vision = None
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
@@ -120,16 +126,20 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_buffer: torch.Tensor,
-                logit_rows: torch.Tensor | None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run T flattened tokens, store their K/V, return logits [R, vocab] (fp32) for `logit_rows`.
 
         `logit_rows` None means every row (the pure-decode case, where each row is sampled).
+        A VL model takes `positions` [3, T] and `image_embeds` (rows, embeddings): the rows whose
+        token embeddings the vision tower's outputs replace.
         """
-        hidden = self.forward_layers(input_ids, positions, max_position, meta, kv_buffer)
+        hidden = self.forward_layers(input_ids, positions, max_position, meta, kv_buffer, image_embeds)
         return self.final_logits(hidden, logit_rows)
 
     def forward_layers(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int,
-                       meta: AttentionMetadata, kv_buffer: torch.Tensor) -> torch.Tensor:
+                       meta: AttentionMetadata, kv_buffer: torch.Tensor,
+                       image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run this model's layers over T flattened tokens and store their K/V (layer i of this
         model in layer i of `kv_buffer`); return the residual stream [T, hidden].
 
@@ -138,9 +148,14 @@ class DecoderModel:
         """
         ops, eps = self.ops, self.config.rms_norm_eps
         num_tokens = tokens.shape[0]
-        rotary = ops.rotary(self.rotary, positions, max_position) if self.rotary is not None else None
+        if self.mrotary is not None:
+            rotary = ops.rotary_rows(*self.mrotary.cos_sin(positions))
+        else:
+            rotary = ops.rotary(self.rotary, positions, max_position) if self.rotary is not None else None
         # the residual stream, updated in place
         hidden = F.embedding(tokens, self.embed) if self.embed is not None else tokens
+        if image_embeds is not None:
+            hidden.index_copy_(0, image_embeds[0], image_embeds[1].to(hidden.dtype))
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             if layer.mla is not None:

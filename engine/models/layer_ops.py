@@ -58,6 +58,10 @@ class TorchLayerOps:
         """Per-forward rotary inputs, passed to every layer's `qk_norm_rope_store`."""
         return table.lookup(positions, max_position)
 
+    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> object:
+        """Per-forward rotary inputs from each token's own cos/sin [T, head_dim] (M-RoPE)."""
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
@@ -114,6 +118,10 @@ class CpuKernelLayerOps(TorchLayerOps):
 
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
         return positions, *table.tables(max_position)
+
+    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> object:
+        # the kernel gathers cos/sin rows by position: token i reads row i
+        return torch.arange(cos.shape[0], device=cos.device), cos, sin
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_kernels.rms_norm(x, weight, eps)

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+_LANGUAGE_MODEL = "model.language_model."
+
 
 class MissingTensor(KeyError, ValueError):
     """The checkpoint lacks a tensor the architecture needs; the message names it."""
@@ -38,6 +40,11 @@ class CheckpointReader:
             for path in files:
                 with safe_open(str(path), framework="pt") as handle:
                     self._file_of.update({name: path for name in handle.keys()})  # noqa: SIM118
+        # transformers 5 saves a VL model's decoder under model.language_model.* (older Qwen2-VL
+        # checkpoints under model.*): the decoder's loader reads either by its model.* names.
+        self._stored_as = {"model." + name.removeprefix(_LANGUAGE_MODEL): name
+                           for name in self._file_of if name.startswith(_LANGUAGE_MODEL)}
+        self._file_of.update({alias: self._file_of[name] for alias, name in self._stored_as.items()})
         self._handles: dict[Path, object] = {}
 
     def names(self) -> Iterator[str]:
@@ -52,7 +59,7 @@ class CheckpointReader:
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+        return self._handles[path].get_tensor(self._stored_as.get(name, name))  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._handles.clear()

@@ -144,7 +144,8 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
-                       sampling: common_pb2.SamplingParams) -> AsyncIterator[GenerationChunk]:
+                       sampling: common_pb2.SamplingParams,
+                       images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
         if self.synced is not None and not self.synced.is_set():
             try:
                 await asyncio.wait_for(self.synced.wait(), self.settings.sync_wait_s)
@@ -159,7 +160,7 @@ class Dispatcher:
         while True:
             try:
                 async with contextlib.aclosing(self._attempts(attempt_room, model, prompt, params,
-                                                              exclude)) as chunks:
+                                                              exclude, images)) as chunks:
                     async for chunk in chunks:
                         if migrations:
                             chunk = _continued(chunk, text, len(prompt_token_ids), carried, delivered)
@@ -202,7 +203,8 @@ class Dispatcher:
                         if self.tokenizer is not None else None)
 
     async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
-                        sampling: common_pb2.SamplingParams, exclude: set[str]) -> AsyncIterator[GenerationChunk]:
+                        sampling: common_pb2.SamplingParams, exclude: set[str],
+                        images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
         """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -220,7 +222,7 @@ class Dispatcher:
                 self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
                 async with contextlib.aclosing(self._attempt(attempt_room, route, prompt_token_ids,
-                                                             sampling)) as chunks:
+                                                             sampling, images)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -241,9 +243,16 @@ class Dispatcher:
                 backoff_s *= 2
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
-                       sampling: common_pb2.SamplingParams) -> AsyncIterator[GenerationChunk]:
+                       sampling: common_pb2.SamplingParams,
+                       images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
-        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling)
+        if images and (route.prefill is not None or route.decode.role != "colocated"):
+            route.finish(failed=[])
+            raise GenerationFailed(400, "images are served by colocated workers only so far (this model is "
+                                        "served prefill/decode disaggregated)", "invalid_argument",
+                                   after_first_token=False)
+        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+                                             images=list(images))
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs

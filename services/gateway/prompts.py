@@ -207,6 +207,8 @@ class ModelFiles:
         source = _template_source(self.folder, tokenizer_config)
         self.chat_template = ChatTemplate(source, self.special_tokens) if source is not None else None
         self.context_length = context_length(model_config, tokenizer_config)
+        # a vision-language checkpoint (Qwen2-VL) takes image_url parts (services.gateway.images)
+        self.multimodal = isinstance(model_config.get("vision_config"), dict)
         # the model's embedding rows (may exceed the tokenizer's vocabulary: padded checkpoints)
         vocab = model_config.get("vocab_size")
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else \

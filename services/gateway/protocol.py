@@ -164,18 +164,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ImageURL(_Body):
+    """An image_url part's target: a `data:` URL (remote URLs are refused: services.gateway.images)."""
+
+    url: NonEmptyText
+    detail: str | None = None
+
+
 class ContentPart(_Body):
-    """One part of a message's content; only text parts are supported."""
+    """One part of a message's content: text, or (for a vision-language model) an image_url."""
 
-    type: Annotated[str, Field(json_schema_extra={"enum": ["text"]})]
-    text: Text
+    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "image_url"]})]
+    text: Text | None = None
+    image_url: ImageURL | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"content parts of type {value!r} are not supported (text only)")
-        return value
+    @model_validator(mode="after")
+    def _known_type(self) -> ContentPart:
+        if self.type == "text":
+            if self.text is None:
+                raise ValueError("a text content part needs `text`")
+        elif self.type == "image_url":
+            if self.image_url is None:
+                raise ValueError("an image_url content part needs `image_url`")
+        else:
+            raise ValueError(f"content parts of type {self.type!r} are not supported (text and image_url)")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -193,10 +206,15 @@ class ChatMessage(BaseModel):
         return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
+        """The message as the chat template sees it: text parts joined into one string, or, when
+        it has images, the parts as a list of {"type": "text", "text"} and {"type": "image"} (as
+        transformers' processors pass them; the image data travels separately)."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+        if isinstance(self.content, list) and any(part.type == "image_url" for part in self.content):
+            message["content"] = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                                  for part in self.content]
+        elif isinstance(self.content, list):
+            message["content"] = "\n".join(part.text or "" for part in self.content)
         elif self.content is None:
             message["content"] = ""
         return message

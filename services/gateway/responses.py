@@ -257,6 +257,7 @@ class ChoiceJob:
     model: str
     prompt_token_ids: Sequence[int]
     sampling: common_pb2.SamplingParams
+    images: tuple[bytes, ...] = ()  # encoded images (services.gateway.images), for the worker
 
 
 @dataclass
@@ -290,7 +291,8 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
 
     async def pump(position: int, job: ChoiceJob) -> None:
         try:
-            async for chunk in dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling):
+            async for chunk in dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling,
+                                                   job.images):
                 await queue.put((position, chunk))
             await queue.put((position, _FINISHED))
         except asyncio.CancelledError:

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.images import request_images
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import (
@@ -117,12 +118,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
+    images = await request_images(body, state.model_files.multimodal)
     prompt_ids = await guards.encoder.chat(body)
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
-    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i)) for i in range(body.n)]
+    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images))
+            for i in range(body.n)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
 

@@ -23,7 +23,11 @@ class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:
-            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
+            if request.images:  # decoding and resizing images: off the event loop
+                parsed = await asyncio.to_thread(parse_request, self.engine, request.room, request.prompt_token_ids,
+                                                 request.sampling, images=list(request.images))
+            else:
+                parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
         try:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from engine.engine import Engine
+from engine.multimodal.decode import prepare as prepare_images
 from engine.outputs import TokenOutput
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
@@ -35,14 +36,22 @@ class BadRequest(ValueError):
 
 
 def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_pb2.SamplingParams, *,
-                  prefill_only: bool = False) -> EngineRequest:
+                  prefill_only: bool = False, images: Sequence[bytes] = ()) -> EngineRequest:
     """The request as `engine` will run it, checked against its model and KV pool (`Engine.check`:
     the one check of a request in this process); BadRequest names what is wrong. A missing room
-    gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request."""
+    gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request.
+    `images`: encoded images (engine.multimodal.decode; decoding them is CPU work, so a caller on
+    the event loop runs this in a thread when there are any)."""
     model = engine.model_config
     prompt = list(prompt_token_ids)
     if not prompt:
         raise BadRequest("prompt_token_ids is empty: a prompt needs at least one token")
+    decoded = ()
+    if images:
+        try:
+            prompt, decoded = prepare_images(engine.config.model_path, model, prompt, images)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
     if bad is not None:
         raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {model.vocab_size})")
@@ -50,7 +59,7 @@ def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                          f"{model.max_position_embeddings} tokens")
     request = EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt, params=sampling_from_proto(sampling),
-                            prefill_only=prefill_only)
+                            prefill_only=prefill_only, images=decoded)
     try:
         return engine.check(request)
     except ValueError as exc:

@@ -36,7 +36,8 @@ from tools.models.tokenizer_train import ENDOFTEXT, IM_END, special_token_ids, w
 ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama"),
                  "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "mixtral": ("MixtralForCausalLM", "mixtral"),
                  "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
-                 "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+                 "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                 "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl")}
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ PRESETS: dict[str, TinyPreset] = {
                                  tie_word_embeddings=True, corpus_bytes=4_000_000, initializer_range=0.02,
                                  max_position_embeddings=40960, dtype="bfloat16", tokenizer_vocab_size=32000,
                                  shard_bytes=2 << 30),
+    # Qwen2-VL in miniature (tools.models.tiny_vl writes it; the fields here are its decoder's).
+    "tiny-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
+                          corpus_bytes=1_000_000, arch="qwen2_vl"),
 }
 
 
@@ -317,6 +322,12 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
     out = Path(out_dir)
+    if spec.arch == "qwen2_vl" or arch == "qwen2_vl":
+        if preset != "tiny-vl" or overrides or (arch or spec.arch) != "qwen2_vl":
+            raise ValueError("qwen2_vl is written by the tiny-vl preset only, without overrides")
+        from tools.models.tiny_vl import write_tiny_vl
+
+        return write_tiny_vl(out, seed, spec.corpus_bytes)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(spec, arch, **overrides)
     vocab = tokenizer_vocab_size or spec.tokenizer_vocab_size or config["vocab_size"]

@@ -59,8 +59,11 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/v1/chat/completions", {"model": "tiny"}, "messages", "Field required"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content",
-     "'image_url' are not supported"),
+        {"role": "user", "content": [{"type": "input_audio", "text": "x"}]}]}, "messages.0.content",
+     "'input_audio' are not supported"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     "images sent to a text-only model"),
     ("/v1/chat/completions", {**CHAT, "model": None}, "model", ""),
     ("/v1/completions", {**TEXT, "logprobs": 21}, "logprobs", ""),
     ("/v1/completions", {**TEXT, "echo": True}, None, "echo is not supported"),

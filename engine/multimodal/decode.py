@@ -1,0 +1,59 @@
+"""Encoded images (PNG, JPEG, WebP bytes) to a request's ImageInputs, with the limits a server
+puts on them. Decoding and resizing are CPU work: callers on an event loop run this in a thread."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from engine.models.config import ModelConfig
+from engine.multimodal.image_processor import ImageProcessorConfig, preprocess
+from engine.multimodal.inputs import ImageInput
+from engine.multimodal.prompt import expand_image_tokens
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_IMAGES = 16  # per request
+MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # per image, before resizing (a 50-megapixel image is refused)
+
+
+@lru_cache(maxsize=4)
+def processor_config(model_dir: str) -> ImageProcessorConfig:
+    path = Path(model_dir) / "preprocessor_config.json"
+    return ImageProcessorConfig.from_dir(model_dir) if path.exists() else ImageProcessorConfig()
+
+
+def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The decoded RGB image; ValueError saying why not (not an image, a format other than
+    PNG/JPEG/WebP, too many pixels, truncated or corrupt). The pixel count is read from the
+    header and checked before anything is decoded."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except (UnidentifiedImageError, OSError):
+        raise ValueError(f"image {index} is not a PNG, JPEG or WebP image") from None
+    except Image.DecompressionBombError:
+        raise ValueError(f"image {index} has too many pixels (at most {max_pixels})") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"image {index} has {width}x{height} = {width * height} pixels; at most {max_pixels}")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ValueError(f"image {index} is truncated or corrupt ({exc})") from None
+    return image.convert("RGB")
+
+
+def prepare(model_dir: str, model: ModelConfig, prompt_ids: Sequence[int],
+            blobs: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The prompt with each image placeholder expanded to its image's tokens, and the images
+    preprocessed; ValueError for a text-only model or any image refused."""
+    if not model.is_multimodal:
+        raise ValueError(f"images sent to a text-only model ({model.architecture})")
+    if len(blobs) > MAX_IMAGES:
+        raise ValueError(f"{len(blobs)} images in one request; at most {MAX_IMAGES}")
+    config = processor_config(model_dir)
+    images = tuple(preprocess(decode_image(blob, i), config) for i, blob in enumerate(blobs))
+    return expand_image_tokens(prompt_ids, images, model.image_token_id, config.merge_size), images  # type: ignore[arg-type]
