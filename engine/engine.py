@@ -397,7 +397,7 @@ class Engine:
             ran = self.profiler.run(batch, self._run_step)
         else:
             ran = self._run_step(batch)
-        self.step_clock.record(kind, time.perf_counter() - began)
+        self.step_clock.record(kind, time.perf_counter() - began, len(batch.decodes))
         return ran
 
     def _run_step(self, batch: SchedulerOutput) -> bool:

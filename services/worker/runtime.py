@@ -142,6 +142,12 @@ class WorkerRuntime:
                                  lambda kind=kind: clock.seconds[kind], kind=kind)
             metrics.counter_from("engine_steps_total", "Engine steps, by kind (see engine_step_seconds_total)",
                                  lambda kind=kind: clock.steps[kind], kind=kind)
+        if clock is not None:
+            metrics.counter_from("engine_decode_tokens_total", "Tokens decoded by the engine's steps (decode rows)",
+                                 lambda: clock.decode_tokens)
+            metrics.counter_from("engine_decode_token_seconds_total", "Each decode row's step seconds, summed: over "
+                                 "engine_decode_tokens_total, the mean step a decoded token waited for",
+                                 lambda: clock.decode_token_seconds)
         if isinstance(engine, DPEngine):  # where the requests went, and what each group holds
             for g, member in enumerate(engine.members):
                 metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "

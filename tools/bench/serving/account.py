@@ -2,13 +2,15 @@
 what the client saw, and where the CPU went.
 
 Around a run (after the warm-up) it reads the decoding worker's step totals
-(pdserve:engine_step_seconds_total / engine_steps_total, engine/step_clock.py) and the CPU time of
+(pdserve:engine_decode_token_seconds_total, engine_decode_tokens_total and engine_steps_total:
+engine/step_clock.py) and the CPU time of
 every process of the deployment (/proc: the process and its descendants, e.g. tensor-parallel
 ranks). Then:
-- account TPOT = (decode + mixed step seconds) / (decode + mixed steps): the time between a
-  request's tokens if it paid only the engine's decode steps and the prompt chunks that ran inside
-  them (its share of the other requests' prefill). Steps with prompt chunks only (no request was
-  decoding) are left out: no token waited for them.
+- account TPOT = the mean, over the tokens decoded in the run, of the step that produced each one
+  (engine_decode_token_seconds_total / engine_decode_tokens_total): the time between a request's
+  tokens if it paid only the engine's decode steps and the prompt chunks that ran inside them (its
+  share of the other requests' prefill). Steps with prompt chunks only (no request was decoding)
+  count for no token.
 - measured TPOT / account TPOT: how much of a token's time is spent outside the engine's steps
   (the gateway, gRPC, detokenizing, SSE, event loops; and on a shared machine, the prefill worker's
   use of the same cores).
@@ -62,8 +64,9 @@ def _pacing_worker(deployment: Deployment) -> str:
 @dataclass
 class _Reading:
     cpu: dict[str, float]
-    step_seconds: float
-    steps: float
+    token_seconds: float  # each decoded token's step seconds, summed
+    tokens: float  # tokens decoded by the engine
+    steps: float  # steps with decode rows
     at: float
 
 
@@ -77,9 +80,10 @@ class ServingAccount:
     def _read(self) -> _Reading:
         services = {"gateway": self.deployment.gateway, **self.deployment.workers}
         samples = services[_pacing_worker(self.deployment)].metrics()
-        seconds = sum(sum_samples(samples, "pdserve:engine_step_seconds_total", kind=k) or 0.0 for k in _PACED)
+        seconds = sum_samples(samples, "pdserve:engine_decode_token_seconds_total") or 0.0
+        tokens = sum_samples(samples, "pdserve:engine_decode_tokens_total") or 0.0
         steps = sum(sum_samples(samples, "pdserve:engine_steps_total", kind=k) or 0.0 for k in _PACED)
-        return _Reading({name: cpu_seconds(s.pid) for name, s in services.items()}, seconds, steps,
+        return _Reading({name: cpu_seconds(s.pid) for name, s in services.items()}, seconds, tokens, steps,
                         time.monotonic())
 
     def start(self) -> None:
@@ -88,8 +92,8 @@ class ServingAccount:
     def stop(self, generated_tokens: int, measured_tpot_ms: float | None) -> dict:
         assert self._before is not None, "start() first"
         after, before = self._read(), self._before
-        steps = after.steps - before.steps
-        account_ms = (after.step_seconds - before.step_seconds) / steps * 1e3 if steps else None
+        steps, decoded = after.steps - before.steps, after.tokens - before.tokens
+        account_ms = (after.token_seconds - before.token_seconds) / decoded * 1e3 if decoded else None
         tokens = max(generated_tokens, 1)
         return {
             "pacing_worker": _pacing_worker(self.deployment),
