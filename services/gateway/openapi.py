@@ -185,6 +185,20 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     sampling = schemas["NativeSamplingParams"]["properties"]
     _set_in_members(sampling["max_new_tokens"], "maximum", max_new)
     _bound_stop_token_ids(sampling["stop_token_ids"], vocab_max)
+    _content_parts_of_the_model(schemas, multimodal=files.multimodal)
+
+
+def _content_parts_of_the_model(schemas: dict[str, Any], *, multimodal: bool) -> None:
+    """A text-only model takes text parts only (an image part is a 400 there): the document lists
+    image parts only for a vision-language model, whose image URLs must be data: URLs."""
+    if multimodal:
+        schemas["ImageURL"]["properties"]["url"]["pattern"] = r"^data:image/(png|jpeg|webp);base64,"
+        return
+    for member in _members(schemas["ChatMessage"]["properties"]["content"]):
+        if member.get("type") == "array":
+            member["items"] = {"$ref": "#/components/schemas/TextPart"}
+    for unused in ("ImagePart", "ImageURL"):
+        schemas.pop(unused, None)
 
 
 def _members(schema: dict[str, Any]) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ SamplingParams of one generation, built straight from the parsed fields (`Sampli
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -171,24 +171,23 @@ class ImageURL(_Body):
     detail: str | None = None
 
 
-class ContentPart(_Body):
-    """One part of a message's content: text, or (for a vision-language model) an image_url."""
+class TextPart(_Body):
+    """A text part of a message's content."""
 
-    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "image_url"]})]
-    text: Text | None = None
-    image_url: ImageURL | None = None
+    type: Literal["text"]
+    text: Text
 
-    @model_validator(mode="after")
-    def _known_type(self) -> ContentPart:
-        if self.type == "text":
-            if self.text is None:
-                raise ValueError("a text content part needs `text`")
-        elif self.type == "image_url":
-            if self.image_url is None:
-                raise ValueError("an image_url content part needs `image_url`")
-        else:
-            raise ValueError(f"content parts of type {self.type!r} are not supported (text and image_url)")
-        return self
+
+class ImagePart(_Body):
+    """An image part of a message's content (a vision-language model's; a data: URL)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# One part of a message's content, told apart by `type`: the OpenAPI schema says which fields each
+# type needs (a part whose fields do not fit its type is invalid in the schema too, not only here).
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):

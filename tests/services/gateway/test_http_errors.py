@@ -60,7 +60,7 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "input_audio", "text": "x"}]}]}, "messages.0.content",
-     "'input_audio' are not supported"),
+     "tag 'input_audio' found using 'type' does not match any of the expected tags: 'text', 'image_url'"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
      "images sent to a text-only model"),
