@@ -43,6 +43,18 @@ class BackendResult:
     references: list[list[str]] = field(default_factory=list)  # one per deployment
 
 
+def fill_row(row: Row, tally: Tally, settled: Settled, recovery: Recovery) -> None:
+    """What the clients saw, the pages left held and the recovery check, into `row` (a scenario's or a
+    soak's)."""
+    row.sent, row.succeeded, row.wrong = tally.sent, tally.succeeded, tally.wrong
+    row.failed_clear, row.failed_unclear, row.hung = tally.failed_clear, tally.failed_unclear, tally.hung
+    row.errors, row.examples, row.hung_details = dict(tally.errors), dict(tally.examples), tally.hung_details
+    row.pages_leaked, row.pages_in_use = settled.pages_leaked, settled.in_use
+    row.leak_detections = settled.leak_detections
+    row.recovered, row.not_recovered = recovery.recovered, recovery.not_recovered
+    row.recovery_failed = recovery.tally.sent - recovery.tally.succeeded
+
+
 def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery: Recovery) -> None:
     """Fill `row.problems`: the reasons this row fails (see scenarios.py for what a scenario may cost)."""
     if tally.hung:
@@ -103,13 +115,7 @@ async def run_scenario(dep: Deployment, scenario: Scenario, cfg: ChaosConfig, pr
     settled = await settle_pages(dep, baseline, cfg.settle)
     recovery = await check_recovery(dep, prompts, reference, max_tokens=cfg.max_tokens,
                                     timeout_s=cfg.recovery_timeout)
-    row.sent, row.succeeded, row.wrong = tally.sent, tally.succeeded, tally.wrong
-    row.failed_clear, row.failed_unclear, row.hung = tally.failed_clear, tally.failed_unclear, tally.hung
-    row.errors, row.examples, row.hung_details = dict(tally.errors), dict(tally.examples), tally.hung_details
-    row.pages_leaked, row.pages_in_use = settled.pages_leaked, settled.in_use
-    row.leak_detections = settled.leak_detections
-    row.recovered, row.not_recovered = recovery.recovered, recovery.not_recovered
-    row.recovery_failed = recovery.tally.sent - recovery.tally.succeeded
+    fill_row(row, tally, settled, recovery)
     row.disconnects = dict(ctx.disconnects) if ctx.disconnects is not None else None
     row.notes = ctx.notes + recovery.notes
     row.problems = list(ctx.problems)

@@ -27,7 +27,7 @@ from tools.chaos.observe import MIGRATIONS, gateway_retries, grown
 from tools.chaos.recovery import baseline_of, check_recovery, settle_pages
 from tools.chaos.reference import NoReferenceAnswer, collect_reference
 from tools.chaos.report import Row
-from tools.chaos.runner import judge, say
+from tools.chaos.runner import fill_row, judge, say
 from tools.chaos.scenarios import FaultContext, Scenario
 from tools.launch import NotReady, ProcessGroup
 
@@ -117,13 +117,7 @@ async def soak_on(dep: Deployment, cfg: ChaosConfig, pool: Sequence[Scenario], p
     settled = await settle_pages(dep, baseline, cfg.settle)
     recovery = await check_recovery(dep, prompts, reference.texts, max_tokens=cfg.max_tokens,
                                     timeout_s=cfg.recovery_timeout)
-    row.sent, row.succeeded, row.wrong = tally.sent, tally.succeeded, tally.wrong
-    row.failed_clear, row.failed_unclear, row.hung = tally.failed_clear, tally.failed_unclear, tally.hung
-    row.errors, row.examples, row.hung_details = dict(tally.errors), dict(tally.examples), tally.hung_details
-    row.pages_leaked, row.pages_in_use = settled.pages_leaked, settled.in_use
-    row.leak_detections = settled.leak_detections
-    row.recovered, row.not_recovered = recovery.recovered, recovery.not_recovered
-    row.recovery_failed = recovery.tally.sent - recovery.tally.succeeded
+    fill_row(row, tally, settled, recovery)
     row.faults = dict(log.counts)
     row.notes = log.notes + recovery.notes
     row.problems = list(log.problems)
