@@ -8,10 +8,13 @@ cd "$(dirname "$0")/.."
 
 usage() {
   cat <<'USAGE'
-usage: scripts/test_gpu.sh [--dry-run] [--venv DIR] [--parts LIST] [--vllm-python PATH]
+usage: scripts/test_gpu.sh [--dry-run] [--venv DIR | --python PATH] [--parts LIST] [--vllm-python PATH]
 
   --dry-run           print the plan (venv, wheels, parts) and exit; installs nothing
   --venv DIR          the GPU venv (default .venv-gpu; VENV_GPU also sets it)
+  --python PATH       run the suite with this interpreter as it is and install nothing: one that
+                      already has CUDA torch and pdserve's requirements (an NGC container, a machine
+                      with no network and the wheels on PYTHONPATH)
   --parts LIST        comma-separated, from: parity,triton,pd,tp,bench (default: all)
   --vllm-python PATH  python of a venv with vLLM's CUDA build: the bench sets vLLM beside pdserve
   -h, --help          this text
@@ -27,11 +30,13 @@ PY=${PYTHON:-python3}
 PARTS=""
 DRY_RUN=0
 VLLM_PYTHON=""
+USE_PYTHON=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --venv) VENV=${2:?--venv needs a folder}; shift ;;
     --parts) PARTS=${2:?--parts needs a list}; shift ;;
+    --python) USE_PYTHON=${2:?--python needs an interpreter}; shift ;;
     --vllm-python) VLLM_PYTHON=${2:?--vllm-python needs a path}; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "[test-gpu] unknown argument: $1" >&2; usage >&2; exit 2 ;;
@@ -54,6 +59,12 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   exit 3
 fi
 echo "[test-gpu] GPUs:"; nvidia-smi -L
+
+if [ -n "$USE_PYTHON" ]; then
+  "$USE_PYTHON" -c "import torch; print('[test-gpu] using', __import__('sys').executable, 'torch', torch.__version__, 'CUDA', torch.version.cuda)" \
+    || { echo "[test-gpu] --python $USE_PYTHON cannot import torch" >&2; exit 2; }
+  exec "$USE_PYTHON" -m tools.gpu.suite --parts "$PARTS" ${VLLM_PYTHON:+--vllm-python "$VLLM_PYTHON"}
+fi
 
 # Mooncake's wheels link libibverbs, libnuma and libcurl (the same three scripts/setup.sh installs);
 # the rest of setup.sh's system packages serve tests the GPU suite does not run.

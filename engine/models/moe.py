@@ -189,6 +189,8 @@ class MoEBlock:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         counts = torch.bincount(ids.view(-1), minlength=self.config.num_experts)
+        if self.routed_tokens.device != counts.device:  # on a GPU the counters live beside the routing
+            self.routed_tokens = self.routed_tokens.to(counts.device)
         self.routed_tokens += counts
         self.last_routed = counts
         if self.ep is not None:

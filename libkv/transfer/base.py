@@ -72,6 +72,8 @@ class EngineBackend(EngineHooks, TransferBackend):
     # Engines that write any list of byte regions (one-sided RMA), so can write pieces of pages
     # to a peer that splits the KV heads another way; UCX's protocol moves whole pages.
     writes_regions: ClassVar[bool] = False
+    # Whether the engine reads and writes a pool in GPU memory (a CUDA build of it); False: host only.
+    device_memory: ClassVar[bool] = False
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         if timeout_s <= 0:
@@ -104,13 +106,20 @@ class EngineBackend(EngineHooks, TransferBackend):
         with self._lock:
             if self.pool is not None:
                 raise RuntimeError(f"{self.name} backend already has a registered pool")
-            if pool.device.type != "cpu":
-                raise ValueError(f"{self.name} backend here supports host memory only, got {pool.device}")
+            if pool.device.type != "cpu" and not self.supports_device_memory():
+                raise ValueError(f"{self.name} backend here supports host memory only, got {pool.device} "
+                                 f"(a pool in GPU memory needs a CUDA build of the {self.name} engine)")
             self.grants = GrantTable(pool.num_pages)  # the engine registers it next to the pool
             self._engine_register(pool)
             self.pool = pool
             self.tp_rank, self.tp_size = tp_rank, tp_size
             self.pp_size = pp_size
+
+    @classmethod
+    def supports_device_memory(cls) -> bool:
+        """Whether the engine installed here moves pages of a pool in GPU memory (see `device_memory`;
+        an engine whose CPU and CUDA builds share one module answers by looking at the build)."""
+        return cls.device_memory
 
     def endpoint(self) -> TransferEndpoint:
         pool = self._require_pool()

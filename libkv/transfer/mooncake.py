@@ -24,6 +24,7 @@ wildcard address.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -93,6 +94,10 @@ class MooncakeBackend(EngineBackend):
 
     name = "mooncake"
     writes_regions = True
+
+    @classmethod
+    def supports_device_memory(cls) -> bool:
+        return _is_cuda_build()
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", protocol: str = "",
                  ib_device: str = "", max_queued_per_peer: int = 32768) -> None:
@@ -228,6 +233,16 @@ class MooncakeBackend(EngineBackend):
                 except Exception:
                     pass
         self._engine = None
+
+
+@functools.cache
+def _is_cuda_build() -> bool:
+    """Whether the Mooncake installed here was built with CUDA (it links the CUDA runtime): only such a
+    build copies through GPU memory; the non-CUDA build would read a device pointer as host memory.
+    Read from the engine library itself: the wheel's name differs per CUDA major, and an install
+    copied without its metadata still says it here."""
+    with open(_engine_libraries()[0], "rb") as library:
+        return b"libcudart.so" in library.read()
 
 
 def _engine_libraries() -> list[str]:

@@ -78,6 +78,7 @@ class NixlBackend(EngineBackend):
     """
 
     name = "nixl"
+    device_memory = True  # the nixl-cu* wheels are CUDA builds: a GPU pool is VRAM in every descriptor
     writes_regions = True
 
     def __init__(self, *, timeout_s: float = 30.0, host: str = "127.0.0.1", nixl_backend: str = "UCX",

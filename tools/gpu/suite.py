@@ -126,7 +126,9 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # The repository first, then whatever PYTHONPATH already names (an offline machine may hold some of
+    # pdserve's requirements in a folder of their own rather than in the interpreter's site-packages).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("TRITON_INTERPRET", None)  # the GPU suite compiles the kernels
     return env
 

@@ -20,7 +20,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_help_lists_every_option_and_part():
     result = run("--help")
     assert result.returncode == 0
-    for option in ("--dry-run", "--venv", "--parts", "--vllm-python"):
+    for option in ("--dry-run", "--venv", "--python", "--parts", "--vllm-python"):
         assert option in result.stdout
     assert ",".join(PART_NAMES) in result.stdout
 
@@ -55,3 +55,15 @@ def test_without_a_gpu_it_says_so_and_installs_nothing(tmp_path):
     assert result.returncode == 3
     assert "[test-gpu] no NVIDIA GPU here" in result.stderr
     assert not Path(venv).exists()
+
+
+def test_with_python_given_it_installs_nothing_and_refuses_one_without_torch(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: a fake GPU'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    venv = tmp_path / "venv-gpu"
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", VENV_GPU=str(venv))
+    result = run("--python", "/bin/false", env=env)
+    assert result.returncode == 2 and "--python /bin/false cannot import torch" in result.stderr
+    assert not venv.exists()
