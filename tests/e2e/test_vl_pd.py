@@ -24,6 +24,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from engine.multimodal.image_processor import ImageProcessorConfig, smart_resize
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle
@@ -50,7 +51,11 @@ class Deployment:
     prefill: Proc
     decode: Proc
     gateway: Proc
-    model: str
+    model_dir: Path
+
+    @property
+    def model(self) -> str:
+        return self.model_dir.name
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://{self.gateway.address}/v1", api_key="unused", max_retries=0,
@@ -95,7 +100,7 @@ def pd(request, model_dir, tmp_path_factory) -> Iterator[Deployment]:
                                        extra=(*WORKER_FLAGS, *conditional)))], 180)
             gateway = cluster.start("gateway", ["launch-router", "--model-path", str(model_dir), "--port", "0",
                                                 "--bootstrap", bootstrap.address])
-            deployment = Deployment(backend, bootstrap, prefill, decode, gateway, model_dir.name)
+            deployment = Deployment(backend, bootstrap, prefill, decode, gateway, model_dir)
             # ready once the gateway knows both workers: a long prompt must reach the prefill
             wait_until(lambda: _serves_pd(deployment), 60, "the gateway to serve through prefill and decode")
             yield deployment
@@ -119,8 +124,9 @@ def test_output_matches_transformers(pd: Deployment, expected, case):
     answer = pd.chat(parts, [data_url(image(*p)) for p in pictures])
     assert answer.choices[0].message.content == expected[case]
     ran_locally = pd.decode.metric("pdserve:local_prefill_requests_total") - local_before
-    short = pd.backend == "mooncake" and answer.usage.prompt_tokens <= LOCAL_MAX_TOKENS
-    assert ran_locally == (1 if short else 0), (answer.usage.prompt_tokens, ran_locally)
+    prompt_tokens = expanded_length(pd, answer.usage.prompt_tokens, pictures)
+    short = pd.backend == "mooncake" and prompt_tokens <= LOCAL_MAX_TOKENS
+    assert ran_locally == (1 if short else 0), (prompt_tokens, ran_locally)
 
 
 def test_conditional_disaggregation_ran_some_locally(pd: Deployment):
@@ -129,6 +135,15 @@ def test_conditional_disaggregation_ran_some_locally(pd: Deployment):
     if pd.backend != "mooncake":
         pytest.skip("conditional disaggregation is on for the mooncake deployment only")
     assert pd.decode.metric("pdserve:local_prefill_requests_total", reason="short_prompt") >= 1
+
+
+def expanded_length(pd: Deployment, prompt_tokens: int, pictures: list[tuple[int, int, int]]) -> int:
+    """The prompt's length on the workers: the usage counts one token per image (the gateway's
+    rendering), the workers each image's tokens (its patch grid, merged 2x2)."""
+    config = ImageProcessorConfig.from_dir(pd.model_dir)
+    factor = config.patch_size * config.merge_size
+    sizes = [smart_resize(h, w, factor, config.min_pixels, config.max_pixels) for w, h, _seed in pictures]
+    return prompt_tokens + sum(h // factor * (w // factor) - 1 for h, w in sizes)
 
 
 def _first_pad(model_dir: Path, parts: list) -> int:
@@ -149,7 +164,7 @@ def test_image_enters_the_page_hashes(pd: Deployment, model_dir):
     first, other = data_url(image(200, 200, 10)), data_url(image(200, 200, 11))
     shared_text_tokens = _first_pad(model_dir, CACHE_TEXT) // PAGE * PAGE  # pages before the image
     answer = pd.chat(CACHE_TEXT, [first])
-    prompt_tokens = answer.usage.prompt_tokens
+    prompt_tokens = expanded_length(pd, answer.usage.prompt_tokens, [(200, 200, 10)])
     assert prompt_tokens > LOCAL_MAX_TOKENS  # shipped to the prefill on both deployments
 
     before = _hits(pd)
