@@ -6,7 +6,8 @@ the vision tower and the prompt and writes the KV; decode builds the same M-RoPE
 salts for its decode steps and prefix cache. Checked here: greedy fp32 output equals transformers'
 (text + 1 image, text + 2 images of different sizes, an image alone), on mooncake with the decode
 worker running short prompts itself (conditional disaggregation); the same text with another image
-hits no image page in either prefix cache, the same image again hits both; forged Prefill calls
+hits no image page in either prefix cache, the same image again hits both; a request whose decode
+dies mid-stream migrates with its images and ends with the same text; forged Prefill calls
 whose images disagree with their tokens get INVALID_ARGUMENT; clients cut off mid-stream leave both
 workers with no page in use.
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -236,3 +239,39 @@ def test_clients_cut_off_mid_stream_leave_no_page_in_use(pd: Deployment):
     assert_pages_idle(pd.prefill, pd.decode)
     # and the deployment still serves
     assert pd.chat(CACHE_TEXT, [data_url(image(150, 110, 20))], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_migration_carries_the_images(cluster: Cluster, model_dir):
+    """A decode killed mid-stream: the gateway continues the request on the other decode, sending
+    the images again with the prompt plus the tokens already delivered (services/gateway/
+    migration.py); the text equals a fault-free run's and no page stays in use."""
+    bootstrap = cluster.bootstrap()
+    prefill, *decodes = cluster.start_many(
+        [("prefill", worker_args(str(model_dir), "prefill", backend="mooncake", bootstrap=bootstrap,
+                                 extra=WORKER_FLAGS))]
+        + [(f"decode-{i}", worker_args(str(model_dir), "decode", backend="mooncake", bootstrap=bootstrap,
+                                       extra=WORKER_FLAGS)) for i in range(2)], 180)
+    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(model_dir), "--port", "0",
+                                        "--bootstrap", bootstrap.address])
+    wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).json().get("workers")
+               == {"prefill": 1, "decode": 2, "colocated": 0}, 60, "the gateway to see every worker")
+    deployment = Deployment("mooncake", bootstrap, prefill, decodes[0], gateway, model_dir)
+    url = data_url(image(130, 90, 30))
+
+    def stream(kill_after: int | None) -> str:
+        text, received = "", 0
+        for chunk in deployment.chat(CACHE_TEXT, [url], max_tokens=300, stream=True):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                received += 1
+            if received == kill_after:
+                (serving,) = [d for d in decodes if d.metric("pdserve:num_running_reqs") > 0]
+                serving.kill(signal.SIGKILL)
+                decodes.remove(serving)
+                kill_after = None
+        return text
+
+    expected = stream(None)
+    assert stream(8) == expected
+    assert gateway.metric("pdserve:gateway_migrations_total") == 1
+    assert_pages_idle(prefill, *decodes, timeout_s=60)
