@@ -13,6 +13,10 @@ One request, through its stages in the room table (services/worker/rooms.py):
             prefilled request: the engine's own `waiting` and `running` queues count it from
             here); tokens stream back in batches, as a colocated worker's do.
 
+Images (a vision-language model): decoded here off the event loop; the reservation's page hashes
+carry their digests, the Prefill call forwards them encoded, and the prefilled request keeps them
+for its M-RoPE positions (the vision tower runs here only to recompute after a retraction).
+
 Conditional disaggregation (`--conditional-disaggregation`; its settings are
 services/worker/config.py's LocalPrefillRule, the decision is `local_prefill_reason` below): a
 short prompt, a request with no prefill worker, or one whose prefill is busy runs here instead, as
