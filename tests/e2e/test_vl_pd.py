@@ -227,6 +227,7 @@ def test_forged_prefill_images_are_refused(pd: Deployment, model_dir):
 
 
 def test_clients_cut_off_mid_stream_leave_no_page_in_use(pd: Deployment):
+    aborts = pd.gateway.metric("pdserve:gateway_aborts_total")
     for seed in (20, 21):
         stream = pd.chat(CACHE_TEXT, [data_url(image(150, 110, seed))], max_tokens=400, stream=True)
         chunks = 0
@@ -236,6 +237,8 @@ def test_clients_cut_off_mid_stream_leave_no_page_in_use(pd: Deployment):
                 break
         stream.close()  # the client goes away mid-stream
         assert chunks == 3
+    # the gateway saw both clients leave before the end, and told the workers
+    wait_until(lambda: pd.gateway.metric("pdserve:gateway_aborts_total") - aborts == 2, 30, "the gateway's aborts")
     assert_pages_idle(pd.prefill, pd.decode)
     # and the deployment still serves
     assert pd.chat(CACHE_TEXT, [data_url(image(150, 110, 20))], max_tokens=2).usage.completion_tokens == 2
