@@ -42,6 +42,7 @@ def image_urls(body: ChatCompletionRequest) -> list[str]:
 class _Inline:
     index: int
     payload: str  # base64 text
+    bare: bool = False  # plain base64, not a data: URL: a path like /etc/passwd is base64's alphabet too
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class ImageLoader:
             self.fetcher.check_url(source, where)  # refused before anything is fetched or decoded
             return _Remote(index, source)
         if plain_base64 and not scheme and _BASE64.match(source[:4096]):  # JPEG starts "/9j/"
-            return _Inline(index, source)
+            return _Inline(index, source, bare=True)
         accepted = "a data: URL, an http(s) URL" + (" or base64" if plain_base64 else "")
         shown = f"a {scheme}: URL" if scheme else "a file path or other text"
         raise bad_request(f"{where}: expected {accepted}, got {shown} (local files are not read)")
@@ -145,6 +146,9 @@ def _decode(parts: Sequence[_Inline]) -> list[bytes]:
         try:
             blobs.append(base64.b64decode("".join(part.payload.split()), validate=True))
         except (binascii.Error, ValueError):
+            if part.bare and part.payload.startswith(("/", "~")):
+                raise bad_request(f"image {part.index}: expected a data: URL, an http(s) URL or base64, got a "
+                                  "file path or other text (local files are not read)") from None
             raise bad_request(f"image {part.index}: the data is not valid base64") from None
     return blobs
 
