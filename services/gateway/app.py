@@ -23,6 +23,8 @@ from starlette.responses import Response
 
 from services.gateway import routes
 from services.gateway.errors import error_body, install_error_handlers
+from services.gateway.images import ImageLoader
+from services.gateway.media_limits import MediaLimits
 from services.gateway.middleware import (
     AdmissionControl,
     AdmissionLimits,
@@ -51,6 +53,7 @@ def make_guards(state: GatewayState) -> RequestGuards:
 
 def create_app(state: GatewayState) -> FastAPI:
     guards = make_guards(state)
+    images = ImageLoader(MediaLimits.of(state.config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -60,11 +63,13 @@ def create_app(state: GatewayState) -> FastAPI:
         finally:
             await state.close()
             guards.encoder.close()
+            await images.close()
 
     app = FastAPI(title="pdserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of pdserve prefill/decode workers")
     app.state.gateway = state
     app.state.guards = guards
+    app.state.images = images
     install_error_handlers(app)
     app.include_router(routes.router)
 
@@ -89,7 +94,11 @@ def create_app(state: GatewayState) -> FastAPI:
     app.add_middleware(AdmissionScope)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key, metrics_require_api_key=config.metrics_require_api_key)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes, read_timeout_s=config.body_read_timeout)
+    # a vision-language model's requests carry images as base64: room for them over the text limit
+    image_room = images.limits.body_bytes() if state.model_files.multimodal else 0
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes + image_room,
+                       read_timeout_s=config.body_read_timeout,
+                       flags="--max-request-body-bytes" + (" + --max-request-image-bytes as base64" if image_room else ""))
     app.add_middleware(InternalErrors)
     app.add_middleware(RequestCounter, metrics=state.metrics)
     install_openapi(app, state, guards)

@@ -15,6 +15,7 @@ from pathlib import Path
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.gateway.addresses import grpc_address
+from services.gateway.media_limits import parse_domains, parse_limit_mm_per_prompt
 
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 ROLES = ("prefill", "decode", "colocated")
@@ -109,6 +110,21 @@ class GatewayConfig:
     queue_timeout: float = field(default=60.0, metadata=_help(
         "admission control: seconds a request may wait for a slot before it is refused with 429"))
     retry_after: int = field(default=1, metadata=_help("seconds a 429 answer asks the client to wait (Retry-After)"))
+    # -- images (services/gateway/images.py; vLLM's flag names where it has one)
+    allowed_media_domains: str = field(default="", metadata=_help(
+        "hosts whose http(s) image URLs the gateway fetches (exact host names, several as separate values or "
+        "comma-separated; each redirect's host must be one too); none: remote image URLs are refused with 400"))
+    media_fetch_timeout: float = field(default=10.0, metadata=_help(
+        "seconds all of one request's remote image fetches may take together; a slower one is refused with 400"))
+    limit_mm_per_prompt: str = field(default='{"image": 16}', metadata=_help(
+        'images per request, as vLLM\'s JSON {"image": N} or N; more is refused with 400 (the worker takes 16 '
+        "at most)"))
+    max_image_bytes: int = field(default=20 << 20, metadata=_help(
+        "largest image (its encoded bytes, after base64 decoding or fetching); a larger one is refused with 413"))
+    max_request_image_bytes: int = field(default=32 << 20, metadata=_help(
+        "most image bytes in one request, all images together; more is refused with 413. A vision-language "
+        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body holds "
+        "the event loop: about 0.5 s for the 45 MB this default allows)"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
@@ -141,6 +157,13 @@ class GatewayConfig:
                              ("--model-info-timeout", self.model_info_timeout)):
             if not number > 0:
                 raise ValueError(f"{flag} must be > 0, got {number}")
+        for flag, number in (("--max-image-bytes", self.max_image_bytes),
+                             ("--max-request-image-bytes", self.max_request_image_bytes),
+                             ("--media-fetch-timeout", self.media_fetch_timeout)):
+            if not number > 0:
+                raise ValueError(f"{flag} must be > 0, got {number}")
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # ValueError saying what is wrong
+        parse_domains(self.allowed_media_domains)
         if self.queue_size < 0 or self.retry_after < 0:
             raise ValueError("--queue-size and --retry-after must be >= 0")
 
@@ -177,6 +200,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker's address")
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="a colocated worker's address (it runs both phases)")
+
+
+def take_list_forms(parser: argparse.ArgumentParser) -> None:
+    """Let --allowed-media-domains (a generated string flag) take several values, as vLLM's does
+    (`--allowed-media-domains a.com b.com`); `joined_list_flags` joins them into the field's string."""
+    for action in parser._actions:
+        if action.dest == "allowed_media_domains":
+            action.nargs = "*"
+
+
+def joined_list_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the values of a several-values flag joined by commas (what the field holds)."""
+    if isinstance(args.allowed_media_domains, list):
+        args.allowed_media_domains = ",".join(args.allowed_media_domains)
+    return args
 
 
 def static_workers_from_args(args: argparse.Namespace) -> tuple[StaticWorker, ...]:

@@ -1,10 +1,14 @@
-"""The images of a chat request: `image_url` parts with `data:` URLs, as bytes for the worker.
+"""A request's images, as bytes for the worker: chat `image_url` parts and /generate `image_data`.
 
-Only inline `data:image/{png,jpeg,webp};base64,...` URLs are taken; a remote http(s) URL is
-refused (fetching one is not implemented). The bytes go to the worker unopened: it decodes and
-checks them (engine.multimodal.decode: not an image, truncated, too many pixels each answer 400
-through the worker's INVALID_ARGUMENT), off its event loop. base64 decoding here is bounded by
-the request body limit; large payloads are decoded off the event loop.
+An image is given as a `data:image/{png,jpeg,webp};base64,...` URL, an http(s) URL whose host is in
+`--allowed-media-domains` (fetched by media_fetch.MediaFetcher), or, in /generate's image_data
+only, plain base64 (SGLang's forms; file paths are refused: the gateway reads no local files). The
+limits (media_limits.MediaLimits) are checked before anything is decoded or fetched where they can
+be: too many images is 400, an image or a request's images over the byte limits 413 (from the
+base64 length for inline images, while reading for remote ones). The bytes go to the worker
+unopened: it decodes and checks them (engine.multimodal.decode: not an image, truncated, too many
+pixels from the header, each a 400 through the worker's INVALID_ARGUMENT), off its event loop.
+Large base64 payloads are decoded off the gateway's event loop too.
 """
 
 from __future__ import annotations
@@ -12,13 +16,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from services.gateway.errors import bad_request
+from fastapi import Request
+
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.media_fetch import MediaFetcher, payload_too_large
+from services.gateway.media_limits import MediaLimits
 from services.gateway.protocol import ChatCompletionRequest
 
-MAX_IMAGES = 16  # per request, as the worker's limit (engine.multimodal.decode.MAX_IMAGES)
 MIME_TYPES = ("image/png", "image/jpeg", "image/webp")
 INLINE_BYTES = 64 * 1024  # smaller payloads are decoded inline: a thread hop costs more
+_BASE64 = re.compile(r"^[A-Za-z0-9+/\s]*={0,2}\s*$")
 
 
 def image_urls(body: ChatCompletionRequest) -> list[str]:
@@ -26,34 +38,120 @@ def image_urls(body: ChatCompletionRequest) -> list[str]:
             for part in message.content if part.type == "image_url" and part.image_url is not None]
 
 
-def _decode(urls: list[str]) -> list[bytes]:
-    blobs = []
-    for index, url in enumerate(urls):
-        if not url.startswith("data:"):
-            scheme = url.split(":", 1)[0] if ":" in url else "?"
-            raise bad_request(f"image {index}: only data: URLs are accepted, not {scheme}: URLs",
-                              param="messages")
-        header, _, payload = url[5:].partition(",")
-        mime, _, encoding = header.partition(";")
-        if mime.lower() not in MIME_TYPES or encoding.lower() != "base64":
-            raise bad_request(f"image {index}: expected data:image/png, image/jpeg or image/webp with ;base64, "
-                              f"got data:{header[:60]}", param="messages")
+@dataclass(frozen=True)
+class _Inline:
+    index: int
+    payload: str  # base64 text
+    bare: bool = False  # plain base64, not a data: URL: a path like /etc/passwd is base64's alphabet too
+
+
+@dataclass(frozen=True)
+class _Remote:
+    index: int
+    url: str
+
+
+def _decoded_size(payload: str) -> int:
+    """Bytes that `payload` (base64) decodes to, counted without decoding it."""
+    stripped = payload.rstrip().rstrip("=")
+    return len(stripped) * 3 // 4
+
+
+class ImageLoader:
+    """Turns a request's image sources into bytes within MediaLimits; one per app (app.state.images),
+    closed at shutdown (its fetcher holds an HTTP client)."""
+
+    def __init__(self, limits: MediaLimits) -> None:
+        self.limits = limits
+        self.fetcher = MediaFetcher(limits)
+
+    async def close(self) -> None:
+        await self.fetcher.close()
+
+    async def load(self, sources: Sequence[str], *, multimodal: bool, param: str,
+                   plain_base64: bool = False) -> list[bytes]:
+        """The images in order (empty without any). `multimodal`: the model takes images;
+        `plain_base64`: a bare base64 string is an image too (/generate)."""
+        if not sources:
+            return []
+        if not multimodal:
+            raise bad_request("images sent to a text-only model: this model takes text only", param=param)
+        limits = self.limits
+        if len(sources) > limits.max_images:
+            raise bad_request(f"{len(sources)} images in one request; at most {limits.max_images} "
+                              "(--limit-mm-per-prompt)", param=param)
         try:
-            blobs.append(base64.b64decode(payload, validate=True))
+            return await self._load(sources, plain_base64)
+        except GatewayError as exc:
+            exc.param = exc.param or param
+            raise
+
+    async def _load(self, sources: Sequence[str], plain_base64: bool) -> list[bytes]:
+        limits = self.limits
+        parts = [self._classify(index, source, plain_base64) for index, source in enumerate(sources)]
+        inline = [p for p in parts if isinstance(p, _Inline)]
+        total = 0
+        for part in inline:
+            size = _decoded_size(part.payload)
+            if size > limits.max_image_bytes:
+                raise payload_too_large(f"image {part.index}: {size} bytes; at most {limits.max_image_bytes} "
+                                        "per image (--max-image-bytes)")
+            total += size
+        if total > limits.max_request_image_bytes:
+            raise payload_too_large(f"the request's images are {total} bytes; at most "
+                                    f"{limits.max_request_image_bytes} per request (--max-request-image-bytes)")
+        if sum(len(p.payload) for p in inline) <= INLINE_BYTES:
+            blobs = _decode(inline)
+        else:
+            blobs = await asyncio.to_thread(_decode, inline)
+        images: dict[int, bytes] = dict(zip((p.index for p in inline), blobs, strict=True))
+        total = sum(len(b) for b in blobs)
+        deadline = time.monotonic() + limits.fetch_timeout_s
+        for part in parts:  # one at a time: a request holds at most its byte budget in memory
+            if isinstance(part, _Remote):
+                room = limits.max_request_image_bytes - total
+                request_binds = room < limits.max_image_bytes
+                reason = (f"at most {limits.max_request_image_bytes} bytes of images per request "
+                          "(--max-request-image-bytes)" if request_binds else
+                          f"at most {limits.max_image_bytes} per image (--max-image-bytes)")
+                blob = await self.fetcher.fetch(part.url, f"image {part.index}", min(room, limits.max_image_bytes),
+                                                reason, deadline)
+                images[part.index] = blob
+                total += len(blob)
+        return [images[index] for index in range(len(parts))]
+
+    def _classify(self, index: int, source: str, plain_base64: bool) -> _Inline | _Remote:
+        where = f"image {index}"
+        if source.startswith("data:"):
+            header, comma, payload = source[5:].partition(",")
+            mime, _, encoding = header.partition(";")
+            if not comma or mime.lower() not in MIME_TYPES or encoding.lower() != "base64":
+                raise bad_request(f"{where}: expected data:image/png, image/jpeg or image/webp with ;base64, "
+                                  f"got data:{header[:60]}")
+            return _Inline(index, payload)
+        scheme = source.split(":", 1)[0].lower() if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", source) else ""
+        if scheme in ("http", "https"):
+            self.fetcher.check_url(source, where)  # refused before anything is fetched or decoded
+            return _Remote(index, source)
+        if plain_base64 and not scheme and _BASE64.match(source[:4096]):  # JPEG starts "/9j/"
+            return _Inline(index, source, bare=True)
+        accepted = "a data: URL, an http(s) URL" + (" or base64" if plain_base64 else "")
+        shown = f"a {scheme}: URL" if scheme else "a file path or other text"
+        raise bad_request(f"{where}: expected {accepted}, got {shown} (local files are not read)")
+
+
+def _decode(parts: Sequence[_Inline]) -> list[bytes]:
+    blobs = []
+    for part in parts:
+        try:
+            blobs.append(base64.b64decode("".join(part.payload.split()), validate=True))
         except (binascii.Error, ValueError):
-            raise bad_request(f"image {index}: the data URL is not valid base64", param="messages") from None
+            if part.bare and part.payload.startswith(("/", "~")):
+                raise bad_request(f"image {part.index}: expected a data: URL, an http(s) URL or base64, got a "
+                                  "file path or other text (local files are not read)") from None
+            raise bad_request(f"image {part.index}: the data is not valid base64") from None
     return blobs
 
 
-async def request_images(body: ChatCompletionRequest, multimodal: bool) -> list[bytes]:
-    """The request's images in prompt order (empty without image parts); 400s for what the
-    gateway can tell is wrong without opening them. `multimodal`: the model takes images."""
-    urls = image_urls(body)
-    if urls and not multimodal:
-        raise bad_request("images sent to a text-only model: this model takes text content parts only",
-                          param="messages")
-    if len(urls) > MAX_IMAGES:
-        raise bad_request(f"{len(urls)} images in one request; at most {MAX_IMAGES}", param="messages")
-    if sum(len(u) for u in urls) <= INLINE_BYTES:
-        return _decode(urls)
-    return await asyncio.to_thread(_decode, urls)
+def image_loader(request: Request) -> ImageLoader:
+    return request.app.state.images

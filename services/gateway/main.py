@@ -29,7 +29,9 @@ from services.gateway.config import (
     GatewayConfig,
     StaticWorker,
     add_worker_arguments,
+    joined_list_flags,
     static_workers_from_args,
+    take_list_forms,
     with_env_api_key,
 )
 from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
@@ -41,13 +43,14 @@ log = logging.getLogger("pdserve.gateway")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, GatewayConfig)
+    take_list_forms(parser)
     add_worker_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("gateway")
     try:
-        config = with_env_api_key(config_from_args(GatewayConfig, args))
+        config = with_env_api_key(config_from_args(GatewayConfig, joined_list_flags(args)))
         workers = static_workers_from_args(args)
         if not config.model_path and not workers and not config.bootstrap:
             raise ValueError("give --model-path, or workers (--prefill/--decode/--worker or --bootstrap) to "

@@ -131,9 +131,8 @@ class InternalErrors(HttpMiddleware):
 
 # -- request bodies -----------------------------------------------------------------------------
 
-def _too_large(limit: int) -> HTTPException:
-    return HTTPException(413, f"request body is larger than the limit of {limit} bytes "
-                              "(--max-request-body-bytes)", headers=_CLOSE)
+def _too_large(limit: int, flags: str) -> HTTPException:
+    return HTTPException(413, f"request body is larger than the limit of {limit} bytes ({flags})", headers=_CLOSE)
 
 
 def _too_slow(timeout_s: float) -> HTTPException:
@@ -153,17 +152,20 @@ def declared_length(scope: Scope) -> int | None:
 
 
 class BodyLimit(HttpMiddleware):
-    """Refuse bodies over `max_bytes` (413) or slower than `read_timeout_s` in total (408)."""
+    """Refuse bodies over `max_bytes` (413, naming the `flags` that set it) or slower than
+    `read_timeout_s` in total (408)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float,
+                 flags: str = "--max-request-body-bytes") -> None:
         super().__init__(app)
         self.max_bytes = max_bytes
+        self.flags = flags
         self.read_timeout_s = read_timeout_s
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = declared_length(scope)
         if length is not None and length > self.max_bytes:
-            await send_error(send, _too_large(self.max_bytes))
+            await send_error(send, _too_large(self.max_bytes, self.flags))
             return
         await self.app(scope, self._limited(receive), send)
 
@@ -183,7 +185,7 @@ class BodyLimit(HttpMiddleware):
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _too_large(self.max_bytes)
+                    raise _too_large(self.max_bytes, self.flags)
                 body_done = not message.get("more_body", False)
             return message
 

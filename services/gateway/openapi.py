@@ -15,11 +15,13 @@ context; only the tokenizer knows it (400 `context_length_exceeded`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from services.gateway.media_limits import parse_domains
 from services.gateway.middleware import OPEN_PATHS, RequestGuards
 from services.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 from services.gateway.state import GatewayState
@@ -185,15 +187,23 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     sampling = schemas["NativeSamplingParams"]["properties"]
     _set_in_members(sampling["max_new_tokens"], "maximum", max_new)
     _bound_stop_token_ids(sampling["stop_token_ids"], vocab_max)
-    _content_parts_of_the_model(schemas, multimodal=files.multimodal)
+    _content_parts_of_the_model(schemas, multimodal=files.multimodal,
+                                allowed_domains=parse_domains(state.config.allowed_media_domains))
 
 
-def _content_parts_of_the_model(schemas: dict[str, Any], *, multimodal: bool) -> None:
-    """A text-only model takes text parts only (an image part is a 400 there): the document lists
-    image parts only for a vision-language model, whose image URLs must be data: URLs."""
+def _content_parts_of_the_model(schemas: dict[str, Any], *, multimodal: bool,
+                                allowed_domains: tuple[str, ...]) -> None:
+    """A text-only model takes text only (an image part or image_data is a 400 there): the document
+    lists image parts and /generate's image_data only for a vision-language model, whose image URLs
+    are data: URLs or http(s) URLs on the allowed domains (--allowed-media-domains)."""
     if multimodal:
-        schemas["ImageURL"]["properties"]["url"]["pattern"] = r"^data:image/(png|jpeg|webp);base64,"
+        pattern = r"^data:image/(png|jpeg|webp);base64,"
+        if allowed_domains:
+            hosts = "|".join(re.escape(host) for host in allowed_domains)
+            pattern = rf"^(data:image/(png|jpeg|webp);base64,|https?://({hosts})([:/?#]|$))"
+        schemas["ImageURL"]["properties"]["url"]["pattern"] = pattern
         return
+    schemas["NativeGenerateRequest"]["properties"].pop("image_data", None)
     for member in _members(schemas["ChatMessage"]["properties"]["content"]):
         if member.get("type") == "array":
             member["items"] = {"$ref": "#/components/schemas/TextPart"}

@@ -165,7 +165,8 @@ class StreamOptions(_Body):
 
 
 class ImageURL(_Body):
-    """An image_url part's target: a `data:` URL (remote URLs are refused: services.gateway.images)."""
+    """An image_url part's target: a `data:` URL, or an http(s) URL on an allowed domain
+    (--allowed-media-domains; services.gateway.images)."""
 
     url: NonEmptyText
     detail: str | None = None
@@ -179,7 +180,7 @@ class TextPart(_Body):
 
 
 class ImagePart(_Body):
-    """An image part of a message's content (a vision-language model's; a data: URL)."""
+    """An image part of a message's content (a vision-language model's)."""
 
     type: Literal["image_url"]
     image_url: ImageURL
@@ -395,12 +396,32 @@ class NativeGenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: integer(0, MAX_TOP_LOGPROBS) = 0
     model: Text | None = None
+    # SGLang's: one prompt's image (a string) or images (a list); for a batch, a list with one
+    # entry per prompt (null, a string or a list). Each: a data: URL, base64, or an allowed http(s) URL.
+    image_data: NonEmptyText | list[NonEmptyText | list[NonEmptyText] | None] | None = None
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> NativeGenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         return self
+
+    def images_per_prompt(self) -> list[list[str]]:
+        """image_data as one list of images per prompt; ValueError when a batch's list does not
+        have one entry per prompt, or a single prompt's list nests lists."""
+        data = self.image_data
+        if data is None:
+            return [[] for _ in range(self.prompt_count())]
+        if isinstance(data, str):
+            data = [data]
+        if not self.batched:
+            if any(not isinstance(item, str) for item in data):
+                raise ValueError("image_data for one prompt is a string or a list of strings")
+            return [list(data)]  # type: ignore[arg-type]
+        if len(data) != self.prompt_count():
+            raise ValueError(f"image_data for a batch has one entry per prompt: {len(data)} entries for "
+                             f"{self.prompt_count()} prompts")
+        return [[] if item is None else [item] if isinstance(item, str) else list(item) for item in data]
 
     def sampling(self) -> common_pb2.SamplingParams:
         """Every prompt's sampling (one sample per prompt: no per-choice seeds)."""

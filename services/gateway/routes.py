@@ -7,7 +7,9 @@ them against the context, turn the body's sampling into one proto per choice (pr
 the choices through the dispatcher and answer in the wire format, either whole or as server-sent
 events (responses.py).
 
-/generate body: `text` (string or batch) or `input_ids` (ids or batch), `sampling_params`
+/generate body: `text` (string or batch) or `input_ids` (ids or batch), `image_data` (SGLang's: an
+image or a list; for a batch one entry per prompt; the prompt holds one image-pad token per image,
+as the chat template would write it), `sampling_params`
 {temperature, max_new_tokens, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, seed}, `stream`.
 Answer: {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
 "finish_reason": {"type": "stop" | "length" | "abort", ...}}} (a list for a batch). Streaming sends
@@ -25,7 +27,7 @@ from starlette.responses import Response
 
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
-from services.gateway.images import request_images
+from services.gateway.images import image_loader, image_urls
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import (
@@ -118,7 +120,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
-    images = await request_images(body, state.model_files.multimodal)
+    images = await image_loader(request).load(image_urls(body), multimodal=state.model_files.multimodal,
+                                              param="messages")
     prompt_ids = await guards.encoder.chat(body)
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
@@ -292,8 +295,15 @@ async def generate(body: NativeGenerateRequest, request: Request):
         raise bad_request("stream is supported for one prompt at a time", param="stream")
     prompt_param = "text" if body.text is not None else "input_ids"
     generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param, count_param=prompt_param)
+    try:
+        image_sources = body.images_per_prompt()
+    except ValueError as exc:
+        raise bad_request(str(exc), param="image_data") from None
     if not await guards.admit(request, model, generations):
         return Response(status_code=CLIENT_CLOSED)
+    loader = image_loader(request)
+    images = [await loader.load(sources, multimodal=state.model_files.multimodal, param="image_data",
+                                plain_base64=True) for sources in image_sources]
     prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,
                                            param=prompt_param)
     for prompt_ids in prompts:
@@ -303,8 +313,8 @@ async def generate(body: NativeGenerateRequest, request: Request):
     # The room is always the gateway's own unique id: a client's rid could collide with another
     # request's room on the workers (by accident or on purpose); it is only shown back.
     request_id = new_request_id("gen")
-    jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids, sampling)
-            for i, prompt_ids in enumerate(prompts)]
+    jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids, sampling,
+                      tuple(images[i])) for i, prompt_ids in enumerate(prompts)]
     shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
                  for job in jobs]
     timers = [RequestTimer(state.metrics) for _ in jobs]

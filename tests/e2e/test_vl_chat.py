@@ -147,7 +147,7 @@ def test_bad_images_are_refused(servers):
     bad_request(servers, servers.vl, ["data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()],
                 "truncated or corrupt")
     bad_request(servers, servers.vl, ["data:text/plain;base64,aGVsbG8="], "expected data:image/png")
-    bad_request(servers, servers.vl, ["https://example.com/cat.png"], "only data: URLs are accepted")
+    bad_request(servers, servers.vl, ["https://example.com/cat.png"], "remote image URLs are not allowed")
     bad_request(servers, servers.vl, [png] * 17, "at most 16")
     bad_request(servers, servers.text, [png], "images sent to a text-only model")
     # 50 megapixels in a small PNG (one colour compresses well), refused from its header

@@ -64,3 +64,19 @@ def test_fanout_bands_accept_exactly_the_bodies_within_the_limit(limit: int, max
         # one prompt (a string or a flat id list) never counts its ids
         assert validator.is_valid({"n": n, "prompt": list(range(limit + 5))})
         assert validator.is_valid({"n": n, "prompt": "x"})
+
+
+def test_images_are_documented_for_a_vision_language_model_only(document: dict, tmp_path: Path) -> None:
+    from tools.models.tiny_model import write_tiny_model
+
+    assert "image_data" not in document["components"]["schemas"]["NativeGenerateRequest"]["properties"]
+    assert "ImageURL" not in document["components"]["schemas"]
+    vl_model = write_tiny_model(tmp_path / "tiny-vl", preset="tiny-vl", seed=0)
+    vl = create_app(build_state(GatewayConfig(model_path=str(vl_model), allowed_media_domains="a.com,b.example"))
+                    ).openapi()["components"]["schemas"]
+    assert "image_data" in vl["NativeGenerateRequest"]["properties"]
+    url = jsonschema_rs.validator_for(vl["ImageURL"]["properties"]["url"])
+    for good in ("data:image/png;base64,AAAA", "https://a.com/cat.png", "http://b.example:8080/x", "https://a.com"):
+        assert url.is_valid(good), good
+    for bad in ("https://a.com.evil/x", "https://evil.com/a.com", "ftp://a.com/x", "data:text/plain;base64,"):
+        assert not url.is_valid(bad), bad
