@@ -35,6 +35,19 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host`. Checked before starting the master on a given port:
+    mooncake_master binds with SO_REUSEPORT, so on a port another process listens on it starts
+    "fine" and shares the connections, and workers then hang in Mooncake's setup."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a last run's TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def spawn(log_dir: Path, host: str = "127.0.0.1", port: int = 0) -> Service:
     """Start mooncake_master on `host`:`port` (0: a free port), output to LOG_DIR/mooncake-master.log;
     does not wait for it (see wait_listening). The Service's address is what workers pass as

@@ -148,6 +148,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve up: --hicache-master-port needs --hicache mooncake")
     if not 0 <= args.hicache_master_port <= 65535:
         raise SystemExit(f"pdserve up: --hicache-master-port must be a port number, got {args.hicache_master_port}")
+    if args.hicache_master_port and not mooncake_master.port_free(args.host, args.hicache_master_port):
+        raise SystemExit(f"pdserve up: --hicache-master-port {args.hicache_master_port} is in use on {args.host}")
     stop = _Stop()
     ensure_model(args.model_path)
     model_path = str(args.model_path)

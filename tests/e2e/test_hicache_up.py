@@ -5,6 +5,7 @@ other (round-robin sends the second request there), and Ctrl-C stops all of it, 
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import httpx
@@ -69,9 +70,20 @@ def test_up_hicache_starts_the_master_shares_pages_and_stops_everything(tiny_mod
         assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
 
 
-def test_up_refuses_a_master_port_without_hicache(tiny_model: Path, tmp_path: Path) -> None:
+def test_up_refuses_a_master_port_without_hicache_or_in_use(tiny_model: Path, tmp_path: Path) -> None:
     with pdserve_up(["--model-path", str(tiny_model), "--hicache-master-port", "5000",
                      "--log-dir", str(tmp_path / "logs")], timeout_s=30) as up:
         up.popen.wait(timeout=30)
         assert up.popen.returncode != 0
         assert "--hicache-master-port needs --hicache mooncake" in up.output
+    # mooncake_master itself would start on a port another process listens on (SO_REUSEPORT).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pdserve_up(["--model-path", str(tiny_model), "--hicache", "mooncake", "--hicache-master-port", str(port),
+                         "--log-dir", str(tmp_path / "logs")], timeout_s=30) as up:
+            up.popen.wait(timeout=30)
+            assert up.popen.returncode != 0
+            assert f"--hicache-master-port {port} is in use on 127.0.0.1" in up.output
+            assert not (tmp_path / "logs").exists()  # refused before starting anything
