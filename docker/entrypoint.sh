@@ -2,6 +2,10 @@
 # Entrypoint of every pdserve image: runs its arguments (normally `pdserve ...`) as PID 1's only
 # child-free process (exec), so SIGTERM from `docker stop` reaches pdserve's graceful shutdown.
 #
+# A worker (`pdserve launch-server`) runs with the store tier of --enable-hierarchical-cache when a
+# Mooncake Store master is named (PDSERVE_HICACHE_MOONCAKE_MASTER or MOONCAKE_MASTER, as the compose
+# profile hicache asks for): the compose file's commands stay the same with the profile off or on.
+#
 # `--host auto` is replaced by this container's own address. A worker binds that address and
 # registers it with the bootstrap registry; the gateway and the other workers dial it, and the
 # transfer engines write KV pages to it. 0.0.0.0 would bind fine but be registered as an address
@@ -25,6 +29,14 @@ if [ -f /app/kernels/cpu_ext.py ] && command -v g++ >/dev/null 2>&1; then
 fi
 
 [ "$#" -gt 0 ] || set -- pdserve --help
+hicache=""
+if [ "${1:-}" = "pdserve" ] && [ "${2:-}" = "launch-server" ] \
+        && [ -n "${PDSERVE_HICACHE_MOONCAKE_MASTER:-}${MOONCAKE_MASTER:-}" ]; then
+    case " $* " in
+        *" --enable-hierarchical-cache "*) ;;  # the command asks for it itself
+        *) hicache="--enable-hierarchical-cache" ;;
+    esac
+fi
 previous=""
 for arg do
     shift
@@ -34,4 +46,5 @@ for arg do
     set -- "$@" "$arg"
     previous=$arg
 done
+[ -z "$hicache" ] || set -- "$@" --enable-hierarchical-cache --hicache-storage-backend mooncake
 exec "$@"

@@ -12,6 +12,12 @@ period is killed. The built-in tiny model is written first if the default path i
 Logs: one file per process in --log-dir. The control plane is authenticated: unless
 PDSERVE_CLUSTER_SECRET is set, a random cluster secret is made for this run and given to every
 child only (nothing else on the machine can call their gRPC APIs).
+
+`--hicache mooncake` adds the cluster-wide KV store (libkv/store/): Mooncake Store's master
+(`mooncake_master` from the venv, on a free port or --hicache-master-port) starts first, every
+worker gets `--enable-hierarchical-cache --hicache-storage-backend mooncake
+--hicache-mooncake-master` with its address, and it stops last (after the workers it serves); its
+log is LOG_DIR/mooncake-master.log.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import urllib.request
 from pathlib import Path
 
 from pdserve import envs
+from tools import mooncake_master
 from tools.launch import NotReady, ProcessGroup, Service
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
+HICACHE_BACKENDS = ("mooncake",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-registries", type=int, default=1,
                         help="registry processes (default 1; more than 1 needs --etcd-endpoints): workers "
                              "and the gateway get every address and fail over between them")
+    parser.add_argument("--hicache", choices=HICACHE_BACKENDS, default=None,
+                        help="start this cluster-wide KV store (mooncake: Mooncake Store's master) and run every "
+                             "worker with --enable-hierarchical-cache on it (default: none)")
+    parser.add_argument("--hicache-master-port", type=int, default=0,
+                        help="RPC port of the store's master with --hicache (default 0: a free port)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/up-logs"), help="one log file per process")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each step may take to come up")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds each process gets to stop")
@@ -113,12 +126,30 @@ def wait_healthy(url: str, timeout_s: float, children: list[Service], stop: _Sto
     raise NotReady("interrupted" if stop else f"gateway not healthy within {timeout_s:.0f}s")
 
 
+def start_store(args: argparse.Namespace, group: ProcessGroup, stop: _Stop) -> list[str]:
+    """Start the store's master (first in the group's start order, so it is stopped last) and return
+    the worker flags that use it."""
+    say(f"starting {mooncake_master.NAME} ...")
+    master = mooncake_master.spawn(args.log_dir, args.host, args.hicache_master_port)
+    group.procs.insert(0, master)
+    mooncake_master.wait_listening(master, args.ready_timeout, lambda: bool(stop))
+    say(f"  {master.name} ready on {master.address}")
+    return ["--enable-hierarchical-cache", "--hicache-storage-backend", args.hicache,
+            "--hicache-mooncake-master", master.address]
+
+
 def main(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         raise SystemExit("pdserve up: --num-prefill and --num-decode must be >= 1")
     if args.num_registries < 1 or (args.num_registries > 1 and not args.etcd_endpoints):
         raise SystemExit("pdserve up: --num-registries must be >= 1, and above 1 needs --etcd-endpoints "
                          "(registries share their workers only through etcd)")
+    if args.hicache_master_port and not args.hicache:
+        raise SystemExit("pdserve up: --hicache-master-port needs --hicache mooncake")
+    if not 0 <= args.hicache_master_port <= 65535:
+        raise SystemExit(f"pdserve up: --hicache-master-port must be a port number, got {args.hicache_master_port}")
+    if args.hicache_master_port and not mooncake_master.port_free(args.host, args.hicache_master_port):
+        raise SystemExit(f"pdserve up: --hicache-master-port {args.hicache_master_port} is in use on {args.host}")
     stop = _Stop()
     ensure_model(args.model_path)
     model_path = str(args.model_path)
@@ -138,6 +169,8 @@ def main(args: argparse.Namespace) -> int:
             registries.append(registry.address)
         registry_addresses = ",".join(registries)
 
+        hicache = start_store(args, group, stop) if args.hicache else []
+
         workers = []
         threads = ["--num-threads", str(args.worker_threads)] if args.worker_threads else []
         for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
@@ -147,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
                 worker = group.spawn(name, [
                     "launch-server", "--model-path", model_path, "--disaggregation-mode", role,
                     "--disaggregation-transfer-backend", args.transfer_backend, "--host", args.host,
-                    "--port", "0", "--bootstrap", registry_addresses, "--dtype", args.dtype, *threads])
+                    "--port", "0", "--bootstrap", registry_addresses, "--dtype", args.dtype, *threads, *hicache])
                 workers.append(worker)
         for worker in workers:
             worker.wait_ready(args.ready_timeout, lambda: bool(stop))
@@ -163,7 +196,8 @@ def main(args: argparse.Namespace) -> int:
         model = health.get("model", args.model_path.resolve().name)
         request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
         say(f"\npdserve is up in {time.monotonic() - started:.1f}s: {base}  (model {model}, "
-            f"{args.num_prefill} prefill + {args.num_decode} decode, {args.transfer_backend})\n")
+            f"{args.num_prefill} prefill + {args.num_decode} decode, {args.transfer_backend}"
+            f"{', KV store ' + hicache[-1] if hicache else ''})\n")
         say(f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'\n")
         say(f"  metrics: {base}/metrics   API docs: {base}/docs   logs: {args.log_dir}/")
         say("Press Ctrl-C to stop.")
@@ -183,5 +217,5 @@ def main(args: argparse.Namespace) -> int:
         say(f"pdserve up failed: {exc}")
         return 1
     finally:
-        # gateway first (stops taking requests), then decode/prefill, the registry last
+        # gateway first (stops taking requests), then decode/prefill, the registry, the store's master last
         group.stop_all(args.grace_period, report=lambda line: say(f"  {line}"))

@@ -15,6 +15,11 @@ Two calls from the engine thread, neither of which waits on the store for long:
   to compute those 640 tokens of the tiny model; a slow store delays one admission by the timeout
   at most, once, and is then down.
 
+Watchers (the worker's KV events, services/worker/kv_events.py): `watch(listener)` returns the
+page hashes this tier knows the store holds (written or fetched by it, the most recent 65,536) and
+then calls `listener("stored" | "removed", hashes)` on every change, under the tier's lock (so the
+listener only records). A restarted master starts empty, so the store going down removes them all.
+
 The store down: any failed call marks the tier down (one log line, `up` False); while down nothing
 is offered or fetched and requests are computed as without the store. A probe thread connects the
 client at start (never on the caller's thread: a store that is not there only means computing
@@ -99,6 +104,7 @@ class StoreTier:
         self._written: OrderedDict[int, None] = OrderedDict()
         self._repair: set[int] = set()  # page hashes whose stored entry failed its check: overwrite them
         self._written_lock = threading.Lock()
+        self._watchers: list[Callable[[str, list[int]], None]] = []  # called under _written_lock
         self._stopping = threading.Event()
         self._wake_probe = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True)
@@ -112,6 +118,22 @@ class StoreTier:
     @property
     def up(self) -> bool:
         return self._up
+
+    @property
+    def location(self) -> str:
+        """Which store and key namespace the pages are in: workers with the same location share them."""
+        return f"{getattr(self.client, 'master', 'store')}/{self.identity.prefix}"
+
+    def watch(self, listener: Callable[[str, list[int]], None]) -> list[int]:
+        """Register `listener` (module docstring) and return the page hashes known to be in the store now."""
+        with self._written_lock:
+            self._watchers.append(listener)
+            return list(self._written)
+
+    def unwatch(self, listener: Callable[[str, list[int]], None]) -> None:
+        with self._written_lock:
+            if listener in self._watchers:
+                self._watchers.remove(listener)
 
     @property
     def repairs_pending(self) -> int:
@@ -177,8 +199,7 @@ class StoreTier:
             return []
         self._write_pages(pages, good)
         with self._written_lock:
-            for index in range(first, first + len(good)):
-                self._remember(hashes[index])
+            self._remember(hashes[first:first + len(good)])
         self.stats.hit_pages += len(good)
         self.stats.bytes_read += len(good) * self.page_nbytes
         self.stats.observe_fetch(time.perf_counter() - started)
@@ -241,16 +262,27 @@ class StoreTier:
             self._down(exc)
             return
         with self._written_lock:
-            for w in batch:
-                self._remember(w.page_hash)
+            self._remember([w.page_hash for w in batch])
         self.stats.pages_written += len(batch)
         self.stats.bytes_written += len(batch) * self.page_nbytes
 
-    def _remember(self, page_hash: int) -> None:
-        self._written[page_hash] = None
-        self._written.move_to_end(page_hash)
-        if len(self._written) > _WRITTEN_MEMORY:
-            self._written.popitem(last=False)
+    def _remember(self, page_hashes: Sequence[int]) -> None:
+        """Note pages as in the store (most recent last; the oldest beyond the memory are forgotten)
+        and tell the watchers. Called under _written_lock."""
+        new = [h for h in page_hashes if h not in self._written]
+        for page_hash in page_hashes:
+            self._written[page_hash] = None
+            self._written.move_to_end(page_hash)
+        forgotten = []
+        while len(self._written) > _WRITTEN_MEMORY:
+            forgotten.append(self._written.popitem(last=False)[0])
+        self._notify("stored", new)
+        self._notify("removed", forgotten)
+
+    def _notify(self, kind: str, page_hashes: list[int]) -> None:
+        if page_hashes:
+            for listener in self._watchers:
+                listener(kind, page_hashes)
 
     def _down(self, why: Exception) -> None:
         self.stats.errors += 1
@@ -258,6 +290,7 @@ class StoreTier:
             self._up = False
             # What was written may be gone (a restarted master starts empty): offer pages again.
             with self._written_lock:
+                self._notify("removed", list(self._written))
                 self._written.clear()
             log.warning("hicache: store down (%s); computing without it until it answers again", why)
             self._wake_probe.set()

@@ -13,9 +13,18 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
+
+class KvMedium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_MEDIUM_UNSPECIFIED: _ClassVar[KvMedium]
+    KV_MEDIUM_DEVICE: _ClassVar[KvMedium]
+    KV_MEDIUM_STORE: _ClassVar[KvMedium]
 KV_EVENT_KIND_UNSPECIFIED: KvEventKind
 KV_EVENT_KIND_STORED: KvEventKind
 KV_EVENT_KIND_REMOVED: KvEventKind
+KV_MEDIUM_UNSPECIFIED: KvMedium
+KV_MEDIUM_DEVICE: KvMedium
+KV_MEDIUM_STORE: KvMedium
 
 class GenerateRequest(_message.Message):
     __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images")
@@ -118,22 +127,26 @@ class KvEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("kind", "page_hashes")
+    __slots__ = ("kind", "page_hashes", "medium")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     kind: KvEventKind
     page_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    medium: KvMedium
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., page_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[_Union[KvMedium, str]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("snapshot", "events", "page_size")
+    __slots__ = ("snapshot", "events", "page_size", "store")
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     snapshot: bool
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     page_size: int
-    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ...) -> None: ...
+    store: str
+    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ..., store: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,7 +1,8 @@
 """Follow every worker's KV events (pdserve.v1.KvEvents), so cache_aware routes on real cache state.
 
 One task per worker in the pool subscribes on the worker's channel and applies the snapshot and
-the deltas to `worker.kv_cache` (a KvCacheView). When the stream breaks the view is dropped (it
+the deltas to `worker.kv_cache` (a KvCacheView): pages in the worker's own pool and, from a worker
+with the store tier, pages in the cluster-wide store (the event's medium). When the stream breaks the view is dropped (it
 may have missed events) and the task subscribes again after a pause; a worker that does not serve
 KvEvents (UNIMPLEMENTED) is left unknown. Workers joining and leaving are picked up by comparing
 the pool with the tasks every `reconcile_s`.
@@ -20,6 +21,7 @@ from services.gateway.workers import WorkerHandle, WorkerPool
 log = logging.getLogger("pdserve.gateway")
 
 _STORED, _REMOVED = worker_pb2.KV_EVENT_KIND_STORED, worker_pb2.KV_EVENT_KIND_REMOVED
+_STORE = worker_pb2.KV_MEDIUM_STORE  # DEVICE and UNSPECIFIED (a worker naming no medium) are its own pool
 
 
 def apply_batch(worker: WorkerHandle, batch: worker_pb2.KvEventBatch) -> None:
@@ -27,16 +29,18 @@ def apply_batch(worker: WorkerHandle, batch: worker_pb2.KvEventBatch) -> None:
     view = worker.kv_cache
     if batch.snapshot:
         view.apply(snapshot=True)
+        view.store = batch.store
         view.page_size = worker.page_size or batch.page_size
         if worker.page_size and batch.page_size and worker.page_size != batch.page_size:
             log.warning("worker %s registered pages of %d tokens but publishes hashes of %d-token pages",
                         worker.address, worker.page_size, batch.page_size)
             view.page_size = batch.page_size  # the hashes are made with this one
     for event in batch.events:
+        in_store = event.medium == _STORE
         if event.kind == _STORED:
-            view.apply(False, stored=event.page_hashes)
+            view.apply(False, stored=event.page_hashes, in_store=in_store)
         elif event.kind == _REMOVED:
-            view.apply(False, removed=event.page_hashes)
+            view.apply(False, removed=event.page_hashes, in_store=in_store)
     if batch.snapshot:
         view.synced = True
 

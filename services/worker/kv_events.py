@@ -1,5 +1,11 @@
 """pdserve.v1.KvEvents on every worker: the prefix cache's stored/removed page hashes, streamed.
 
+Each event names its medium (tier): KV_MEDIUM_DEVICE for the worker's own KV pool (the prefix
+cache: a local hit), KV_MEDIUM_STORE for pages the store tier of --enable-hierarchical-cache knows
+are in the cluster-wide store (written through or fetched by this worker; libkv/store/tier.py's
+watch), which any worker on the same store can fetch. A page is often in both. The batches name
+the store (`store`: its master and key namespace), so the gateway can tell which workers share it.
+
 The engine's PageManager calls a subscription's listener on every cache change (from the engine
 thread or a service thread, under its lock), so the listener only appends to a buffer and wakes
 the subscriber's event loop when the buffer was empty; the stream sends what piled up as one
@@ -21,6 +27,7 @@ from engine.engine import Engine
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
 _KINDS = {"stored": worker_pb2.KV_EVENT_KIND_STORED, "removed": worker_pb2.KV_EVENT_KIND_REMOVED}
+DEVICE, STORE = worker_pb2.KV_MEDIUM_DEVICE, worker_pb2.KV_MEDIUM_STORE
 
 
 class _Subscription:
@@ -28,18 +35,24 @@ class _Subscription:
         self._loop = loop
         self._max_pending = max_pending
         self._lock = threading.Lock()
-        self._events: deque[tuple[str, list[int]]] = deque()
+        self._events: deque[tuple[str, int, list[int]]] = deque()  # (kind, medium, page hashes)
         self._pending = 0
         self.overflowed = False
         self.closed = False
         self.ready = asyncio.Event()
 
-    def __call__(self, kind: str, hashes: list[int]) -> None:  # the cache's listener
+    def __call__(self, kind: str, hashes: list[int]) -> None:  # the prefix cache's listener
+        self.add(kind, DEVICE, hashes)
+
+    def store_listener(self, kind: str, hashes: list[int]) -> None:  # the store tier's listener
+        self.add(kind, STORE, hashes)
+
+    def add(self, kind: str, medium: int, hashes: list[int]) -> None:
         with self._lock:
             if self.overflowed or self.closed:
                 return
             wake = not self._events
-            self._events.append((kind, list(hashes)))
+            self._events.append((kind, medium, list(hashes)))
             self._pending += len(hashes)
             if self._pending > self._max_pending:
                 self.overflowed, wake = True, True
@@ -49,7 +62,7 @@ class _Subscription:
             except RuntimeError:
                 pass  # the loop is closed: the worker is shutting down
 
-    def take(self) -> list[tuple[str, list[int]]]:
+    def take(self) -> list[tuple[str, int, list[int]]]:
         with self._lock:
             events = list(self._events)
             self._events.clear()
@@ -82,12 +95,16 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
 
     async def Subscribe(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext):
         pages = self.engine.pages
+        tier = getattr(self.engine, "hicache", None)  # a libkv.store.StoreTier with --enable-hierarchical-cache
+        store = tier.location if tier is not None else ""
         subscription = _Subscription(asyncio.get_running_loop(), self.max_pending)
         snapshot = pages.watch_cache(subscription)
+        stored = tier.watch(subscription.store_listener) if tier is not None else []
         self._subscriptions.add(subscription)
         try:
-            yield worker_pb2.KvEventBatch(snapshot=True, page_size=pages.page_size, events=[
-                worker_pb2.KvEvent(kind=worker_pb2.KV_EVENT_KIND_STORED, page_hashes=snapshot)] if snapshot else [])
+            yield worker_pb2.KvEventBatch(snapshot=True, page_size=pages.page_size, store=store, events=[
+                worker_pb2.KvEvent(kind=worker_pb2.KV_EVENT_KIND_STORED, medium=medium, page_hashes=hashes)
+                for medium, hashes in ((DEVICE, snapshot), (STORE, stored)) if hashes])
             while True:
                 await subscription.ready.wait()
                 if subscription.overflowed:
@@ -97,8 +114,11 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
                     return
                 events = subscription.take()
                 if events:
-                    yield worker_pb2.KvEventBatch(page_size=pages.page_size, events=[
-                        worker_pb2.KvEvent(kind=_KINDS[kind], page_hashes=hashes) for kind, hashes in events])
+                    yield worker_pb2.KvEventBatch(page_size=pages.page_size, store=store, events=[
+                        worker_pb2.KvEvent(kind=_KINDS[kind], medium=medium, page_hashes=hashes)
+                        for kind, medium, hashes in events])
         finally:
             pages.unwatch_cache(subscription)
+            if tier is not None:
+                tier.unwatch(subscription.store_listener)
             self._subscriptions.discard(subscription)

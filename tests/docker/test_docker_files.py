@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,80 @@ def test_requirements_come_from_pyproject_and_gateway_has_no_torch():
     assert bad.returncode != 0
 
 
+def test_compose_hicache_profile_runs_the_store_master_from_the_worker_image():
+    """Profile hicache: mooncake_master from the worker image (the Mooncake wheel), its health check on
+    its RPC port; the workers name it through PDSERVE_HICACHE_MOONCAKE_MASTER (passed through, empty
+    unless set) and do not depend on it, so the deployment without the profile is unchanged."""
+    compose = _compose()
+    services = compose["services"]
+    master = services["mooncake-master"]
+    assert master["profiles"] == ["hicache"]
+    assert master["image"] == services["prefill"]["image"]
+    assert master["entrypoint"] == ["mooncake_master"]
+    flags = dict(zip(master["command"][::2], master["command"][1::2], strict=True))
+    assert flags["-rpc_address"] == "0.0.0.0"
+    assert f"('127.0.0.1', {flags['-rpc_port']})" in master["healthcheck"]["test"][-1]
+    assert "mooncake-master:" + flags["-rpc_port"] in (DOCKER / "compose.yaml").read_text()  # the documented value
+    assert {"PDSERVE_HICACHE_MOONCAKE_MASTER", "MOONCAKE_MASTER"} <= set(compose["x-pdserve-env"])
+    for name in ("prefill", "decode"):
+        assert services[name]["environment"] == compose["x-pdserve-env"]
+        assert "mooncake-master" not in services[name].get("depends_on", {})
+        assert "--enable-hierarchical-cache" not in services[name]["command"]  # the entrypoint adds it
+
+
+@pytest.mark.skipif(shutil.which("mooncake_master") is None and not (Path(sys.executable).parent / "mooncake_master").exists(),
+                    reason="mooncake_master (the Mooncake wheel) is not installed")
+def test_compose_mooncake_master_flags_are_the_binarys(tmp_path: Path):
+    """The master's command line, on free ports, starts the real mooncake_master (gflags exits on an
+    unknown flag) and it listens on the RPC port."""
+    from tools import mooncake_master
+
+    command = list(_compose()["services"]["mooncake-master"]["command"])
+    rpc_port, metrics_port = mooncake_master.free_port("127.0.0.1"), mooncake_master.free_port("127.0.0.1")
+    command[command.index("-rpc_port") + 1] = str(rpc_port)
+    command[command.index("-metrics_port") + 1] = str(metrics_port)
+    command[command.index("-rpc_address") + 1] = "127.0.0.1"
+    with open(tmp_path / "master.log", "w") as log:
+        process = subprocess.Popen([mooncake_master.binary(), *command], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, (tmp_path / "master.log").read_text()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", rpc_port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "mooncake_master did not listen within 30 s"
+            time.sleep(0.1)
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_entrypoint_turns_the_store_tier_on_for_workers_when_a_master_is_named(tmp_path: Path):
+    (tmp_path / "pdserve").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "pdserve").chmod(0o755)
+    entry = str(DOCKER / "entrypoint.sh")
+    base = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CONTAINER_HOST": "10.1.2.3",
+            "PDSERVE_HICACHE_MOONCAKE_MASTER": "", "MOONCAKE_MASTER": ""}
+    store = " --enable-hierarchical-cache --hicache-storage-backend mooncake"
+
+    def run(*args: str, **env: str) -> str:
+        out = _run(["sh", entry, "pdserve", *args], {**base, **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run("launch-server", "--host", "auto") == "launch-server --host 10.1.2.3"
+    named = {"PDSERVE_HICACHE_MOONCAKE_MASTER": "mooncake-master:50051"}
+    assert run("launch-server", "--host", "auto", **named) == "launch-server --host 10.1.2.3" + store
+    assert run("launch-server", **{"MOONCAKE_MASTER": "m:1"}) == "launch-server" + store
+    assert run("launch-server", "--enable-hierarchical-cache", **named) == "launch-server --enable-hierarchical-cache"
+    assert run("launch-router", "--host", "auto", **named) == "launch-router --host 10.1.2.3"
+    # What the worker then parses: the store tier on, on the named master.
+    parsed = _parse_pdserve(["pdserve", "launch-server", "--model-path", "/models/tiny", *store.split()])
+    assert parsed.enable_hierarchical_cache and parsed.hicache_storage_backend == "mooncake"
+
+
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
 def test_entrypoint_replaces_host_auto_only():
     entry = str(DOCKER / "entrypoint.sh")
@@ -275,7 +350,7 @@ def test_healthcheck_http_needs_200():
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="docker-compose not installed (scripts/setup.sh installs it)")
-@pytest.mark.parametrize("profiles", [(), ("monitoring",)])
+@pytest.mark.parametrize("profiles", [(), ("monitoring",), ("hicache",), ("monitoring", "hicache")])
 def test_compose_file_is_valid_for_docker_compose(profiles: tuple[str, ...]):
     flags = [arg for profile in profiles for arg in ("--profile", profile)]
     base = ["docker-compose", "-f", str(DOCKER / "compose.yaml"), *flags]
@@ -283,7 +358,7 @@ def test_compose_file_is_valid_for_docker_compose(profiles: tuple[str, ...]):
     assert out.returncode == 0, out.stderr
     # compose 1.29 lists the profiled services with or without --profile
     services = set(_run([*base, "config", "--services"]).stdout.split())
-    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana"}
+    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana", "mooncake-master"}
 
 
 def test_grafana_provisioning_matches_the_dashboards_and_compose():
@@ -301,6 +376,9 @@ def test_grafana_provisioning_matches_the_dashboards_and_compose():
         dashboard = json.loads(path.read_text())
         uids.add(dashboard["uid"])
         for panel in dashboard["panels"]:
+            if panel["type"] == "row":  # a heading over the panels below it: no query
+                assert not panel.get("targets") and not panel.get("panels"), (path.name, panel["title"])
+                continue
             assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, (path.name, panel["title"])
             assert panel["targets"] and all(target["expr"] for target in panel["targets"])
     assert len(uids) == 3

@@ -1,8 +1,10 @@
 """Every Grafana dashboard panel's PromQL, run against a real Prometheus scraping a real system.
 
-Grafana cannot be installed here; what it would show can still be checked. Registry, prefill and
-decode workers (mooncake) and a gateway (given only the registry: it learns the model from the
-workers, as in deploy/k8s) run as processes; Debian's Prometheus (scripts/setup.sh
+Grafana cannot be installed here; what it would show can still be checked. Registry, two prefill
+workers and a decode worker (mooncake), all with the store tier on a mooncake_master, and a gateway
+(given only the registry: it learns the model from the workers, as in deploy/k8s; round-robin, so a
+repeated prompt reaches the prefill worker that did not compute it and is fetched from the store)
+run as processes; Debian's Prometheus (scripts/setup.sh
 installs it) scrapes them every second; after some traffic (chat and completion requests, one
 request for an unknown model), every query of every panel in docker/grafana/dashboards/*.json is
 run through Prometheus's HTTP API over the test's time range, as Grafana would run it. Each must
@@ -26,6 +28,7 @@ import openai
 import pytest
 
 from tests.e2e.cluster import Cluster, wait_until
+from tests.engine.test_hicache import MASTER, Master
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -42,10 +45,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(model: Path, mode: str, bootstrap_address: str) -> list[str]:
+def _worker(model: Path, mode: str, bootstrap_address: str, store: str) -> list[str]:
     return ["launch-server", "--model-path", str(model), "--disaggregation-mode", mode, "--port", "0",
             "--metrics-port", "0", "--disaggregation-transfer-backend", "mooncake", "--num-threads", "1",
-            "--num-pages", "128", "--bootstrap", bootstrap_address]
+            "--num-pages", "128", "--bootstrap", bootstrap_address, "--enable-hierarchical-cache",
+            "--hicache-mooncake-master", store, "--hicache-mooncake-segment-mb", "32"]
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
@@ -115,20 +119,34 @@ def _query_range(url: str, expr: str, start: float, end: float) -> dict:
     return response.json()
 
 
-def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, prometheus: Prometheus) -> None:
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[Master]:
+    if not MASTER.exists():
+        pytest.skip("mooncake_master (the Mooncake wheel) is not installed")
+    master = Master(tmp_path)
+    yield master
+    master.kill()
+
+
+def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, prometheus: Prometheus,
+                                            master: Master) -> None:
     url = prometheus.url
     queries = dashboard_queries()
     assert len(queries) >= 30 and {name for name, _, _ in queries} == {"gateway.json", "overview.json",
                                                                           "pd-pipeline.json"}
     bootstrap = cluster.bootstrap()
-    prefill, decode = cluster.start_many([("prefill", _worker(tiny_model, "prefill", bootstrap.address)),
-                                          ("decode", _worker(tiny_model, "decode", bootstrap.address))])
+    prefill, prefill_2, decode = cluster.start_many([
+        ("prefill", _worker(tiny_model, "prefill", bootstrap.address, master.address)),
+        ("prefill-2", _worker(tiny_model, "prefill", bootstrap.address, master.address)),
+        ("decode", _worker(tiny_model, "decode", bootstrap.address, master.address))])
     # as deploy/k8s runs it: no --model-path, the model is learned from the registry's workers
-    gateway = cluster.start("gateway", ["launch-router", "--port", "0", "--bootstrap", bootstrap.address])
+    gateway = cluster.start("gateway", ["launch-router", "--port", "0", "--bootstrap", bootstrap.address,
+                                        "--policy", "round_robin"])
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to become healthy")
     targets = {"gateway": gateway.address, "bootstrap": f"{bootstrap.host}:{bootstrap.metrics_port}",
-               "prefill": f"{prefill.host}:{prefill.metrics_port}", "decode": f"{decode.host}:{decode.metrics_port}"}
+               "prefill": f"{prefill.host}:{prefill.metrics_port}", "decode": f"{decode.host}:{decode.metrics_port}",
+               "prefill-2": f"{prefill_2.host}:{prefill_2.metrics_port}"}
     start = time.time()
     prometheus.start(targets)
 
@@ -140,7 +158,7 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
         return len(active) == len(targets) and all(target["health"] == "up" for target in active)
 
     try:
-        wait_until(targets_up, 60, "Prometheus to scrape all four services")
+        wait_until(targets_up, 60, "Prometheus to scrape all five services")
     except AssertionError:
         print(prometheus.log())
         raise
@@ -151,6 +169,15 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
                                                 messages=[{"role": "user", "content": f"Tell me story {index}."}])
         assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         client.completions.create(model="tiny", prompt=f"Once upon a time {index}", max_tokens=8, temperature=0)
+    # The store panels need a fetch: a prompt the other prefill worker wrote through, sent again.
+    for worker in (prefill, prefill_2):
+        wait_until(lambda worker=worker: worker.metric("pdserve:hicache_store_up") == 1, 60, f"{worker.name}'s store")
+    shared = [{"role": "user", "content": " ".join(f"shared prompt word {i}" for i in range(40))}]
+    client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=shared)
+    wait_until(lambda: prefill.metric("pdserve:hicache_written_pages_total")
+               + prefill_2.metric("pdserve:hicache_written_pages_total") > 0, 60, "the write-through")
+    client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=shared)
+    assert prefill.metric("pdserve:hicache_hit_pages_total") + prefill_2.metric("pdserve:hicache_hit_pages_total") > 0
     with pytest.raises(openai.NotFoundError):  # the errors panels need an error
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 

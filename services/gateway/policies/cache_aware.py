@@ -14,6 +14,13 @@ page size, counted until the first page it does not hold. Prefill and decode wor
 each on their own caches (one policy instance per role). Only for a worker whose state is not known
 (no stream yet, or one that publishes none) does the policy fall back to a guess: a prefix tree of
 the prompts routed to it, updated after every choice.
+
+Tiers: a worker's own pool counts in full; pages after its local run that it could fetch from the
+cluster-wide store (--enable-hierarchical-cache: pages any candidate on the same store reports as
+in it, KV events of medium STORE) count `store_weight` (default 0.5) each. A fetch is cheaper than
+computing but not free, and every worker on the store can make it: a prefix held only in the store
+gives every such candidate the same score, so it attracts no routing to one worker (load decides),
+while a worker holding it locally still wins (L + w(S - L) > wS whenever L > 0 and w < 1).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.page_hash import page_hashes
+from services.gateway.kv_view import leading_run
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
 from services.gateway.workers import WorkerHandle
@@ -30,8 +38,12 @@ class CacheAwarePolicy(Policy):
     name = "cache_aware"
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 200_000) -> None:
+                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 200_000,
+                 store_weight: float = 0.5) -> None:
+        if not 0.0 <= store_weight < 1.0:
+            raise ValueError(f"store_weight must be in [0, 1): a store hit counts below a local one, got {store_weight}")
         self.cache_threshold = cache_threshold
+        self.store_weight = store_weight
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.tree = PrefixTree(max_tree_tokens)
@@ -56,19 +68,28 @@ class CacheAwarePolicy(Policy):
         least_loaded = min(candidates, key=lambda worker: (worker.load, self._cache_size(worker)))
         if len(candidates) == 1 or self.imbalanced(candidates):
             return least_loaded
-        matched = self.tree.match(prompt_token_ids)
+        matched: dict[str, float] = dict(self.tree.match(prompt_token_ids))
         hashes_by_size: dict[int, list[int]] = {}
+        stores: dict[str, list[set[int]]] = {}  # store -> what each synced candidate on it reports in it
+        for worker in candidates:
+            view = worker.kv_cache
+            if view.synced and view.store:
+                stores.setdefault(view.store, []).append(view.store_hashes)
         for worker in candidates:
             view = worker.kv_cache
             if view.synced and view.page_size > 0:
                 size = view.page_size
                 if size not in hashes_by_size:
                     hashes_by_size[size] = page_hashes(prompt_token_ids, size)
-                matched[worker.key] = view.cached_pages(hashes_by_size[size]) * size
-        best = max(candidates, key=lambda worker: (matched.get(worker.key, 0), [-x for x in worker.load]))
-        best_len = matched.get(best.key, 0)
+                hashes = hashes_by_size[size]
+                local = view.cached_pages(hashes)
+                fetchable = leading_run(hashes, stores[view.store], local) if view.store else 0
+                matched[worker.key] = (local + self.store_weight * fetchable) * size
+        best_len = max(matched.get(worker.key, 0) for worker in candidates)
         if best_len > 0 and best_len >= self.cache_threshold * len(prompt_token_ids):
-            return best
+            # Ties (a prefix only in the store scores the same on every worker on it) go as load does.
+            return min((worker for worker in candidates if matched.get(worker.key, 0) == best_len),
+                       key=lambda worker: (worker.load, self._cache_size(worker)))
         return least_loaded
 
     def forget(self, worker: WorkerHandle) -> None:
