@@ -12,6 +12,11 @@ as often as every `keepalive_s / 2`, with or without calls, and pings its client
 schedule (a frozen decode holding a Prefill call is noticed by the prefill that serves it).
 
 The interval is PDSERVE_GRPC_KEEPALIVE_TIME (pdserve.envs), read when the options are built.
+
+Both sides also take messages of up to MAX_MESSAGE_BYTES (gRPC's default receive limit is 4 MiB):
+a vision-language request carries its images in one message, gateway to worker and decode to
+prefill, and the gateway refuses more image bytes than that leaves room for (its
+--max-request-image-bytes), so a request it accepts is never cut off between two workers.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any
 from pdserve import envs
 
 Options = tuple[tuple[str, Any], ...]
+
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_ROOM_BYTES = 4 << 20  # the rest of a message beside its images: prompt tokens, sampling, ids
 
 
 def _ms(seconds: float) -> int:
@@ -38,6 +46,8 @@ def client_options(keepalive_s: float | None = None) -> Options:
         # default reconnect backoff of up to two minutes.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     )
 
 
@@ -50,4 +60,6 @@ def server_options(keepalive_s: float | None = None) -> Options:
         ("grpc.http2.min_ping_interval_without_data_ms", _ms(keepalive_s / 2)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.max_ping_strikes", 2),  # a client pinging faster than that is still cut off
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     )

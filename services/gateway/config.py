@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve import envs
+from services.common.keepalive import MAX_MESSAGE_BYTES, MESSAGE_ROOM_BYTES
 from services.common.security import GrpcSecurity
 from services.gateway.addresses import grpc_address
 from services.gateway.media_limits import parse_domains, parse_limit_mm_per_prompt
@@ -162,6 +163,10 @@ class GatewayConfig:
                              ("--media-fetch-timeout", self.media_fetch_timeout)):
             if not number > 0:
                 raise ValueError(f"{flag} must be > 0, got {number}")
+        if self.max_request_image_bytes > MAX_MESSAGE_BYTES - MESSAGE_ROOM_BYTES:
+            raise ValueError(f"--max-request-image-bytes must be at most {MAX_MESSAGE_BYTES - MESSAGE_ROOM_BYTES} "
+                             f"(a request's images travel to the workers in one gRPC message of at most "
+                             f"{MAX_MESSAGE_BYTES} bytes), got {self.max_request_image_bytes}")
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # ValueError saying what is wrong
         parse_domains(self.allowed_media_domains)
         if self.queue_size < 0 or self.retry_after < 0:
