@@ -395,10 +395,10 @@ async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequen
                           timers: Sequence[RequestTimer],
                           token_event: Callable[[int, GenerationChunk, ChoiceResult], str | None], *,
                           first_events: Callable[[], list[str]] = list,
-                          usage_event: Callable[[int], str] | None = None) -> Response:
+                          usage_event: Callable[[list[ChoiceResult]], str] | None = None) -> Response:
     """An SSE response over the merged choices: the `first_events()`, then per chunk
     `token_event(job position, chunk, the choice so far)` (None: nothing to send for it), then
-    `usage_event(completion tokens of all choices)` if given. CLIENT_CLOSED if the client left
+    `usage_event(the finished choices)` if given. CLIENT_CLOSED if the client left
     before the first chunk; an error before it is raised (-> an error status)."""
     stream = stream_choices(dispatcher, jobs, timers)
 
@@ -424,7 +424,7 @@ async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequen
                 if line is not None:
                     yield line
             if usage_event is not None:
-                yield usage_event(sum(r.completion_tokens for r in results))
+                yield usage_event(results)
         except GatewayError as exc:
             yield error_event(exc)
         except Exception as exc:  # a gateway bug: still end the stream the way clients understand

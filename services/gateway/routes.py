@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -153,7 +153,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                           finish_reason=item.finish_reason)])
 
         return await stream_response(request, state.dispatcher, jobs, timers, token_event, first_events=first_events,
-                                     usage_event=_usage_event(chunk, len(prompt_ids), body.include_usage))
+                                     usage_event=_usage_event(chunk, lambda results: _chat_prompt_tokens(prompt_ids, results),
+                                                              body.include_usage))
 
     results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
@@ -161,15 +162,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     choices = [ChatChoice(index=r.index, message=ChatMessageOut(content=r.text), logprobs=logprobs_of(r.tokens),
                           finish_reason=r.finish_reason) for r in results]
     return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
-                          usage=_usage([len(prompt_ids)], [r.completion_tokens for r in results]))
+                          usage=_usage([_chat_prompt_tokens(prompt_ids, results)], [r.completion_tokens for r in results]))
 
 
-def _usage_event(chunk, prompt_tokens: int, wanted: bool):
+def _chat_prompt_tokens(prompt_ids: Sequence[int], results: Sequence[ChoiceResult]) -> int:
+    """The prompt's length as the worker counted it: there each image counts its own tokens, here the
+    prompt holds one image-pad token per image (the worker expands it). The gateway's count when no
+    worker said (a stop string ended every choice at the gateway)."""
+    return max((r.prompt_tokens for r in results), default=0) or len(prompt_ids)
+
+
+def _usage_event(chunk, prompt_tokens: Callable[[list[ChoiceResult]], int], wanted: bool):
     """The stream's last chunk before [DONE] when the client asked for usage: no choices, the usage
     of all of them; None when it did not."""
     if not wanted:
         return None
-    return lambda completion_tokens: chunk([], Usage.of(prompt_tokens, completion_tokens))
+    return lambda results: chunk([], Usage.of(prompt_tokens(results), sum(r.completion_tokens for r in results)))
 
 
 # -- text completions ---------------------------------------------------------------------------
@@ -227,7 +235,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
                                            finish_reason=item.finish_reason)])
 
         return await stream_response(request, state.dispatcher, jobs, timers, token_event,
-                                     usage_event=_usage_event(chunk, sum(prompt_lengths), body.include_usage))
+                                     usage_event=_usage_event(chunk, lambda _: sum(prompt_lengths), body.include_usage))
 
     results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:

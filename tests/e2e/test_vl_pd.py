@@ -127,7 +127,8 @@ def test_output_matches_transformers(pd: Deployment, expected, case):
     answer = pd.chat(parts, [data_url(image(*p)) for p in pictures])
     assert answer.choices[0].message.content == expected[case]
     ran_locally = pd.decode.metric("pdserve:local_prefill_requests_total") - local_before
-    prompt_tokens = expanded_length(pd, answer.usage.prompt_tokens, pictures)
+    prompt_tokens = answer.usage.prompt_tokens  # the workers' count: each image its own tokens
+    assert prompt_tokens == expanded_length(pd, parts, pictures)
     short = pd.backend == "mooncake" and prompt_tokens <= LOCAL_MAX_TOKENS
     assert ran_locally == (1 if short else 0), (prompt_tokens, ran_locally)
 
@@ -140,22 +141,28 @@ def test_conditional_disaggregation_ran_some_locally(pd: Deployment):
     assert pd.decode.metric("pdserve:local_prefill_requests_total", reason="short_prompt") >= 1
 
 
-def expanded_length(pd: Deployment, prompt_tokens: int, pictures: list[tuple[int, int, int]]) -> int:
-    """The prompt's length on the workers: the usage counts one token per image (the gateway's
-    rendering), the workers each image's tokens (its patch grid, merged 2x2)."""
+def expanded_length(pd: Deployment, parts: list, pictures: list[tuple[int, int, int]]) -> int:
+    """The prompt's length on the workers: the rendered prompt holds one image-pad token per image,
+    the workers expand each to its image's tokens (its patch grid, merged 2x2)."""
     config = ImageProcessorConfig.from_dir(pd.model_dir)
     factor = config.patch_size * config.merge_size
     sizes = [smart_resize(h, w, factor, config.min_pixels, config.max_pixels) for w, h, _seed in pictures]
-    return prompt_tokens + sum(h // factor * (w // factor) - 1 for h, w in sizes)
+    return len(_rendered(pd.model_dir, parts)) + sum(h // factor * (w // factor) - 1 for h, w in sizes)
 
 
-def _first_pad(model_dir: Path, parts: list) -> int:
-    """Where the first image-pad token sits in the rendered prompt (the gateway renders the same)."""
+def _rendered(model_dir: Path, parts: list) -> list[int]:
+    """The prompt's token ids as the gateway renders them (one image-pad token per image)."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
-    return tokenizer(text)["input_ids"].index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    return tokenizer(text)["input_ids"]
+
+
+def _first_pad(model_dir: Path, parts: list) -> int:
+    """Where the first image-pad token sits in the rendered prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return _rendered(model_dir, parts).index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
 
 
 def _hits(pd: Deployment) -> tuple[float, float]:
@@ -167,7 +174,8 @@ def test_image_enters_the_page_hashes(pd: Deployment, model_dir):
     first, other = data_url(image(200, 200, 10)), data_url(image(200, 200, 11))
     shared_text_tokens = _first_pad(model_dir, CACHE_TEXT) // PAGE * PAGE  # pages before the image
     answer = pd.chat(CACHE_TEXT, [first])
-    prompt_tokens = expanded_length(pd, answer.usage.prompt_tokens, [(200, 200, 10)])
+    prompt_tokens = answer.usage.prompt_tokens
+    assert prompt_tokens == expanded_length(pd, CACHE_TEXT, [(200, 200, 10)])
     assert prompt_tokens > LOCAL_MAX_TOKENS  # shipped to the prefill on both deployments
 
     before = _hits(pd)
