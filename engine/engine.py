@@ -218,7 +218,8 @@ class Engine:
         if request.prefill_only or request.first_token is not None:
             raise ValueError("images are served colocated only so far (not prefill-only or prefilled requests)")
         return MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
-                                     self.model.vision.merge_size, self.pages.page_size)
+                                     self.model.vision.merge_size, self.pages.page_size,
+                                     mrope=config.mrope_section is not None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """Stream the outputs of a request that passed `check`. Each item is every output ready

@@ -85,7 +85,8 @@ class DecoderModel:
         self.rotary = None if config.mla is not None or config.mrope_section else RotaryTable(
             config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
         # Qwen2-VL: positions are [3, T] (engine.models.mrope), rotated per token; the vision
-        # tower (engine.models.vision.VisionTower) is attached by the loader.
+        # tower (engine.models.vision.load_vision_tower) is attached by the loader; LLaVA has plain
+        # RoPE and a tower (engine.models.vision_clip).
         self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device) \
             if config.mrope_section else None
         self.vision = None
