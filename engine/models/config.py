@@ -31,6 +31,9 @@ _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": (True, False),
     # Qwen2.5-VL: the same decoder; its tower (engine.models.vision) has window attention.
     "Qwen2_5_VLForConditionalGeneration": (True, False),
+    # Qwen3-VL: a Qwen3 decoder with interleaved M-RoPE, and deepstack: its tower's features from
+    # early blocks are added to the image tokens' hidden states after the first decoder layers.
+    "Qwen3VLForConditionalGeneration": (False, True),
     # LLaVA: a CLIP tower and projector (engine.models.vision_clip) before a plain-RoPE decoder
     # whose family (Llama, Qwen2) text_config.model_type names: _decoder_defaults.
     "LlavaForConditionalGeneration": (False, False),
@@ -40,8 +43,10 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
-_MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration"}
+_MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                        "Qwen3VLForConditionalGeneration")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,6 +107,10 @@ class ModelConfig:
     # plain RoPE), the image-pad token, and the vision tower's config.json section
     # (engine.models.vision_towers); None for a text-only model.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: sections interleaved over the frequencies (THWTHW...) instead of consecutive, and
+    # how many decoder layers take a deepstack feature (the tower's deepstack_visual_indexes)
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0
     image_token_id: int | None = None
     vision_config: dict | None = field(default=None, compare=False, hash=False)
 
@@ -213,8 +222,12 @@ def _vision_fields(top: dict, raw: dict, arch: str) -> dict:
     section = params.get("mrope_section")
     if not section or "vision_config" not in top:
         raise ValueError(f"{arch} config.json needs rope mrope_section and vision_config")
+    qwen3 = arch == "Qwen3VLForConditionalGeneration"
+    deepstack = len(top["vision_config"].get("deepstack_visual_indexes") or ()) if qwen3 else 0
+    if deepstack > raw["num_hidden_layers"]:
+        raise ValueError(f"{deepstack} deepstack features for {raw['num_hidden_layers']} decoder layers")
     return dict(mrope_section=tuple(int(s) for s in section), image_token_id=int(top["image_token_id"]),
-                vision_config=dict(top["vision_config"]))
+                vision_config=dict(top["vision_config"]), mrope_interleaved=qwen3, deepstack_layers=deepstack)
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:

@@ -1,11 +1,12 @@
-"""The Qwen2-VL and Qwen2.5-VL vision towers, with the checkpoint's weights; `load_vision_tower`
+"""The Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers, with the checkpoint's weights; `load_vision_tower`
 picks a checkpoint's tower (LLaVA's CLIP one is engine.models.vision_clip).
 
-The Qwen towers are transformers' own Qwen2VisionTransformerPretrainedModel and
-Qwen2_5_VisionTransformerPretrainedModel (the field's usual library for this module; the decoder
-stays pdserve's): patch embedding, ViT blocks with 2-D rotary attention (Qwen2.5-VL's: RMSNorm,
-gated MLPs, window attention but in its fullatt_block_indexes), and the merger that turns each
-2x2 window of patches into one decoder-width token.
+The Qwen towers are transformers' own Qwen2VisionTransformerPretrainedModel,
+Qwen2_5_VisionTransformerPretrainedModel and Qwen3VLVisionModel (the field's usual library for
+this module; the decoder stays pdserve's): patch embedding, ViT blocks with 2-D rotary attention
+(Qwen2.5-VL's: RMSNorm, gated MLPs, window attention but in its fullatt_block_indexes; Qwen3-VL's:
+learned position embeddings interpolated to the grid, and deepstack mergers after some blocks),
+and the merger that turns each 2x2 window of patches into one decoder-width token.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def load_module(module: torch.nn.Module, state: dict[str, torch.Tensor], what: s
 
 
 def _qwen_classes(architecture: str) -> tuple[type, type]:
+    if architecture == "Qwen3VLForConditionalGeneration":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionConfig, Qwen3VLVisionModel
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -71,8 +77,8 @@ def _qwen_classes(architecture: str) -> tuple[type, type]:
 
 
 class VisionTower:
-    """Qwen2-VL / Qwen2.5-VL: images -> embeddings [sum of each image's tokens, hidden_size], in
-    the model's dtype."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: images -> embeddings [sum of each image's tokens,
+    hidden_size * (1 + deepstack layers)], in the model's dtype."""
 
     def __init__(self, module: torch.nn.Module, merge_size: int) -> None:
         self.module = module
@@ -97,4 +103,7 @@ class VisionTower:
         pixels = torch.cat([i.pixel_values for i in images]).to(self.device, self.dtype)
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.long, device=self.device)
         out = self.module(pixels, grid_thw=grid)
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack:  # Qwen3-VL: each row [embedding, layer 0's deepstack feature, ...] (the decoder splits it)
+            return torch.cat([out.pooler_output, *deepstack], dim=-1)
         return getattr(out, "pooler_output", out)

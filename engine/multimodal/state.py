@@ -23,7 +23,8 @@ class MultimodalState:
     rope_delta: int  # 0 without M-RoPE
     pad_positions: torch.Tensor  # [N] prompt indices of the image-pad tokens, in embedding-row order
     page_salts: list[int]  # per prompt page, the image digests it holds (0: none)
-    embeddings: torch.Tensor | None = field(default=None)  # [N, hidden], filled at the first prefill chunk
+    # [N, hidden] (Qwen3-VL: [N, hidden * (1 + deepstack layers)]), filled at the first prefill chunk
+    embeddings: torch.Tensor | None = field(default=None)
 
     @classmethod
     def build(cls, prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,

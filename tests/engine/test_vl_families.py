@@ -1,6 +1,6 @@
-"""Qwen2.5-VL (tiny-qwen25-vl) and LLaVA (tiny-llava) served colocated: fp32 greedy tokens equal
-to transformers' Qwen2_5_VLForConditionalGeneration / LlavaForConditionalGeneration generate given
-the same pixel values, logprobs within 1e-3, for text + 1 image, text + 2 images of different
+"""Qwen2.5-VL (tiny-qwen25-vl), Qwen3-VL (tiny-qwen3-vl) and LLaVA (tiny-llava) served colocated:
+fp32 greedy tokens equal to transformers' Qwen2_5_VLForConditionalGeneration /
+Qwen3VLForConditionalGeneration / LlavaForConditionalGeneration generate given the same pixel values, logprobs within 1e-3, for text + 1 image, text + 2 images of different
 sizes and an image alone, with the C++ kernels and with torch ops; LLaVA's plain positions and
 its images' page salts; its CLIP preprocessing against transformers' CLIPImageProcessorPil."""
 
@@ -39,6 +39,7 @@ class Family:
     model_class: str
     image_token_id: int
     merge_size: int
+    tokens_100px: int  # a 100x100 image's tokens
 
     def hf_images(self, images, ids: torch.Tensor) -> dict:
         """generate's image arguments, from the engine's own preprocessed images."""
@@ -50,8 +51,11 @@ class Family:
 
 
 FAMILIES = {
-    "qwen2.5-vl": Family("tiny-qwen25-vl", "Qwen2_5_VLForConditionalGeneration", VISION_TOKEN_IDS[IMAGE_PAD], 2),
-    "llava": Family("tiny-llava", "LlavaForConditionalGeneration", IMAGE_TOKEN_ID, 1),
+    # 100x100 resized to 112x112: 8x8 patches of 14, 4x4 tokens
+    "qwen2.5-vl": Family("tiny-qwen25-vl", "Qwen2_5_VLForConditionalGeneration", VISION_TOKEN_IDS[IMAGE_PAD], 2, 16),
+    # 100x100 resized to 96x96: 6x6 patches of 16, 3x3 tokens
+    "qwen3-vl": Family("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration", VISION_TOKEN_IDS[IMAGE_PAD], 2, 9),
+    "llava": Family("tiny-llava", "LlavaForConditionalGeneration", IMAGE_TOKEN_ID, 1, IMAGE_TOKENS),
 }
 
 
@@ -235,5 +239,4 @@ def test_prepare_expands_each_family(family, ckpt):
     random_image(100, 100, 10).save(buffer, format="PNG")
     prompt, images = prepare(str(ckpt), ModelConfig.from_dir(ckpt), [1, family.image_token_id, 2],
                              [buffer.getvalue()])
-    count = IMAGE_TOKENS if family.preset == "tiny-llava" else 16
-    assert prompt == [1] + [family.image_token_id] * count + [2]
+    assert prompt == [1] + [family.image_token_id] * family.tokens_100px + [2]

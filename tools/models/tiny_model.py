@@ -39,6 +39,7 @@ ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCaus
                  "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
                  "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
                  "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+                 "qwen3_vl": ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
                  "llava": ("LlavaForConditionalGeneration", "llava")}
 
 
@@ -141,13 +142,18 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen25-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
                                  tie_word_embeddings=True, corpus_bytes=1_000_000, arch="qwen2_5_vl"),
+    # Qwen3-VL in miniature: a Qwen3 decoder with interleaved M-RoPE, deepstack (tools.models.tiny_vl).
+    "tiny-qwen3-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
+                                tie_word_embeddings=True, corpus_bytes=1_000_000, arch="qwen3_vl"),
     # LLaVA in miniature: CLIP tower, projector, Llama decoder (tools.models.tiny_llava).
     "tiny-llava": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
                              corpus_bytes=1_000_000, rope_theta=10000.0, arch="llava"),
 }
 # Vision-language presets (each written by its own module) and their architectures.
-VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-qwen25-vl": "qwen2_5_vl", "tiny-llava": "llava"}
+VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-qwen25-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl",
+              "tiny-llava": "llava"}
 VL_PRESET_OF = {arch: preset for preset, arch in VL_PRESETS.items()}
 
 
@@ -377,7 +383,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with V3's latent (512 + 64), about 170M, "
                         "16 experts, 4 per token (benchmarks); qwen3-4b-shape: Qwen3-4B's dimensions, random "
                         "bf16 weights in 2 GB shards, 8 GB (GPU benchmarks); tiny-vl: Qwen2-VL (vision tower, "
-                        "M-RoPE decoder); tiny-qwen25-vl: Qwen2.5-VL (window-attention tower); tiny-llava: "
+                        "M-RoPE decoder); tiny-qwen25-vl: Qwen2.5-VL (window-attention tower); tiny-qwen3-vl: Qwen3-VL "
+                        "(interleaved M-RoPE, deepstack); tiny-llava: "
                         "LLaVA (CLIP tower, projector, Llama decoder); each VL preset with its processor "
                         "config and a chat template rendering image parts (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")

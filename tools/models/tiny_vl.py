@@ -1,5 +1,5 @@
-"""The `tiny-vl` and `tiny-qwen25-vl` presets: random-weight Qwen2-VL and Qwen2.5-VL checkpoints
-in transformers' layout, offline.
+"""The `tiny-vl`, `tiny-qwen25-vl` and `tiny-qwen3-vl` presets: random-weight Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL checkpoints in transformers' layout, offline.
 
 The decoder is a small Qwen2 (hidden 128, 2 layers, M-RoPE sections [4, 6, 6] of head_dim 32),
 the vision tower a 2-block ViT of width 64 with patch 14 and 2x2 merging. The tokenizer is the
@@ -9,7 +9,10 @@ part as <|vision_start|><|image_pad|><|vision_end|> (the server expands the pad 
 token count: engine.multimodal.prompt). preprocessor_config.json keeps images small
 (max_pixels 28*28*64) so tests run fast on CPU. Qwen2.5-VL's tower has the same width with
 RMSNorm and gated MLPs, window attention in block 0 (windows of 56 pixels: 2x2 image tokens,
-so a 112-pixel image has four) and full attention in block 1 (fullatt_block_indexes).
+so a 112-pixel image has four) and full attention in block 1 (fullatt_block_indexes). Qwen3-VL's
+decoder is a Qwen3 (q/k norms) with interleaved M-RoPE, its tower takes 16-pixel patches and adds
+block 0's deepstack feature to the image tokens after decoder layer 0; its processor has mean/std
+0.5 and max_pixels 32*32*64.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ PREPROCESSOR = {
 FAMILIES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
 _VISION = {
     "qwen2_vl": dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2, patch_size=14,
@@ -63,6 +67,19 @@ _VISION = {
     "qwen2_5_vl": dict(depth=2, hidden_size=64, intermediate_size=128, out_hidden_size=128, num_heads=4,
                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                        window_size=56, fullatt_block_indexes=[1], hidden_act="silu"),
+    # 16-pixel patches, learned position embeddings on an 8x8 grid (interpolated to each image's),
+    # block 0's deepstack feature added after decoder layer 0
+    "qwen3_vl": dict(depth=2, hidden_size=64, intermediate_size=128, out_hidden_size=128, num_heads=4,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                     num_position_embeddings=64, deepstack_visual_indexes=[0]),
+}
+# Qwen3-VL's processor: 16-pixel patches (32-pixel image tokens), mean/std 0.5
+PREPROCESSOR_QWEN3 = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor",
+    "merge_size": 2, "min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "patch_size": 16,
+    "processor_class": "Qwen3VLProcessor", "resample": 3, "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}, "temporal_patch_size": 2,
 }
 
 
@@ -77,12 +94,15 @@ def vl_config(family: str = "qwen2_vl") -> dict[str, Any]:
     """config.json contents (transformers 5's nested layout)."""
     config_class, _ = _classes(family)
     ids = special_token_ids()
+    rope = {"rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6], "rope_theta": 1_000_000.0}}
+    if family == "qwen3_vl":  # Qwen3's head_dim is its own field (default 128)
+        rope = {"head_dim": 32, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6],
+                                                    "mrope_interleaved": True, "rope_theta": 1_000_000.0}}
     config = config_class(
         text_config=dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          rms_norm_eps=1e-6, initializer_range=0.3, bos_token_id=ids[ENDOFTEXT],
-                         eos_token_id=ids[IM_END],
-                         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6], "rope_theta": 1_000_000.0}),
+                         eos_token_id=ids[IM_END], **rope),
         vision_config=_VISION[family],
         image_token_id=VISION_TOKEN_IDS[IMAGE_PAD], video_token_id=VISION_TOKEN_IDS[IMAGE_PAD],
         vision_start_token_id=VISION_TOKEN_IDS[VISION_START], vision_end_token_id=VISION_TOKEN_IDS[VISION_END],
@@ -101,7 +121,7 @@ def write_tiny_vl(out: Path, seed: int, corpus_bytes: int, std: float = 0.3, fam
     config = vl_config(family)
     _write_json(out / "config.json", config)
     write_generation_config(out)
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR)
+    _write_json(out / "preprocessor_config.json", PREPROCESSOR_QWEN3 if family == "qwen3_vl" else PREPROCESSOR)
     config_class, model_class = _classes(family)
     # The vision tower's norm weights ("norm1.weight", "ln_q.weight") start at one, as transformers
     # initializes them; iter_random_weights does so for names ending "norm.weight".
