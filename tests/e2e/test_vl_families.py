@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and LLaVA through the OpenAI chat API: one colocated worker per family (tiny-qwen25-vl,
-tiny-llava) behind a gateway, as real processes, driven by the official openai client with an
+"""Qwen2.5-VL, Qwen3-VL and LLaVA through the OpenAI chat API: one colocated worker per family
+(tiny-qwen25-vl, tiny-qwen3-vl, tiny-llava) behind a gateway, as real processes, driven by the official openai client with an
 `image_url` data URL. Greedy fp32 text equals transformers' model given transformers' own (PIL)
 image processor for that family (Qwen2VLImageProcessorPil, CLIPImageProcessorPil), and the
 worker's pages are free after.
@@ -26,6 +26,9 @@ FAMILIES = {
     "tiny-qwen25-vl": ("Qwen2_5_VLForConditionalGeneration",
                        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                        "<|image_pad|>"),
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration",
+                      "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                      "<|image_pad|>"),
     "tiny-llava": ("LlavaForConditionalGeneration",
                    "transformers.models.clip.image_processing_pil_clip.CLIPImageProcessorPil", "<image>"),
 }
