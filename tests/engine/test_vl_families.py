@@ -240,3 +240,28 @@ def test_prepare_expands_each_family(family, ckpt):
     prompt, images = prepare(str(ckpt), ModelConfig.from_dir(ckpt), [1, family.image_token_id, 2],
                              [buffer.getvalue()])
     assert prompt == [1] + [family.image_token_id] * family.tokens_100px + [2]
+
+
+def test_refusals(tmp_path):
+    import shutil
+
+    from engine.models.vision import load_vision_tower
+
+    with pytest.raises(ValueError, match="written by the tiny-llava preset only"):
+        write_tiny_model(tmp_path / "x", preset="tiny", arch="llava")
+    llava = write_tiny_model(tmp_path / "llava", preset="tiny-llava", seed=0)
+    raw = json.loads((llava / "config.json").read_text())
+    with pytest.raises(ValueError, match="LLaVA with a 'gemma' decoder is not supported"):
+        ModelConfig.from_dict({**raw, "text_config": {**raw["text_config"], "model_type": "gemma"}})
+    changed = tmp_path / "changed"
+    shutil.copytree(llava, changed)
+    (changed / "config.json").write_text(json.dumps({**raw, "vision_feature_select_strategy": "full"}))
+    with pytest.raises(ValueError, match="'full' is not supported"):
+        load_vision_tower(str(changed), ModelConfig.from_dir(changed), torch.float32, torch.device("cpu"))
+    (changed / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "do_pad": True}))
+    with pytest.raises(ValueError, match="do_pad"):
+        ClipProcessorConfig.from_dir(changed)
+    (changed / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "crop_size": {"height": 50,
+                                                                                               "width": 50}}))
+    with pytest.raises(ValueError, match="not a multiple of the tower's patch size 14"):
+        ClipProcessorConfig.from_dir(changed)
