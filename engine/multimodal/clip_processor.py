@@ -43,8 +43,12 @@ class ClipProcessorConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ClipProcessorConfig:
-        raw = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        """From preprocessor_config.json; without one, CLIP's defaults at the tower's image_size."""
         model = json.loads((Path(model_dir) / "config.json").read_text())
+        path = Path(model_dir) / "preprocessor_config.json"
+        side = int(model.get("vision_config", {}).get("image_size", cls.shortest_edge))
+        raw = json.loads(path.read_text()) if path.exists() else {
+            "size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
         for flag in ("do_resize", "do_center_crop", "do_rescale", "do_normalize"):
             if raw.get(flag, True) is not True:
                 raise ValueError(f"CLIP preprocessing with {flag} false is not supported")

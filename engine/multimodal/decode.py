@@ -25,14 +25,16 @@ MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # per image, before resizing (a 50-megapixe
 @lru_cache(maxsize=4)
 def processor_config(model_dir: str) -> ImageProcessorConfig | ClipProcessorConfig:
     """The checkpoint's image preprocessing: CLIP's (LLaVA) or Qwen2-VL's (Qwen2-VL, Qwen2.5-VL,
-    and the default without a preprocessor_config.json)."""
+    Qwen3-VL); without a preprocessor_config.json, the family's defaults."""
     path = Path(model_dir) / "preprocessor_config.json"
-    if not path.exists():
-        return ImageProcessorConfig()
-    kind = json.loads(path.read_text()).get("image_processor_type", "")
-    if kind.removesuffix("Fast").removesuffix("Pil") in ("CLIPImageProcessor", "LlavaImageProcessor"):
+    if path.exists():
+        kind = json.loads(path.read_text()).get("image_processor_type", "")
+        clip = kind.removesuffix("Fast").removesuffix("Pil") in ("CLIPImageProcessor", "LlavaImageProcessor")
+    else:
+        clip = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "llava"
+    if clip:
         return ClipProcessorConfig.from_dir(model_dir)
-    return ImageProcessorConfig.from_dir(model_dir)
+    return ImageProcessorConfig.from_dir(model_dir) if path.exists() else ImageProcessorConfig()
 
 
 def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:

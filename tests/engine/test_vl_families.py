@@ -265,3 +265,14 @@ def test_refusals(tmp_path):
                                                                                                "width": 50}}))
     with pytest.raises(ValueError, match="not a multiple of the tower's patch size 14"):
         ClipProcessorConfig.from_dir(changed)
+
+
+def test_clip_defaults_without_preprocessor_config(tmp_path):
+    import shutil
+
+    llava = write_tiny_model(tmp_path / "llava", preset="tiny-llava", seed=0)
+    bare = tmp_path / "bare"
+    shutil.copytree(llava, bare)
+    (bare / "preprocessor_config.json").unlink()
+    # the tower's image_size (56) for both the resize and the crop, CLIP's mean/std
+    assert processor_config(str(bare)) == ClipProcessorConfig.from_dir(llava)
