@@ -217,7 +217,8 @@ class Engine:
         if not config.is_multimodal:
             raise ValueError(f"images sent to a text-only model ({config.architecture})")
         return MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
-                                     self.model.vision.merge_size, self.pages.page_size)
+                                     self.model.vision.merge_size, self.pages.page_size,
+                                     mrope=config.mrope_section is not None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """Stream the outputs of a request that passed `check`. Each item is every output ready

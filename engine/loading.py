@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
-from engine.models.vision import VisionTower
+from engine.models.vision import load_vision_tower
 from engine.page_manager import PageManager
 from engine.tp import a2a_backend
 from engine.tp.ranks import FollowerRanks
@@ -60,7 +60,7 @@ def load(config: EngineConfig) -> LoadedModel:
     def load_tensors() -> tuple[DecoderModel, KVPool]:
         model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
         if model_config.is_multimodal:
-            model.vision = VisionTower.load(config.model_path, model_config, dtype, device)
+            model.vision = load_vision_tower(config.model_path, model_config, dtype, device)
         pool = KVPool(layout, kv_pages(config, layout, device), device)
         return model, pool
 

@@ -71,7 +71,9 @@ class ModelRunner:
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)
-        if self.model.mrotary is not None:
+        # M-RoPE models take this path for every step (3-D positions); plain-RoPE ones (LLaVA)
+        # only for steps holding an image request
+        if self.model.mrotary is not None or any(c.multimodal is not None for c in batch.extends):
             return self._forward_multimodal(batch, input_ids, meta, None if every_row else logit_rows)
         args = (self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
                 None if every_row else self._tensor(logit_rows))
@@ -81,9 +83,11 @@ class ModelRunner:
 
     def _forward_multimodal(self, batch: SchedulerOutput, input_ids: list[int], meta: AttentionMetadata,
                             logit_rows: list[int] | None) -> torch.Tensor:
-        """A VL model's step: 3-D positions per token, and the image tokens' embeddings from the
-        vision tower (run once per request, at its first prefill chunk holding image tokens)."""
-        positions = [_positions(c) for c in batch.decodes + batch.extends]
+        """A VL model's step: positions per token (M-RoPE's 3-D ones, or plain), and the image
+        tokens' embeddings from the vision tower (run once per request, at its first prefill chunk
+        holding image tokens)."""
+        axes = 3 if self.model.mrotary is not None else 1
+        positions = [_positions(c, axes) for c in batch.decodes + batch.extends]
         rows: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
         offset = len(batch.decodes)
@@ -95,6 +99,8 @@ class ModelRunner:
                 embeds.append(values)
             offset += len(chunk.token_ids)
         stacked = torch.cat(positions, dim=1).to(self.device)
+        if axes == 1:
+            stacked = stacked[0]
         image_embeds = (torch.cat(rows).to(self.device), torch.cat(embeds)) if rows else None
         return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta, self.pool.buffer,
                                   None if logit_rows is None else self._tensor(logit_rows), image_embeds)
@@ -105,8 +111,9 @@ class ModelRunner:
         return state.embedding_rows(chunk.start_pos, chunk.end_pos)
 
 
-def _positions(chunk: ScheduledChunk) -> torch.Tensor:
-    """[3, len(chunk.token_ids)]: the request's M-RoPE positions, or a text request's plain ones."""
+def _positions(chunk: ScheduledChunk, axes: int) -> torch.Tensor:
+    """[axes, len(chunk.token_ids)]: the request's positions (M-RoPE's, or plain), or a text
+    request's plain ones."""
     if chunk.multimodal is None:
-        return text_positions(chunk.start_pos, chunk.end_pos)
+        return text_positions(chunk.start_pos, chunk.end_pos, axes)
     return chunk.multimodal.position_rows(chunk.start_pos, chunk.end_pos)

@@ -29,12 +29,24 @@ _ARCHITECTURES = {
     # Qwen2-VL: a Qwen2 decoder (config.json's text_config) with M-RoPE, and a vision tower
     # (engine.models.vision) whose outputs replace the image-pad tokens' embeddings.
     "Qwen2VLForConditionalGeneration": (True, False),
+    # Qwen2.5-VL: the same decoder; its tower (engine.models.vision) has window attention.
+    "Qwen2_5_VLForConditionalGeneration": (True, False),
+    # Qwen3-VL: a Qwen3 decoder with interleaved M-RoPE, and deepstack: its tower's features from
+    # early blocks are added to the image tokens' hidden states after the first decoder layers.
+    "Qwen3VLForConditionalGeneration": (False, True),
+    # LLaVA: a CLIP tower and projector (engine.models.vision_clip) before a plain-RoPE decoder
+    # whose family (Llama, Qwen2) text_config.model_type names: _decoder_defaults.
+    "LlavaForConditionalGeneration": (False, False),
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+                "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration"}
+_MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                        "Qwen3VLForConditionalGeneration")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -91,9 +103,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
     moe: MoEConfig | None = None  # routed experts (which layers, how routed); None: every MLP dense
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); None: GQA
-    # Vision-language (Qwen2-VL): M-RoPE's rotary sections, the image-pad token, and the vision
-    # tower's config.json section (engine.models.vision); None for a text-only model.
+    # Vision-language (Qwen2-VL, Qwen2.5-VL, LLaVA): M-RoPE's rotary sections (None for LLaVA's
+    # plain RoPE), the image-pad token, and the vision tower's config.json section
+    # (engine.models.vision_towers); None for a text-only model.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: sections interleaved over the frequencies (THWTHW...) instead of consecutive, and
+    # how many decoder layers take a deepstack feature (the tower's deepstack_visual_indexes)
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0
     image_token_id: int | None = None
     vision_config: dict | None = field(default=None, compare=False, hash=False)
 
@@ -123,7 +140,7 @@ class ModelConfig:
         top = raw
         if "text_config" in raw:  # transformers 5 nests a VL model's decoder fields
             raw = {**raw, **{k: v for k, v in raw["text_config"].items() if v is not None}}
-        qkv_bias_default, qk_norm = _ARCHITECTURES[arch]
+        qkv_bias_default, qk_norm = _decoder_defaults(arch, top)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
         if raw.get("quantization_config"):
@@ -164,7 +181,7 @@ class ModelConfig:
             rope=rope,
             # Qwen2 always has q/k/v bias; Llama/Qwen3 only with attention_bias, which also adds o bias.
             qkv_bias=qkv_bias_default or attention_bias,
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            o_bias=attention_bias and _decoder_arch(arch, top) != "Qwen2ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=qk_norm,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -176,15 +193,41 @@ class ModelConfig:
         )
 
 
+def _decoder_arch(arch: str, top: dict) -> str:
+    """The decoder's own architecture: a LLaVA's is its text_config's family (Llama by default)."""
+    if arch != "LlavaForConditionalGeneration":
+        return arch
+    text_type = (top.get("text_config") or {}).get("model_type", "llama")
+    decoder = _MODEL_TYPES.get(text_type)
+    if decoder is None or decoder not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported; implemented: llama, qwen2, qwen3")
+    return decoder
+
+
+def _decoder_defaults(arch: str, top: dict) -> tuple[bool, bool]:
+    return _ARCHITECTURES[_decoder_arch(arch, top)]
+
+
 def _vision_fields(top: dict, raw: dict, arch: str) -> dict:
-    if arch != "Qwen2VLForConditionalGeneration":
+    if arch == "LlavaForConditionalGeneration":
+        if "vision_config" not in top:
+            raise ValueError(f"{arch} config.json needs vision_config")
+        token = top.get("image_token_index", top.get("image_token_id"))
+        if token is None:
+            raise ValueError(f"{arch} config.json needs image_token_index")
+        return dict(image_token_id=int(token), vision_config=dict(top["vision_config"]))
+    if arch not in _MROPE_ARCHITECTURES:
         return {}
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     section = params.get("mrope_section")
     if not section or "vision_config" not in top:
         raise ValueError(f"{arch} config.json needs rope mrope_section and vision_config")
+    qwen3 = arch == "Qwen3VLForConditionalGeneration"
+    deepstack = len(top["vision_config"].get("deepstack_visual_indexes") or ()) if qwen3 else 0
+    if deepstack > raw["num_hidden_layers"]:
+        raise ValueError(f"{deepstack} deepstack features for {raw['num_hidden_layers']} decoder layers")
     return dict(mrope_section=tuple(int(s) for s in section), image_token_id=int(top["image_token_id"]),
-                vision_config=dict(top["vision_config"]))
+                vision_config=dict(top["vision_config"]), mrope_interleaved=qwen3, deepstack_layers=deepstack)
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:

@@ -85,9 +85,10 @@ class DecoderModel:
         self.rotary = None if config.mla is not None or config.mrope_section else RotaryTable(
             config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
         # Qwen2-VL: positions are [3, T] (engine.models.mrope), rotated per token; the vision
-        # tower (engine.models.vision.VisionTower) is attached by the loader.
-        self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device) \
-            if config.mrope_section else None
+        # tower (engine.models.vision.load_vision_tower) is attached by the loader; LLaVA has plain
+        # RoPE and a tower (engine.models.vision_clip).
+        self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device,
+                               config.mrope_interleaved) if config.mrope_section else None
         self.vision = None
 
     @classmethod
@@ -154,8 +155,14 @@ class DecoderModel:
             rotary = ops.rotary(self.rotary, positions, max_position) if self.rotary is not None else None
         # the residual stream, updated in place
         hidden = F.embedding(tokens, self.embed) if self.embed is not None else tokens
+        deepstack = None
         if image_embeds is not None:
-            hidden.index_copy_(0, image_embeds[0], image_embeds[1].to(hidden.dtype))
+            # Qwen3-VL's rows are [embedding, deepstack feature of layer 0, of layer 1, ...]
+            rows, values = image_embeds[0], image_embeds[1].to(hidden.dtype)
+            width = self.config.hidden_size
+            hidden.index_copy_(0, rows, values[:, :width])
+            if self.config.deepstack_layers:
+                deepstack = values[:, width:].view(rows.shape[0], self.config.deepstack_layers, width)
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             if layer.mla is not None:
@@ -172,7 +179,13 @@ class DecoderModel:
                 self.all_reduce(attn_out)
             x = ops.add_rms_norm(hidden, attn_out, layer.post_norm, eps)
             mlp = self._mlp(layer, x)
-            if index + 1 < len(self.layers):
+            if deepstack is not None and index < deepstack.shape[1]:
+                # as transformers: the layer's output, then its deepstack feature on the image rows
+                hidden.add_(mlp)
+                hidden.index_add_(0, rows, deepstack[:, index])
+                if index + 1 < len(self.layers):
+                    x = ops.rms_norm(hidden, self.layers[index + 1].input_norm, eps)
+            elif index + 1 < len(self.layers):
                 x = ops.add_rms_norm(hidden, mlp, self.layers[index + 1].input_norm, eps)
             else:
                 hidden.add_(mlp)

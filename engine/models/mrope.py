@@ -59,12 +59,15 @@ class MRotary:
     transformers' Qwen2VLRotaryEmbedding + apply_multimodal_rotary_pos_emb)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, mrope_section: Sequence[int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, interleaved: bool = False) -> None:
         if sum(mrope_section) * 2 != head_dim:
             raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
         self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
         # which of the three positions rotates each frequency
-        self.axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section))).to(device)
+        if interleaved:
+            self.axis = interleaved_axes(mrope_section, head_dim // 2).to(device)
+        else:
+            self.axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section))).to(device)
         self.attention_factor = rope.attention_factor
         self.dtype = dtype
 
@@ -74,3 +77,13 @@ class MRotary:
         freqs = chosen.t().to(torch.float32) * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(self.dtype), (emb.sin() * self.attention_factor).to(self.dtype)
+
+
+def interleaved_axes(mrope_section: Sequence[int], num_freqs: int) -> torch.Tensor:
+    """Qwen3-VL's layout (transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies):
+    frequency j rotates by the height position when j % 3 == 1 and j < 3 * section[1], by the
+    width when j % 3 == 2 and j < 3 * section[2], else by the temporal one."""
+    axis = torch.zeros(num_freqs, dtype=torch.long)
+    for dim in (1, 2):
+        axis[dim:mrope_section[dim] * 3:3] = dim
+    return axis

@@ -4,6 +4,7 @@ puts on them. Decoding and resizing are CPU work: callers on an event loop run t
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from engine.models.config import ModelConfig
-from engine.multimodal.image_processor import ImageProcessorConfig, preprocess
+from engine.multimodal.clip_processor import ClipProcessorConfig
+from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.prompt import expand_image_tokens
 
@@ -21,8 +23,17 @@ MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # per image, before resizing (a 50-megapixe
 
 
 @lru_cache(maxsize=4)
-def processor_config(model_dir: str) -> ImageProcessorConfig:
+def processor_config(model_dir: str) -> ImageProcessorConfig | ClipProcessorConfig:
+    """The checkpoint's image preprocessing: CLIP's (LLaVA) or Qwen2-VL's (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL); without a preprocessor_config.json, the family's defaults."""
     path = Path(model_dir) / "preprocessor_config.json"
+    if path.exists():
+        kind = json.loads(path.read_text()).get("image_processor_type", "")
+        clip = kind.removesuffix("Fast").removesuffix("Pil") in ("CLIPImageProcessor", "LlavaImageProcessor")
+    else:
+        clip = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "llava"
+    if clip:
+        return ClipProcessorConfig.from_dir(model_dir)
     return ImageProcessorConfig.from_dir(model_dir) if path.exists() else ImageProcessorConfig()
 
 
@@ -55,5 +66,5 @@ def prepare(model_dir: str, model: ModelConfig, prompt_ids: Sequence[int],
     if len(blobs) > MAX_IMAGES:
         raise ValueError(f"{len(blobs)} images in one request; at most {MAX_IMAGES}")
     config = processor_config(model_dir)
-    images = tuple(preprocess(decode_image(blob, i), config) for i, blob in enumerate(blobs))
+    images = tuple(config.preprocess(decode_image(blob, i)) for i, blob in enumerate(blobs))
     return expand_image_tokens(prompt_ids, images, model.image_token_id, config.merge_size), images  # type: ignore[arg-type]

@@ -52,6 +52,9 @@ class ImageProcessorConfig:
                    image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
                    image_std=tuple(raw.get("image_std", CLIP_STD)))
 
+    def preprocess(self, image: Image.Image) -> ImageInput:
+        return preprocess(image, self)
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) rounded to multiples of `factor`, scaled (keeping the aspect ratio) so the

@@ -1,5 +1,6 @@
-"""A multimodal request's engine-side state: its images, M-RoPE positions, where its image
-tokens sit, and (once the vision tower ran) their embeddings."""
+"""A multimodal request's engine-side state: its images, positions (M-RoPE's three rows, or one
+row of plain positions for a model without M-RoPE, LLaVA), where its image tokens sit, and (once
+the vision tower ran) their embeddings."""
 
 from __future__ import annotations
 
@@ -18,19 +19,28 @@ class MultimodalState:
     """Built once per request (`build`); kept across retraction (positions depend on the prompt only)."""
 
     images: tuple[ImageInput, ...]
-    positions: torch.Tensor  # [3, num_prompt]
-    rope_delta: int
+    positions: torch.Tensor  # [3, num_prompt] under M-RoPE, else [1, num_prompt]
+    rope_delta: int  # 0 without M-RoPE
     pad_positions: torch.Tensor  # [N] prompt indices of the image-pad tokens, in embedding-row order
     page_salts: list[int]  # per prompt page, the image digests it holds (0: none)
-    embeddings: torch.Tensor | None = field(default=None)  # [N, hidden], filled at the first prefill chunk
+    # [N, hidden] (Qwen3-VL: [N, hidden * (1 + deepstack layers)]), filled at the first prefill chunk
+    embeddings: torch.Tensor | None = field(default=None)
 
     @classmethod
     def build(cls, prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
-              merge_size: int, page_size: int) -> MultimodalState:
-        positions, delta = mrope_positions(prompt_ids, [i.grid_thw for i in images], image_token_id, merge_size)
+              merge_size: int, page_size: int, mrope: bool = True) -> MultimodalState:
+        """ValueError when the prompt's image-pad tokens do not match the images' token counts."""
         pads = _pad_positions(prompt_ids, image_token_id)
-        return cls(tuple(images), positions, delta, pads,
-                   _salts(pads, images, merge_size, page_size, len(prompt_ids)))
+        if mrope:
+            positions, delta = mrope_positions(prompt_ids, [i.grid_thw for i in images], image_token_id, merge_size)
+        else:
+            # plain positions: the image tokens only need to be as many as the images take, in
+            # order (as transformers' masked_scatter fills them)
+            needed = sum(i.num_tokens(merge_size) for i in images)
+            if needed != pads.numel():
+                raise ValueError(f"{len(images)} images need {needed} image-pad tokens; the prompt has {pads.numel()}")
+            positions, delta = torch.arange(len(prompt_ids))[None], 0
+        return cls(tuple(images), positions, delta, pads, _salts(pads, images, merge_size, page_size, len(prompt_ids)))
 
     def position_rows(self, start: int, end: int) -> torch.Tensor:
         """Positions [3, end - start] of sequence indices start..end-1 (generated tokens past the
@@ -40,7 +50,7 @@ class MultimodalState:
             return self.positions[:, start:end]
         tail = torch.arange(max(start, num_prompt), end) + self.rope_delta
         head = self.positions[:, start:num_prompt] if start < num_prompt else self.positions[:, :0]
-        return torch.cat([head, tail.expand(3, -1)], dim=1)
+        return torch.cat([head, tail.expand(head.shape[0], -1)], dim=1)
 
     def embedding_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(offsets within the chunk start..end-1, embeddings) of the image tokens in it."""
@@ -73,6 +83,6 @@ def _salts(pads: torch.Tensor, images: Sequence[ImageInput], merge_size: int, pa
     return image_page_salts(spans, page_size, num_tokens)
 
 
-def text_positions(start: int, end: int) -> torch.Tensor:
-    """Positions [3, end - start] of a text-only sequence (all three axes equal: plain RoPE)."""
-    return torch.arange(start, end).expand(3, -1)
+def text_positions(start: int, end: int, rows: int = 3) -> torch.Tensor:
+    """Positions [rows, end - start] of a text-only sequence (M-RoPE's three axes equal: plain RoPE)."""
+    return torch.arange(start, end).expand(rows, -1)

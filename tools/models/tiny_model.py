@@ -37,7 +37,10 @@ ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCaus
                  "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "mixtral": ("MixtralForCausalLM", "mixtral"),
                  "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
                  "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-                 "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl")}
+                 "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
+                 "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+                 "qwen3_vl": ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
+                 "llava": ("LlavaForConditionalGeneration", "llava")}
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,23 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
                           corpus_bytes=1_000_000, arch="qwen2_vl"),
+    # Qwen2.5-VL in miniature: tiny-vl's decoder, a tower with window attention (tools.models.tiny_vl).
+    "tiny-qwen25-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
+                                 tie_word_embeddings=True, corpus_bytes=1_000_000, arch="qwen2_5_vl"),
+    # Qwen3-VL in miniature: a Qwen3 decoder with interleaved M-RoPE, deepstack (tools.models.tiny_vl).
+    "tiny-qwen3-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
+                                tie_word_embeddings=True, corpus_bytes=1_000_000, arch="qwen3_vl"),
+    # LLaVA in miniature: CLIP tower, projector, Llama decoder (tools.models.tiny_llava).
+    "tiny-llava": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
+                             corpus_bytes=1_000_000, rope_theta=10000.0, arch="llava"),
 }
+# Vision-language presets (each written by its own module) and their architectures.
+VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-qwen25-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl",
+              "tiny-llava": "llava"}
+VL_PRESET_OF = {arch: preset for preset, arch in VL_PRESETS.items()}
 
 
 def model_config(preset: TinyPreset, arch: str | None = None, **overrides: Any) -> dict[str, Any]:
@@ -322,12 +341,17 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
     out = Path(out_dir)
-    if spec.arch == "qwen2_vl" or arch == "qwen2_vl":
-        if preset != "tiny-vl" or overrides or (arch or spec.arch) != "qwen2_vl":
-            raise ValueError("qwen2_vl is written by the tiny-vl preset only, without overrides")
+    if spec.arch in VL_PRESETS.values() or arch in VL_PRESETS.values():
+        if VL_PRESETS.get(preset) != (arch or spec.arch) or overrides:
+            raise ValueError(f"{arch or spec.arch} is written by the {VL_PRESET_OF.get(arch or spec.arch, '?')} preset "
+                             "only, without overrides")
+        if spec.arch == "llava":
+            from tools.models.tiny_llava import write_tiny_llava
+
+            return write_tiny_llava(out, seed, spec.corpus_bytes)
         from tools.models.tiny_vl import write_tiny_vl
 
-        return write_tiny_vl(out, seed, spec.corpus_bytes)
+        return write_tiny_vl(out, seed, spec.corpus_bytes, family=spec.arch)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(spec, arch, **overrides)
     vocab = tokenizer_vocab_size or spec.tokenizer_vocab_size or config["vocab_size"]
@@ -358,7 +382,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "token (benchmarks); tiny-deepseek: DeepSeek-V3, latent attention, grouped experts "
                         "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with V3's latent (512 + 64), about 170M, "
                         "16 experts, 4 per token (benchmarks); qwen3-4b-shape: Qwen3-4B's dimensions, random "
-                        "bf16 weights in 2 GB shards, 8 GB (GPU benchmarks)")
+                        "bf16 weights in 2 GB shards, 8 GB (GPU benchmarks); tiny-vl: Qwen2-VL (vision tower, "
+                        "M-RoPE decoder); tiny-qwen25-vl: Qwen2.5-VL (window-attention tower); tiny-qwen3-vl: Qwen3-VL "
+                        "(interleaved M-RoPE, deepstack); tiny-llava: "
+                        "LLaVA (CLIP tower, projector, Llama decoder); each VL preset with its processor "
+                        "config and a chat template rendering image parts (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
                         help="write the preset as this architecture (default: the preset's own)")
