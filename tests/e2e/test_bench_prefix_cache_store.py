@@ -42,3 +42,11 @@ def test_bench_store_case_runs_both_and_the_store_serves_pages(tiny_model, tmp_p
     printed = re.search(r"prefill tokens computed with/without store\s+([\d.]+)", done.stdout)
     assert printed and float(printed.group(1)) == pytest.approx(ratio, abs=1e-3)
     assert result["ratios"]["TTFT mean with/without store"] > 0
+
+
+def test_bad_store_case_flags_are_clear_errors(tiny_model, tmp_path):
+    done = pdserve("bench", "prefix-cache", "--case", "store", "--model-path", str(tiny_model),
+                   "--store-segment-mb", "0", "--output-dir", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "--store-segment-mb must be positive" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -38,7 +38,7 @@ from engine.config import EngineConfig
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
-from tools.bench.serving import report
+from tools.bench.serving import mooncake_master, report
 from tools.bench.serving.deployments import available_cores, split_cores
 from tools.launch import NotReady, ProcessGroup, Service
 
@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store case: MiB each worker lends to Mooncake Store (default 64)")
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--runs", default="1,2,3,4,5",
-                        help="which of the five runs to do, by number in the order above (default all)")
+                        help="which of the five runs to do, by number in the order above (default all; "
+                             "cache case only)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-prefix-cache"))
     parser.add_argument("--log-dir", type=Path, help="worker logs (default: a temporary folder)")
@@ -278,6 +279,10 @@ def main(args: argparse.Namespace) -> int:
     if args.case == "store":
         if args.store_segment_mb <= 0:
             print("pdserve bench prefix-cache: --store-segment-mb must be positive", file=sys.stderr)
+            return 2
+        if mooncake_master.binary() is None:  # found out before the run without the store, not after
+            print("pdserve bench prefix-cache --case store: mooncake_master not found (it comes with the Mooncake "
+                  "wheel, mooncake-transfer-engine)", file=sys.stderr)
             return 2
         return prefix_cache_store.main(args)
     try:
