@@ -48,5 +48,5 @@ def test_bad_store_case_flags_are_clear_errors(tiny_model, tmp_path):
     done = pdserve("bench", "prefix-cache", "--case", "store", "--model-path", str(tiny_model),
                    "--store-segment-mb", "0", "--output-dir", str(tmp_path / "out"))
     assert done.returncode == 2
-    assert "--store-segment-mb must be positive" in done.stderr
+    assert "--store-segment-mb must be positive and --think-ms at least 0" in done.stderr
     assert not (tmp_path / "out").exists()

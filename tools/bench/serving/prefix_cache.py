@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the shared system prompt (default 512; store case 128)")
     parser.add_argument("--user-len", type=int, help="tokens of each user message (default 64; store case 16)")
     parser.add_argument("--output-len", type=int, help="tokens of each answer (default 32; store case 128)")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="store case: ms between an answer and the user's next turn (default 0)")
     parser.add_argument("--store-segment-mb", type=int, default=64,
                         help="store case: MiB each worker lends to Mooncake Store (default 64)")
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
@@ -277,8 +279,9 @@ def main(args: argparse.Namespace) -> int:
         subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "small",
                         "--out", str(args.model_path)], check=True)
     if args.case == "store":
-        if args.store_segment_mb <= 0:
-            print("pdserve bench prefix-cache: --store-segment-mb must be positive", file=sys.stderr)
+        if args.store_segment_mb <= 0 or args.think_ms < 0:
+            print("pdserve bench prefix-cache: --store-segment-mb must be positive and --think-ms at least 0",
+                  file=sys.stderr)
             return 2
         if mooncake_master.binary() is None:  # found out before the run without the store, not after
             print("pdserve bench prefix-cache --case store: mooncake_master not found (it comes with the Mooncake "

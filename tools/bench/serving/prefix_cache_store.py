@@ -17,7 +17,9 @@ Two deployments, each fresh (cold caches): prefill x2 + decode with the local pr
 Per run: mean and median TTFT, prefill tokens computed (from the prefill workers' /metrics: prompt
 tokens looked up minus tokens found in the prefix cache, local or fetched from the store), pages
 fetched from the store and written to it; then the ratios with/without (the issue's target:
-computed tokens at most 0.3 of without). Greedy outputs must be identical across both runs in fp32
+computed tokens at most 0.3 of without). `--think-ms` waits that long between an answer and the
+user's next turn (default 0: at once, so a turn can reach prefill before decode's asynchronous
+write of the previous answer has landed in the store; that turn then computes more). Greedy outputs must be identical across both runs in fp32
 (checked). Writes prefix_cache_store.json.
 """
 
@@ -77,7 +79,7 @@ def prefill_for(user: int, turn: int, prefills: list[str]) -> str:
     return prefills[(user + turn) % len(prefills)]
 
 
-async def drive(workload: Workload, decode: str, prefills: list[str], result: StoreRun) -> None:
+async def drive(workload: Workload, decode: str, prefills: list[str], result: StoreRun, think_s: float) -> None:
     async with open_channel(decode, GrpcSecurity()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=60)  # the channel is up before timing
@@ -97,6 +99,7 @@ async def drive(workload: Workload, decode: str, prefills: list[str], result: St
                 result.prompt_tokens += len(prompt)
                 result.outputs[(index, turn)] = answer
                 history = prompt + answer
+                await asyncio.sleep(think_s)  # the user reads and types (--think-ms; default 0)
 
         await asyncio.gather(*(user(i) for i in range(len(workload.messages))))
 
@@ -150,7 +153,7 @@ def run_one(name: str, master: str | None, workload: Workload, args: argparse.Na
         for address in addresses:  # each prefill worker's first request pays its start-up cost here
             asyncio.run(warm_up(decode.address, address, len(workload.system)))
         before = _totals(prefills, decode)
-        asyncio.run(drive(workload, decode.address, addresses, result))
+        asyncio.run(drive(workload, decode.address, addresses, result, args.think_ms / 1000))
         after = _totals(prefills, decode)
         if master:  # the last turns' writes are asynchronous: count them once they stop growing
             deadline = time.monotonic() + WRITES_SETTLE_S
@@ -219,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
     summary = {"case": "store", "model": args.model_path.resolve().name, "dtype": args.dtype, "cores": cores,
                "transfer_backend": args.transfer_backend,
                "workload": {"users": args.users, "turns": args.turns, "system_len": args.system_len,
-                            "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size},
+                            "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size,
+                            "think_ms": args.think_ms},
                "rows": [r.row() for r in runs], "ratios": ratio_rows, "outputs_identical": identical,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "prefix-cache", *sys.argv[3:]])}
