@@ -103,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, help="tokens of each answer (default 32; store case 128)")
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="store case: ms between an answer and the user's next turn (default 0)")
-    parser.add_argument("--store-segment-mb", type=int, default=64,
-                        help="store case: MiB each worker lends to Mooncake Store (default 64)")
+    parser.add_argument("--store-segment-mb", type=int, default=128,
+                        help="store case: MiB each worker lends to Mooncake Store (default 128; the default "
+                             "workload writes about 170 MB in fp32)")
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--runs", default="1,2,3,4,5",
                         help="which of the five runs to do, by number in the order above (default all; "

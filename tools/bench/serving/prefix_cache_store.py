@@ -65,6 +65,7 @@ class StoreRun:
     computed_tokens: float = 0.0
     store_hit_pages: float = 0.0
     store_written_pages: float = 0.0
+    store_errors: float = 0.0  # failed or timed-out store calls: a store that is full or away shows here
     failures: int = 0
 
     def row(self) -> dict:
@@ -72,7 +73,8 @@ class StoreRun:
                 "ttft_mean_ms": 1000 * statistics.fmean(self.ttft_s) if self.ttft_s else None,
                 "ttft_median_ms": 1000 * statistics.median(self.ttft_s) if self.ttft_s else None,
                 "prompt_tokens": self.prompt_tokens, "prefill_tokens_computed": self.computed_tokens,
-                "store_hit_pages": self.store_hit_pages, "store_written_pages": self.store_written_pages}
+                "store_hit_pages": self.store_hit_pages, "store_written_pages": self.store_written_pages,
+                "store_errors": self.store_errors}
 
 
 def prefill_for(user: int, turn: int, prefills: list[str]) -> str:
@@ -126,14 +128,15 @@ def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
     return False
 
 
-def _totals(prefills: list[Service], decode: Service) -> tuple[float, float, float]:
+def _totals(prefills: list[Service], decode: Service) -> tuple[float, float, float, float]:
     """(prompt tokens computed by the prefill workers, pages they fetched from the store, pages
-    every worker wrote to it) so far."""
+    every worker wrote to it, failed store calls) so far."""
     computed = sum(p.metric("pdserve:prefix_cache_query_tokens_total") - p.metric("pdserve:prefix_cache_hit_tokens_total")
                    for p in prefills)
     hits = sum(p.metric("pdserve:hicache_hit_pages_total") for p in prefills)
     written = sum(w.metric("pdserve:hicache_written_pages_total") for w in (*prefills, decode))
-    return computed, hits, written
+    errors = sum(w.metric("pdserve:hicache_store_errors_total") for w in (*prefills, decode))
+    return computed, hits, written, errors
 
 
 def run_one(name: str, master: str | None, workload: Workload, args: argparse.Namespace, cores: list[int],
@@ -163,7 +166,7 @@ def run_one(name: str, master: str | None, workload: Workload, args: argparse.Na
                 if now == after:
                     break
                 after = now
-        result.computed_tokens, result.store_hit_pages, result.store_written_pages = (
+        result.computed_tokens, result.store_hit_pages, result.store_written_pages, result.store_errors = (
             b - a for a, b in zip(before, after, strict=True))
     return result
 
@@ -181,14 +184,14 @@ def ratios(without: StoreRun, with_store: StoreRun) -> dict[str, float | None]:
 
 def table(runs: list[StoreRun], ratio_rows: dict[str, float | None]) -> str:
     lines = [f"{'run':<34} {'TTFT mean ms':>12} {'TTFT p50 ms':>12} {'prompt tok':>11} {'prefill tok':>12} "
-             f"{'store hits':>11} {'store writes':>13}"]
+             f"{'store hits':>11} {'store writes':>13} {'store errors':>13}"]
     for run in runs:
         row = run.row()
         mean = f"{row['ttft_mean_ms']:.1f}" if row["ttft_mean_ms"] is not None else "-"
         median = f"{row['ttft_median_ms']:.1f}" if row["ttft_median_ms"] is not None else "-"
         lines.append(f"{row['run']:<34} {mean:>12} {median:>12} {row['prompt_tokens']:>11} "
                      f"{row['prefill_tokens_computed']:>12.0f} {row['store_hit_pages']:>11.0f} "
-                     f"{row['store_written_pages']:>13.0f}")
+                     f"{row['store_written_pages']:>13.0f} {row['store_errors']:>13.0f}")
     lines.append("")
     for name, value in ratio_rows.items():
         lines.append(f"{name:<48} {'-' if value is None else f'{value:.3f}'}")
