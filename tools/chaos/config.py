@@ -141,7 +141,9 @@ class ChaosConfig:
                   "registry-restart": self.registry_down, "idle": self.idle + self.hung_after + self.hung_wait,
                   "idle-cut": self.idle + self.hung_after + self.hung_wait,
                   # etcd down twice (on its data, then wiped), the workers re-registering after each
-                  "etcd-restart": 2 * (self.etcd_down + self.recovery_timeout)}
+                  "etcd-restart": 2 * (self.etcd_down + self.recovery_timeout),
+                  # the store's master dead, then frozen (3 s each), the workers back on it after each
+                  "kill-store-master": 6 + self.recovery_timeout}
         clients_leaving = self.disconnects * self.hung_after / 4  # disconnects: 4 at a time, each bounded
         return (outage.get(scenario, 0.0) + self.ready_timeout + self.recovery_timeout + self.hung_after
                 + (clients_leaving if scenario in ("disconnects", "abort-window") else 0.0))

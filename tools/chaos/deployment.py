@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from tools.bench.serving.mooncake_master import MasterProcess
 from tools.chaos.config import ChaosConfig
 from tools.chaos.etcd import EtcdProcess
 from tools.chaos.lifecycle import stop, until_ready
@@ -47,6 +48,7 @@ class Deployment:
     gateway: Service | None = None
     workers: dict[str, Service] = field(default_factory=dict)
     etcd: EtcdProcess | None = None  # with --registry-store etcd: the registry's store
+    store: MasterProcess | None = None  # a Mooncake Store master: every worker uses the KV store tier
 
     @property
     def model_name(self) -> str:
@@ -83,6 +85,9 @@ class Deployment:
                 "--disaggregation-transfer-backend", self.backend, "--host", host, "--port", str(port),
                 "--metrics-port", "0", "--bootstrap", self.bootstrap.address,
                 "--num-pages", str(self.config.num_pages), "--num-threads", "1"]
+        if self.store is not None:
+            args += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+                     "--hicache-mooncake-master", self.store.address, "--hicache-mooncake-segment-mb", "32"]
         return args, (self.netns.wrapper if inside else ())
 
     # -- starting -------------------------------------------------------------------------------

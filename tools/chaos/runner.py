@@ -13,6 +13,7 @@ Processes and namespaces are removed when a deployment is done, whatever happene
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sys
 import time
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tools.bench.serving import mooncake_master
+from tools.bench.serving.mooncake_master import MasterProcess
 from tools.chaos.config import ChaosConfig
 from tools.chaos.deployment import Deployment
 from tools.chaos.load import SteadyLoad, Tally
@@ -165,10 +168,13 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
 
 async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario], prompts: Sequence[str],
                           log_dir: Path, env: dict[str, str], result: BackendResult, *,
-                          netns: NetworkNamespace | None = None, isolated: str | None = None) -> None:
-    with ProcessGroup(log_dir, env=env) as group:  # its exit kills whatever still runs, whatever happened
+                          netns: NetworkNamespace | None = None, isolated: str | None = None,
+                          store: bool = False) -> None:
+    with contextlib.ExitStack() as stack, ProcessGroup(log_dir, env=env) as group:
+        # the group's exit kills whatever still runs, whatever happened; then the stack's: the master
+        master = stack.enter_context(MasterProcess(log_dir / "mooncake_master")) if store else None
         dep = Deployment(backend, cfg, group, host=netns.host_address if netns else "127.0.0.1",
-                         netns=netns, isolated=isolated)
+                         netns=netns, isolated=isolated, store=master)
         await _run_on(dep, scenarios, cfg, prompts, result)
         await dep.stop_all()  # the orderly way: gateway, workers, registry
 
@@ -176,7 +182,8 @@ async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Sc
 async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario], prompts: Sequence[str],
                       log_root: Path, env: dict[str, str]) -> BackendResult:
     result = BackendResult()
-    plain = [s for s in scenarios if s.isolate is None and s.registry_store in (None, cfg.registry_store)]
+    plain = [s for s in scenarios if s.isolate is None and s.registry_store in (None, cfg.registry_store)
+             and not s.store]
     if plain:
         await _deployment_run(backend, cfg, plain, prompts, log_root / backend, env, result)
     for scenario in (s for s in scenarios if s.registry_store not in (None, cfg.registry_store)):
@@ -188,6 +195,14 @@ async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenar
             continue
         await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario], prompts,
                               log_root / f"{backend}-{scenario.name}", env, result)
+    stored = [s for s in scenarios if s.store]
+    if stored and mooncake_master.binary() is None:
+        for scenario in stored:
+            why = "mooncake_master is not installed (it comes with the Mooncake wheel)"
+            say(f"[{backend}] {scenario.name} skipped: {why}")
+            result.rows.append(Row(scenario.name, backend, skipped=why))
+    elif stored:  # workers on a Mooncake Store of their own, in a deployment of their own
+        await _deployment_run(backend, cfg, stored, prompts, log_root / f"{backend}-store", env, result, store=True)
     # one namespace deployment per isolated worker, shared by the scenarios that isolate it
     isolated: dict[str, list[Scenario]] = {}
     for scenario in (s for s in scenarios if s.isolate is not None):

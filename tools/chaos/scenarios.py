@@ -63,6 +63,7 @@ class Scenario:
     unclear_allowed: bool = False
     isolate: str | None = None  # worker that runs inside a network namespace for this scenario
     registry_store: str | None = None  # the registry store this scenario needs (its own deployment)
+    store: bool = False  # the workers use a Mooncake Store KV tier (its own deployment, with a master)
 
 
 # -- no fault ---------------------------------------------------------------------------------------------
@@ -253,6 +254,51 @@ async def _etcd_restart(ctx: FaultContext) -> None:
                          f"registry {healed_s:.1f}s later")
 
 
+# -- the KV store's master -----------------------------------------------------------------------------
+
+STORE_DOWN_S = 3.0  # the master dead, then frozen, this long each: requests keep coming meanwhile
+
+
+async def _store_metric(ctx: FaultContext, name: str) -> list[float | None]:
+    """`name` on every worker (None: the scrape failed)."""
+    samples = await asyncio.gather(*(scrape_service(w) for w in ctx.dep.workers.values()))
+    return [sum_samples(s, name) if s else None for s in samples]
+
+
+async def _store_up_again(ctx: FaultContext, after: str) -> None:
+    deadline = time.monotonic() + ctx.config.recovery_timeout
+    while (ups := await _store_metric(ctx, "pdserve:hicache_store_up")) != [1.0] * len(ctx.dep.workers):
+        if time.monotonic() > deadline:
+            ctx.problems.append(f"{after}: not every worker reports the store up within "
+                                f"{ctx.config.recovery_timeout:.0f}s (hicache_store_up {ups})")
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _kill_store_master(ctx: FaultContext) -> None:
+    """kill -9 the Mooncake Store master, keep it dead a few seconds, start it on its port (empty);
+    then SIGSTOP it a few seconds and SIGCONT. Requests are computed without the store meanwhile: none
+    may fail, answers stay exact, every worker reports the store up again after each."""
+    master = ctx.dep.store
+    assert master is not None, "kill-store-master runs on a deployment with a Mooncake Store"
+    hits = sum(h or 0 for h in await _store_metric(ctx, "pdserve:hicache_hit_pages_total"))
+    errors = sum(e or 0 for e in await _store_metric(ctx, "pdserve:hicache_store_errors_total"))
+    master.kill()
+    await asyncio.sleep(STORE_DOWN_S)
+    await asyncio.to_thread(master.start)
+    await _store_up_again(ctx, "master restarted")
+    master.signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(STORE_DOWN_S)
+    finally:
+        master.signal(signal.SIGCONT)
+    await _store_up_again(ctx, "master thawed")
+    errors = sum(e or 0 for e in await _store_metric(ctx, "pdserve:hicache_store_errors_total")) - errors
+    # A worker whose requests all hit its local cache meanwhile made no store call, so saw nothing.
+    ctx.notes.append(f"mooncake_master killed {STORE_DOWN_S:.0f}s, restarted on its port, frozen "
+                     f"{STORE_DOWN_S:.0f}s; {hits:.0f} store page hits before, {errors:.0f} failed store calls")
+
+
 # -- idle, with the connections silently dropped ------------------------------------------------------
 
 async def _idle_cut(ctx: FaultContext) -> None:
@@ -306,6 +352,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "workers re-register by themselves", _etcd_restart, failures_allowed=False, registry_store="etcd"),
     Scenario("idle-cut", "no traffic; the open connections to decode-1 dropped silently (iptables in its "
              "namespace), then load again", _idle_cut, failures_allowed=False, isolate="decode-1"),
+    Scenario("kill-store-master", "workers on Mooncake Store (--enable-hierarchical-cache): kill -9 its master, "
+             "start it on its port, then SIGSTOP it a while; no request may fail", _kill_store_master,
+             failures_allowed=False, store=True),
 )
 
 

@@ -44,7 +44,7 @@ class FaultLog:
 def soak_pool(scenarios: Sequence[Scenario], registry_store: str = "memory") -> list[Scenario]:
     """The scenarios a soak draws from: those that run on the plain deployment (no network namespace,
     and the registry store the deployment has: etcd-restart only with --registry-store etcd)."""
-    return [s for s in scenarios if s.isolate is None and s.registry_store in (None, registry_store)]
+    return [s for s in scenarios if s.isolate is None and s.registry_store in (None, registry_store) and not s.store]
 
 
 def as_one_scenario(drawn: Sequence[Scenario]) -> Scenario:

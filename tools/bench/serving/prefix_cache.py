@@ -13,6 +13,9 @@ Five deployments, each started fresh (cold caches) and alone on the same cores:
 Per run: mean and median TTFT, prompt tokens computed by the worker that runs prompts (prompt
 tokens minus its prefix-cache hits), KV bytes prefill transferred and decode saved; then the
 on/off ratios. Greedy outputs must be identical across all five (checked). Writes prefix_cache.json.
+
+`--case store`: two prefill workers and one decode, round-robin, with and without the cluster-wide
+KV store (Mooncake Store); see prefix_cache_store.py.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from engine.config import EngineConfig
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
-from tools.bench.serving import report
+from tools.bench.serving import mooncake_master, report
 from tools.bench.serving.deployments import available_cores, split_cores
 from tools.launch import NotReady, ProcessGroup, Service
 
@@ -89,14 +92,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=2048, help="KV pages per worker (default 2048)")
     parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     parser.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=512, help="tokens of the shared system prompt")
-    parser.add_argument("--user-len", type=int, default=64, help="tokens of each user message")
-    parser.add_argument("--output-len", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--case", default="cache", choices=("cache", "store"),
+                        help="cache: the five runs above (default); store: two prefill workers and one decode, "
+                             "round-robin, with and without Mooncake Store (tools/bench/serving/prefix_cache_store.py)")
+    parser.add_argument("--users", type=int, help="conversations at once (default 4)")
+    parser.add_argument("--turns", type=int, help="turns of each conversation (default 4; store case 8)")
+    parser.add_argument("--system-len", type=int,
+                        help="tokens of the shared system prompt (default 512; store case 128)")
+    parser.add_argument("--user-len", type=int, help="tokens of each user message (default 64; store case 16)")
+    parser.add_argument("--output-len", type=int, help="tokens of each answer (default 32; store case 128)")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="store case: ms between an answer and the user's next turn (default 0)")
+    parser.add_argument("--store-segment-mb", type=int, default=128,
+                        help="store case: MiB each worker lends to Mooncake Store (default 128; the default "
+                             "workload writes about 170 MB in fp32)")
     parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--runs", default="1,2,3,4,5",
-                        help="which of the five runs to do, by number in the order above (default all)")
+                        help="which of the five runs to do, by number in the order above (default all; "
+                             "cache case only)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-prefix-cache"))
     parser.add_argument("--log-dir", type=Path, help="worker logs (default: a temporary folder)")
@@ -248,7 +261,15 @@ def table(results: dict[str, RunResult], ratio_rows: dict[str, float | None]) ->
     return "\n".join(lines)
 
 
+CACHE_DEFAULTS = {"users": 4, "turns": 4, "system_len": 512, "user_len": 64, "output_len": 32}
+
+
 def main(args: argparse.Namespace) -> int:
+    from tools.bench.serving import prefix_cache_store  # it imports this module's workload
+
+    for name, value in (prefix_cache_store.STORE_DEFAULTS if args.case == "store" else CACHE_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if min(args.users, args.turns, args.system_len, args.user_len, args.output_len) <= 0:
         print("pdserve bench prefix-cache: --users, --turns and the lengths must be positive", file=sys.stderr)
         return 2
@@ -258,6 +279,16 @@ def main(args: argparse.Namespace) -> int:
             return 2
         subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "small",
                         "--out", str(args.model_path)], check=True)
+    if args.case == "store":
+        if args.store_segment_mb <= 0 or args.think_ms < 0:
+            print("pdserve bench prefix-cache: --store-segment-mb must be positive and --think-ms at least 0",
+                  file=sys.stderr)
+            return 2
+        if mooncake_master.binary() is None:  # found out before the run without the store, not after
+            print("pdserve bench prefix-cache --case store: mooncake_master not found (it comes with the Mooncake "
+                  "wheel, mooncake-transfer-engine)", file=sys.stderr)
+            return 2
+        return prefix_cache_store.main(args)
     try:
         chosen = [RUNS[int(n) - 1] for n in args.runs.split(",")]
     except (ValueError, IndexError):
