@@ -204,12 +204,13 @@ class Engine:
         new_tokens = 1 if request.prefill_only else request.params.max_new_tokens
         self.scheduler.check_fits(len(request.prompt_ids), new_tokens)
         if request.images:
-            self._multimodal(request)  # raises ValueError saying what does not match
+            self._multimodal(request, checking=True)  # raises ValueError saying what does not match
         return request
 
-    def _multimodal(self, request: EngineRequest) -> MultimodalState | None:
+    def _multimodal(self, request: EngineRequest, checking: bool = False) -> MultimodalState | None:
         """The request's multimodal state (None without images); ValueError for images this
-        engine cannot take or that do not match the prompt's image-pad tokens."""
+        engine cannot take or that do not match the prompt's image-pad tokens. `checking`: a
+        language-only engine's request may still lack the embeddings its caller fetches next."""
         if not request.images:
             return None
         config = self.model_config
@@ -217,8 +218,17 @@ class Engine:
             raise ValueError(f"images sent to a text-only model ({config.architecture})")
         if request.prefill_only or request.first_token is not None:
             raise ValueError("images are served colocated only so far (not prefill-only or prefilled requests)")
-        return MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
-                                     self.model.vision.merge_size, self.pages.page_size)
+        state = MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
+                                      int(config.vision_config.get("spatial_merge_size", 2)), self.pages.page_size)
+        if request.image_embeddings is not None:  # EPD: an encoder service ran the tower
+            if tuple(request.image_embeddings.shape) != (len(state.pad_positions), config.hidden_size):
+                raise ValueError(f"image embeddings {tuple(request.image_embeddings.shape)} do not match the "
+                                 f"prompt's {len(state.pad_positions)} image tokens of width {config.hidden_size}")
+            state.embeddings = request.image_embeddings
+        elif self.model.vision is None and not checking:
+            raise ValueError("this worker loads no vision tower (--language-only): images need embeddings "
+                             "from an encoder service")
+        return state
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """Stream the outputs of a request that passed `check`. Each item is every output ready

@@ -26,6 +26,7 @@ ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
     common_pb2.WORKER_ROLE_COLOCATED: "colocated",
+    common_pb2.WORKER_ROLE_ENCODER: "encoder",
 }
 
 
