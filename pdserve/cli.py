@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("tools.models.tiny_model", "write the built-in random-weight HF checkpoint"),
     "generate": ("tools.models.generate", "stream a generation from a local checkpoint in-process"),
-    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker"),
+    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker, or an EPD encoder (--encoder-only)"),
     "bootstrap": ("services.bootstrap.main", "start the bootstrap registry"),
     "launch-router": ("services.gateway.main", "start the OpenAI-compatible gateway"),
     "up": ("tools.up", "start registry, prefill, decode and gateway as local processes"),
