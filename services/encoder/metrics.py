@@ -1,4 +1,4 @@
-"""Prometheus metrics of an encoder service and of the embedding side of a language-only worker."""
+"""Prometheus metrics of an encoder service (services/encoder/main.py)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,3 @@ class EncoderMetrics:
     def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
         Gauge(m(name), text, labelnames=list(self._labels), registry=self.registry).labels(
             **self._labels).set_function(read)
-
-
-def add_embedding_metrics(metrics, cache, pages) -> None:
-    """A language-only worker's embedding side, on its WorkerMetrics: cache hits and misses, pages in
-    use (all read at scrape time)."""
-    metrics.counter_from("embedding_cache_hits_total", "Images whose embeddings came from the worker's "
-                         "embedding cache", lambda: cache.hits)
-    metrics.counter_from("embedding_cache_misses_total", "Images sent to an encoder (not in the embedding cache)",
-                         lambda: cache.misses)
-    metrics.gauge("embedding_cache_images", "Images in the embedding cache", lambda: len(cache))
-    metrics.gauge("embedding_pages_used", "Embedding pages reserved for encoders' writes", lambda: pages.used)

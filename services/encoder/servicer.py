@@ -39,7 +39,7 @@ log = logging.getLogger("pdserve.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    """Called by language-only workers (services/encoder/client.py)."""
+    """Called by language-only workers (services/worker/encoders.py)."""
 
     def __init__(self, *, model_name: str, model_path: str, tower: VisionTower, pool: EmbeddingPool,
                  backend: TransferBackend, metrics: EncoderMetrics, transfer_timeout_s: float) -> None:

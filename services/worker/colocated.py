@@ -14,7 +14,7 @@ import grpc
 
 from engine.request import EngineRequest
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.encoder.client import EncoderRefused, EncoderUnavailable
+from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import RoomInUse, Stage
 from services.worker.wire import BadRequest, parse_request, relay
@@ -47,7 +47,7 @@ class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
 
     async def _with_embeddings(self, parsed: EngineRequest, blobs: list[bytes],
                                context: grpc.aio.ServicerContext) -> EngineRequest:
-        """The request with its images' embeddings from an encoder service (services/encoder/client.py)."""
+        """The request with its images' embeddings from an encoder service (services/worker/encoders.py)."""
         merge_size = int(self.engine.model_config.vision_config.get("spatial_merge_size", 2))
         try:
             rows = await self.runtime.encoders.embeddings(parsed.room, blobs, parsed.images, merge_size)

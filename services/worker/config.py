@@ -21,7 +21,7 @@ from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.common.server_config import ServerConfig
-from services.encoder.config import EpdConfig
+from services.worker.epd_config import EpdConfig
 
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")

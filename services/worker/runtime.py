@@ -25,9 +25,8 @@ from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.registry_client import RegistryClient
-from services.encoder.client import EncoderClient
-from services.encoder.metrics import add_embedding_metrics
 from services.worker.config import WorkerConfig
+from services.worker.encoders import EncoderClient, add_embedding_metrics
 from services.worker.metrics import HANDSHAKE, WorkerMetrics
 from services.worker.rooms import RoomTable
 from services.worker.wire import endpoint_to_proto, layout_to_proto

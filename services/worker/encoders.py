@@ -33,8 +33,9 @@ from protos.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.common.channels import open_channel
 from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
-from services.encoder.cache import EmbeddingCache
-from services.encoder.config import EpdConfig
+from services.worker.embedding_cache import EmbeddingCache
+from services.worker.epd_config import EpdConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.wire import endpoint_to_proto
 
 log = logging.getLogger("pdserve.worker")
@@ -174,3 +175,14 @@ class EncoderClient:
         for channel in self._channels.values():
             await channel.close()
         self.backend.close()
+
+
+def add_embedding_metrics(metrics: WorkerMetrics, cache: EmbeddingCache, pages: EmbeddingPages) -> None:
+    """A language-only worker's embedding side, on its WorkerMetrics: cache hits and misses, pages in
+    use (all read at scrape time)."""
+    metrics.counter_from("embedding_cache_hits_total", "Images whose embeddings came from the worker's "
+                         "embedding cache", lambda: cache.hits)
+    metrics.counter_from("embedding_cache_misses_total", "Images sent to an encoder (not in the embedding cache)",
+                         lambda: cache.misses)
+    metrics.gauge("embedding_cache_images", "Images in the embedding cache", lambda: len(cache))
+    metrics.gauge("embedding_pages_used", "Embedding pages reserved for encoders' writes", lambda: pages.used)

@@ -1,11 +1,11 @@
-"""EmbeddingCache (services/encoder/cache.py): hits, misses, least recently used out first."""
+"""EmbeddingCache (services/worker/embedding_cache.py): hits, misses, least recently used out first."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.encoder.cache import EmbeddingCache
+from services.worker.embedding_cache import EmbeddingCache
 
 
 def rows(value: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The EPD flags of `pdserve launch-server` (services/encoder/config.py, WorkerConfig._check_epd)."""
+"""The EPD flags of `pdserve launch-server` (services/worker/epd_config.py, WorkerConfig._check_epd)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which encoder a language-only worker calls (services/encoder/client.py): least loaded first,
+"""Which encoder a language-only worker calls (services/worker/encoders.py): least loaded first,
 each in turn among equals, never one already tried for this request."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from libkv.embedding_pool import EmbeddingPool
 from libkv.transfer import create_backend
 from services.common.security import GrpcSecurity
-from services.encoder.client import EncoderClient
-from services.encoder.config import EpdConfig
+from services.worker.encoders import EncoderClient
+from services.worker.epd_config import EpdConfig
 
 
 def client(urls: tuple[str, ...]) -> EncoderClient:
