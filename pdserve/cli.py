@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench kv-bytes": ("tools.bench.kv_bytes", "KV bytes prefill ships per prompt token, model against model"),
     "bench parallel": ("tools.bench.parallel", "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
+    "bench epd": ("tools.bench.epd", "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),
     "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
     "bench serving": ("tools.bench.serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
     "bench pd-vs-colocated": ("tools.bench.serving.pd_vs_colocated",
