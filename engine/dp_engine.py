@@ -312,8 +312,8 @@ class DPEngine:
         if member is not None:
             self._forget(room, member)
 
-    def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
-        return self.members[0].prompt_hashes(prompt_ids)
+    def prompt_hashes(self, prompt_ids: list[int], images=()) -> list[int] | None:
+        return self.members[0].prompt_hashes(prompt_ids, images)
 
     def stats(self) -> EngineStats:
         each = [member.stats() for member in self.members]

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -41,7 +41,8 @@ import torch
 from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
-from engine.multimodal.state import MultimodalState
+from engine.multimodal.inputs import ImageInput
+from engine.multimodal.state import MultimodalState, page_salts
 from engine.outputs import EngineStats, FirstToken, TokenOutput
 from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
@@ -216,8 +217,6 @@ class Engine:
         config = self.model_config
         if not config.is_multimodal:
             raise ValueError(f"images sent to a text-only model ({config.architecture})")
-        if request.prefill_only or request.first_token is not None:
-            raise ValueError("images are served colocated only so far (not prefill-only or prefilled requests)")
         state = MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
                                       int(config.vision_config.get("spatial_merge_size", 2)), self.pages.page_size)
         if request.image_embeddings is not None:  # EPD: an encoder service ran the tower
@@ -271,11 +270,14 @@ class Engine:
         page hashes (`prompt_hashes`), for a caller that tries again until pages are free."""
         return self.pages.reserve_prompt(room, prompt_ids, hashes)
 
-    def prompt_hashes(self, prompt_ids: list[int]) -> list[int] | None:
-        """The chained hashes of the prompt's full pages; None when the prefix cache is off."""
+    def prompt_hashes(self, prompt_ids: list[int], images: Sequence[ImageInput] = ()) -> list[int] | None:
+        """The chained hashes of the prompt's full pages, salted by its `images` (expanded prompt)
+        as the scheduler salts them; None when the prefix cache is off."""
         if self.pages.cache is None:
             return None
-        return page_hashes(prompt_ids, self.pages.page_size)
+        salts = page_salts(prompt_ids, images, self.model_config.image_token_id, self.model.vision.merge_size,
+                           self.pages.page_size) if images else ()
+        return page_hashes(prompt_ids, self.pages.page_size, salts=salts)
 
     def pool_for(self, room: str):
         """The KV pool holding `room`'s pages: the engine's one pool (engine.dp_engine.DPEngine has

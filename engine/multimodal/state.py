@@ -28,13 +28,9 @@ class MultimodalState:
     def build(cls, prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
               merge_size: int, page_size: int) -> MultimodalState:
         positions, delta = mrope_positions(prompt_ids, [i.grid_thw for i in images], image_token_id, merge_size)
-        pads = (torch.tensor(list(prompt_ids), dtype=torch.long) == image_token_id).nonzero().flatten()
-        spans, start = [], 0
-        for image in images:
-            count = image.num_tokens(merge_size)
-            spans.append((int(pads[start]), int(pads[start + count - 1]) + 1, image.digest))
-            start += count
-        return cls(tuple(images), positions, delta, pads, image_page_salts(spans, page_size, len(prompt_ids)))
+        pads = _pad_positions(prompt_ids, image_token_id)
+        return cls(tuple(images), positions, delta, pads,
+                   _salts(pads, images, merge_size, page_size, len(prompt_ids)))
 
     def position_rows(self, start: int, end: int) -> torch.Tensor:
         """Positions [3, end - start] of sequence indices start..end-1 (generated tokens past the
@@ -50,6 +46,31 @@ class MultimodalState:
         """(offsets within the chunk start..end-1, embeddings) of the image tokens in it."""
         mask = (self.pad_positions >= start) & (self.pad_positions < end)
         return self.pad_positions[mask] - start, self.embeddings[mask]  # type: ignore[index]
+
+
+def page_salts(prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
+               merge_size: int, page_size: int) -> list[int]:
+    """The salts `build` gives the prompt's pages, without the positions: what a PD decode worker
+    hashes a prompt with before its prefix-cache lookup, so its page hashes equal the prefill's."""
+    pads = _pad_positions(prompt_ids, image_token_id)
+    if len(pads) != sum(i.num_tokens(merge_size) for i in images):
+        raise ValueError(f"prompt has {len(pads)} image-pad tokens; its {len(images)} images take "
+                         f"{sum(i.num_tokens(merge_size) for i in images)}")
+    return _salts(pads, images, merge_size, page_size, len(prompt_ids))
+
+
+def _pad_positions(prompt_ids: Sequence[int], image_token_id: int) -> torch.Tensor:
+    return (torch.tensor(list(prompt_ids), dtype=torch.long) == image_token_id).nonzero().flatten()
+
+
+def _salts(pads: torch.Tensor, images: Sequence[ImageInput], merge_size: int, page_size: int,
+           num_tokens: int) -> list[int]:
+    spans, start = [], 0
+    for image in images:
+        count = image.num_tokens(merge_size)
+        spans.append((int(pads[start]), int(pads[start + count - 1]) + 1, image.digest))
+        start += count
+    return image_page_salts(spans, page_size, num_tokens)
 
 
 def text_positions(start: int, end: int) -> torch.Tensor:

@@ -13,6 +13,10 @@ One request, through its stages in the room table (services/worker/rooms.py):
             prefilled request: the engine's own `waiting` and `running` queues count it from
             here); tokens stream back in batches, as a colocated worker's do.
 
+Images (a vision-language model): decoded here off the event loop; the reservation's page hashes
+carry their digests, the Prefill call forwards them encoded, and the prefilled request keeps them
+for its M-RoPE positions (the vision tower runs here only to recompute after a retraction).
+
 Conditional disaggregation (`--conditional-disaggregation`; its settings are
 services/worker/config.py's LocalPrefillRule, the decision is `local_prefill_reason` below): a
 short prompt, a request with no prefill worker, or one whose prefill is busy runs here instead, as
@@ -30,11 +34,13 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import grpc
 
 from engine.engine import Engine
+from engine.multimodal.inputs import ImageInput
 from engine.outputs import FirstToken
 from engine.page_manager import Reservation
 from engine.request import EngineRequest
@@ -103,9 +109,11 @@ class PreallocQueue:
         self.engine = engine
         self._turn = asyncio.Lock()
 
-    async def reserve(self, room: str, prompt_ids: list[int], timeout_s: float) -> Reservation:
+    async def reserve(self, room: str, prompt_ids: list[int], timeout_s: float,
+                      images: Sequence[ImageInput] = ()) -> Reservation:
         """Pages for the prompt under `room`, its leading full pages from the prefix cache when
-        there (those need no transfer: `Reservation.tail` is what prefill must write)."""
+        there (those need no transfer: `Reservation.tail` is what prefill must write). `images`
+        salt the page hashes, as the prefill's scheduler salts them."""
         num_tokens = len(prompt_ids)
         deadline = time.monotonic() + timeout_s
         try:
@@ -113,7 +121,7 @@ class PreallocQueue:
         except TimeoutError:
             raise PreallocTimeout(f"no KV pages for {num_tokens} tokens within {timeout_s:.0f}s") from None
         try:
-            hashes = self.engine.prompt_hashes(prompt_ids)  # once, not at every poll
+            hashes = self.engine.prompt_hashes(prompt_ids, images)  # once, not at every poll
             while True:
                 reservation = self.engine.reserve_prompt(room, prompt_ids, hashes)
                 if reservation is not None:
@@ -161,7 +169,11 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:
-            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
+            if request.images:  # decoding and resizing images: off the event loop
+                parsed = await asyncio.to_thread(parse_request, self.engine, request.room, request.prompt_token_ids,
+                                                 request.sampling, images=list(request.images))
+            else:
+                parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
             prefill_address = request.prefill_address if request.HasField("prefill_address") else ""
             if not prefill_address and not self.local_prefill.enabled:
                 raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on "
@@ -181,7 +193,7 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                 log.debug("room %s: prefill runs on this decode worker (%s, %d prompt tokens)", room.id, local,
                           len(parsed.prompt_ids))
             else:
-                first = await self._prefill_remotely(room, parsed, request.sampling, prefill_address, context)
+                first = await self._prefill_remotely(room, parsed, request, prefill_address, context)
                 await self._before_admission(room)
                 parsed = replace(parsed, first_token=first)  # the reserved pages become the request's
                 room.stage, room.reservation = Stage.RUNNING, None
@@ -200,11 +212,17 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
             if room.stage is not Stage.QUARANTINED:
                 self.rooms.close(room)
 
-    async def _prefill_remotely(self, room: Room, parsed: EngineRequest, sampling: common_pb2.SamplingParams,
+    async def _prefill_remotely(self, room: Room, parsed: EngineRequest, request: worker_pb2.GenerateRequest,
                                 prefill_address: str, context: grpc.aio.ServicerContext) -> FirstToken:
-        """prealloc + transfer. Returns the first token with the prompt's KV in the reserved pages."""
+        """prealloc + transfer. Returns the first token with the prompt's KV in the reserved pages.
+
+        A request with images reserves pages for its expanded prompt, hashed with its images'
+        digests (so its prefix-cache hits are exact), and forwards the encoded images with the
+        prompt as the client sent it: the prefill expands it to the same tokens and runs the
+        vision tower. This worker never does (unless a retraction makes it recompute)."""
         try:
-            room.reservation = await self.prealloc.reserve(room.id, parsed.prompt_ids, self.config.waiting_timeout)
+            room.reservation = await self.prealloc.reserve(room.id, parsed.prompt_ids, self.config.waiting_timeout,
+                                                           parsed.images)
         except PreallocTimeout as exc:
             self.runtime.metrics.failure("prealloc")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room.id}: {exc}")
@@ -223,7 +241,8 @@ class DecodeServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         grant = secrets.token_bytes(16)
         self.backend.expect(room.id, pages, grant=grant)
         prefill_request = worker_pb2.PrefillRequest(  # the sampling message as the client sent it
-            room=room.id, prompt_token_ids=parsed.prompt_ids, sampling=sampling, dst_page_ids=pages,
+            room=room.id, prompt_token_ids=request.prompt_token_ids if request.images else parsed.prompt_ids,
+            images=request.images, sampling=request.sampling, dst_page_ids=pages,
             dst=self._endpoint_for(room.id), decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.model_name, grant=grant, page_checksums=self._checksums,
             skip_pages=room.reservation.cached_pages)

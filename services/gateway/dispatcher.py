@@ -246,11 +246,6 @@ class Dispatcher:
                        sampling: common_pb2.SamplingParams,
                        images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
-        if images and (route.prefill is not None or route.decode.role != "colocated"):
-            route.finish(failed=[])
-            raise GenerationFailed(400, "images are served by colocated workers only so far (this model is "
-                                        "served prefill/decode disaggregated)", "invalid_argument",
-                                   after_first_token=False)
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                                              images=list(images))
         if route.prefill is not None:

@@ -15,6 +15,12 @@ the same prompt context), keeps the text the failed worker had not sent yet, and
 strings over that text and everything after it. A stop string found here ends the stream with
 finish_reason "stop" (the worker is cancelled and told to abort). Without a tokenizer (tests) the
 worker's text is used as it comes.
+
+Images travel with the continuation: it is sent with the request's encoded images again
+(dispatcher.py passes them to every attempt), and its prompt still holds one image-pad token per
+image, so the new worker expands and embeds them as the first one did; the delivered tokens after
+them get the M-RoPE positions decoding gave them. (A delivered id that is itself an image-pad token
+makes the continuation's prompt disagree with its images: the worker refuses it with 400.)
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ SGLang's: `bootstrap`, `waiting`, `inflight`):
              then reply with the first token: that reply is decode's completion signal.
 The engine holds the prompt's pages until the writes are finished or aborted, then frees them.
 
+Images (a vision-language model): the call carries the encoded images and the prompt before
+expansion; they are decoded and the prompt expanded here as decode did (services/worker/wire.py),
+and the vision tower runs with the prompt's first chunk. Images that disagree with the prompt's
+image-pad tokens (none sent for pads, more than the pads) are refused before anything is held.
+
 Abort (decode gone, client gone, decode's explicit Abort RPC): stop the engine work, abort every
 write and wait until none can land, then free. `Abort` answers only after that, and the room
 table remembers the room so a Prefill that arrives after its own Abort is refused rather than
@@ -57,8 +62,12 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:
-            parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                   prefill_only=True)
+            if request.images:  # decoding and resizing images: off the event loop
+                parsed = await asyncio.to_thread(parse_request, self.engine, request.room, request.prompt_token_ids,
+                                                 request.sampling, prefill_only=True, images=list(request.images))
+            else:
+                parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling,
+                                       prefill_only=True)
             if not request.room:
                 raise BadRequest("room is required")
             if request.model != self.model_name:
@@ -82,6 +91,7 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
             except BadRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await self._check_grant(writes, request, context)
+            parsed = await self.with_embeddings(parsed, list(request.images), context)  # --language-only (EPD)
             room.stage = Stage.WAITING
             first = await self._first_token(replace(parsed, on_pages_filled=writes.push))
             room.stage = Stage.INFLIGHT

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 import grpc
 
-from engine.request import EngineRequest
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import RoomInUse, Stage
 from services.worker.wire import BadRequest, parse_request, relay
@@ -34,7 +31,7 @@ class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
         if parsed.images and self.runtime.encoders is not None:  # --language-only: EPD
-            parsed = await self._with_embeddings(parsed, list(request.images), context)
+            parsed = await self.with_embeddings(parsed, list(request.images), context)
         try:
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
         except RoomInUse:
@@ -44,18 +41,6 @@ class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                 yield response
         finally:
             self.rooms.close(room)
-
-    async def _with_embeddings(self, parsed: EngineRequest, blobs: list[bytes],
-                               context: grpc.aio.ServicerContext) -> EngineRequest:
-        """The request with its images' embeddings from an encoder service (services/worker/encoders.py)."""
-        merge_size = int(self.engine.model_config.vision_config.get("spatial_merge_size", 2))
-        try:
-            rows = await self.runtime.encoders.embeddings(parsed.room, blobs, parsed.images, merge_size)
-        except EncoderUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {parsed.room}: no image embeddings: {exc}")
-        except EncoderRefused as exc:
-            await context.abort(exc.code, f"room {parsed.room}: the encoder refused the images: {exc}")
-        return replace(parsed, image_embeddings=rows)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         found = self.rooms.get(request.room) is not None

@@ -52,6 +52,10 @@ def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_
             prompt, decoded = prepare_images(engine.config.model_path, model, prompt, images)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+    elif model.is_multimodal and model.image_token_id in prompt:
+        # An image-pad token stands for an image's embedding: without the image there is nothing
+        # to put there (transformers refuses such a prompt too). A forged Prefill call lands here.
+        raise BadRequest(f"prompt holds image-pad tokens (id {model.image_token_id}) but no images were sent")
     bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
     if bad is not None:
         raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {model.vocab_size})")

@@ -1,12 +1,13 @@
 """EPD: an encoder service (`--encoder-only`) ships image embeddings to a `--language-only` worker over
-mooncake and nixl, as real processes behind a gateway, driven by the official openai client.
+mooncake and nixl, as real processes behind a gateway, driven by the official openai client. The
+language-only worker is a colocated one, or the prefill of a PD pair (1 encoder, 1 prefill, 1 decode).
 
 Greedy fp32 output equals transformers' Qwen2VLForConditionalGeneration for text + 1 image, text + 2
 images of different sizes and an image alone; the same image twice is encoded once (embedding cache
 hit in the worker's metrics); the encoder refuses forged calls before writing anything; an encoder
 frozen or killed mid-request costs a retry on another encoder, or a clear 503 when none is left,
-and every embedding and KV page is idle afterwards. On mooncake the worker finds its encoder at
---encoder-urls, on nixl through the registry.
+and every embedding and KV page is idle afterwards. On mooncake the colocated worker finds its encoder
+at --encoder-urls, on nixl (and in PD) through the registry.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 class Epd:
     model_dir: Path
     gateway: Proc
-    worker: Proc
+    worker: Proc  # the language-only worker: colocated, or the prefill of a PD pair
     encoders: list[Proc]
     backend: str
+    decode: Proc | None = None  # PD: the decode worker (it keeps its tower, for a retraction only)
 
     def client(self, gateway: Proc) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -49,12 +51,13 @@ def encoder_args(model_dir: Path, backend: str, bootstrap: Proc | None = None) -
 
 
 def language_only_args(model_dir: Path, backend: str, encoders: list[Proc], bootstrap: Proc | None = None,
-                       timeout_s: float = 30.0) -> list[str]:
+                       timeout_s: float = 30.0, mode: str = "null") -> list[str]:
     extra = ["--language-only", "--encoder-transfer-backend", backend, "--num-pages", "256",
              "--encoder-timeout", str(timeout_s)]
     if encoders:
         extra += ["--encoder-urls", *(f"http://{e.address}" for e in encoders)]
-    return worker_args(str(model_dir), "null", bootstrap=bootstrap, extra=tuple(extra))
+    kv_backend = backend if mode != "null" else "fake"
+    return worker_args(str(model_dir), mode, backend=kv_backend, bootstrap=bootstrap, extra=tuple(extra))
 
 
 def start_gateway(cluster: Cluster, model_dir: Path, worker: Proc) -> Proc:
@@ -71,27 +74,58 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl", preset="tiny-vl", seed=0)
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def epd(request, vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Epd]:
-    backend = request.param
-    with Cluster(tmp_path_factory.mktemp(f"epd-{backend}")) as cluster:
+def start_pd(cluster: Cluster, model_dir: Path, backend: str) -> Epd:
+    """1 encoder, 1 language-only prefill, 1 decode, a gateway: all through the registry."""
+    bootstrap = cluster.bootstrap()
+    encoder = cluster.start("encoder", encoder_args(model_dir, backend, bootstrap))
+    prefill, decode = cluster.start_many([
+        ("prefill", language_only_args(model_dir, backend, [], bootstrap, mode="prefill")),
+        ("decode", worker_args(str(model_dir), "decode", backend=backend, bootstrap=bootstrap,
+                               extra=("--num-pages", "256")))])
+    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(model_dir), "--port", "0",
+                                        "--bootstrap", bootstrap.address], timeout_s=60)
+    epd = Epd(model_dir, gateway, prefill, [encoder], backend, decode)
+
+    def serves() -> bool:
         try:
-            if backend == "mooncake":  # the encoder named at --encoder-urls
-                encoder = cluster.start("encoder", encoder_args(vl_model, backend))
-                worker = cluster.start("worker", language_only_args(vl_model, backend, [encoder]))
-            else:  # the encoder found in the registry
-                bootstrap = cluster.bootstrap()
-                encoder = cluster.start("encoder", encoder_args(vl_model, backend, bootstrap))
-                worker = cluster.start("worker", language_only_args(vl_model, backend, [], bootstrap))
-            yield Epd(vl_model, start_gateway(cluster, vl_model, worker), worker, [encoder], backend)
+            chat(epd, gateway, ["hello"], [])
+            return True
+        except openai.APIError:
+            return False
+
+    wait_until(serves, 60, "the gateway to serve through prefill and decode")
+    return epd
+
+
+def start_colocated(cluster: Cluster, model_dir: Path, backend: str) -> Epd:
+    """1 encoder, 1 language-only colocated worker, a gateway. On mooncake the worker is given the
+    encoder (--encoder-urls), on nixl it finds it in the registry."""
+    if backend == "mooncake":
+        encoder = cluster.start("encoder", encoder_args(model_dir, backend))
+        worker = cluster.start("worker", language_only_args(model_dir, backend, [encoder]))
+    else:
+        bootstrap = cluster.bootstrap()
+        encoder = cluster.start("encoder", encoder_args(model_dir, backend, bootstrap))
+        worker = cluster.start("worker", language_only_args(model_dir, backend, [], bootstrap))
+    return Epd(model_dir, start_gateway(cluster, model_dir, worker), worker, [encoder], backend)
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl", "pd-mooncake", "pd-nixl"])
+def epd(request, vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Epd]:
+    backend = request.param.removeprefix("pd-")
+    with Cluster(tmp_path_factory.mktemp(f"epd-{request.param}")) as cluster:
+        try:
+            yield start_pd(cluster, vl_model, backend) if request.param.startswith("pd-") \
+                else start_colocated(cluster, vl_model, backend)
         except BaseException:
             print(cluster.logs())
             raise
 
 
-def assert_idle(worker: Proc) -> None:
+def assert_idle(worker: Proc, *others: Proc) -> None:
     wait_until(lambda: worker.metric("pdserve:embedding_pages_used") == 0, 30, "embedding pages to be free")
-    wait_until(lambda: worker.metric("pdserve:kv_pages_used") == 0, 30, "KV pages to be free")
+    for proc in (worker, *others):
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s KV pages to be free")
 
 
 @pytest.mark.parametrize(("parts", "pictures"), [
@@ -103,7 +137,9 @@ def test_epd_matches_transformers(epd: Epd, parts, pictures):
     images = [image(*p) for p in pictures]
     answer = chat(epd, epd.gateway, parts, [data_url(i) for i in images])
     assert answer.choices[0].message.content == hf_reference(epd.model_dir, parts, images)
-    assert_idle(epd.worker)
+    assert_idle(epd.worker, *([epd.decode] if epd.decode else []))
+    if epd.decode is not None:  # the prompt ran on the language-only prefill, not on decode
+        assert epd.worker.metric("pdserve:embedding_cache_misses_total") > 0
 
 
 def test_same_image_twice_is_encoded_once(epd: Epd):
