@@ -223,7 +223,7 @@ class Engine:
             if tuple(request.image_embeddings.shape) != (len(state.pad_positions), config.hidden_size):
                 raise ValueError(f"image embeddings {tuple(request.image_embeddings.shape)} do not match the "
                                  f"prompt's {len(state.pad_positions)} image tokens of width {config.hidden_size}")
-            state.embeddings = request.image_embeddings
+            state.embeddings = request.image_embeddings.to(self.pool.device)  # they arrive in host memory
         elif self.model.vision is None and not checking:
             raise ValueError("this worker loads no vision tower (--language-only): images need embeddings "
                              "from an encoder service")

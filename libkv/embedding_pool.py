@@ -61,7 +61,7 @@ class EmbeddingPool(KVPool):
         if self.pages_for(num_rows) != len(pages):
             raise ValueError(f"{num_rows} rows take {self.pages_for(num_rows)} pages, got {len(pages)}")
         flat = self.buffer.view(self.num_pages, self.rows_per_page, self.hidden)
-        values = embeddings.to(self.buffer.dtype)
+        values = embeddings.to(device=self.buffer.device, dtype=self.buffer.dtype)  # a tower may run on a GPU
         for i, page in enumerate(pages):
             chunk = values[i * self.rows_per_page:(i + 1) * self.rows_per_page]
             flat[page, :chunk.shape[0]] = chunk

@@ -32,14 +32,15 @@ log = logging.getLogger("pdserve.encoder")
 
 
 def build_servicer(config: WorkerConfig) -> EncoderServicer:
-    """Load the tower and register the staging pool (blocking)."""
+    """Load the tower (on --device: a GPU when there is one) and register the staging pool, in host
+    memory where every transfer engine reaches it (blocking)."""
     import torch
 
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     model_config = ModelConfig.from_dir(config.engine.model_path)
     dtype = resolve_dtype(config.engine.dtype, model_config)
-    tower = VisionTower.load(config.engine.model_path, model_config, dtype, torch.device("cpu"))
+    tower = VisionTower.load(config.engine.model_path, model_config, dtype, torch.device(config.engine.device))
     pool = EmbeddingPool(model_config.hidden_size, str(dtype).removeprefix("torch."), config.epd.embedding_pages)
     name = config.epd.encoder_transfer_backend
     backend = create_backend(name, **backend_options(config, name))
