@@ -144,11 +144,18 @@ def test_epd_matches_transformers(epd: Epd, parts, pictures):
 
 def test_same_image_twice_is_encoded_once(epd: Epd):
     url = data_url(image(90, 70, 11))
+    kv_workers = [epd.worker, *([epd.decode] if epd.decode else [])]
+
+    def prefix_hits() -> float:
+        return sum(w.metric("pdserve:prefix_cache_hit_tokens_total") for w in kv_workers)
+
     hits = epd.worker.metric("pdserve:embedding_cache_hits_total")
     encoded = epd.encoders[0].metric("pdserve:encoder_images_total")
     first = chat(epd, epd.gateway, ["describe", None], [url]).choices[0].message.content
+    prefix = prefix_hits()
     second = chat(epd, epd.gateway, ["describe", None], [url]).choices[0].message.content
     assert first == second
+    assert prefix_hits() > prefix  # the image's digest salts its pages' hashes: the same image hits them
     assert epd.worker.metric("pdserve:embedding_cache_hits_total") == hits + 1
     assert epd.encoders[0].metric("pdserve:encoder_images_total") == encoded + 1
     assert epd.encoders[0].metric("pdserve:encoder_embedding_bytes_total") > 0
