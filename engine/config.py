@@ -110,6 +110,10 @@ class EngineConfig:
     hicache_write_queue_pages: int = field(default=256, metadata=_help(
         "pages waiting to be written to the store at most; pages offered beyond it are dropped (counted), "
         "never waited for"))
+    language_only: bool = field(default=False, metadata=_help(
+        "a vision-language model without its vision tower (SGLang's flag, EPD): the image embeddings of each "
+        "request come from an encoder service (--encoder-only workers, found in the registry or at "
+        "--encoder-urls)"))
     profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
         "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
         "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))

@@ -41,6 +41,7 @@ import torch
 from engine.config import EngineConfig
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
+from engine.models.vision import tower_merge_size
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.state import MultimodalState, page_salts
 from engine.outputs import EngineStats, FirstToken, TokenOutput
@@ -205,20 +206,30 @@ class Engine:
         new_tokens = 1 if request.prefill_only else request.params.max_new_tokens
         self.scheduler.check_fits(len(request.prompt_ids), new_tokens)
         if request.images:
-            self._multimodal(request)  # raises ValueError saying what does not match
+            self._multimodal(request, checking=True)  # raises ValueError saying what does not match
         return request
 
-    def _multimodal(self, request: EngineRequest) -> MultimodalState | None:
+    def _multimodal(self, request: EngineRequest, checking: bool = False) -> MultimodalState | None:
         """The request's multimodal state (None without images); ValueError for images this
-        engine cannot take or that do not match the prompt's image-pad tokens."""
+        engine cannot take or that do not match the prompt's image-pad tokens. `checking`: a
+        language-only engine's request may still lack the embeddings its caller fetches next."""
         if not request.images:
             return None
         config = self.model_config
         if not config.is_multimodal:
             raise ValueError(f"images sent to a text-only model ({config.architecture})")
-        return MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
-                                     self.model.vision.merge_size, self.pages.page_size,
-                                     mrope=config.mrope_section is not None)
+        state = MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
+                                      tower_merge_size(config), self.pages.page_size,
+                                      mrope=config.mrope_section is not None)
+        if request.image_embeddings is not None:  # EPD: an encoder service ran the tower
+            if tuple(request.image_embeddings.shape) != (len(state.pad_positions), config.hidden_size):
+                raise ValueError(f"image embeddings {tuple(request.image_embeddings.shape)} do not match the "
+                                 f"prompt's {len(state.pad_positions)} image tokens of width {config.hidden_size}")
+            state.embeddings = request.image_embeddings.to(self.pool.device)  # they arrive in host memory
+        elif self.model.vision is None and not checking:
+            raise ValueError("this worker loads no vision tower (--language-only): images need embeddings "
+                             "from an encoder service")
+        return state
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """Stream the outputs of a request that passed `check`. Each item is every output ready
@@ -266,7 +277,7 @@ class Engine:
         as the scheduler salts them; None when the prefix cache is off."""
         if self.pages.cache is None:
             return None
-        salts = page_salts(prompt_ids, images, self.model_config.image_token_id, self.model.vision.merge_size,
+        salts = page_salts(prompt_ids, images, self.model_config.image_token_id, tower_merge_size(self.model_config),
                            self.pages.page_size) if images else ()
         return page_hashes(prompt_ids, self.pages.page_size, salts=salts)
 

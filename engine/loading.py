@@ -59,7 +59,7 @@ def load(config: EngineConfig) -> LoadedModel:
 
     def load_tensors() -> tuple[DecoderModel, KVPool]:
         model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
-        if model_config.is_multimodal:
+        if model_config.is_multimodal and not config.language_only:
             model.vision = load_vision_tower(config.model_path, model_config, dtype, device)
         pool = KVPool(layout, kv_pages(config, layout, device), device)
         return model, pool

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from engine.multimodal.inputs import ImageInput
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
@@ -45,3 +47,6 @@ class EngineRequest:
     prefill_only: bool = False
     on_pages_filled: PagesFilled | None = None
     images: tuple[ImageInput, ...] = ()
+    # EPD: the images' embedding rows [sum of their tokens, hidden], in prompt order, made by an
+    # encoder service; the engine then runs no vision tower (a --language-only worker has none).
+    image_embeddings: torch.Tensor | None = None

@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("tools.models.tiny_model", "write the built-in random-weight HF checkpoint"),
     "generate": ("tools.models.generate", "stream a generation from a local checkpoint in-process"),
-    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker"),
+    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker, or an EPD encoder (--encoder-only)"),
     "bootstrap": ("services.bootstrap.main", "start the bootstrap registry"),
     "launch-router": ("services.gateway.main", "start the OpenAI-compatible gateway"),
     "up": ("tools.up", "start registry, prefill, decode and gateway as local processes"),
@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench kv-bytes": ("tools.bench.kv_bytes", "KV bytes prefill ships per prompt token, model against model"),
     "bench parallel": ("tools.bench.parallel", "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
+    "bench epd": ("tools.bench.epd", "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),
     "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
     "bench serving": ("tools.bench.serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
     "bench pd-vs-colocated": ("tools.bench.serving.pd_vs_colocated",

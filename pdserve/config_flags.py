@@ -92,9 +92,13 @@ def _add_arguments(parser: argparse.ArgumentParser, config_cls: type, defaults: 
         if f.name in dests:
             raise TypeError(f"two config fields are named {f.name!r}: their flags would share one destination")
         dests.add(f.name)
-        kind, nullable = _scalar_type(hint)
         flags = tuple(f.metadata.get("flags", ("--" + f.name.replace("_", "-"),)))
         help_ = f.metadata.get("help", "")
+        if hint == tuple[str, ...]:  # one or more values after the flag, as SGLang's --encoder-urls
+            parser.add_argument(*flags, dest=f.name, nargs="+", default=default, metavar="STR",
+                                help=f"{help_} (default: {' '.join(default) or 'none'})")
+            continue
+        kind, nullable = _scalar_type(hint)
         if default is _REQUIRED:
             parser.add_argument(*flags, dest=f.name, type=kind, required=True, metavar=kind.__name__.upper(),
                                 help=help_)
@@ -116,6 +120,8 @@ def _from_args(config_cls: type[C], args: argparse.Namespace, defaults: dict[str
                 values[f.name] = defaults[f.name]
         elif dataclasses.is_dataclass(hint):
             values[f.name] = _from_args(hint, args, _sub_defaults(f, default), tuple(f.metadata.get("omit", ())))
+        elif hint == tuple[str, ...]:
+            values[f.name] = tuple(getattr(args, f.name) or ())
         else:
             values[f.name] = getattr(args, f.name)
     return config_cls(**values)

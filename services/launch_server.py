@@ -1,4 +1,5 @@
-"""`pdserve launch-server`: one prefill, decode or colocated worker, until SIGINT/SIGTERM.
+"""`pdserve launch-server`: one prefill, decode or colocated worker (or, with --encoder-only, an
+encoder service: services/encoder/main.py), until SIGINT/SIGTERM.
 
 Logs `[time] <role> worker listening on HOST:PORT (metrics :MPORT), ...` once it serves RPCs
 (launchers and tests read the bound ports from it when started with --port 0).
@@ -36,6 +37,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    if config.epd.encoder_only:  # EPD: the vision tower alone, as its own service
+        from services.encoder.main import run
+        return run(config)
     if config.engine.node_rank > 0:  # not node 0: this node only runs its ranks of node 0's worker
         from engine.tp.node import run_node
         # Not a return: the heartbeat thread may be inside a call to node 0's store (torch's C++

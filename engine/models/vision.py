@@ -39,6 +39,14 @@ def load_vision_tower(model_dir: str, config: ModelConfig, dtype: torch.dtype, d
     return VisionTower.load(model_dir, config, dtype, device)
 
 
+def tower_merge_size(config: ModelConfig) -> int:
+    """Patches per side of one image token, from config.json alone: a --language-only worker loads no
+    tower but must expand and hash image prompts exactly as the tower's worker does."""
+    if config.architecture == "LlavaForConditionalGeneration":
+        return 1  # one token per CLIP patch (engine.models.vision_clip)
+    return int(config.vision_config.get("spatial_merge_size", 2))
+
+
 def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the first of `prefixes` it has, the prefix removed."""
     reader = CheckpointReader(model_dir)

@@ -20,6 +20,7 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_COLOCATED: _ClassVar[WorkerRole]
+    WORKER_ROLE_ENCODER: _ClassVar[WorkerRole]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -28,6 +29,7 @@ WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_COLOCATED: WorkerRole
+WORKER_ROLE_ENCODER: WorkerRole
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype", "kv_lora_rank", "qk_rope_head_dim")

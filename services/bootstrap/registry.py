@@ -291,8 +291,11 @@ def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
 def check_consistent(worker: bootstrap_pb2.WorkerInfo, registered: Iterable[bootstrap_pb2.WorkerInfo]) -> None:
     """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
     would fail at their first handshake; refuse the newcomer (RegistrationRefused) with both
-    values named. `registered`: the other workers (any model)."""
-    peers = [info for info in registered if info.model == worker.model]
+    values named. `registered`: the other workers (any model). Encoders (EPD) agree among
+    themselves only: their layout is an embedding page and their backend the embeddings' one."""
+    encoder = worker.role == common_pb2.WORKER_ROLE_ENCODER
+    peers = [info for info in registered
+             if info.model == worker.model and (info.role == common_pb2.WORKER_ROLE_ENCODER) == encoder]
     for peer in peers:
         diffs = layout_differences(worker.kv_layout, peer.kv_layout)
         if diffs:

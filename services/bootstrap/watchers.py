@@ -27,11 +27,13 @@ ROLE_NAMES = {
     common_pb2.WORKER_ROLE_DECODE: "decode",
     common_pb2.WORKER_ROLE_COLOCATED: "colocated",
 }
+# EPD's encoders (services/encoder/) are no KV worker: counted by role only once one registered.
+_OTHER_ROLES = {common_pb2.WORKER_ROLE_ENCODER: "encoder"}
 
 
 def role_name(role: int) -> str:
     """WORKER_ROLE_PREFILL -> "prefill" (the label used in worker ids, logs and metrics)."""
-    return ROLE_NAMES.get(role, "unspecified")
+    return ROLE_NAMES.get(role) or _OTHER_ROLES.get(role, "unspecified")
 
 
 class WatcherOverflow(Exception):

@@ -91,6 +91,7 @@ class PrefillServicer(RoleServicer, worker_pb2_grpc.PrefillServicer):
             except BadRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await self._check_grant(writes, request, context)
+            parsed = await self.with_embeddings(parsed, list(request.images), context)  # --language-only (EPD)
             room.stage = Stage.WAITING
             first = await self._first_token(replace(parsed, on_pages_filled=writes.push))
             room.stage = Stage.INFLIGHT

@@ -30,6 +30,8 @@ class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
                 parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
         except ValueError as exc:  # BadRequest included
             await context.abort(BadRequest.code, str(exc))
+        if parsed.images and self.runtime.encoders is not None:  # --language-only: EPD
+            parsed = await self.with_embeddings(parsed, list(request.images), context)
         try:
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
         except RoomInUse:

@@ -21,6 +21,7 @@ from engine.tp.shard import check_tp_size
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.common.server_config import ServerConfig
+from services.worker.epd_config import EpdConfig
 
 MODES = ("prefill", "decode", "null")
 BACKENDS = ("mooncake", "nixl", "ucx", "fake")
@@ -98,6 +99,7 @@ class WorkerConfig:
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
+    epd: EpdConfig = field(default_factory=EpdConfig)
 
     def __post_init__(self) -> None:
         if not Path(self.engine.model_path, "config.json").is_file():
@@ -107,6 +109,7 @@ class WorkerConfig:
         if self.disaggregation_transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
+        self._check_epd()
         if self.engine.tp_size > 1:
             check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path),
                           self.engine.topology().ep_size, self.engine.topology().attn_tp_size)
@@ -115,6 +118,19 @@ class WorkerConfig:
         if self.engine.device == "auto":
             object.__setattr__(self, "engine", replace(self.engine, device=self._auto_device()))
 
+    def _check_epd(self) -> None:
+        if not (self.epd.encoder_only or self.engine.language_only):
+            return
+        flag = "--encoder-only" if self.epd.encoder_only else "--language-only"
+        if self.epd.encoder_only and self.engine.language_only:
+            raise ValueError("--encoder-only and --language-only exclude each other")
+        if not ModelConfig.from_dir(self.engine.model_path).is_multimodal:
+            raise ValueError(f"{flag} needs a vision-language model; {self.engine.model_path} is text-only")
+        if self.epd.encoder_only and self.disaggregation_mode != "null":
+            raise ValueError("--encoder-only runs no prefill or decode: leave --disaggregation-mode unset")
+        if self.engine.language_only and self.disaggregation_mode == "decode":
+            raise ValueError("--language-only is for a worker that runs prompts (colocated or prefill), not decode")
+
     def _auto_device(self) -> str:
         import torch
 
@@ -122,6 +138,8 @@ class WorkerConfig:
 
     @property
     def role(self) -> str:
+        if self.epd.encoder_only:
+            return "encoder"
         return {"prefill": "prefill", "decode": "decode", "null": "colocated"}[self.disaggregation_mode]
 
     @property

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import grpc
 
+from engine.models.vision import tower_merge_size
+from engine.request import EngineRequest
 from protos.v1 import worker_pb2
 from services.common.model_info import ModelInfoError, read_model_info
+from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.runtime import WorkerRuntime
 
 
@@ -36,3 +40,20 @@ class RoleServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot read the model's tokenizer files: {exc}")
+
+    async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes],
+                              context: grpc.aio.ServicerContext) -> EngineRequest:
+        """A --language-only worker's request with its images' embeddings from an encoder service
+        (services/worker/encoders.py); the request unchanged on a worker with its own vision tower.
+        Aborts the call with UNAVAILABLE (no encoder could make them: retryable elsewhere) or with
+        the encoder's own code when it refused the images."""
+        if not parsed.images or self.runtime.encoders is None:
+            return parsed
+        merge_size = tower_merge_size(self.engine.model_config)
+        try:
+            rows = await self.runtime.encoders.embeddings(parsed.room, blobs, parsed.images, merge_size)
+        except EncoderUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {parsed.room}: no image embeddings: {exc}")
+        except EncoderRefused as exc:
+            await context.abort(exc.code, f"room {parsed.room}: the encoder refused the images: {exc}")
+        return replace(parsed, image_embeddings=rows)

@@ -15,6 +15,7 @@ from engine.dp_engine import DPEngine, load_engine
 from engine.engine import Engine
 from engine.outputs import EngineStats
 from engine.step_clock import KINDS as STEP_KINDS
+from libkv.embedding_pool import EmbeddingPool
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
 from libkv.transfer.dp_groups import DPGroupsBackend
@@ -25,6 +26,7 @@ from protos.v1 import bootstrap_pb2, common_pb2
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.registry_client import RegistryClient
 from services.worker.config import WorkerConfig
+from services.worker.encoders import EncoderClient, add_embedding_metrics
 from services.worker.metrics import HANDSHAKE, WorkerMetrics
 from services.worker.rooms import RoomTable
 from services.worker.wire import endpoint_to_proto, layout_to_proto
@@ -35,12 +37,13 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
           "colocated": common_pb2.WORKER_ROLE_COLOCATED}
 
 
-def _backend_options(config: WorkerConfig) -> dict:
+def backend_options(config: WorkerConfig, name: str) -> dict:
+    """Constructor options of backend `name` (the KV backend, or EPD's embedding one) for this worker."""
     options: dict = {"timeout_s": config.transfer_timeout, "host": config.server.host}
-    if config.disaggregation_transfer_backend == "mooncake":
+    if name == "mooncake":
         options["ib_device"] = config.disaggregation_ib_device or ""
         options["max_queued_per_peer"] = envs.MOONCAKE_MAX_QUEUED_PER_PEER.get()
-    elif config.disaggregation_transfer_backend == "nixl":
+    elif name == "nixl":
         options["nixl_backend"] = envs.NIXL_BACKEND.get()
     return options
 
@@ -59,7 +62,8 @@ def _exit_worker(engine: Engine, config: WorkerConfig, why: str) -> None:
 def _transfer_backend(config: WorkerConfig, engine: Engine | DPEngine) -> TransferBackend:
     """The worker's backend, registered: every rank moves its own KV heads, to peers of any TP size.
     Under DP attention each group is a worker of attn_tp_size ranks of its own (dp_groups)."""
-    name, options = config.disaggregation_transfer_backend, _backend_options(config)
+    name = config.disaggregation_transfer_backend
+    options = backend_options(config, name)
     if isinstance(engine, DPEngine):
         size = config.engine.topology().attn_tp_size
         controls = engine.tp_followers.controls
@@ -81,6 +85,17 @@ def _transfer_backend(config: WorkerConfig, engine: Engine | DPEngine) -> Transf
     return backend
 
 
+def _encoder_client(config: WorkerConfig, engine: Engine) -> EncoderClient:
+    """A language-only worker's embedding pool, registered with its own backend instance
+    (--encoder-transfer-backend), and the client that fills it from encoders."""
+    name = config.epd.encoder_transfer_backend
+    pool = EmbeddingPool(engine.model_config.hidden_size, engine.kv_layout.dtype, config.epd.embedding_pages)
+    backend = create_backend(name, **backend_options(config, name))
+    backend.register(pool)
+    return EncoderClient(config.epd, model_name=config.model_name, pool=pool, backend=backend,
+                         security=config.security)
+
+
 @dataclass
 class WorkerRuntime:
     """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
@@ -92,6 +107,7 @@ class WorkerRuntime:
     rooms: RoomTable = field(default=None)  # type: ignore[assignment]  # default: one for config.role
     metrics_server: MetricsServer | None = None
     registry: RegistryClient | None = None
+    encoders: EncoderClient | None = None  # --language-only: where image embeddings come from (EPD)
 
     def __post_init__(self) -> None:
         if self.rooms is None:
@@ -107,7 +123,8 @@ class WorkerRuntime:
             engine.tp_followers.watch(lambda why: _exit_worker(engine, config, why))
         backend = None if config.role == "colocated" else _transfer_backend(config, engine)
         runtime = cls(config=config, engine=engine, backend=backend,
-                      metrics=WorkerMetrics(config.role, config.model_name))
+                      metrics=WorkerMetrics(config.role, config.model_name),
+                      encoders=_encoder_client(config, engine) if config.engine.language_only else None)
         runtime._add_gauges()
         return runtime
 
@@ -155,6 +172,8 @@ class WorkerRuntime:
                                      lambda g=g: engine.placed[g], dp_rank=str(g))
                 metrics.gauge("dp_rank_kv_pages_used", "KV pages in use on each DP attention group",
                               lambda member=member: member.pages.used_pages, dp_rank=str(g))
+        if self.encoders is not None:
+            add_embedding_metrics(metrics, self.encoders.cache, self.encoders.pages)
         if self.backend is not None:
             for rank in range(len(self.backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
@@ -209,6 +228,8 @@ class WorkerRuntime:
             worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
         self.registry = RegistryClient(self.config.bootstrap, security=self.config.security)
         await self.registry.register(worker)  # logs the worker id and lease
+        if self.encoders is not None:
+            self.encoders.registry = self.registry
         self.registry.start_heartbeat(load=self.load)
 
     async def close(self) -> None:
@@ -218,5 +239,7 @@ class WorkerRuntime:
         self.engine.shutdown()
         if self.backend is not None:
             self.backend.close()
+        if self.encoders is not None:
+            await self.encoders.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()

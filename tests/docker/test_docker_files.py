@@ -79,6 +79,14 @@ def test_compose_commands_parse_with_pdserve_flags():
     assert services["gateway"]["ports"] == [f"8000:{parsed['gateway'].port}"]
 
 
+def test_compose_encoder_is_an_epd_profile_service_with_pdserve_flags():
+    encoder = _compose()["services"]["encoder"]
+    assert encoder["profiles"] == ["epd"]  # not started by default
+    args = _parse_pdserve(encoder["command"])
+    assert args.encoder_only and args.bootstrap == "bootstrap:8998"
+    assert encoder["healthcheck"]["test"][-1] == str(args.port)
+
+
 def test_compose_passes_every_pdserve_knob():
     from pdserve import envs
 
@@ -358,7 +366,7 @@ def test_compose_file_is_valid_for_docker_compose(profiles: tuple[str, ...]):
     assert out.returncode == 0, out.stderr
     # compose 1.29 lists the profiled services with or without --profile
     services = set(_run([*base, "config", "--services"]).stdout.split())
-    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana", "mooncake-master"}
+    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana", "mooncake-master", "encoder"}
 
 
 def test_grafana_provisioning_matches_the_dashboards_and_compose():

@@ -271,3 +271,33 @@ def test_decode_refusals_and_expansion(vl_ckpt):
         prepare(str(vl_ckpt), ModelConfig.from_dict(json.loads((vl_ckpt / "config.json").read_text())
                                                     | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
                                                     ), [1, PAD], [png])
+
+
+def test_language_only_engine_takes_embeddings_from_the_request(vl_ckpt, hf_model, cases):
+    """EPD's engine hook: a --language-only engine loads no tower; the rows an encoder made (here the
+    tower run apart, as the encoder service runs it) give transformers' tokens; without them, or of
+    the wrong shape, the request is refused with a message."""
+    from engine.models.config import ModelConfig
+    from engine.models.vision import VisionTower
+
+    prompt, images = cases["text+2 images"]
+    tower = VisionTower.load(str(vl_ckpt), ModelConfig.from_dir(vl_ckpt), torch.float32, torch.device("cpu"))
+    rows = tower.encode(images)
+    engine = start_engine(vl_ckpt, page_size=PAGE, chunked_prefill_size=16, language_only=True,
+                          disable_radix_cache=True)
+    try:
+        assert engine.model.vision is None
+
+        async def run(**kind):
+            return [o async for o in generate(engine, prompt, GREEDY, "epd", images=tuple(images), **kind)]
+
+        outputs = asyncio.run(run(image_embeddings=rows))
+        assert_matches(([o.token_id for o in outputs], [o.logprob for o in outputs]),
+                       hf_generate(hf_model, prompt, images))
+        with pytest.raises(ValueError, match="loads no vision tower"):
+            asyncio.run(run())
+        with pytest.raises(ValueError, match="do not match the prompt's"):
+            asyncio.run(run(image_embeddings=rows[1:]))
+        assert engine.stats().used_pages == 0
+    finally:
+        engine.shutdown()

@@ -131,7 +131,7 @@ def _show(value: object) -> str:
         return "on" if value else "off"
     if value == "":
         return "empty"
-    if value == []:
+    if value in ([], ()):
         return "none"
     return f"`{value}`"
 

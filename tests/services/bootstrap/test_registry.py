@@ -170,6 +170,18 @@ def test_backend_mismatch_refused(registry: Registry) -> None:
     assert registry.stats.registrations_refused["backend_mismatch"] == 1
 
 
+def test_encoders_agree_among_themselves_only(registry: Registry) -> None:
+    """EPD: an encoder's layout is an embedding page and its backend the embeddings' one, so it is
+    compared with the model's other encoders, never with its KV workers."""
+    encoder = common_pb2.WORKER_ROLE_ENCODER
+    registry.register(worker_info("127.0.0.1:5000", PREFILL, backend="mooncake", page_size=16))
+    registry.register(worker_info("127.0.0.1:5001", encoder, backend="nixl", page_size=16, num_layers=1))
+    with pytest.raises(RegistrationRefused, match="num_layers: 2 vs 1"):
+        registry.register(worker_info("127.0.0.1:5002", encoder, backend="nixl", page_size=16))
+    assert [w.worker_id for w in registry.list(role=encoder)] == ["encoder-r-2"]
+    assert registry.count_by_role() == {"prefill": 1, "decode": 0, "colocated": 0, "encoder": 1}
+
+
 @pytest.mark.parametrize(("mutate", "problem"), [
     (lambda w: w.ClearField("role"), "role is unspecified"),
     (lambda w: w.ClearField("model"), "model is empty"),
