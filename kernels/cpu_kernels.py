@@ -98,6 +98,15 @@ def bf16_gemm_supported() -> bool:
     return available() and bool(torch.ops.pdserve_cpu.bf16_gemm_supported())
 
 
+def bf16_gemm_preferred() -> bool:
+    """Whether bf16 linears should run on the C++ GEMM rather than oneDNN: it is built, and the CPU
+    has no AMX (oneDNN's AMX kernels do a tile multiply per instruction, far beyond the AVX-512 FMAs
+    this kernel uses)."""
+    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    has_amx = bool(amx()) if amx is not None else "amx_bf16" in cpu_ext._cpu_flags().split()
+    return not has_amx and bf16_gemm_supported()
+
+
 def pack_bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] bf16 -> [ceil(N / 64), ceil(K / 2), 64, 2]: per group of 64 outputs, each pair of
     inputs' 64 x 2 weights contiguous (what one step of the kernel's inner loop loads). The padding
