@@ -12,7 +12,8 @@
 //
 // Batch invariance: every output is one fp32 accumulator that adds the K inputs in pairs, in
 // increasing k, whatever the number of rows, the row tile, the thread split or the other rows; the
-// bias is added in fp32 after the sum and the result rounded to bf16 once (round to nearest even).
+// bias is added in fp32 after the sum and the result rounded to bf16 once (round to nearest even);
+// blocking over K only parks the fp32 sums in memory between blocks, which changes no bit.
 // So a row's result is bit-identical alone or in any batch, prefill or decode.
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -33,6 +35,11 @@ constexpr int64_t kGroupCols = 64;  // outputs per packed group: four 16-lane ac
 // Rows whose x stays in cache while a thread walks its groups: W is read from memory once per
 // block of this many rows (all of a decode batch), then from L2 for each tile of rows inside it.
 constexpr int64_t kRowBlock = 128;
+// Input pairs per block of W (64 x 256 bytes = 16 KB, in L1): every row tile of the row block runs
+// over one block before the next, so W streams from memory once while the tiles compute, instead of
+// the first tile waiting on memory and the others then running from cache.
+constexpr int64_t kBlockPairs = 64;
+constexpr int64_t kPrefetchPairs = 2 * kBlockPairs;
 
 bool supported() {
 #if defined(__AVX512BF16__)
@@ -44,23 +51,28 @@ bool supported() {
 
 #if defined(__AVX512BF16__)
 
-// One tile: RM rows x 64 outputs over the whole K. Each 512-bit load of W holds the weights of
-// inputs k and k+1 for 16 outputs; a shift (k) and a mask (k+1) make them fp32, and fp32 FMAs with
-// x[r, k] broadcast do the math. Why not vdpbf16ps: on this CPU (Emerald Rapids without AMX) it
-// issues at half the rate of the FMA (measured 1.3 G vs 5.3 G instructions/s per core for the same 64
-// vs 32 flops), so converting the weights and using two FMAs is twice the compute peak; and it
-// rounds once per product pair instead of per product, which does not matter here.
+// One tile: RM rows x 64 outputs over the input pairs [k0, k1). Each 512-bit load of W holds the
+// weights of inputs k and k+1 for 16 outputs; a shift (k) and a mask (k+1) make them fp32, and fp32
+// FMAs with x[r, k] broadcast do the math. Why not vdpbf16ps: on this CPU (Emerald Rapids without
+// AMX) it issues at half the rate of the FMA (measured 1.3 G vs 5.3 G instructions/s per core for
+// 64 vs 32 flops), so converting the weights for two FMAs doubles the compute peak.
+//
+// The sums carry over between calls in `acc` (fp32, RM x 64, exact): the first block starts them at
+// zero, the last adds the bias, rounds to bf16 once and stores the outputs.
 template <int RM>
-void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k2, const float* bias,
-          c10::BFloat16* out, int64_t out_stride, int64_t valid_cols) {
+void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k0, int64_t k1, float* acc_buf, bool first,
+          bool last, bool prefetch, const float* bias, c10::BFloat16* out, int64_t out_stride, int64_t valid_cols) {
   __m512 acc[RM][4];
   for (int r = 0; r < RM; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + r * 64 + 16 * j);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < k2; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     const __m512i* wk = w + 4 * k;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 66), _MM_HINT_T0);
+    if (prefetch) {
+      // W kPrefetchPairs ahead, into L2, while this block's row tiles compute: one core alone
+      // reads memory at about 9 GB/s here unless more lines are in flight than the L1 can track.
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + 4 * kPrefetchPairs + j), _MM_HINT_T1);
+    }
     __m512 wf[4];
     for (int j = 0; j < 4; ++j) wf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wk + j), 16));
     for (int r = 0; r < RM; ++r) {
@@ -72,6 +84,11 @@ void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k2, const 
       const __m512 xr = _mm512_set1_ps(x[r * x_stride + 2 * k + 1]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xr, wf[j], acc[r][j]);
     }
+  }
+  if (!last) {
+    for (int r = 0; r < RM; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_buf + r * 64 + 16 * j, acc[r][j]);
+    return;
   }
   for (int j = 0; j < 4; ++j) {
     const int64_t cols = std::clamp<int64_t>(valid_cols - 16 * j, 0, 16);
@@ -85,8 +102,8 @@ void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k2, const 
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const __m512i*, int64_t, const float*, c10::BFloat16*, int64_t,
-                        int64_t);
+using TileFn = void (*)(const float*, int64_t, const __m512i*, int64_t, int64_t, float*, bool, bool, bool, const float*,
+                        c10::BFloat16*, int64_t, int64_t);
 // Six rows x four vectors = 24 accumulators, leaving registers for the weights and a broadcast.
 constexpr int kMaxTileRows = 6;
 constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
@@ -125,16 +142,20 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
   const int64_t x_stride = 2 * k2;
   // Each thread takes a contiguous run of groups: its own stretch of the weights, streamed in order.
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> acc(kRowBlock * kGroupCols);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t r1 = std::min(rows, r0 + kRowBlock);
       for (int64_t g = first; g < last; ++g) {
         const __m512i* w = wp + g * k2 * 4;
         const int64_t col0 = g * kGroupCols;
         const int64_t valid = std::min<int64_t>(kGroupCols, out_features - col0);
-        for (int64_t r = r0; r < r1; r += kMaxTileRows) {
-          const int64_t rm = std::min<int64_t>(kMaxTileRows, r1 - r);
-          kTiles[rm](xp + r * x_stride, x_stride, w, k2, bp ? bp + col0 : nullptr, op + r * out_features + col0,
-                     out_features, valid);
+        for (int64_t k0 = 0; k0 < k2; k0 += kBlockPairs) {
+          const int64_t k1 = std::min(k2, k0 + kBlockPairs);
+          for (int64_t r = r0; r < r1; r += kMaxTileRows) {
+            const int64_t rm = std::min<int64_t>(kMaxTileRows, r1 - r);
+            kTiles[rm](xp + r * x_stride, x_stride, w, k0, k1, acc.data() + (r - r0) * kGroupCols, k0 == 0, k1 == k2,
+                       r == r0, bp ? bp + col0 : nullptr, op + r * out_features + col0, out_features, valid);
+          }
         }
       }
     }
