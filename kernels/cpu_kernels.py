@@ -113,7 +113,7 @@ def pack_bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     is zeros, so it adds nothing to any sum."""
     out_features, in_features = weight.shape
     groups, pairs = -(-out_features // BF16_GEMM_GROUP), -(-in_features // 2)
-    padded = weight.to(torch.bfloat16)
+    padded = weight.to(torch.bfloat16).contiguous()
     if (groups * BF16_GEMM_GROUP, pairs * 2) != tuple(weight.shape):  # no padded copy where none is needed
         padded = torch.zeros(groups * BF16_GEMM_GROUP, pairs * 2, dtype=torch.bfloat16)
         padded[:out_features, :in_features] = weight
