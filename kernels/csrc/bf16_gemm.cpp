@@ -61,18 +61,22 @@ bool supported() {
 // zero, the last adds the bias, rounds to bf16 once and stores the outputs.
 template <int RM>
 void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k0, int64_t k1, float* acc_buf, bool first,
-          bool last, bool prefetch, const float* bias, c10::BFloat16* out, int64_t out_stride, int64_t valid_cols) {
+          bool last, int64_t pf_phase, int64_t pf_period, const float* bias, c10::BFloat16* out, int64_t out_stride, int64_t valid_cols) {
   __m512 acc[RM][4];
   for (int r = 0; r < RM; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + r * 64 + 16 * j);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t pf = pf_phase;
   for (int64_t k = k0; k < k1; ++k) {
     const __m512i* wk = w + 4 * k;
-    if (prefetch) {
-      // W kPrefetchPairs ahead, into L2, while this block's row tiles compute: one core alone
-      // reads memory at about 9 GB/s here unless more lines are in flight than the L1 can track.
+    if (pf == 0) {
+      // W kPrefetchPairs ahead, into L2. The block's row tiles share the prefetches (tile i of n
+      // takes every n-th pair): a core tracks only a few misses at a time, so one tile issuing
+      // them all would stall on memory while the others computed with none in flight.
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + 4 * kPrefetchPairs + j), _MM_HINT_T1);
+      pf = pf_period;
     }
+    --pf;
     __m512 wf[4];
     for (int j = 0; j < 4; ++j) wf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wk + j), 16));
     for (int r = 0; r < RM; ++r) {
@@ -102,7 +106,8 @@ void tile(const float* x, int64_t x_stride, const __m512i* w, int64_t k0, int64_
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const __m512i*, int64_t, int64_t, float*, bool, bool, bool, const float*,
+using TileFn = void (*)(const float*, int64_t, const __m512i*, int64_t, int64_t, float*, bool, bool, int64_t, int64_t,
+                        const float*,
                         c10::BFloat16*, int64_t, int64_t);
 // Six rows x four vectors = 24 accumulators, leaving registers for the weights and a broadcast.
 constexpr int kMaxTileRows = 6;
@@ -151,10 +156,11 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
         const int64_t valid = std::min<int64_t>(kGroupCols, out_features - col0);
         for (int64_t k0 = 0; k0 < k2; k0 += kBlockPairs) {
           const int64_t k1 = std::min(k2, k0 + kBlockPairs);
+          const int64_t tiles = (r1 - r0 + kMaxTileRows - 1) / kMaxTileRows;
           for (int64_t r = r0; r < r1; r += kMaxTileRows) {
             const int64_t rm = std::min<int64_t>(kMaxTileRows, r1 - r);
             kTiles[rm](xp + r * x_stride, x_stride, w, k0, k1, acc.data() + (r - r0) * kGroupCols, k0 == 0, k1 == k2,
-                       r == r0, bp ? bp + col0 : nullptr, op + r * out_features + col0, out_features, valid);
+                       (r - r0) / kMaxTileRows, tiles, bp ? bp + col0 : nullptr, op + r * out_features + col0, out_features, valid);
           }
         }
       }
