@@ -39,7 +39,7 @@ constexpr int64_t kRowBlock = 128;
 // over one block before the next, so W streams from memory once while the tiles compute, instead of
 // the first tile waiting on memory and the others then running from cache.
 constexpr int64_t kBlockPairs = 64;
-constexpr int64_t kPrefetchPairs = 2 * kBlockPairs;
+constexpr int64_t kPrefetchPairs = kBlockPairs;
 
 bool supported() {
 #if defined(__AVX512BF16__)
