@@ -4,7 +4,7 @@ Each function has a torch counterpart it is tested against: `paged_decode_attent
 kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch SDPA over the
 gathered pages (engine.models.attention's torch extend path), `mla_attention` against
 engine.models.mla.MLAAttention.attend_torch, the layer ops against the torch op chains of
-engine.models.layer_ops.TorchLayerOps. Call `available()` first: without the built library
+engine.models.layer_ops.TorchLayerOps, `bf16_gemm` against the exact (fp64) product. Call `available()` first: without the built library
 `torch.ops.pdserve_cpu` has none of these ops.
 """
 
