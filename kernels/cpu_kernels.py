@@ -4,7 +4,7 @@ Each function has a torch counterpart it is tested against: `paged_decode_attent
 kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch SDPA over the
 gathered pages (engine.models.attention's torch extend path), `mla_attention` against
 engine.models.mla.MLAAttention.attend_torch, the layer ops against the torch op chains of
-engine.models.layer_ops.TorchLayerOps. Call `available()` first: without the built library
+engine.models.layer_ops.TorchLayerOps, `bf16_gemm` against the exact (fp64) product. Call `available()` first: without the built library
 `torch.ops.pdserve_cpu` has none of these ops.
 """
 
@@ -88,3 +88,39 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     experts' stacked gate_up [E, 2I, H] and down [E, H, I] in x's dtype; rounds where engine.models.moe's
     torch path does, and a token's sums never depend on the other rows."""
     return torch.ops.pdserve_cpu.moe_experts(x, ids, weights, gate_up, down)
+
+
+BF16_GEMM_GROUP = 64  # outputs per packed group of kernels/csrc/bf16_gemm.cpp
+
+
+def bf16_gemm_supported() -> bool:
+    """Whether the built library has the AVX512-BF16 GEMM (it is compiled only for CPUs that have it)."""
+    return available() and bool(torch.ops.pdserve_cpu.bf16_gemm_supported())
+
+
+def bf16_gemm_preferred() -> bool:
+    """Whether bf16 linears should run on the C++ GEMM rather than oneDNN: it is built, and the CPU
+    has no AMX (oneDNN's AMX kernels do a tile multiply per instruction, far beyond the AVX-512 FMAs
+    this kernel uses)."""
+    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    has_amx = bool(amx()) if amx is not None else "amx_bf16" in cpu_ext._cpu_flags().split()
+    return not has_amx and bf16_gemm_supported()
+
+
+def pack_bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> [ceil(N / 64), ceil(K / 2), 64, 2]: per group of 64 outputs, each pair of
+    inputs' 64 x 2 weights contiguous (what one step of the kernel's inner loop loads). The padding
+    is zeros, so it adds nothing to any sum."""
+    out_features, in_features = weight.shape
+    groups, pairs = -(-out_features // BF16_GEMM_GROUP), -(-in_features // 2)
+    padded = weight.to(torch.bfloat16).contiguous()
+    if (groups * BF16_GEMM_GROUP, pairs * 2) != tuple(weight.shape):  # no padded copy where none is needed
+        padded = torch.zeros(groups * BF16_GEMM_GROUP, pairs * 2, dtype=torch.bfloat16)
+        padded[:out_features, :in_features] = weight
+    return padded.view(groups, BF16_GEMM_GROUP, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """y = x @ W.T + bias for a contiguous 2-d bf16 x and W packed by pack_bf16_gemm_weight: fp32 sums
+    in a fixed order per output (a row's result never depends on the other rows), one bf16 rounding."""
+    return torch.ops.pdserve_cpu.bf16_gemm(x, packed, bias, out_features)

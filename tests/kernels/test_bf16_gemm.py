@@ -1,0 +1,95 @@
+"""kernels/csrc/bf16_gemm.cpp: y = x @ W.T + bias in bf16 on a weight packed once.
+
+Accuracy: the kernel sums in fp32 and rounds to bf16 once, so against the exact (fp64) result it
+is off by at most one bf16 ulp of the result plus the fp32 summation's own error (bounded by a few
+fp32 ulps of the sum of |x_k * w_k|). Batch invariance is tested bit for bit: a row's output must
+not depend on how many rows share the call, which rows they are, or the thread count.
+
+The kernel exists only where the CPU has AVX512-BF16 (the library is built with -march=native);
+elsewhere the Linear keeps oneDNN and these tests skip (and where the CPU has AMX, the Linear keeps
+oneDNN's AMX kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.linear import Linear
+from kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemm_supported(), reason="no AVX512-BF16 GEMM in this build")
+
+
+def case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    b = (torch.randn(out_features, generator=generator) * 0.1).bfloat16() if bias else None
+    return x, weight, b
+
+
+def assert_within_one_bf16_ulp(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    exponent = torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -126)))
+    ulp = torch.pow(2.0, exponent - 7)  # bf16 keeps 8 significant bits
+    bound = ulp + magnitude * 2.0 ** -20  # + the fp32 summation's error over K terms
+    excess = (y.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"off by more than a bf16 ulp: worst excess {excess.max().item():.3g}"
+
+
+# The small preset's shapes (K 768 / 2048 into 768, 1280, 2048, 4096 and the 32000 vocab), odd K, and
+# N not a multiple of the 64-column group.
+@pytest.mark.parametrize("in_features,out_features", [(768, 768), (768, 1280), (768, 2048), (768, 4096),
+                                                      (2048, 768), (768, 32000), (77, 100), (130, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp32_math_within_one_bf16_ulp(in_features, out_features, bias):
+    x, weight, b = case(out_features, in_features, rows=9, bias=bias)
+    y = cpu_kernels.bf16_gemm(x, cpu_kernels.pack_bf16_gemm_weight(weight), None if b is None else b.float(),
+                              out_features)
+    assert y.dtype == torch.bfloat16 and y.shape == (9, out_features)
+    assert_within_one_bf16_ulp(y, x, weight, b)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(2048, 768), (129, 200)])
+def test_a_row_does_not_depend_on_the_batch_or_threads(in_features, out_features):
+    x, weight, b = case(out_features, in_features, rows=140, bias=True)  # > the 128-row block
+    packed, b32 = cpu_kernels.pack_bf16_gemm_weight(weight), b.float()
+    batch = cpu_kernels.bf16_gemm(x, packed, b32, out_features)
+    for rows in range(1, 18):  # every row tile (1..6) and its combinations
+        assert torch.equal(cpu_kernels.bf16_gemm(x[:rows], packed, b32, out_features), batch[:rows])
+    alone = torch.cat([cpu_kernels.bf16_gemm(x[i:i + 1], packed, b32, out_features) for i in range(140)])
+    assert torch.equal(alone, batch)
+    shuffled = torch.randperm(140, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(cpu_kernels.bf16_gemm(x[shuffled].contiguous(), packed, b32, out_features), batch[shuffled])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.bf16_gemm(x, packed, b32, out_features), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_gemm_preferred(), reason="this CPU has AMX: bf16 linears keep oneDNN")
+def test_linear_uses_it_for_bf16_and_keeps_fp32_on_onednn():
+    x, weight, b = case(300, 256, rows=5, bias=True)
+    bf16 = Linear(weight, b)
+    assert bf16.gemm
+    y = bf16(x.reshape(5, 1, 256))  # leading dimensions kept
+    assert y.shape == (5, 1, 300)
+    assert_within_one_bf16_ulp(y.reshape(5, 300), x, weight, b)
+    assert not Linear(weight.float(), b.float()).gemm
+
+
+def test_bad_input_is_a_clear_error():
+    x, weight, _ = case(64, 32, rows=2, bias=False)
+    packed = cpu_kernels.pack_bf16_gemm_weight(weight)
+    with pytest.raises(RuntimeError, match="inputs"):
+        cpu_kernels.bf16_gemm(torch.zeros(2, 40, dtype=torch.bfloat16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.bf16_gemm(x.float(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        cpu_kernels.bf16_gemm(x, packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.bf16_gemm(x, packed, torch.zeros(3), 64)
