@@ -52,6 +52,12 @@ async def run(engine, prompt, images, room, params=GREEDY, **kind) -> list[tuple
 async def pd_run(prefill, decode, prompt, images, room, params=GREEDY) -> list[tuple[int, float]]:
     """Prefill `prompt` with its images on `prefill`, copy its pages into `decode`'s reservation
     (made with the images' page hashes), decode there from the first token."""
+    first = await pd_prefill(prefill, decode, prompt, images, room, params)
+    return await run(decode, prompt, images, room, params, first_token=first)
+
+
+async def pd_prefill(prefill, decode, prompt, images, room, params=GREEDY) -> FirstToken:
+    """The prefill half of `pd_run`: `decode` then holds the prompt's KV under `room`."""
     reservation = decode.reserve_prompt(room, prompt, decode.prompt_hashes(prompt, images))
     written: list[int] = []
     outputs = [o async for o in generate(prefill, prompt, params, room, images=tuple(images), prefill_only=True,
@@ -60,7 +66,7 @@ async def pd_run(prefill, decode, prompt, images, room, params=GREEDY) -> list[t
     skip = reservation.cached_pages
     ops.scatter_pages(decode.pool.buffer, reservation.tail, ops.gather_pages(prefill.pool.buffer, written[skip:]))
     assert prefill.release(room)
-    return await run(decode, prompt, images, room, params, first_token=first)
+    return first
 
 
 def test_pd_equals_colocated_and_decode_hits_its_cache_exactly(vl_ckpt, tokenizer, images):
@@ -119,8 +125,12 @@ def test_decode_recomputes_a_retracted_image_prompt(vl_ckpt, tokenizer, images):
                     enumerate(zip(prompts, [first, second], strict=True))]
 
         async def both():
-            return await asyncio.gather(*(pd_run(prefill, decode, p, i, f"pd{n}", params) for n, (p, i) in
-                                          enumerate(zip(prompts, [first, second], strict=True))))
+            # Both prompts' KV lands on decode before either decodes, so the two grow in one batch
+            # and must outgrow the 9 pages (run one after the other, they never would).
+            cases = [(p, i, f"pd{n}") for n, (p, i) in enumerate(zip(prompts, [first, second], strict=True))]
+            firsts = [await pd_prefill(prefill, decode, p, i, room, params) for p, i, room in cases]
+            return await asyncio.gather(*(run(decode, p, i, room, params, first_token=f)
+                                          for (p, i, room), f in zip(cases, firsts, strict=True)))
 
         got = asyncio.run(both())
         assert decode.stats().total_retractions > 0
