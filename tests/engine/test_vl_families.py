@@ -6,7 +6,6 @@ its images' page salts; its CLIP preprocessing against transformers' CLIPImagePr
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 
@@ -21,16 +20,14 @@ from engine.multimodal.clip_processor import ClipProcessorConfig, center_crop, r
 from engine.multimodal.decode import prepare, processor_config
 from engine.multimodal.prompt import expand_image_tokens
 from engine.multimodal.state import MultimodalState
-from engine.sampling import SamplingParams
 from pdserve.page_hash import page_hashes
-from tests.engine.conftest import generate, start_engine
+from tests.engine.conftest import start_engine
+from tests.engine.test_vl import NEW, assert_matches, engine_generate
 from tools.models.tiny_llava import IMAGE_TOKEN_ID, IMAGE_TOKENS, PREPROCESSOR
 from tools.models.tiny_model import write_tiny_model
 from tools.models.tiny_vl import IMAGE_PAD, VISION_TOKEN_IDS
 
 PAGE = 16
-NEW = 10
-GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
 
 
 @dataclass(frozen=True)
@@ -105,19 +102,6 @@ def hf_generate(family: Family, model, prompt: list[int], images) -> tuple[list[
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
-
-
-def engine_generate(engine, prompt: list[int], images, room: str) -> tuple[list[int], list[float]]:
-    async def run():
-        return [o async for o in generate(engine, prompt, GREEDY, room, images=tuple(images))]
-
-    outputs = asyncio.run(run())
-    return [o.token_id for o in outputs], [o.logprob for o in outputs]
-
-
-def assert_matches(got, expected) -> None:
-    assert got[0] == expected[0]
-    assert got[1] == pytest.approx(expected[1], abs=1e-3)
 
 
 @pytest.fixture(scope="module")
