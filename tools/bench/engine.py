@@ -320,6 +320,8 @@ def main(args: argparse.Namespace) -> int:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
         report["pdserve_best_step_over_floor"] = results["pdserve"]["best_decode_ms_per_step"] / floor.ms
+        if floor.compute_ms is not None:
+            report["pdserve_step_over_compute_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.compute_ms
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
         if peer in results:
@@ -368,6 +370,11 @@ def print_table(report: dict) -> None:
                   f"{floor['kv_bytes'] / 1e6:.1f} MB of K/V at {floor['read_gb_s']:.1f} GB/s read "
                   f"(tools/bench/step_floor.py); pdserve step / floor {report['pdserve_step_over_floor']:.2f}x "
                   f"(best round {report['pdserve_best_step_over_floor']:.2f}x)\n")
+        if "compute_floor_ms" in floor:
+            out.write(f"  compute  {floor['compute_floor_ms']:.1f} ms/step: {floor['flops'] / 1e9:.2f} GFLOP at "
+                      f"{floor['matmul_gflop_s']:.0f} GFLOP/s (torch's best square matmul here, "
+                      f"{floor['matmul_dtype']}); pdserve step / compute floor "
+                      f"{report['pdserve_step_over_compute_floor']:.2f}x\n")
     if "seed_figure" in report:
         seed = report["seed_figure"]
         out.write(f"  seeds    decode {seed['decode_tokens_per_s']:8.1f} tok/s ({seed['system']}; pdserve / seeds: "

@@ -10,6 +10,13 @@ lm_head; the embedding only gathers a row per sequence) and each sequence's K/V.
   row), the mean context being the prompt plus half the new tokens.
 Read bandwidth: the best of a few passes summing a buffer much larger than the caches, on the
 engine's thread count.
+
+A second floor, for the math: a dense model's step multiplies every weight matrix by the batch
+(2 FLOPs per weight per row) and attends over the K/V (4 FLOPs per query head, dim and context
+token); over the fastest dense matmul torch runs on this machine in the same run (fp32 or bf16,
+square 1024 matrices, best of a few, the engine's threads). Where the CPU's bf16 math is slow (no
+AMX) the step is bound by that, not by memory: the step cannot beat the larger of the two. Not
+given for mixture-of-experts models (a step multiplies only the routed experts' weights).
 """
 
 from __future__ import annotations
@@ -24,19 +31,36 @@ import torch
 _BANDWIDTH_BUFFER_BYTES = 512 << 20
 
 
+_MATMUL_SIZE = 1024
+
+
 @dataclass(frozen=True)
 class StepFloor:
     weight_bytes: int
     kv_bytes: int
     read_gb_s: float
+    flops: int | None = None  # a step's math (dense models only)
+    matmul_gflop_s: float | None = None  # the fastest dense matmul measured here
+    matmul_dtype: str | None = None
 
     @property
     def ms(self) -> float:
+        """The memory floor: bytes over read bandwidth."""
         return (self.weight_bytes + self.kv_bytes) / (self.read_gb_s * 1e9) * 1e3
 
+    @property
+    def compute_ms(self) -> float | None:
+        if self.flops is None or not self.matmul_gflop_s:
+            return None
+        return self.flops / (self.matmul_gflop_s * 1e9) * 1e3
+
     def to_dict(self) -> dict:
-        return {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "read_gb_s": round(self.read_gb_s, 2),
-                "floor_ms": round(self.ms, 3)}
+        out = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "read_gb_s": round(self.read_gb_s, 2),
+               "floor_ms": round(self.ms, 3)}
+        if self.compute_ms is not None:
+            out.update({"flops": self.flops, "matmul_gflop_s": round(self.matmul_gflop_s, 1),
+                        "matmul_dtype": self.matmul_dtype, "compute_floor_ms": round(self.compute_ms, 3)})
+        return out
 
 
 def _tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -63,6 +87,36 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype, tied: bool) -> int:
     return total
 
 
+def linear_weights(model_dir: Path, tied: bool) -> int:
+    """Weights that multiply the batch: every matrix but an untied input embedding."""
+    total = 0
+    for name, shape in _tensor_shapes(model_dir).items():
+        if len(shape) != 2 or (name.endswith("embed_tokens.weight") and not tied):
+            continue
+        total += shape[0] * shape[1]
+    return total
+
+
+def matmul_gflop_s(threads: int, passes: int = 5) -> tuple[float, str]:
+    """The best rate of torch's square matmul in fp32 and in bf16, with `threads` threads, and its dtype."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best: tuple[float, str] = (0.0, "float32")
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
+            b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
+            torch.mm(a, b)  # oneDNN's first call picks and builds its kernel
+            for _ in range(passes):
+                began = time.perf_counter()
+                torch.mm(a, b)
+                rate = 2 * _MATMUL_SIZE**3 / (time.perf_counter() - began) / 1e9
+                best = max(best, (rate, str(dtype).removeprefix("torch.")))
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
 def read_bandwidth_gb_s(threads: int, passes: int = 5) -> float:
     """Best of `passes` sums over a buffer far larger than the caches, with `threads` threads."""
     previous = torch.get_num_threads()
@@ -87,5 +141,10 @@ def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_toke
     torch_dtype = getattr(torch, dtype)
     context = prompt_len + new_tokens / 2
     kv_per_token = config.kv_layout(page_size=1, dtype=torch_dtype).token_nbytes
+    flops = rate = rate_dtype = None
+    if config.moe is None and config.mla is None:
+        attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
+        flops = int(batch * (2 * linear_weights(Path(model_dir), config.tie_word_embeddings) + attention))
+        rate, rate_dtype = matmul_gflop_s(threads)
     return StepFloor(weight_bytes(Path(model_dir), torch_dtype, config.tie_word_embeddings),
-                     int(batch * context * kv_per_token), read_bandwidth_gb_s(threads))
+                     int(batch * context * kv_per_token), read_bandwidth_gb_s(threads), flops, rate, rate_dtype)
