@@ -60,12 +60,34 @@ def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Clu
     assert set(json.loads((out / "mix.json").read_text())["per_class"]) == {"bg", "long"}
 
 
+def test_bench_serving_on_the_chat_endpoint_generates_every_token_asked(cluster: Cluster, tiny_model, tmp_path):
+    """Random prompts as text to /v1/chat/completions, after a warm-up of other prompts: every request
+    ends, with the tokens asked for counted from the stream's logprobs as the server's usage says."""
+    worker = cluster.start("colocated", worker_args(tiny_model, "null"))
+    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
+                                        "--worker", worker.address])
+    out = tmp_path / "out"
+    done = pdserve("bench", "serving", "--base-url", f"http://{gateway.address}", "--model", str(tiny_model),
+                   "--endpoint", "chat", "--random-input-len", "48", "--random-output-len", "8",
+                   "--random-range-ratio", "1", "--num-prompts", "5", "--max-concurrency", "3",
+                   "--warmup-requests", "2", "--output-dir", str(out), "--tag", "chat", "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((out / "chat.json").read_text())
+    assert result["endpoint"] == "/v1/chat/completions" and result["warmup_requests"] == 2
+    assert result["completed"] == 5 and result["failed"] == 0 and len(result["requests"]) == 5
+    for request in result["requests"]:
+        assert request["ok"] and request["output_tokens"] == request["output_len"] == 8, request
+        assert len(request["itl_ms"]) == 7, request  # the stream's tokens, counted from its logprobs
+        assert request["prompt_tokens"] > 0, request  # the server's count, chat template included
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "bg: in=1 out=1 n=1"], "exactly one of rate="),
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
     (["--dataset-name", "sharegpt", "--dataset-path", "/nonexistent.json"], "No such file"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--slo-itl-ms", "-1"], "--slo-itl-ms must be > 0"),
+    (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
 ])
 def test_bad_input_gets_a_clear_error(tiny_model, args, message):
     done = pdserve("bench", "serving", "--base-url", "http://127.0.0.1:9", "--model", str(tiny_model), *args,
