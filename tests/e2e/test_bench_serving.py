@@ -121,6 +121,13 @@ def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, 
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "serving_vs_vllm.json").read_text())
     assert [row["deployment"] for row in summary["rows"]] == ["colocated", "pd"]
+    # vllm bench serve's load: the chat endpoint, a warm-up pass of --max-concurrency other prompts first
+    assert summary["load"]["endpoint"] == "/v1/chat/completions"
+    assert summary["load"]["warmup"] == {"prompts": 2, "output_len": 16}
+    for tag in ("colocated-round1", "pd-round1"):
+        run = json.loads((out / f"{tag}.json").read_text())
+        assert run["warmup_requests"] == 2 and run["completed"] == 3
+        assert all(r["output_tokens"] == 6 and r["prompt_tokens"] > 0 for r in run["requests"]), run["requests"]
     for row in summary["rows"]:
         assert row["engine_step_ms"] > 0 and row["tpot_over_step"] > 0 and len(row["request_throughput"]) == 1
     assert "| deployment | req/s" in done.stdout
