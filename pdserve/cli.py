@@ -30,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench pd-vs-colocated": ("tools.bench.serving.pd_vs_colocated",
                               "PD against colocated on the prefill-interruption workload, swept over rate"),
     "bench serving-vs-vllm": ("tools.bench.serving.vs_peer",
-                              "pdserve colocated and PD against vLLM's CPU server on one uniform load, with TPOT "
+                              "pdserve colocated and PD against vLLM's CPU server on vllm bench serve's load (random "
+                              "prompts to the chat endpoint, a warm-up pass of other prompts first), with TPOT "
                               "against the engine's step"),
     "bench request-path": ("tools.bench.request_path",
                            "the files one streaming PD chat request passes through, per process"),

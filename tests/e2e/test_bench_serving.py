@@ -60,12 +60,34 @@ def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Clu
     assert set(json.loads((out / "mix.json").read_text())["per_class"]) == {"bg", "long"}
 
 
+def test_bench_serving_on_the_chat_endpoint_generates_every_token_asked(cluster: Cluster, tiny_model, tmp_path):
+    """Random prompts as text to /v1/chat/completions, after a warm-up of other prompts: every request
+    ends, with the tokens asked for counted from the stream's logprobs as the server's usage says."""
+    worker = cluster.start("colocated", worker_args(tiny_model, "null"))
+    gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
+                                        "--worker", worker.address])
+    out = tmp_path / "out"
+    done = pdserve("bench", "serving", "--base-url", f"http://{gateway.address}", "--model", str(tiny_model),
+                   "--endpoint", "chat", "--random-input-len", "48", "--random-output-len", "8",
+                   "--random-range-ratio", "1", "--num-prompts", "5", "--max-concurrency", "3",
+                   "--warmup-requests", "2", "--output-dir", str(out), "--tag", "chat", "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((out / "chat.json").read_text())
+    assert result["endpoint"] == "/v1/chat/completions" and result["warmup_requests"] == 2
+    assert result["completed"] == 5 and result["failed"] == 0 and len(result["requests"]) == 5
+    for request in result["requests"]:
+        assert request["ok"] and request["output_tokens"] == request["output_len"] == 8, request
+        assert len(request["itl_ms"]) == 7, request  # the stream's tokens, counted from its logprobs
+        assert request["prompt_tokens"] > 0, request  # the server's count, chat template included
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "bg: in=1 out=1 n=1"], "exactly one of rate="),
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
     (["--dataset-name", "sharegpt", "--dataset-path", "/nonexistent.json"], "No such file"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--slo-itl-ms", "-1"], "--slo-itl-ms must be > 0"),
+    (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
 ])
 def test_bad_input_gets_a_clear_error(tiny_model, args, message):
     done = pdserve("bench", "serving", "--base-url", "http://127.0.0.1:9", "--model", str(tiny_model), *args,
@@ -99,6 +121,13 @@ def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, 
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "serving_vs_vllm.json").read_text())
     assert [row["deployment"] for row in summary["rows"]] == ["colocated", "pd"]
+    # vllm bench serve's load: the chat endpoint, a warm-up pass of --max-concurrency other prompts first
+    assert summary["load"]["endpoint"] == "/v1/chat/completions"
+    assert summary["load"]["warmup"] == {"prompts": 2, "output_len": 16}
+    for tag in ("colocated-round1", "pd-round1"):
+        run = json.loads((out / f"{tag}.json").read_text())
+        assert run["warmup_requests"] == 2 and run["completed"] == 3
+        assert all(r["output_tokens"] == 6 and r["prompt_tokens"] > 0 for r in run["requests"]), run["requests"]
     for row in summary["rows"]:
         assert row["engine_step_ms"] > 0 and row["tpot_over_step"] > 0 and len(row["request_throughput"]) == 1
     assert "| deployment | req/s" in done.stdout

@@ -2,7 +2,10 @@
 
 Random prompts are sent as token ids (`/v1/completions` takes a list of ids), so a prompt has
 exactly the length asked for on any server with the same tokenizer; ids are drawn from the
-tokenizer's vocabulary without its special tokens. ShareGPT prompts are the first human turn of
+tokenizer's vocabulary without its special tokens. For the chat endpoint, which takes text, the
+random ids are decoded, re-encoded and cut (or padded with more random ids) to the length asked,
+a few rounds, as vLLM's random dataset does: the text is about `input_len` tokens (the server's
+usage counts say exactly, chat template included). ShareGPT prompts are the first human turn of
 each conversation, sent as text; the output length is the token count of the first reply (or
 `--sharegpt-output-len`), and conversations whose prompt is under 4 or over 1024 tokens, or whose
 reply is under 4 tokens, are skipped, as SGLang's bench_serving does. Only the `tokenizers` library
@@ -46,11 +49,29 @@ def _plain_ids(tokenizer: Tokenizer) -> list[int]:
     return [i for i in range(tokenizer.get_vocab_size()) if i not in special]
 
 
-def random_prompts(request_class: RequestClass, tokenizer: Tokenizer, rng: random.Random) -> list[Prompt]:
-    """`request_class.num_requests` prompts of random ids, lengths drawn per the class."""
+def random_prompts(request_class: RequestClass, tokenizer: Tokenizer, rng: random.Random, *,
+                   as_text: bool = False) -> list[Prompt]:
+    """`request_class.num_requests` prompts of random ids (or text made of them), lengths drawn per the class."""
     ids = _plain_ids(tokenizer)
-    return [Prompt(request_class.name, [rng.choice(ids) for _ in range(input_len)], input_len, output_len)
-            for input_len, output_len in request_class.lengths(rng)]
+    prompts = []
+    for input_len, output_len in request_class.lengths(rng):
+        prompt = [rng.choice(ids) for _ in range(input_len)]
+        prompts.append(Prompt(request_class.name, _as_text(prompt, tokenizer, rng, ids) if as_text else prompt,
+                              input_len, output_len))
+    return prompts
+
+
+def _as_text(prompt: list[int], tokenizer: Tokenizer, rng: random.Random, ids: list[int], rounds: int = 10) -> str:
+    """Text whose encoding is (about) `len(prompt)` tokens: decoding random ids and encoding the text
+    again seldom gives the same count (pieces merge or split), so cut or pad and try again."""
+    target = len(prompt)
+    for _ in range(rounds):
+        text = tokenizer.decode(prompt, skip_special_tokens=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(prompt) == target:
+            return text
+        prompt = prompt[:target] + [rng.choice(ids) for _ in range(target - len(prompt))]
+    return tokenizer.decode(prompt, skip_special_tokens=True)
 
 
 def sharegpt_prompts(path: str | Path, num_prompts: int, tokenizer: Tokenizer, rng: random.Random,

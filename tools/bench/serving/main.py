@@ -5,8 +5,11 @@ Flags are SGLang bench_serving's where they mean the same (`--dataset-name rando
 `--random-range-ratio`, `--request-rate`, `--max-concurrency`, `--disable-tqdm`,
 `--disable-ignore-eos`, `--seed`, `--host/--port`), plus `--base-url`, `--workload` (a mixed
 workload, see workload.py), SLOs for goodput, `--max-duration` (the bound on sending) and
-`--output-dir` (the JSON and the PNG). It speaks `/v1/completions` with streaming, so pdserve's
-gateway, SGLang, vLLM and others run the same load. Example:
+`--output-dir` (the JSON and the PNG). It speaks `/v1/completions` (random prompts as token ids)
+or, with `--endpoint chat`, `/v1/chat/completions` (the prompt text as one user message), with
+streaming, so pdserve's gateway, SGLang, vLLM and others run the same load. `--warmup-requests`
+prompts of the same lengths, drawn apart from the measured ones (a warm-up must not fill the
+prefix cache with a measured prompt), go first and are not counted. Example:
 
     pdserve bench serving --base-url http://127.0.0.1:8000 --model .cache/models/tiny \\
         --dataset-name random --random-input-len 256 --random-output-len 64 --num-prompts 100 \\
@@ -27,6 +30,7 @@ import httpx
 
 from tools.bench.serving import datasets, metrics, plots, report, runner, workload
 from tools.bench.serving.account import ServingAccount
+from tools.bench.serving.client import ENDPOINTS, send
 from tools.bench.serving.workload import RequestClass, WorkloadError
 
 
@@ -35,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", help="the server's URL, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
     server.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given")
     server.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given")
-    server.add_argument("--backend", default="pdserve", help="label printed in the report (the client always "
-                        "speaks the OpenAI /v1/completions API)")
+    server.add_argument("--backend", default="pdserve", help="label printed in the report")
+    server.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions",
+                        help="the OpenAI API spoken: /v1/completions (random prompts as token ids) or "
+                        "/v1/chat/completions (the prompt text as one user message) (default completions)")
     server.add_argument("--model", help="model name sent in requests; a local checkpoint folder means its "
                         "folder name (pdserve's served name) and its tokenizer (default: the server's first model)")
     server.add_argument("--tokenizer", help="local checkpoint folder or tokenizer.json for building prompts "
@@ -58,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
     data.add_argument("--seed", type=int, default=1)
     data.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
-    data.add_argument("--warmup-requests", type=int, default=1, help="requests sent (and not counted) first")
+    data.add_argument("--warmup-requests", type=int, default=1,
+                      help="requests sent at once (and not counted) first, with other prompts than the measured ones")
     bound = parser.add_argument_group("bounds")
     bound.add_argument("--max-duration", type=float, default=600.0,
                        help="seconds after which nothing new is sent (default 600)")
@@ -91,6 +98,7 @@ def dataset_classes(args: argparse.Namespace) -> list[RequestClass]:
 
 def build_prompts(args: argparse.Namespace, classes: list[RequestClass], tokenizer) -> list[tuple[RequestClass, list]]:
     rng = random.Random(args.seed)
+    as_text = args.endpoint == "chat"
     if args.dataset_name == "sharegpt" and not args.workload:
         if not args.dataset_path:
             raise WorkloadError("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
@@ -98,7 +106,17 @@ def build_prompts(args: argparse.Namespace, classes: list[RequestClass], tokeniz
                                             args.sharegpt_output_len)
         only = classes[0]
         return [(RequestClass(only.name, 1, 1, len(prompts), rate=only.rate), prompts)]
-    return [(c, datasets.random_prompts(c, tokenizer, rng)) for c in classes]
+    return [(c, datasets.random_prompts(c, tokenizer, rng, as_text=as_text)) for c in classes]
+
+
+def warmup_prompts(measured: list[datasets.Prompt], count: int, tokenizer, seed: int, *, as_text: bool,
+                   output_len: int = 4) -> list[datasets.Prompt]:
+    """`count` random prompts the lengths of the first measured ones, from their own seeded RNG: never
+    a measured prompt (one sent first would hit the prefix cache when measured)."""
+    lengths = [prompt.input_len for prompt in measured[:count]]
+    rng = random.Random(f"{seed}-warmup")
+    return [datasets.random_prompts(RequestClass("warmup", length, output_len, 1, rate=math.inf), tokenizer, rng,
+                                    as_text=as_text)[0] for length in lengths]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -113,6 +131,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise WorkloadError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.max_duration > 0 or args.drain_timeout < 0:
         raise WorkloadError("--max-duration must be > 0 and --drain-timeout >= 0")
+    if args.warmup_requests < 0:
+        raise WorkloadError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if not 0 <= args.random_range_ratio <= 1:
         raise WorkloadError(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
 
@@ -133,26 +153,28 @@ def resolve_model(args: argparse.Namespace, base_url: str) -> tuple[str, str | N
     return model, tokenizer
 
 
-async def warm_up(base_url: str, model: str, prompts: list, count: int) -> None:
-    """Send `count` short requests first (connections, first-request costs); they are not counted."""
-    if count <= 0 or not prompts:
+async def warm_up(settings: runner.RunSettings, prompts: list[datasets.Prompt]) -> None:
+    """Send the warm-up prompts at once (connections, first-request costs, a batch's worth of
+    compiled or cached paths); they are not counted, and any failure ends the benchmark."""
+    if not prompts:
         return
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30)) as http:
-        from tools.bench.serving.client import send
-        for prompt in prompts[:count]:
-            short = datasets.Prompt(prompt.request_class, prompt.prompt, prompt.input_len, min(prompt.output_len, 4))
-            result = await send(http, base_url, model, short)
-            if not result.ok:
-                raise WorkloadError(f"the warm-up request to {base_url} failed: {result.error}")
+        results = await asyncio.gather(*(send(http, settings.base_url, settings.model, prompt,
+                                              ignore_eos=settings.ignore_eos, logprobs=settings.logprobs,
+                                              endpoint=settings.endpoint) for prompt in prompts))
+    for result in results:
+        if not result.ok:
+            raise WorkloadError(f"a warm-up request to {settings.base_url} failed: {result.error}")
 
 
 def benchmark(batches: list[tuple[RequestClass, list]], settings: runner.RunSettings, slo: metrics.Slo, *,
-              output_dir: Path, tag: str, backend: str, request_rate: float, warmup: int = 1,
+              output_dir: Path, tag: str, backend: str, request_rate: float, warmup: list[datasets.Prompt],
               title: str = "", account: ServingAccount | None = None) -> dict:
     """Run one benchmark, print the report, write TAG.json and TAG.png; returns the JSON payload.
-    With `account` (a deployment this process started), the payload's "account" is the run's
+    The `warmup` prompts are sent first, at once, and not counted (see warmup_prompts). With
+    `account` (a deployment this process started), the payload's "account" is the run's
     serving-cost account (tools/bench/serving/account.py)."""
-    asyncio.run(warm_up(settings.base_url, settings.model, [p for _, ps in batches for p in ps], warmup))
+    asyncio.run(warm_up(settings, warmup))
     if account is not None:
         account.start()
     outcome = asyncio.run(runner.run(batches, settings))
@@ -173,6 +195,7 @@ def benchmark(batches: list[tuple[RequestClass, list]], settings: runner.RunSett
         print(f"not sent (time bound): {outcome.not_sent}; failed: " + ("; ".join(problems) or "none"))
     detail = report.requests_detail(outcome)
     payload = {"tag": tag, "backend": backend, "base_url": settings.base_url, "model": settings.model,
+               "endpoint": ENDPOINTS[settings.endpoint].path, "warmup_requests": len(warmup),
                "request_rate": request_rate, "max_concurrency": settings.max_concurrency,
                "classes": [vars(c) for c, _ in batches], "slo": slo.to_dict(), "not_sent": outcome.not_sent,
                "cut": outcome.cut, "max_concurrent_requests": outcome.peak_concurrency, **summary,
@@ -194,17 +217,20 @@ def main(args: argparse.Namespace) -> int:
         if not tokenizer_path:
             raise WorkloadError("give --tokenizer (a local checkpoint folder or tokenizer.json): prompts are built "
                                 "with the served model's tokenizer")
-        batches = build_prompts(args, classes, datasets.load_tokenizer(tokenizer_path))
+        tokenizer = datasets.load_tokenizer(tokenizer_path)
+        batches = build_prompts(args, classes, tokenizer)
+        warmup = warmup_prompts([p for _, ps in batches for p in ps], args.warmup_requests, tokenizer, args.seed,
+                                as_text=args.endpoint == "chat")
     except (WorkloadError, ValueError) as exc:
         print(f"pdserve bench serving: {exc}", file=sys.stderr)
         return 2
     settings = runner.RunSettings(base_url=base_url, model=model, max_concurrency=args.max_concurrency,
                                   max_duration_s=args.max_duration, drain_s=args.drain_timeout,
-                                  ignore_eos=not args.disable_ignore_eos, seed=args.seed,
+                                  ignore_eos=not args.disable_ignore_eos, endpoint=args.endpoint, seed=args.seed,
                                   progress=not args.disable_tqdm)
     try:
         payload = benchmark(batches, settings, slo, output_dir=args.output_dir, tag=args.tag, backend=args.backend,
-                            request_rate=args.request_rate, warmup=args.warmup_requests)
+                            request_rate=args.request_rate, warmup=warmup)
     except WorkloadError as exc:
         print(f"pdserve bench serving: {exc}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ import httpx
 from engine.config import EngineConfig
 from services.worker.config import LocalPrefillRule
 from tools.bench.serving import datasets, deployments, metrics, plots, report, runner
-from tools.bench.serving.main import benchmark
+from tools.bench.serving.main import benchmark, warmup_prompts
 from tools.bench.serving.workload import WorkloadError, interruption_workload
 from tools.launch import NotReady, ProcessGroup
 
@@ -179,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
                                                 long_out=args.long_output_len)
                 rng = random.Random(args.seed)
                 batches = [(c, datasets.random_prompts(c, tokenizer, rng)) for c in classes]
+                warmup = warmup_prompts([p for _, ps in batches for p in ps], 1, tokenizer, args.seed, as_text=False)
                 for kind, deployment in started.items():
                     run_settings = runner.RunSettings(base_url=deployment.url, model=model,
                                                       max_duration_s=args.duration * 1.5 + 10, drain_s=60.0,
@@ -186,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
                     tag = f"{kind.replace('+', '-')}-rate{rate:g}"
                     print(f"\n### {kind}, short requests at {rate:g}/s, long prompts at {args.long_rate:g}/s")
                     payload = benchmark(batches, run_settings, slo, output_dir=args.output_dir, tag=tag,
-                                        backend=f"pdserve {kind}", request_rate=rate,
+                                        backend=f"pdserve {kind}", request_rate=rate, warmup=warmup,
                                         title=f"{kind} ({deployment.describe()}), short {rate:g}/s + long "
                                               f"{args.long_rate:g}/s, {model} {args.dtype}")
                     rows.append(sweep_row(kind, rate, payload))

@@ -71,14 +71,14 @@ def result_text(summary: dict, *, backend: str, request_rate: float, max_concurr
 
 def requests_detail(outcome: RunOutcome) -> list[dict]:
     """Per request, for re-plotting: class, lengths, start (s after the run started), TTFT, E2E and
-    its ITLs in ms, or its error."""
+    its ITLs in ms, the server's token counts, or its error."""
     rows = []
     for r in sorted(outcome.results, key=lambda r: r.start):
         row = {"class": r.request_class, "input_len": r.input_len, "output_len": r.output_len,
                "start_s": round(r.start - outcome.started, 4), "ok": r.ok}
         if r.ok:
             row.update(ttft_ms=round(r.ttft * 1e3, 3), e2e_ms=round(r.latency * 1e3, 3),
-                       output_tokens=r.output_tokens, itl_ms=[round(gap * 1e3, 3) for gap in r.itl])
+                       prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, itl_ms=[round(gap * 1e3, 3) for gap in r.itl])
         else:
             row["error"] = r.error
         rows.append(row)

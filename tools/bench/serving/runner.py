@@ -34,6 +34,7 @@ class RunSettings:
     drain_s: float = 30.0
     ignore_eos: bool = True
     logprobs: bool = True
+    endpoint: str = "completions"  # a key of client.ENDPOINTS
     seed: int = 1
     progress: bool = True
 
@@ -85,7 +86,8 @@ async def run(batches: Sequence[tuple[RequestClass, list[Prompt]]], settings: Ru
                     in_flight.change(+1)
                     try:
                         result = await send(http, settings.base_url, settings.model, prompt,
-                                            ignore_eos=settings.ignore_eos, logprobs=settings.logprobs)
+                                            ignore_eos=settings.ignore_eos, logprobs=settings.logprobs,
+                                            endpoint=settings.endpoint)
                     finally:
                         in_flight.change(-1)
             except asyncio.CancelledError:

@@ -1,7 +1,11 @@
 """`pdserve bench serving-vs-vllm`: pdserve colocated and PD against vLLM's CPU server, one uniform load.
 
-The load users compare CPU servers with: random prompts of `--input-len` tokens, `--output-len`
-generated (ignore_eos), `--num-prompts` requests in a closed loop of `--max-concurrency`. Each
+The load vLLM's own `vllm bench serve` compares CPU servers with: random prompts of `--input-len`
+tokens, `--output-len` generated (ignore_eos), `--num-prompts` requests in a closed loop of
+`--max-concurrency`, sent to the chat endpoint `/v1/chat/completions` (`--endpoint completions`:
+token-id prompts to `/v1/completions`). Before each measured run the deployment gets a warm-up
+pass, not counted: `--max-concurrency` other prompts (their own seeded RNG, never a measured one,
+which would then hit the prefix cache), the same input length, 16 output tokens, sent at once. Each
 deployment gets the same cores: pdserve colocated (one worker, one thread per core), pdserve PD
 (prefill on the first half of the cores, decode on the rest, KV over a real transfer engine) and,
 with `--peer-python`, vLLM's OpenAI server run by the python of another environment (vLLM is never
@@ -31,12 +35,14 @@ from pathlib import Path
 
 from tools.bench.serving import datasets, deployments, metrics, report, runner
 from tools.bench.serving.account import ServingAccount, account_table
+from tools.bench.serving.client import ENDPOINTS
 from tools.bench.serving.main import benchmark
 from tools.bench.serving.pd_vs_colocated import DEFAULT_MODEL, parse_cores, wait_healthy
 from tools.bench.serving.workload import RequestClass
 from tools.launch import NotReady, ProcessGroup
 
 STEP_PATTERN = re.compile(r"decode step median ([0-9.]+) ms")
+WARMUP_OUTPUT_LEN = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,10 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-backend", default="nixl", choices=["mooncake", "nixl", "ucx"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cores", default=None, help="cores to use, e.g. 0-1 (default: every core this process may use)")
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="chat",
+                        help="the OpenAI API the load is sent to: /v1/chat/completions (default, prompt text as "
+                        "one user message, as `vllm bench serve` measures) or /v1/completions (token-id prompts)")
+    parser.add_argument("--input-len", type=int, default=512, help="random prompt tokens (default 512)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated, ignore_eos (default 128)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="measured requests per run (default 32)")
+    parser.add_argument("--max-concurrency", type=int, default=8,
+                        help="requests in flight, a closed loop; also the warm-up pass's size (default 8)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs per deployment, alternating order, each round with new prompts")
     parser.add_argument("--num-pages", type=int, default=2048)
@@ -118,8 +128,14 @@ def main(args: argparse.Namespace) -> int:
                         concurrency=args.max_concurrency)
     # Fresh prompts each round (the same for every deployment within it): a round repeating the last
     # one's prompts would measure prefix caches, which pdserve and vLLM both have on by default.
+    as_text = args.endpoint == "chat"
     rng = random.Random(args.seed)
-    prompts_by_round = [datasets.random_prompts(load, tokenizer, rng) for _ in range(args.rounds)]
+    prompts_by_round = [datasets.random_prompts(load, tokenizer, rng, as_text=as_text) for _ in range(args.rounds)]
+    warmup_load = RequestClass("warmup", args.input_len, WARMUP_OUTPUT_LEN, args.max_concurrency,
+                               concurrency=args.max_concurrency)
+    warmup_rng = random.Random(f"{args.seed}-warmup")
+    warmup_by_round = [datasets.random_prompts(warmup_load, tokenizer, warmup_rng, as_text=as_text)
+                       for _ in range(args.rounds)]
     settings = deployments.WorkerSettings(model_path=str(args.model_path), backend=args.transfer_backend,
                                           dtype=args.dtype, num_pages=args.num_pages)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-serving-vs-vllm-"))
@@ -147,12 +163,13 @@ def main(args: argparse.Namespace) -> int:
                 order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
                 for kind in order:
                     run_settings = runner.RunSettings(base_url=urls[kind], model=model, max_concurrency=None,
-                                                      max_duration_s=900, drain_s=60.0, seed=args.seed,
-                                                      progress=False)
+                                                      max_duration_s=900, drain_s=60.0, endpoint=args.endpoint,
+                                                      seed=args.seed, progress=False)
                     print(f"\n### {kind}, round {round_index + 1}")
                     payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(),
                                         output_dir=args.output_dir, tag=f"{kind}-round{round_index + 1}",
                                         backend=kind, request_rate=float("inf"),
+                                        warmup=warmup_by_round[round_index],
                                         account=ServingAccount(started[kind]) if kind in started else None)
                     payload["load_average"] = os.getloadavg()[0]
                     runs.setdefault(kind, []).append(payload)
@@ -188,14 +205,18 @@ def main(args: argparse.Namespace) -> int:
         print("\nServing-cost account (tools/bench/serving/account.py): TPOT if a token paid only the engine's "
               "decode steps and the prompt chunks inside them, against the clients' TPOT; CPU per token by process")
         print(account_table(accounts))
-    summary = {"model": model, "dtype": args.dtype, "cores": cores, "load": vars(load), "rows": rows,
+    summary = {"model": model, "dtype": args.dtype, "cores": cores,
+               "load": {**vars(load), "endpoint": ENDPOINTS[args.endpoint].path,
+                        "warmup": {"prompts": args.max_concurrency, "output_len": WARMUP_OUTPUT_LEN}}, "rows": rows,
                "accounts": accounts,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "serving-vs-vllm", *sys.argv[3:]])}
-    if "vllm" in runs and "colocated" in runs:
-        summary["colocated_over_vllm_req_s"] = (statistics.median(p["request_throughput"] for p in runs["colocated"])
-                                                / statistics.median(p["request_throughput"] for p in runs["vllm"]))
-        print(f"colocated / vLLM request throughput (medians): {summary['colocated_over_vllm_req_s']:.2f}x")
+    for kind in ("colocated", "pd"):
+        if "vllm" in runs and kind in runs:
+            ratio = (statistics.median(p["request_throughput"] for p in runs[kind])
+                     / statistics.median(p["request_throughput"] for p in runs["vllm"]))
+            summary[f"{kind}_over_vllm_req_s"] = ratio
+            print(f"{kind} / vLLM request throughput (medians): {ratio:.2f}x")
     report.write_json(args.output_dir / "serving_vs_vllm.json", summary)
     print(f"wrote {args.output_dir / 'serving_vs_vllm.json'}; logs in {log_dir}")
     return 0 if all(p["completed"] == args.num_prompts for ps in runs.values() for p in ps) else 1
