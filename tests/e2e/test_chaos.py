@@ -8,6 +8,7 @@ printed; the logs stay in pytest's tmp_path.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,7 +24,11 @@ SCENARIOS = ("baseline,kill-bootstrap,kill-prefill,kill-decode,kill-gateway,free
              "idle")
 SHORT_RUN = ["--backends", "mooncake,nixl", "--scenarios", SCENARIOS, "--duration", "4", "--clients", "4",
              "--disconnects", "100", "--hung-after", "10", "--hung-wait", "10", "--registry-down", "20",
-             "--idle", "45"]
+             "--idle", "15"]
+# Every process pings its gRPC peers every 4 s instead of 10: gRPC's server-side ping policy, which the
+# idle scenario is there to catch, would cut an idle channel after three pings (12 s), so 15 s of idle
+# shows the same thing as the default's 45 s, in a third of the time, on both backends.
+KEEPALIVE_ENV = {"PDSERVE_GRPC_KEEPALIVE_TIME": "4"}
 
 
 def _log_tails(log_dir) -> str:
@@ -35,7 +40,7 @@ def test_chaos_suite_short_run(tmp_path, tiny_model):
     log_dir = tmp_path / "logs"
     run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "chaos", "--json", "--log-dir", str(log_dir),
                           "--model-path", str(tiny_model), *SHORT_RUN],
-                         capture_output=True, text=True, timeout=1400)
+                         capture_output=True, text=True, timeout=1400, env={**os.environ, **KEEPALIVE_ENV})
     try:
         rows = json.loads(run.stdout)
     except ValueError:
