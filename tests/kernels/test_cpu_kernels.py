@@ -34,8 +34,8 @@ def built():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 40])  # vector path (multiple of 16) and scalar path
-@pytest.mark.parametrize("num_q_heads", [2, 6])  # GQA 1:1 and 3:1 over 2 KV heads
+@pytest.mark.parametrize("head_dim", [64, 96, 48, 40])  # vector path (multiples of 16) and scalar path
+@pytest.mark.parametrize("num_q_heads", [2, 6, 18])  # GQA 1:1, 3:1 and 9:1 over 2 KV heads
 def test_paged_decode_attention_matches_torch(dtype, head_dim, num_q_heads):
     case = make_case([1, 13, 8, 33, 70], num_q_heads=num_q_heads, head_dim=head_dim, dtype=dtype,
                      page_size=16, filler=10_000, seed=head_dim + num_q_heads)
