@@ -9,6 +9,7 @@ the hashes the prefill side cached the pages under, so its reservations hit exac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -109,6 +110,41 @@ def test_pd_equals_colocated_and_decode_hits_its_cache_exactly(vl_ckpt, tokenize
             engine.shutdown()
 
 
+class _AdmitTogether:
+    """The engine's inbox, holding its first `count` new requests until all have arrived and then
+    putting them in back to back (one thread, no await between), so its thread takes them in at
+    one look (it drains the inbox before each step) and they join the same step."""
+
+    def __init__(self, inbox, count: int) -> None:
+        self.inbox, self.count, self.held = inbox, count, []
+
+    def put(self, command) -> None:
+        if type(command).__name__ != "_Add" or self.count == 0:
+            self.inbox.put(command)
+            return
+        self.held.append(command)
+        if len(self.held) == self.count:
+            self.count = 0
+            for held in self.held:
+                self.inbox.put(held)
+
+    def get(self, *args, **kwargs):
+        return self.inbox.get(*args, **kwargs)
+
+    def get_nowait(self):
+        return self.inbox.get_nowait()
+
+
+@contextlib.contextmanager
+def admitted_together(engine, count: int):
+    inbox = engine._inbox
+    engine._inbox = _AdmitTogether(inbox, count)
+    try:
+        yield
+    finally:
+        engine._inbox = inbox
+
+
 def test_decode_recomputes_a_retracted_image_prompt(vl_ckpt, tokenizer, images):
     """Two prefilled requests outgrow the decode engine's 9 pages: one is retracted, and its prompt
     (image tokens included: the vision tower runs on decode then) and output so far are recomputed."""
@@ -125,12 +161,15 @@ def test_decode_recomputes_a_retracted_image_prompt(vl_ckpt, tokenizer, images):
                     enumerate(zip(prompts, [first, second], strict=True))]
 
         async def both():
-            # Both prompts' KV lands on decode before either decodes, so the two grow in one batch
-            # and must outgrow the 9 pages (run one after the other, they never would).
+            # Both prompts' KV lands on decode before either decodes, and decode takes both requests
+            # in before its first step, so the two grow in one batch and must outgrow the 9 pages (run
+            # one after the other they never would; and a second request that reached the engine some
+            # steps after the first, as on a loaded machine, could find the first nearly done).
             cases = [(p, i, f"pd{n}") for n, (p, i) in enumerate(zip(prompts, [first, second], strict=True))]
             firsts = [await pd_prefill(prefill, decode, p, i, room, params) for p, i, room in cases]
-            return await asyncio.gather(*(run(decode, p, i, room, params, first_token=f)
-                                          for (p, i, room), f in zip(cases, firsts, strict=True)))
+            with admitted_together(decode, len(cases)):
+                return await asyncio.gather(*(run(decode, p, i, room, params, first_token=f)
+                                              for (p, i, room), f in zip(cases, firsts, strict=True)))
 
         got = asyncio.run(both())
         assert decode.stats().total_retractions > 0
