@@ -109,7 +109,7 @@ def build_prompts(args: argparse.Namespace, classes: list[RequestClass], tokeniz
     return [(c, datasets.random_prompts(c, tokenizer, rng, as_text=as_text)) for c in classes]
 
 
-def warmup_prompts(measured: list[datasets.Prompt], count: int, tokenizer, seed: int, *, as_text: bool,
+def warmup_prompts(measured: list[datasets.Prompt], count: int, tokenizer, seed: int | str, *, as_text: bool,
                    output_len: int = 4) -> list[datasets.Prompt]:
     """`count` random prompts the lengths of the first measured ones, from their own seeded RNG: never
     a measured prompt (one sent first would hit the prefix cache when measured)."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from tools.bench.serving import datasets, deployments, metrics, report, runner
 from tools.bench.serving.account import ServingAccount, account_table
 from tools.bench.serving.client import ENDPOINTS
-from tools.bench.serving.main import benchmark
+from tools.bench.serving.main import benchmark, warmup_prompts
 from tools.bench.serving.pd_vs_colocated import DEFAULT_MODEL, parse_cores, wait_healthy
 from tools.bench.serving.workload import RequestClass
 from tools.launch import NotReady, ProcessGroup
@@ -131,11 +131,9 @@ def main(args: argparse.Namespace) -> int:
     as_text = args.endpoint == "chat"
     rng = random.Random(args.seed)
     prompts_by_round = [datasets.random_prompts(load, tokenizer, rng, as_text=as_text) for _ in range(args.rounds)]
-    warmup_load = RequestClass("warmup", args.input_len, WARMUP_OUTPUT_LEN, args.max_concurrency,
-                               concurrency=args.max_concurrency)
-    warmup_rng = random.Random(f"{args.seed}-warmup")
-    warmup_by_round = [datasets.random_prompts(warmup_load, tokenizer, warmup_rng, as_text=as_text)
-                       for _ in range(args.rounds)]
+    warmup_by_round = [warmup_prompts(prompts, args.max_concurrency, tokenizer, f"{args.seed}-round{i}",
+                                      as_text=as_text, output_len=WARMUP_OUTPUT_LEN)
+                       for i, prompts in enumerate(prompts_by_round)]
     settings = deployments.WorkerSettings(model_path=str(args.model_path), backend=args.transfer_backend,
                                           dtype=args.dtype, num_pages=args.num_pages)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-serving-vs-vllm-"))
