@@ -209,9 +209,9 @@ class DPEngine:
         for member in self.members:
             member.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, exiting: bool = False) -> None:
         for member in reversed(self.members):  # member 0 last: it closes the rank group
-            member.shutdown()
+            member.shutdown(exiting=exiting)
 
     def check(self, request: EngineRequest) -> EngineRequest:
         return self.members[0].check(request)

@@ -164,8 +164,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the engine thread after its current step; abort every live request."""
+    def shutdown(self, *, exiting: bool = False) -> None:
+        """Stop the engine thread after its current step; abort every live request. `exiting`: the
+        process ends right after, without interpreter teardown (the store client is left to it)."""
         self._stopping.set()
         self._inbox.put(_Wake())
         if self._thread is not None:
@@ -178,7 +179,7 @@ class Engine:
         if self.tp_followers is not None:
             self._stop_followers()
         if self.hicache is not None:
-            self.hicache.close()
+            self.hicache.close(exiting=exiting)
 
     def _stop_followers(self) -> None:
         followers, self.tp_followers = self.tp_followers, None

@@ -30,7 +30,12 @@ class StoreClient(Protocol):
     def put(self, keys: Sequence[str], values: Sequence[bytes]) -> None: ...
     def upsert(self, keys: Sequence[str], values: Sequence[bytes]) -> None: ...
     def ping(self) -> None: ...
-    def close(self) -> None: ...
+    def close(self, *, exiting: bool = False) -> None: ...
+
+
+# Native clients a process that is about to end left open (close(exiting=True)): referenced here so
+# that no destructor tears them down before the process ends (launch_server ends it with exit_process).
+_LEFT_TO_EXIT: list[Any] = []
 
 
 class MooncakeStoreClient:
@@ -112,11 +117,20 @@ class MooncakeStoreClient:
         mounted again (after a master restart the first puts fail for lack of space)."""
         self._checked("put", self._call(self._write, lambda: self._store.put("pdserve/ping", b"1")))
 
-    def close(self) -> None:
+    def close(self, *, exiting: bool = False) -> None:
         """Close the client on the write lane, waiting at most the timeout (a client whose master
-        is gone may take long to close; the lane thread finishes it in the background)."""
+        is gone may take long to close; the lane thread finishes it in the background).
+
+        `exiting`: the process ends right after, so leave the native client to the exit. Mooncake's
+        close holds the GIL while it unmounts the segment and stops its handshake listener: with the
+        master gone that took 5-6 s here (the unmount RPC's timeout), and with another client
+        connected to this one's segment it never returned, so no thread of the worker ran and it
+        outlived its stop signal until SIGKILL. The master drops the segment of a client that went
+        away when its lease runs out, as for a worker that died."""
         store, self._store = self._store, None
-        if store is not None:
+        if store is not None and exiting:
+            _LEFT_TO_EXIT.append(store)
+        elif store is not None:
             try:
                 self._call(self._write, store.close)
             except StoreError:

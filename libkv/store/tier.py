@@ -312,8 +312,9 @@ class StoreTier:
             self._wake_probe.wait(self.probe_interval_s)
             self._wake_probe.clear()
 
-    def close(self) -> None:
-        """Stop both threads (queued pages are released unwritten) and close the client."""
+    def close(self, *, exiting: bool = False) -> None:
+        """Stop both threads (queued pages are released unwritten) and close the client (`exiting`:
+        the process ends right after; see MooncakeStoreClient.close)."""
         self._stopping.set()
         self._up = False
         self._wake_probe.set()
@@ -326,4 +327,4 @@ class StoreTier:
                 self._release([item.page])
         self._queue.put(None)
         self._writer.join(timeout=5)
-        self.client.close()
+        self.client.close(exiting=exiting)

@@ -232,11 +232,19 @@ class WorkerRuntime:
             self.encoders.registry = self.registry
         self.registry.start_heartbeat(load=self.load)
 
+    @property
+    def ends_with_exit_process(self) -> bool:
+        """Whether the worker process must end with exit_process, skipping interpreter teardown:
+        NIXL/UCX agents crash in their destructors there, and `close` leaves a hierarchical-cache
+        store client open for the exit (its teardown can hold the process for ever)."""
+        return self.backend is not None or self.config.engine.enable_hierarchical_cache
+
     async def close(self) -> None:
-        """Deregister, stop the engine, close the transfer backend and the metrics endpoint."""
+        """Deregister, stop the engine, close the transfer backend and the metrics endpoint: the
+        worker process's last act before it ends (see ends_with_exit_process)."""
         if self.registry is not None:
             await self.registry.close()
-        self.engine.shutdown()
+        self.engine.shutdown(exiting=self.ends_with_exit_process)
         if self.backend is not None:
             self.backend.close()
         if self.encoders is not None:

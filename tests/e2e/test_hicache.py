@@ -8,6 +8,8 @@ leak detector stays quiet (the cluster fixture checks it).
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from kernels import cpu_kernels
@@ -62,3 +64,10 @@ def test_a_second_worker_fetches_what_the_first_computed(cluster: Cluster, tiny_
     assert second.metric("pdserve:hicache_fetch_latency_seconds_count") == len(prompts)
     assert first.metric("pdserve:hicache_hit_pages_total") == 0
     assert_pages_idle(first, second)
+    # With the master gone, SIGTERM still stops each worker within the 10 s `pdserve up` gives a
+    # process before SIGKILL. Mooncake's store teardown, when the worker ran it, held the GIL until
+    # its unmount RPC to the master failed: 19 s for the first worker here.
+    master.kill()
+    for worker in (second, first):
+        assert worker.kill(signal.SIGTERM, wait_s=10), f"{worker.name} outlived SIGTERM:\n{worker.log()[-3000:]}"
+        assert worker.popen.returncode == 0, worker.log()[-3000:]

@@ -28,6 +28,9 @@ PROMPTS = ("Tell me about the river.", "Write a poem about the sea, please.")
 
 @pytest.fixture
 def hosts() -> Iterator[HostNetwork]:
+    """Tests ask for it before `cluster`: fixtures are torn down in reverse order, so the processes
+    stop while their network is still up (with the network gone first, each stop waited out its
+    deregister's deadline, and some processes were SIGKILLed)."""
     try:
         network = HostNetwork.create(["registry", "prefill", "decode", "gateway"])
     except NetnsUnavailable as exc:
@@ -50,7 +53,7 @@ def _chat(address: str, content: str) -> str:
     return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
 
 
-def test_four_hosts_serve_like_one(cluster: Cluster, hosts: HostNetwork, tiny_model: Path) -> None:
+def test_four_hosts_serve_like_one(hosts: HostNetwork, cluster: Cluster, tiny_model: Path) -> None:
     registry_host, prefill_host, decode_host, gateway_host = (hosts.hosts[name] for name in
                                                               ("registry", "prefill", "decode", "gateway"))
     registry = cluster.start("bootstrap", ["bootstrap", "--host", registry_host.address, "--port", "0",

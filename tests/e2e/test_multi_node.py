@@ -47,6 +47,9 @@ def deepseek(tmp_path_factory):
 
 @pytest.fixture
 def hosts() -> Iterator[HostNetwork]:
+    """Tests ask for it before `cluster`: fixtures are torn down in reverse order, so the processes
+    stop while their network is still up (with the network gone first, each stop waited out its
+    deregister's deadline, and some processes were SIGKILLed)."""
     try:
         network = HostNetwork.create(["router", "prefill0", "prefill1", "decode0", "decode1"])
     except NetnsUnavailable as exc:
@@ -92,7 +95,7 @@ def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str
 
 @pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake"),
                                                  ("dp", "mooncake"), ("dp", "nixl")])
-def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork, deepseek, layout, backend):
+def test_seeds_two_node_deepseek_matches_hf(hosts: HostNetwork, cluster: Cluster, deepseek, layout, backend):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
                                            "--metrics-port", "0"], wrapper=router.wrapper)
@@ -129,7 +132,7 @@ def test_seeds_two_node_deepseek_matches_hf(cluster: Cluster, hosts: HostNetwork
     assert decode_node1.popen.wait(timeout=60) == 0, decode_node1.log()[-2000:]
 
 
-def test_killed_second_node_takes_its_worker_out(cluster: Cluster, hosts: HostNetwork, deepseek):
+def test_killed_second_node_takes_its_worker_out(hosts: HostNetwork, cluster: Cluster, deepseek):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
                                            "--metrics-port", "0"], wrapper=router.wrapper)
