@@ -189,7 +189,7 @@ def test_node_started_with_other_sizes_is_refused(cluster: Cluster, deepseek):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     common = ["launch-server", "--model-path", str(deepseek), "--port", "0", "--metrics-port", "0", "--nnodes", "2",
-              "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "20", "--num-threads", "1", "--num-pages", "32"]
+              "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "8", "--num-threads", "1", "--num-pages", "32"]
     node0 = cluster.spawn("node0", [*common, "--node-rank", "0", "--tp-size", "2"])
     node1 = _pdserve(*common, "--node-rank", "1", "--tp-size", "4")
     assert node1.returncode == 2
