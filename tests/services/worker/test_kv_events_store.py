@@ -115,6 +115,10 @@ async def test_written_and_fetched_pages_are_published_as_store_pages(model, mas
     finally:
         for server in servers:
             await server.stop(None)
+        if master.process.poll() is not None:
+            # A store client's close unmounts its segment on the master, holding the GIL until that
+            # call ends: about 10 s each when no master answers, at once when one does.
+            master.start()
         writer.shutdown()
         reader.shutdown()
 
