@@ -118,15 +118,15 @@ class MooncakeStoreClient:
         self._checked("put", self._call(self._write, lambda: self._store.put("pdserve/ping", b"1")))
 
     def close(self, *, exiting: bool = False) -> None:
-        """Close the client on the write lane, waiting at most the timeout (a client whose master
-        is gone may take long to close; the lane thread finishes it in the background).
+        """Close the native client on the write lane and stop the lanes. The caller waits at most
+        the timeout only for a close that releases the GIL, and Mooncake's holds it while it
+        unmounts the segment on the master: with the master gone that took 5 to 19 s here, during
+        which no thread of the process ran (a stopped worker outlived its stop grace, SIGKILLed).
 
-        `exiting`: the process ends right after, so leave the native client to the exit. Mooncake's
-        close holds the GIL while it unmounts the segment and stops its handshake listener: with the
-        master gone that took 5-6 s here (the unmount RPC's timeout), and with another client
-        connected to this one's segment it never returned, so no thread of the worker ran and it
-        outlived its stop signal until SIGKILL. The master drops the segment of a client that went
-        away when its lease runs out, as for a worker that died."""
+        `exiting`: the process ends right after (launch_server ends it with exit_process), so leave
+        the native client to the exit. The master drops the segment of a client that went away when
+        its lease runs out, as for a worker that died.
+        """
         store, self._store = self._store, None
         if store is not None and exiting:
             _LEFT_TO_EXIT.append(store)
