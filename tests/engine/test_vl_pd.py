@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 
+from engine.engine import _Add  # the inbox command that hands the engine a request
 from engine.multimodal.image_processor import ImageProcessorConfig, preprocess
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
@@ -119,7 +120,7 @@ class _AdmitTogether:
         self.inbox, self.count, self.held = inbox, count, []
 
     def put(self, command) -> None:
-        if type(command).__name__ != "_Add" or self.count == 0:
+        if not isinstance(command, _Add) or self.count == 0:
             self.inbox.put(command)
             return
         self.held.append(command)
