@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: setup run test test-gpu lint protos check-protos unit e2e docker docker-smoke
+.PHONY: setup run test test-gpu lint typecheck protos check-protos unit e2e docker docker-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,10 @@ run: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The deployed packages (pdserve/, services/, engine/, libkv/) type-check with zero errors: pyproject's [tool.mypy].
+typecheck: setup
+	$(VENV)/bin/mypy
 
 protos: setup
 	@bash scripts/gen_protos.sh
