@@ -51,7 +51,7 @@ from engine.request import EngineRequest
 from engine.sampling import sample
 from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_clock import StepClock
-from engine.stream import OutputStream, TextStream
+from engine.stream import OutputStream, text_stream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
 from pdserve.page_hash import page_hashes
@@ -243,9 +243,8 @@ class Engine:
         if self._thread is None:
             raise RuntimeError("engine not started")
         state = self._new_request(request)
-        text = None if request.prefill_only else TextStream(
-            self.tokenizer, request.params, prompt_ids=request.prompt_ids,
-            eos_token_ids=self.model_config.eos_token_ids)
+        text = None if request.prefill_only else text_stream(
+            self.tokenizer, request.params, request.prompt_ids, self.model_config.eos_token_ids)
         stream = OutputStream(text)
         state.emit = lambda item: self._deliveries[stream.loop].append((stream.put, item))
         self._inbox.put(_Add(state, request.first_token))

@@ -11,8 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from transformers import AutoTokenizer
 
+from pdserve.text import TextStream
 from protos.v1 import common_pb2, worker_pb2
 from services.gateway.dispatcher import (
     Dispatcher,
@@ -234,10 +235,11 @@ def tokenizer(tiny_model: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
 
 
-def worker_text(tokenizer: Tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> list[str]:
-    """Each token's text as one worker, unmigrated, makes it (no stop strings)."""
-    stream = DecodeStream(ids=list(prompt[-6:]), skip_special_tokens=True)
-    return [stream.step(tokenizer, token_id) or "" for token_id in ids]
+def worker_text(model: Path, prompt: Sequence[int], ids: Sequence[int]) -> list[str]:
+    """Each token's text as one worker, unmigrated, makes it (no stop strings): with the
+    transformers tokenizer a worker loads, the last token ending the output ("length")."""
+    stream = TextStream(AutoTokenizer.from_pretrained(model), prompt_ids=prompt)
+    return [stream.apply(token_id, "length" if i == len(ids) - 1 else None)[0] for i, token_id in enumerate(ids)]
 
 
 def tokens(ids: Sequence[int], texts: Sequence[str] | None = None) -> tuple[GeneratedToken, ...]:
@@ -245,28 +247,29 @@ def tokens(ids: Sequence[int], texts: Sequence[str] | None = None) -> tuple[Gene
 
 
 @pytest.mark.parametrize("text", ["Hello world, migrating text.", "héllo wörld ✓ 日本語のテキスト 🙂🙂"])
-def test_the_continuation_text_joins_the_delivered_text(tokenizer: Tokenizer, text: str) -> None:
+def test_the_continuation_text_joins_the_delivered_text(tokenizer: Tokenizer, tiny_model: Path, text: str) -> None:
     prompt = tokenizer.encode("The prompt:").ids
     ids = tokenizer.encode(text).ids
-    whole = worker_text(tokenizer, prompt, ids)
+    whole = worker_text(tiny_model, prompt, ids)
+    assert "".join(whole) == text
     for cut in range(1, len(ids)):  # every boundary, inside multi-byte characters too
-        delivered = Delivered(token_ids=list(ids[:cut]), text="".join(whole[:cut]))
+        delivered = Delivered(token_ids=list(ids[:cut]))
         text_maker = ContinuationText(tokenizer, sampling(stop=[]), prompt, delivered)
         rest = text_maker.apply(GenerationChunk(tokens(ids[cut:]), finish_reason="length"))
-        assert delivered.text + rest.text == "".join(whole), cut
+        assert "".join(whole[:cut]) + rest.text == text, cut
         assert rest.finish_reason == "length"
 
 
 def test_a_stop_string_across_the_boundary_is_honoured(tokenizer: Tokenizer) -> None:
     first, second = tokenizer.encode("hello wo").ids, tokenizer.encode("rld and more").ids
     # the failed worker held back "wo" (it may start the stop string "world") and sent the rest
-    delivered = Delivered(token_ids=first, text="hello ")
+    delivered = Delivered(token_ids=first)
     maker = ContinuationText(tokenizer, sampling(stop=["world"]), [], delivered)
     rest = maker.apply(GenerationChunk(tokens(second)))
     assert rest.finish_reason == "stop" and rest.text == ""
     assert len(rest.tokens) < len(second)  # cut at the token that completed it
     # no stop string: the held-back text is shown before the new text
-    maker = ContinuationText(tokenizer, sampling(stop=["wonder"]), [], Delivered(token_ids=first, text="hello "))
+    maker = ContinuationText(tokenizer, sampling(stop=["wonder"]), [], Delivered(token_ids=first))
     rest = maker.apply(GenerationChunk(tokens(second), finish_reason="length"))
     assert rest.text == "world and more" and rest.finish_reason == "length"
 
@@ -274,7 +277,7 @@ def test_a_stop_string_across_the_boundary_is_honoured(tokenizer: Tokenizer) -> 
 def test_a_stop_token_adds_no_text(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("abc def").ids
     maker = ContinuationText(tokenizer, sampling(stop=[], stop_token_ids=[ids[-1]]), [],
-                             Delivered(token_ids=[], text=""))
+                             Delivered(token_ids=[]))
     rest = maker.apply(GenerationChunk(tokens(ids), finish_reason="stop"))
     assert rest.text == tokenizer.decode(ids[:-1]) and rest.finish_reason == "stop"
 

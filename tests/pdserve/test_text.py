@@ -1,5 +1,5 @@
-"""engine.stream's text: incremental detokenizer, stop strings and TextStream, with the built-in
-byte-level tokenizer."""
+"""pdserve.text: incremental detokenizer, stop strings and TextStream, with the built-in byte-level
+tokenizer; and engine.stream's `text_stream`, which adds a request's eos ids."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from engine.sampling import SamplingParams
-from engine.stream import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, TextStream
+from engine.stream import text_stream
+from pdserve.sampling_params import SamplingParams
+from pdserve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, TextStream
 from tools.models.tokenizer_train import write_tokenizer
 
 MULTIBYTE_TEXTS = [
@@ -151,7 +152,7 @@ def test_text_stream_stop_string_across_token_boundaries(tokenizer):
     ids = tokenizer.encode(text)
     pieces = [tokenizer.decode([t]) for t in ids]
     assert "\n\nEND" not in pieces and not any("\n\nEND" in p for p in pieces)  # really split
-    stream = TextStream(tokenizer, SamplingParams(stop=["\n\nEND"]))
+    stream = TextStream(tokenizer, stop=["\n\nEND"])
     deltas, stopped_at = _run(stream, ids)
     assert "".join(deltas) == "The answer is 42."
     assert stream.stopped and stream.matched_stop == "\n\nEND"
@@ -164,7 +165,7 @@ def test_text_stream_stop_string_across_token_boundaries(tokenizer):
 
 def test_text_stream_stop_string_inside_multibyte_text(tokenizer):
     text = "今日は天気🚀がいい"
-    stream = TextStream(tokenizer, SamplingParams(stop=["🚀"]))
+    stream = TextStream(tokenizer, stop=["🚀"])
     deltas, stopped_at = _run(stream, tokenizer.encode(text))
     assert "".join(deltas) == "今日は天気" and stopped_at is not None
     assert all(REPLACEMENT_CHAR not in d for d in deltas)
@@ -172,7 +173,7 @@ def test_text_stream_stop_string_inside_multibyte_text(tokenizer):
 
 def test_text_stream_without_match_emits_everything(tokenizer):
     text = "almost END but \n\nEN not quite 😀"
-    stream = TextStream(tokenizer, SamplingParams(stop=["\n\nEND"]))
+    stream = TextStream(tokenizer, stop=["\n\nEND"])
     deltas, stopped_at = _run(stream, tokenizer.encode(text))
     assert stopped_at is None and "".join(deltas) == text
     assert not stream.stopped and stream.matched_stop is None and stream.finished
@@ -181,16 +182,16 @@ def test_text_stream_without_match_emits_everything(tokenizer):
 def test_text_stream_eos_and_stop_token_ids(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = tokenizer.encode("Done here") + [im_end] + tokenizer.encode(" more")
-    stream = TextStream(tokenizer, SamplingParams(), eos_token_ids=[im_end, 0])
+    stream = text_stream(tokenizer, SamplingParams(), eos_token_ids=[im_end, 0])
     deltas, stopped_at = _run(stream, ids)
     assert "".join(deltas) == "Done here" and stopped_at == ids.index(im_end)
     assert stream.matched_stop == im_end
 
-    stream = TextStream(tokenizer, SamplingParams(ignore_eos=True), eos_token_ids=[im_end])
+    stream = text_stream(tokenizer, SamplingParams(ignore_eos=True), eos_token_ids=[im_end])
     deltas, stopped_at = _run(stream, ids)
     assert stopped_at is None and "".join(deltas) == "Done here more"
 
     here = tokenizer.encode("Done here")
-    stream = TextStream(tokenizer, SamplingParams(stop_token_ids=[here[-1]]))
+    stream = TextStream(tokenizer, stop_token_ids=[here[-1]])
     deltas, stopped_at = _run(stream, here + tokenizer.encode(" more"))
     assert stopped_at == len(here) - 1 and "".join(deltas) == tokenizer.decode(here[:-1])
