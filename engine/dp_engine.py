@@ -21,22 +21,26 @@ the prefilled request then runs there; `group_of(room)` and `pool_for(room)` tel
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import fields, replace
 
 import torch
 
+from engine.api import EngineAPI
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.engine import Engine, pages_freed_event
 from engine.loading import _page_manager, load
 from engine.models.moe import ExpertLoad
 from engine.outputs import EngineStats, TokenOutput
 from engine.request import EngineRequest
 from engine.scheduler import SchedulerOutput
 from engine.tp.dp_attention import DPStep
+from engine.tp.ranks import FollowerRanks
 from libkv.landing import RankGroupPool
 from pdserve.page_hash import page_hashes
 
@@ -202,8 +206,18 @@ class DPEngine:
         return cls(members, _group_pools(loaded.pool, loaded.followers, config.topology().attn_tp_size, dp_size))
 
     @property
-    def tp_followers(self):
+    def tp_followers(self) -> FollowerRanks | None:
         return self.members[0].tp_followers
+
+    @property
+    def hicache(self) -> None:
+        """The store tier runs on one rank only (refused with DP attention at start)."""
+        return None
+
+    @property
+    def step_clock(self) -> None:
+        """None: the members step jointly, so no one member's clock is the worker's."""
+        return None
 
     def start(self) -> None:
         for member in self.members:
@@ -249,6 +263,10 @@ class DPEngine:
             if pages is not None:
                 self._assign(room, member)
         return pages
+
+    def pages_freed(self) -> AbstractContextManager[asyncio.Event]:
+        """Engine.pages_freed over every group: pages freed on any group may let a reservation in."""
+        return pages_freed_event([member.pages for member in self.members])
 
     def release(self, room: str) -> bool:
         with self._lock:
@@ -332,7 +350,7 @@ def _group_pools(pool, followers, attn_tp_size: int, dp_size: int) -> list:
                     for g in range(1, dp_size))]
 
 
-def load_engine(config: EngineConfig) -> Engine | DPEngine:
+def load_engine(config: EngineConfig) -> EngineAPI:
     """The engine a worker runs: one Engine, or a DPEngine under --enable-dp-attention."""
     if config.topology().dp_size > 1:
         return DPEngine.load(config)

@@ -32,8 +32,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, aclosing, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +104,25 @@ def open_store_tier(config: EngineConfig, pool: KVPool, pages: PageManager) -> S
     identity = StoreIdentity(model_digest(config.model_path), pool.layout)
     return StoreTier(client, pool, identity, pages.retain, pages.free,
                      write_queue_pages=config.hicache_write_queue_pages).start()
+
+
+@contextmanager
+def pages_freed_event(managers: Sequence[PageManager]) -> Iterator[asyncio.Event]:
+    """Engine.pages_freed over page managers (a DP engine's groups each have one)."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def freed() -> None:  # on the thread that freed them (the engine thread, mostly)
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:
+            pass  # the waiter's loop is closed: nobody waits any more
+    stops = [pages.on_freed(freed) for pages in managers]
+    try:
+        yield event
+    finally:
+        for stop in stops:
+            stop()
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -285,6 +304,11 @@ class Engine:
         """The KV pool holding `room`'s pages: the engine's one pool (engine.dp_engine.DPEngine has
         one per DP group)."""
         return self.pool
+
+    def pages_freed(self) -> AbstractContextManager[asyncio.Event]:
+        """An event on the caller's loop, set whenever pages are given back while the block runs: a
+        waiter for free pages clears it, tries to reserve, and waits for it (no polling)."""
+        return pages_freed_event([self.pages])
 
     def release(self, room: str) -> bool:
         """Free the pages reserved or held under `room`; False if it has none."""

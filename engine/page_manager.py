@@ -160,6 +160,7 @@ class PageManager:
         self.cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
         self._lock = threading.Lock()
         self._by_room: dict[str, list[int]] = {}  # reservations and holds
+        self._freed_listeners: list[Callable[[], None]] = []
 
     @property
     def num_pages(self) -> int:
@@ -193,7 +194,23 @@ class PageManager:
         sequence's cached pages the later ones (leaves of the prefix tree) are evicted first."""
         with self._lock:
             self.allocator.release(reversed(page_ids))
+            listeners = list(self._freed_listeners) if page_ids else []
         page_ids.clear()
+        for listener in listeners:
+            listener()
+
+    def on_freed(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` whenever pages are given back (`free`, `release`), from the thread that
+        gives them back, until the returned function is called. For a waiter that polls nothing:
+        it tries to reserve, and tries again when told."""
+        with self._lock:
+            self._freed_listeners.append(listener)
+
+        def stop() -> None:
+            with self._lock:
+                if listener in self._freed_listeners:
+                    self._freed_listeners.remove(listener)
+        return stop
 
     def retain(self, page_ids: Sequence[int]) -> None:
         """Add a reference to pages in use or idle in the cache (the store tier keeps pages it has
@@ -311,7 +328,10 @@ class PageManager:
             if pages is None:
                 return False
             self.allocator.release(reversed(pages))
-            return True
+            listeners = list(self._freed_listeners)
+        for listener in listeners:
+            listener()
+        return True
 
     def has_room(self, room: str) -> bool:
         with self._lock:

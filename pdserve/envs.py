@@ -114,11 +114,6 @@ MOONCAKE_MASTER = EnvVar(
     "SGLang's name for the Mooncake Store master (HOST:PORT), read when PDSERVE_HICACHE_MOONCAKE_MASTER "
     "and --hicache-mooncake-master are unset.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
-TEST_HOLD_ADMISSION = EnvVar(
-    "PDSERVE_TEST_HOLD_ADMISSION", "",
-    "Tests only (never set in a deployment): a decode worker holds every request whose room id starts "
-    "with this prefix after its KV landed and before its batch takes it, until the request is aborted: "
-    "the abort-window test lands its abort there. Empty: off.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 

@@ -19,6 +19,7 @@ from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
 from services.worker.config import WorkerConfig
+from services.worker.hooks import WorkerHooks
 from services.worker.kv_events import KvEventsServicer
 from services.worker.leak_detector import LeakDetector
 from services.worker.runtime import WorkerRuntime
@@ -30,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, WorkerConfig)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, hooks: WorkerHooks = WorkerHooks()) -> int:
+    """Run the worker `args` describe until a signal; its exit code. `hooks`: a test's or a tool's
+    seams into it (tools/hooked_worker.py); a deployment passes none."""
     setup_logging("worker")
     try:
         config = config_from_args(WorkerConfig, args)
@@ -49,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     runtime = WorkerRuntime.create(config)  # loads weights, sizes the KV pool, registers its memory
     code = 0
     try:
-        asyncio.run(serve(runtime))
+        asyncio.run(serve(runtime, hooks))
     except OSError as exc:
         log.error("%s worker failed to start: %s", config.role, exc)
         code = 1
@@ -66,14 +69,14 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
-def _binding(runtime: WorkerRuntime) -> ServiceBinding:
+def _binding(runtime: WorkerRuntime, hooks: WorkerHooks) -> ServiceBinding:
     if runtime.config.role == "prefill":
         from services.prefill.servicer import PrefillServicer
         return ServiceBinding(service_name(worker_pb2, "Prefill"), PrefillServicer(runtime),
                               worker_pb2_grpc.add_PrefillServicer_to_server)
     if runtime.config.role == "decode":
         from services.decode.servicer import DecodeServicer
-        servicer = DecodeServicer(runtime)
+        servicer: worker_pb2_grpc.WorkerServicer = DecodeServicer(runtime, hooks)
     else:
         from services.worker.colocated import ColocatedServicer
         servicer = ColocatedServicer(runtime)
@@ -81,25 +84,34 @@ def _binding(runtime: WorkerRuntime) -> ServiceBinding:
                           worker_pb2_grpc.add_WorkerServicer_to_server)
 
 
-async def serve(runtime: WorkerRuntime) -> None:
+def _background(runtime: WorkerRuntime, servicer: object) -> list[asyncio.Task]:
+    """What a worker runs beside its RPCs: the leak detector; on decode the "Decode batch" log line
+    and the watch of the prefill workers' leases."""
+    detector = LeakDetector(runtime.engine, runtime.rooms.live, lambda leak: runtime.metrics.leak_detections.inc())
+    tasks = [asyncio.create_task(detector.run())]
+    if runtime.config.role == "decode":
+        from services.decode.prefill_leases import watch_prefill_leases
+        from services.decode.servicer import DecodeServicer
+        tasks.append(asyncio.create_task(_log_loop(runtime)))
+        if runtime.registry is not None and isinstance(servicer, DecodeServicer):
+            tasks.append(asyncio.create_task(watch_prefill_leases(runtime.registry, servicer.remote)))
+    return tasks
+
+
+async def serve(runtime: WorkerRuntime, hooks: WorkerHooks = WorkerHooks()) -> None:
     config = runtime.config
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     runtime.engine.start()
     try:
         runtime.start_metrics()
-        binding = _binding(runtime)
+        binding = _binding(runtime, hooks)
         kv_events = KvEventsServicer(runtime.engine)
         server = await start_grpc_server(
             [binding, ServiceBinding(service_name(worker_pb2, "KvEvents"), kv_events,
                                      worker_pb2_grpc.add_KvEventsServicer_to_server)],
             config.server.host, config.server.port, security=config.security)
         await runtime.register(server.address)
-        detector = LeakDetector(runtime.engine, runtime.rooms.live, lambda leak: runtime.metrics.leak_detections.inc())
-        background = [asyncio.create_task(detector.run())]
-        if config.role == "decode":
-            background.append(asyncio.create_task(_log_loop(runtime)))
-            if runtime.registry is not None:
-                background.append(asyncio.create_task(binding.servicer.watch_prefills(runtime.registry)))
+        background = _background(runtime, binding.servicer)
         layout = runtime.engine.kv_layout
         # The pool's device names the GPU the worker ended up on (--device auto, --base-gpu-id).
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens on %s, "

@@ -7,8 +7,8 @@ Ready protocol: every pdserve service logs a ready line `... listening on HOST:P
 once it serves; `Service.wait_ready` reads the bound ports from it, so services can be started on
 port 0. The line is logged at INFO, so a child never runs at a quieter log level.
 
-Each child runs `python -m pdserve ARGS` (under an optional wrapper command such as
-`ip netns exec NS`), writes its output to one log file, runs in its own session (a Ctrl-C in the
+Each child runs `python -m pdserve ARGS` (or another entry point with pdserve's arguments, such as
+tools/hooked_worker.py; under an optional wrapper command such as `ip netns exec NS`), writes its output to one log file, runs in its own session (a Ctrl-C in the
 terminal reaches only the parent, which then stops its children in order) and gets SIGKILL if the
 parent dies without cleaning up (PR_SET_PDEATHSIG). Stopping is SIGTERM, then SIGKILL after a grace
 period. `ProcessGroup` stops everything it started when its `with` block ends, whatever happened.
@@ -61,14 +61,16 @@ class NotReady(RuntimeError):
 @dataclass
 class Service:
     """One started pdserve process. `address` is its gRPC (or HTTP, for the gateway) host:port once
-    ready; `metrics_port` serves /metrics on the same host. `args` and `wrapper` (a command the
-    process runs under, e.g. `ip netns exec NS`) are kept so the service can be started again."""
+    ready; `metrics_port` serves /metrics on the same host. `args`, `wrapper` (a command the
+    process runs under, e.g. `ip netns exec NS`) and `module` (what `python -m` runs) are kept so
+    the service can be started again."""
 
     name: str
     args: list[str]
     popen: subprocess.Popen
     log_path: Path
     wrapper: tuple[str, ...] = ()
+    module: str = "pdserve"
     host: str = ""
     port: int = 0
     metrics_port: int = 0
@@ -151,15 +153,15 @@ class Service:
 
 
 def spawn(name: str, args: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None,
-          wrapper: Sequence[str] = ()) -> Service:
-    """Start `pdserve ARGS` (under `wrapper`, if any) without waiting for it to be ready: its own
-    session, output to `log_path`, SIGKILL when this process dies."""
+          wrapper: Sequence[str] = (), module: str = "pdserve") -> Service:
+    """Start `python -m MODULE ARGS` (`pdserve ARGS`; under `wrapper`, if any) without waiting for it
+    to be ready: its own session, output to `log_path`, SIGKILL when this process dies."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
-        popen = subprocess.Popen([*wrapper, sys.executable, "-m", "pdserve", *args], stdout=log_file,
+        popen = subprocess.Popen([*wrapper, sys.executable, "-m", module, *args], stdout=log_file,
                                  stderr=subprocess.STDOUT, env=child_env(env or {}), start_new_session=True,
                                  preexec_fn=_die_with_parent)
-    return Service(name, list(args), popen, log_path, tuple(wrapper))
+    return Service(name, list(args), popen, log_path, tuple(wrapper), module)
 
 
 def stop_in_order(services: Iterable[Service], grace_s: float = 10.0,
@@ -194,22 +196,24 @@ class ProcessGroup:
         """Stop the live processes newest first (the gateway before workers before the registry)."""
         stop_in_order(reversed(self.procs), grace_s, report)
 
-    def spawn(self, name: str, args: Sequence[str], *, wrapper: Sequence[str] = ()) -> Service:
-        """Start `pdserve ARGS` without waiting for it to be ready. A name used before gets a
-        numbered log file, so the log of a killed process is kept."""
+    def spawn(self, name: str, args: Sequence[str], *, wrapper: Sequence[str] = (),
+              module: str = "pdserve") -> Service:
+        """Start `pdserve ARGS` (`python -m MODULE ARGS`) without waiting for it to be ready. A name
+        used before gets a numbered log file, so the log of a killed process is kept."""
         earlier = sum(1 for proc in self.procs if proc.name == name)
         log_path = self.workdir / (f"{name}.log" if not earlier else f"{name}.{earlier}.log")
-        proc = spawn(name, args, log_path, env=self.env, wrapper=wrapper)
+        proc = spawn(name, args, log_path, env=self.env, wrapper=wrapper, module=module)
         self.procs.append(proc)
         return proc
 
     def start(self, name: str, args: Sequence[str], *, wrapper: Sequence[str] = (),
-              timeout_s: float = 180.0) -> Service:
-        return self.spawn(name, args, wrapper=wrapper).wait_ready(timeout_s)
+              module: str = "pdserve", timeout_s: float = 180.0) -> Service:
+        return self.spawn(name, args, wrapper=wrapper, module=module).wait_ready(timeout_s)
 
-    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]], timeout_s: float = 180.0) -> list[Service]:
+    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]], timeout_s: float = 180.0,
+                   module: str = "pdserve") -> list[Service]:
         """Start several services at once (their model loading overlaps), then wait for each."""
-        procs = [self.spawn(name, args) for name, args in specs]
+        procs = [self.spawn(name, args, module=module) for name, args in specs]
         return [proc.wait_ready(timeout_s) for proc in procs]
 
     def restart(self, proc: Service, *, args: Sequence[str] | None = None, timeout_s: float = 180.0) -> Service:
@@ -217,7 +221,7 @@ class ProcessGroup:
         must have exited."""
         assert not proc.alive(), f"{proc.name} still runs"
         return self.start(proc.name, proc.args if args is None else args, wrapper=proc.wrapper,
-                          timeout_s=timeout_s)
+                          module=proc.module, timeout_s=timeout_s)
 
     def live(self) -> list[Service]:
         return [proc for proc in self.procs if proc.alive()]

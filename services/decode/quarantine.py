@@ -26,11 +26,12 @@ import asyncio
 import logging
 import time
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from libkv.landing import wait_landed
 from libkv.transfer import TransferBackend
 from services.decode.prefill_client import AbortOutcome, PrefillClients
-from services.worker.rooms import Room, RoomTable, Stage
+from services.decode.room import DecodeRoom
+from services.worker.rooms import RoomTable, Stage
 
 log = logging.getLogger("pdserve.decode")
 
@@ -44,7 +45,8 @@ _GONE_LINGER_S = 1.0
 class PageQuarantine:
     """Rooms waiting for their prefill's confirmation; each settles in its own task."""
 
-    def __init__(self, engine: Engine, backend: TransferBackend, prefills: PrefillClients, rooms: RoomTable,
+    def __init__(self, engine: EngineAPI, backend: TransferBackend, prefills: PrefillClients,
+                 rooms: RoomTable[DecodeRoom],
                  give_up_s: float) -> None:
         self.engine = engine
         self.backend = backend
@@ -52,7 +54,7 @@ class PageQuarantine:
         self.rooms = rooms
         self.give_up_s = give_up_s
 
-    def hold(self, room: Room, pages: list[int]) -> None:
+    def hold(self, room: DecodeRoom, pages: list[int]) -> None:
         """Stop the room's prefill (`room.prefill_address`) and free its pages (`pages`, in the order
         offered to the prefill) once that is confirmed (see the module doc); the room leaves the
         table then. Returns at once; callable from a cancelled task."""

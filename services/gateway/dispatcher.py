@@ -39,6 +39,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from protos.v1 import common_pb2, worker_pb2
+from services.common.failed_peer import failed_peer
 from services.gateway.errors import GatewayError, status_for_grpc
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ContinuationText, Delivered, continuation_sampling
@@ -307,7 +308,7 @@ class Dispatcher:
                              (504, "timeout")) from None
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
-            blamed_prefill = route.prefill is not None and _failed_peer(exc) == route.prefill.address
+            blamed_prefill = route.prefill is not None and failed_peer(exc.trailing_metadata()) == route.prefill.address
             target = route.prefill if blamed_prefill else route.decode
             if code not in _NOT_A_HEALTH_SIGNAL and (code in _RETRYABLE or code == grpc.StatusCode.UNKNOWN):
                 blame = [target]
@@ -374,10 +375,3 @@ def _continued(chunk: GenerationChunk, text: ContinuationText | None, prompt_tok
         completion = len(delivered.token_ids) + len(chunk.tokens)
     return replace(chunk, prompt_tokens=prompt_tokens, completion_tokens=completion)
 
-
-def _failed_peer(exc: grpc.aio.AioRpcError) -> str | None:
-    """The worker a decode worker blames for its failure (trailing metadata `pdserve-failed-peer`)."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == "pdserve-failed-peer":
-            return value
-    return None

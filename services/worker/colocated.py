@@ -8,44 +8,45 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.role_servicer import RoleServicer
-from services.worker.rooms import RoomInUse, Stage
-from services.worker.wire import BadRequest, parse_request, relay
+from services.worker.rooms import Room, RoomInUse, Stage
+from services.worker.runtime import WorkerRuntime
+from services.worker.wire import Refused, abort_with, parse, relay
 
 
-class ColocatedServicer(RoleServicer, worker_pb2_grpc.WorkerServicer):
+class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
     """pdserve.v1.Worker over an engine that does both phases. Called by the gateway."""
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        super().__init__(runtime, Room)
+
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
         arrival = time.perf_counter()
         try:
-            if request.images:  # decoding and resizing images: off the event loop
-                parsed = await asyncio.to_thread(parse_request, self.engine, request.room, request.prompt_token_ids,
-                                                 request.sampling, images=list(request.images))
-            else:
-                parsed = parse_request(self.engine, request.room, request.prompt_token_ids, request.sampling)
-        except ValueError as exc:  # BadRequest included
-            await context.abort(BadRequest.code, str(exc))
-        if parsed.images and self.runtime.encoders is not None:  # --language-only: EPD
-            parsed = await self.with_embeddings(parsed, list(request.images), context)
-        try:
+            parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling, request.images)
+            parsed = await self.with_embeddings(parsed, list(request.images))  # --language-only: EPD
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
-        except RoomInUse:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {parsed.room} is already in use on this worker")
+        except Refused as exc:
+            await abort_with(context, exc)
+        except RoomInUse as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {exc.room.id} is already in use on this worker")
         try:
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
                 yield response
         finally:
             self.rooms.close(room)
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         found = self.rooms.get(request.room) is not None
         self.engine.abort(request.room)
         return worker_pb2.AbortResponse(found=found)
 
-    async def GetLoad(self, request, context) -> common_pb2.WorkerLoad:
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
         return self.runtime.load()

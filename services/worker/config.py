@@ -33,23 +33,51 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+# Why a decode worker runs a prompt itself (LocalPrefillRule.reason), in the order they are checked.
+NO_PREFILL = "no_prefill"  # the request names no prefill worker (none was healthy at the gateway)
+SHORT_PROMPT = "short_prompt"  # at most --local-prefill-max-tokens prompt tokens
+PREFILL_QUEUE = "prefill_queue"  # --local-prefill-max-prefill-queue calls already open on that prefill
+REASONS = (NO_PREFILL, SHORT_PROMPT, PREFILL_QUEUE)
+
+
 @dataclass(frozen=True)
 class LocalPrefillRule:
-    """The settings of conditional disaggregation: when a decode worker runs a prompt itself instead
-    of shipping it to a prefill worker (the decision: services/decode/servicer.py,
-    `local_prefill_reason`). `enabled=False` always ships the prompt (the plain PD behaviour). Its
-    fields are flags of WorkerConfig; the worker's rule is enabled on a decode worker only
-    (WorkerConfig.local_prefill_rule)."""
+    """Conditional disaggregation: when a decode worker runs a prompt itself instead of shipping it
+    to a prefill worker (`reason`). `enabled=False` always ships the prompt (the plain PD
+    behaviour). Its fields are flags of WorkerConfig; the worker's rule is enabled on a decode
+    worker only (WorkerConfig.local_prefill_rule).
+
+    Why: shipping a prompt to a prefill worker costs a Prefill round trip, a handshake, page
+    reservations and a KV transfer; for a short prompt that costs more than the forward pass it
+    saves the decode batch, and when no prefill worker can take it the request would otherwise
+    fail. The local run batches the prompt's chunks with the running decode batch like a colocated
+    worker, with the same output: both paths run the same chunked prefill over the same weights,
+    and sampling is seeded per token, not per worker. `pdserve:local_prefill_requests_total{reason}`
+    counts each of REASONS."""
 
     enabled: bool = field(default=False, metadata={"flags": ("--conditional-disaggregation",), "help": (
         "decode: run a prompt on this worker instead of a prefill worker when that is cheaper: no prefill "
         "worker given, a prompt of at most --local-prefill-max-tokens, or the prefill's queue at "
-        "--local-prefill-max-prefill-queue (services/decode/servicer.py)")})
+        "--local-prefill-max-prefill-queue")})
     max_tokens: int = field(default=256, metadata={"flags": ("--local-prefill-max-tokens",), "help": (
         "decode, with --conditional-disaggregation: prompts of at most this many tokens run locally")})
     max_prefill_queue: int = field(default=0, metadata={"flags": ("--local-prefill-max-prefill-queue",), "help": (
         "decode, with --conditional-disaggregation: run locally when this worker already has this many "
         "Prefill calls open on the chosen prefill worker (0 = never)")})
+
+    def reason(self, prompt_tokens: int, prefill_address: str, open_on_prefill: int) -> str | None:
+        """Why this request runs here (the first of REASONS that applies, in that order), or None:
+        ship it to `prefill_address`. `open_on_prefill`: Prefill calls this worker has open on that
+        prefill."""
+        if not self.enabled:
+            return None
+        if not prefill_address:
+            return NO_PREFILL
+        if prompt_tokens <= self.max_tokens:
+            return SHORT_PROMPT
+        if self.max_prefill_queue and open_on_prefill >= self.max_prefill_queue:
+            return PREFILL_QUEUE
+        return None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

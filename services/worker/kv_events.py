@@ -23,7 +23,7 @@ from collections import deque
 
 import grpc
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
 _KINDS = {"stored": worker_pb2.KV_EVENT_KIND_STORED, "removed": worker_pb2.KV_EVENT_KIND_REMOVED}
@@ -79,7 +79,7 @@ class _Subscription:
 class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
     """Streams one worker's prefix-cache events to each subscriber (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_pending: int = 1_000_000) -> None:
+    def __init__(self, engine: EngineAPI, max_pending: int = 1_000_000) -> None:
         self.engine = engine
         self.max_pending = max_pending
         self._subscriptions: set[_Subscription] = set()
@@ -95,7 +95,7 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
 
     async def Subscribe(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext):
         pages = self.engine.pages
-        tier = getattr(self.engine, "hicache", None)  # a libkv.store.StoreTier with --enable-hierarchical-cache
+        tier = self.engine.hicache  # a libkv.store.StoreTier with --enable-hierarchical-cache
         store = tier.location if tier is not None else ""
         subscription = _Subscription(asyncio.get_running_loop(), self.max_pending)
         snapshot = pages.watch_cache(subscription)

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 
 log = logging.getLogger("pdserve.leak")
 
@@ -46,7 +46,7 @@ class LeakDetector:
     """Checks one worker's pages against its live rooms (see the module docstring): `live_rooms`
     is its room table's `live`."""
 
-    def __init__(self, engine: Engine, live_rooms: Callable[[], set[str]], on_leak: Callable[[Leak], None],
+    def __init__(self, engine: EngineAPI, live_rooms: Callable[[], set[str]], on_leak: Callable[[Leak], None],
                  *, interval_s: float = 1.0, idle_pages: Callable[[], int] = lambda: 0) -> None:
         self.engine = engine
         self.live_rooms = live_rooms

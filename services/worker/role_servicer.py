@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Generic
 
 import grpc
 
@@ -12,7 +13,9 @@ from engine.request import EngineRequest
 from protos.v1 import worker_pb2
 from services.common.model_info import ModelInfoError, read_model_info
 from services.worker.encoders import EncoderRefused, EncoderUnavailable
+from services.worker.rooms import R, RoomTable
 from services.worker.runtime import WorkerRuntime
+from services.worker.wire import Refused
 
 
 @functools.cache
@@ -20,15 +23,17 @@ def _cached_model_info(model_path: str, served_model_name: str) -> worker_pb2.Mo
     return read_model_info(model_path, served_model_name)  # the folder does not change while serving
 
 
-class RoleServicer:
-    """The parts of the worker's runtime a servicer uses, by name, and GetModelInfo (answered from the
-    worker's checkpoint folder), which every worker's gRPC services share."""
+class RoleServicer(Generic[R]):
+    """The parts of the worker's runtime a servicer uses, by name, the role's room table (of its own
+    kind of room, `room_type`; the runtime reads it through RoomView), and GetModelInfo (answered
+    from the worker's checkpoint folder), which every worker's gRPC services share."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, room_type: type[R]) -> None:
         self.runtime = runtime
         self.engine = runtime.engine
         self.config = runtime.config
-        self.rooms = runtime.rooms
+        self.rooms: RoomTable[R] = RoomTable(runtime.config.role, room_type)
+        runtime.rooms = self.rooms
         self.metrics = runtime.metrics
         self.model_name = runtime.config.model_name  # resolved once: requests name it or are checked against it
 
@@ -41,19 +46,18 @@ class RoleServicer:
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot read the model's tokenizer files: {exc}")
 
-    async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes],
-                              context: grpc.aio.ServicerContext) -> EngineRequest:
+    async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service
-        (services/worker/encoders.py); the request unchanged on a worker with its own vision tower.
-        Aborts the call with UNAVAILABLE (no encoder could make them: retryable elsewhere) or with
-        the encoder's own code when it refused the images."""
+        (services/worker/encoders.py); the request unchanged without images or on a worker with
+        its own vision tower. Refused with UNAVAILABLE (no encoder could make them: retryable
+        elsewhere) or with the encoder's own code when it refused the images."""
         if not parsed.images or self.runtime.encoders is None:
             return parsed
         merge_size = tower_merge_size(self.engine.model_config)
         try:
             rows = await self.runtime.encoders.embeddings(parsed.room, blobs, parsed.images, merge_size)
         except EncoderUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {parsed.room}: no image embeddings: {exc}")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"room {parsed.room}: no image embeddings: {exc}") from None
         except EncoderRefused as exc:
-            await context.abort(exc.code, f"room {parsed.room}: the encoder refused the images: {exc}")
+            raise Refused(exc.code, f"room {parsed.room}: the encoder refused the images: {exc}") from None
         return replace(parsed, image_embeddings=rows)

@@ -1,8 +1,10 @@
 """The room table: every room (request) one worker is working on, in one place.
 
 A room names one request on both sides of PD and in every log line. The table holds each room's
-stage, the task working on it, and what its role keeps for it (decode: the pages reserved for the
-prompt and the Prefill call; prefill: its KV writes). Everything that asks about rooms reads it:
+stage, the task working on it, and what its role keeps for it: a role's room is a subclass of
+`Room` with its own fields (decode: services/decode/room.py, the pages reserved for the prompt and
+the Prefill call; prefill: services/prefill/room.py, its KV writes), and the role's servicer keeps
+a `RoomTable` of that type. Everything that asks about rooms reads it:
 the refusal of a room already in use (one lookup, in `open`), Abort, the queue gauges
 (`pdserve:queue_requests{queue}`), WorkerLoad in heartbeats and GetLoad, the "Decode batch" log
 line and the leak detector (`live`). What the engine runs (its scheduler), the pages reserved or
@@ -18,9 +20,10 @@ Stages (`Stage`; a stage's value is its label in `queue_requests{queue}`):
 A decode or colocated worker's `waiting` and `running` queues are its engine's (requests waiting
 for admission, the running batch): WorkerRuntime.queue_counts.
 A room leaves the table when it is done (`close`). Where the role asks for it (prefill), done rooms
-are remembered, a bounded number, as DONE: whether an Abort named the room (then a new request for
-it is refused: its pages on decode may be in other hands by now) and the checksums of the writes it
-issued (an Abort that comes after the end learns what may still be landing).
+are remembered, a bounded number, as DONE: what `Room.remembered` keeps of them (whether an Abort
+named the room, so that a new request for it is refused: its pages on decode may be in other hands
+by now; a prefill room also the checksums of the writes it issued, so that an Abort that comes
+after the end learns what may still be landing).
 
 Threads: the event loop changes the table; metric scrapes read its counts from their own thread.
 """
@@ -33,12 +36,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from engine.page_manager import Reservation
 from services.worker.metrics import HANDSHAKE
 
 T = TypeVar("T")
+R = TypeVar("R", bound="Room")
 
 
 class Stage(enum.Enum):
@@ -70,39 +73,48 @@ class RoomInUse(Exception):
 
 @dataclass(eq=False)
 class Room:
-    """One room in the table. `task`: what works on it now (its RPC handler; a quarantined room's
-    settling task). `closing`: its cleanup has begun, so an Abort waits for it (`ended`) instead of
-    cancelling the task."""
+    """One room in the table: what every role keeps. `task`: what works on it now (its RPC
+    handler; a quarantined room's settling task). `closing`: its cleanup has begun, so an Abort
+    waits for it (`ended`) instead of cancelling the task. `aborted`: an Abort named the room."""
 
     id: str
     stage: Stage
     task: asyncio.Task | None = None
     closing: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-    # decode
-    local: bool = False  # the prompt runs on this worker (conditional disaggregation)
-    reservation: Reservation | None = None  # pages for the prompt; `tail` is offered to the prefill
-    prefill_address: str = ""
-    call: asyncio.Future | None = None  # the Prefill call, while it is open
-    lost: str = ""  # why the prefill was given up on while the call was open
-    # prefill
-    writes: Any = None  # services.prefill.writes.RoomWrites
-    # remembered after the end (DONE)
-    aborted: bool = False  # an Abort named the room
-    checksums: list[int] = field(default_factory=list)  # of the writes it issued, in order
+    aborted: bool = False
+
+    def remembered(self: R) -> R | None:
+        """What the table keeps of this room once it is done, where the role keeps done rooms: a
+        DONE record when an Abort named it, else nothing (a role's room may keep more)."""
+        return type(self)(self.id, Stage.DONE, aborted=True) if self.aborted else None
 
 
-class RoomTable:
-    """The rooms of one worker (see the module docstring). `role`: prefill, decode or colocated."""
+class RoomView(Protocol):
+    """What the worker's runtime reads of its role's room table: the queue gauges, WorkerLoad, the
+    "Decode batch" log line and the leak detector."""
 
-    def __init__(self, role: str) -> None:
+    @property
+    def stages(self) -> tuple[Stage, ...]: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def live(self) -> set[str]: ...
+
+
+class RoomTable(Generic[R]):
+    """The rooms of one worker (see the module docstring). `role`: prefill, decode or colocated;
+    `room_type`: the role's Room, which `open` creates."""
+
+    def __init__(self, role: str, room_type: type[R]) -> None:
         self.stages = QUEUES.get(role, QUEUES["decode"])  # colocated: decode's queues, all but running empty
+        self.room_type = room_type
         self._remember = _REMEMBERED.get(role, 0)
-        self._rooms: OrderedDict[str, Room] = OrderedDict()
+        self._rooms: OrderedDict[str, R] = OrderedDict()  # live rooms, and remembered DONE ones
         self._done = 0
         self._lock = threading.Lock()
 
-    def open(self, room_id: str, stage: Stage, task: asyncio.Task | None = None) -> Room:
+    def open(self, room_id: str, stage: Stage, task: asyncio.Task | None = None) -> R:
         """A new live room; RoomInUse if `room_id` is live here or an Abort named it."""
         with self._lock:
             known = self._rooms.get(room_id)
@@ -111,37 +123,47 @@ class RoomTable:
                     raise RoomInUse(known)
                 del self._rooms[room_id]  # a new request of a room that ended normally
                 self._done -= 1
-            room = self._rooms[room_id] = Room(room_id, stage, task)
+            room = self.room_type(room_id, stage, task)
+            self._rooms[room_id] = room
             return room
 
-    def get(self, room_id: str) -> Room | None:
-        """The room, live or remembered (DONE); None if the table has no such room."""
+    def get(self, room_id: str) -> R | None:
+        """The live room; None if `room_id` is not live here (`done` tells what is remembered)."""
         with self._lock:
-            return self._rooms.get(room_id)
+            room = self._rooms.get(room_id)
+        return room if room is not None and room.stage is not Stage.DONE else None
 
-    def close(self, room: Room, checksums: list[int] | None = None) -> None:
+    def done(self, room_id: str) -> R | None:
+        """What is remembered of a done room (Room.remembered), None if nothing."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+        return room if room is not None and room.stage is Stage.DONE else None
+
+    def close(self, room: R) -> None:
         """`room` is done: it leaves the table and `room.ended` is set. Where the role keeps done
-        rooms, one an Abort named or that issued writes (their `checksums`) is remembered as DONE."""
+        rooms, what `room.remembered()` gives stays as DONE."""
         with self._lock:
             if self._rooms.get(room.id) is room:
                 del self._rooms[room.id]
-                if self._remember and (room.aborted or checksums):
-                    self._remember_done(Room(room.id, Stage.DONE, aborted=room.aborted, checksums=checksums or []))
+                record = room.remembered() if self._remember else None
+                if record is not None:
+                    self._remember_done(record)
         room.ended.set()
 
-    def name_in_abort(self, room_id: str) -> Room:
+    def name_in_abort(self, room_id: str) -> R:
         """An Abort named `room_id`: mark the room so that a new request of it is refused (a room not
-        here is remembered as DONE, where the role keeps done rooms). Returns the room."""
+        here is remembered as DONE, where the role keeps done rooms). Returns the room: live, or
+        its DONE record."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None:
-                room = Room(room_id, Stage.DONE)
+                room = self.room_type(room_id, Stage.DONE)
                 if self._remember:
                     self._remember_done(room)
             room.aborted = True
             return room
 
-    def _remember_done(self, room: Room) -> None:
+    def _remember_done(self, room: R) -> None:
         self._rooms[room.id] = room
         self._done += 1
         while self._done > self._remember:  # forget the oldest done room (live ones stay)
@@ -154,7 +176,7 @@ class RoomTable:
         with self._lock:
             return {r.id for r in self._rooms.values() if r.stage is not Stage.DONE}
 
-    def rooms(self, stage: Stage | None = None) -> list[Room]:
+    def rooms(self, stage: Stage | None = None) -> list[R]:
         """The live rooms, or those in `stage` (a snapshot)."""
         with self._lock:
             return [r for r in self._rooms.values() if r.stage is not Stage.DONE and stage in (None, r.stage)]

@@ -11,8 +11,8 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 
+from engine.api import EngineAPI
 from engine.dp_engine import DPEngine, load_engine
-from engine.engine import Engine
 from engine.outputs import EngineStats
 from engine.step_clock import KINDS as STEP_KINDS
 from libkv.embedding_pool import EmbeddingPool
@@ -28,7 +28,7 @@ from services.common.registry_client import RegistryClient
 from services.worker.config import WorkerConfig
 from services.worker.encoders import EncoderClient, add_embedding_metrics
 from services.worker.metrics import HANDSHAKE, WorkerMetrics
-from services.worker.rooms import RoomTable
+from services.worker.rooms import Room, RoomTable, RoomView
 from services.worker.wire import endpoint_to_proto, layout_to_proto
 
 log = logging.getLogger("pdserve.worker")
@@ -48,7 +48,7 @@ def backend_options(config: WorkerConfig, name: str) -> dict:
     return options
 
 
-def _exit_worker(engine: Engine, config: WorkerConfig, why: str) -> None:
+def _exit_worker(engine: EngineAPI, config: WorkerConfig, why: str) -> None:
     """A rank died (or another node's ranks are lost): this worker cannot run a step any more. Exit
     at once (the other ranks are killed, the registry lease expires, callers' RPCs fail and the
     gateway retries elsewhere) rather than serve errors or hang in a collective."""
@@ -59,7 +59,7 @@ def _exit_worker(engine: Engine, config: WorkerConfig, why: str) -> None:
     os._exit(1)
 
 
-def _transfer_backend(config: WorkerConfig, engine: Engine | DPEngine) -> TransferBackend:
+def _transfer_backend(config: WorkerConfig, engine: EngineAPI) -> TransferBackend:
     """The worker's backend, registered: every rank moves its own KV heads, to peers of any TP size.
     Under DP attention each group is a worker of attn_tp_size ranks of its own (dp_groups)."""
     name = config.disaggregation_transfer_backend
@@ -85,7 +85,7 @@ def _transfer_backend(config: WorkerConfig, engine: Engine | DPEngine) -> Transf
     return backend
 
 
-def _encoder_client(config: WorkerConfig, engine: Engine) -> EncoderClient:
+def _encoder_client(config: WorkerConfig, engine: EngineAPI) -> EncoderClient:
     """A language-only worker's embedding pool, registered with its own backend instance
     (--encoder-transfer-backend), and the client that fills it from encoders."""
     name = config.epd.encoder_transfer_backend
@@ -101,17 +101,17 @@ class WorkerRuntime:
     """The parts of a running worker; build with `WorkerRuntime.create(config)` (blocking: loads weights)."""
 
     config: WorkerConfig
-    engine: Engine
+    engine: EngineAPI
     backend: TransferBackend | None
     metrics: WorkerMetrics
-    rooms: RoomTable = field(default=None)  # type: ignore[assignment]  # default: one for config.role
+    # The role's room table, as the runtime reads it; the role's servicer sets its own (RoleServicer).
+    rooms: RoomView = field(init=False)
     metrics_server: MetricsServer | None = None
     registry: RegistryClient | None = None
     encoders: EncoderClient | None = None  # --language-only: where image embeddings come from (EPD)
 
     def __post_init__(self) -> None:
-        if self.rooms is None:
-            self.rooms = RoomTable(self.config.role)
+        self.rooms = RoomTable(self.config.role, Room)  # empty until the servicer brings its own
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
@@ -149,9 +149,9 @@ class WorkerRuntime:
                       lambda: engine.stats().cached_pages)
         if engine.model_config.moe is not None:
             metrics.expert_load(engine.expert_load)
-        if getattr(engine, "hicache", None) is not None:
+        if engine.hicache is not None:
             metrics.store_tier(engine.hicache)
-        clock = getattr(engine, "step_clock", None)  # a DP attention engine's members step jointly: none
+        clock = engine.step_clock  # a DP attention engine's members step jointly: none
         for kind in STEP_KINDS if clock is not None else ():
             # The serving-cost account's engine side (engine/step_clock.py, `pdserve bench serving-vs-vllm`).
             metrics.counter_from("engine_step_seconds_total", "Seconds the engine thread spent in steps, by kind (decode "

@@ -1,9 +1,10 @@
 """The worker's wire: what a worker reads off gRPC and writes back.
 
-Requests in: `parse_request` turns a Generate or Prefill request into an EngineRequest the engine
-has checked, with gRPC errors for bad input: every check a client can fail is here, so the
-servicers abort with INVALID_ARGUMENT and a message instead of letting a bad request reach the
-engine thread. Tokens out: `relay` turns an engine's stream of token batches into Generate
+Requests in: `parse` turns a Generate or Prefill request into an EngineRequest the engine has
+checked, with gRPC errors for bad input: every check a client can fail is here, so the servicers
+abort with INVALID_ARGUMENT and a message instead of letting a bad request reach the engine
+thread. Failures out: `Refused` is how the servicers and the PD orchestration behind them end a
+call with a status (`abort_with`). Tokens out: `relay` turns an engine's stream of token batches into Generate
 responses, one message per batch, for every worker role, with the latency metrics. And the
 protobuf <-> engine and libkv dataclass conversions (KV layout, transfer endpoint, sampling params,
 finish reasons, token outputs), in one place: libkv and engine never import protos. Imports engine
@@ -12,13 +13,15 @@ and libkv (and so torch): the gateway and the registry never import it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import NoReturn
 
 import grpc
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.multimodal.decode import prepare as prepare_images
 from engine.outputs import TokenOutput
 from engine.request import EngineRequest
@@ -26,17 +29,48 @@ from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
 from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2, worker_pb2
+from services.common.failed_peer import failed_peer_metadata
 from services.worker.metrics import WorkerMetrics
 
 
-class BadRequest(ValueError):
-    """A request the client must fix; becomes INVALID_ARGUMENT with this message."""
+class Refused(Exception):
+    """A call this worker ends with a gRPC status instead of an answer: `code`, the message, and the
+    worker the failure is blamed on (`failed_peer`: trailing metadata the gateway reads). Raised by
+    the parse and the PD orchestration (services/decode/remote_prefill.py, services/prefill/job.py);
+    the servicer ends the call with it (`abort_with`)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    def __init__(self, code: grpc.StatusCode, message: str, failed_peer: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.failed_peer = failed_peer
 
 
-def parse_request(engine: Engine, room: str, prompt_token_ids, sampling: common_pb2.SamplingParams, *,
-                  prefill_only: bool = False, images: Sequence[bytes] = ()) -> EngineRequest:
+class BadRequest(Refused, ValueError):
+    """A request the client must fix: INVALID_ARGUMENT with this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoReturn:
+    """End the call with the refusal's status and message (and the peer it blames)."""
+    await context.abort(refused.code, str(refused), trailing_metadata=failed_peer_metadata(refused.failed_peer))
+    raise AssertionError("context.abort returned")  # it raises: the handler ends here
+
+
+async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int], sampling: common_pb2.SamplingParams,
+                images: Sequence[bytes] = (), *, prefill_only: bool = False) -> EngineRequest:
+    """`parse_request` for a handler on the event loop: in a thread when the request carries images
+    (decoding and resizing them is CPU work the loop must not wait on)."""
+    if images:
+        return await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
+                                       prefill_only=prefill_only, images=list(images))
+    return parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only)
+
+
+def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
+                  sampling: common_pb2.SamplingParams, *, prefill_only: bool = False,
+                  images: Sequence[bytes] = ()) -> EngineRequest:
     """The request as `engine` will run it, checked against its model and KV pool (`Engine.check`:
     the one check of a request in this process); BadRequest names what is wrong. A missing room
     gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request.

@@ -3,9 +3,9 @@
 In that window decode holds the room's pages as a bare reservation: the KV landed, the prefill is
 done with the room (its own pages are free), and decode's engine does not know the request yet. An
 Abort RPC or the client leaving must still free the pages on both sides, and the worker must go on
-serving. The decode worker holds the test's rooms at exactly that point
-(PDSERVE_TEST_HOLD_ADMISSION, see DecodeServicer._before_admission) until they are aborted, so every
-abort lands in the window by construction, with no timing involved.
+serving. The decode worker, started with a hook (tools/hooked_worker.py --hold-admission; the seam is
+RemotePrefill._before_admission), holds the test's rooms at exactly that point until they are
+aborted, so every abort lands in the window by construction, with no timing involved.
 """
 
 from __future__ import annotations
@@ -75,11 +75,10 @@ async def _drain(call) -> tuple[int, int] | grpc.aio.AioRpcError:
 
 
 def test_abort_between_prefill_done_and_admission_frees_pages(cluster: Cluster, tiny_model):
-    cluster.env["PDSERVE_TEST_HOLD_ADMISSION"] = HELD
-    prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", backend=BACKEND)),
-        ("decode", worker_args(tiny_model, "decode", backend=BACKEND)),
-    ])
+    prefill = cluster.spawn("prefill", worker_args(tiny_model, "prefill", backend=BACKEND))
+    decode = cluster.spawn("decode", ["--hold-admission", HELD, *worker_args(tiny_model, "decode", backend=BACKEND)],
+                           module="tools.hooked_worker")
+    prefill, decode = prefill.wait_ready(180), decode.wait_ready(180)
     outcomes = asyncio.run(abort_in_window(prefill, decode))
     half = len(LENGTHS) // 2
     # Aborted: the stream ends at once, as a colocated worker's does: finish reason abort, no token.

@@ -201,7 +201,7 @@ async def test_a_prefill_only_request_streams_its_first_token_and_makes_no_text(
     def no_text(*args, **kwargs):
         raise AssertionError("a prefill-only request built a detokenizer")
 
-    monkeypatch.setattr(engine_module, "TextStream", no_text)
+    monkeypatch.setattr(engine_module, "text_stream", no_text)
     prompt = random_prompts([40], seed=18)[0]
     outputs = [o async for o in generate(prefill, prompt, GREEDY, "first", prefill_only=True)]
     assert len(outputs) == 1

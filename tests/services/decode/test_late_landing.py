@@ -87,8 +87,7 @@ async def _served(pair: Pair) -> AsyncIterator[Served]:
         async with grpc.aio.insecure_channel(decode.address) as channel:
             yield Served(worker_pb2_grpc.WorkerStub(channel), servicer, prefill.address)
     finally:
-        await servicer.quarantine.close()
-        await servicer.prefills.close()
+        await servicer.close()
         await decode.stop(0)
         await prefill.stop(0)
 

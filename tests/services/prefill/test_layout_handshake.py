@@ -124,7 +124,7 @@ async def test_prefill_refuses_a_decode_endpoint_of_another_layout_naming_the_fi
                     sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=1),
                     dst_page_ids=[1, 2, 3], dst=endpoint_to_proto(decode.backend.endpoint()),
                     decode_worker_id="decode-7"), timeout=30)
-        servicer.transfer_queues.shutdown()
+        servicer.close()
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = refused.value.details()
     assert "decode worker decode-7 cannot take our KV: KV layout mismatch" in details, details
@@ -158,10 +158,9 @@ async def test_decode_answers_the_refusal_naming_the_fields_and_frees_its_pages(
                 while engines.decode.stats().used_pages and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 assert engines.decode.stats().used_pages == 0
-                await decode_servicer.quarantine.close()
         finally:
-            await decode_servicer.prefills.close()
-            prefill_servicer.transfer_queues.shutdown()
+            await decode_servicer.close()
+            prefill_servicer.close()
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = refused.value.details()
     assert f"prefill {prefill_address}: " in details and "KV layout mismatch" in details, details

@@ -84,3 +84,16 @@ def test_tp_size_must_split_the_heads(tmp_path):
 def test_model_path_must_be_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         parse(tmp_path / "missing")
+
+
+def test_local_prefill_rule_order_and_switch() -> None:
+    """Conditional disaggregation's decision: which reason runs a prompt on the decode worker, in order."""
+    rule = LocalPrefillRule(enabled=True, max_tokens=32, max_prefill_queue=2)
+    assert rule.reason(1000, "", 0) == "no_prefill"
+    assert rule.reason(32, "p:1", 0) == "short_prompt"
+    assert rule.reason(33, "p:1", 1) is None
+    assert rule.reason(33, "p:1", 2) == "prefill_queue"
+    assert LocalPrefillRule(enabled=True, max_tokens=0).reason(5, "p:1", 99) is None  # queue rule off
+    assert LocalPrefillRule(enabled=False).reason(1, "", 0) is None
+    with pytest.raises(ValueError, match="--local-prefill-max-tokens"):
+        LocalPrefillRule(max_tokens=-1)

@@ -7,11 +7,19 @@ import asyncio
 
 import pytest
 
-from services.worker.rooms import QUEUES, RoomInUse, RoomTable, Stage, finish_despite_cancel
+from services.prefill.room import PrefillRoom
+from services.prefill.writes import RoomWrites
+from services.worker.rooms import QUEUES, Room, RoomInUse, RoomTable, Stage, finish_despite_cancel
+
+
+def issued(room: PrefillRoom, checksums: list[int]) -> PrefillRoom:
+    """`room` as if its writes had issued pages with these checksums."""
+    room.writes = RoomWrites(room.id, backend=None, queues=None, dst_page_ids=[], checksums=list(checksums))
+    return room
 
 
 def test_a_room_in_use_is_refused_until_it_is_closed():
-    rooms = RoomTable("decode")
+    rooms = RoomTable("decode", Room)
     room = rooms.open("a", Stage.PREALLOC)
     with pytest.raises(RoomInUse):
         rooms.open("a", Stage.PREALLOC)
@@ -22,11 +30,11 @@ def test_a_room_in_use_is_refused_until_it_is_closed():
 
 
 def test_counts_by_queue_label():
-    prefill, decode = RoomTable("prefill"), RoomTable("decode")
+    prefill, decode = RoomTable("prefill", PrefillRoom), RoomTable("decode", Room)
     assert Stage.HANDSHAKE.value == "bootstrap"  # SGLang's label for the handshake queue
     assert prefill.counts() == {"bootstrap": 0, "waiting": 0, "inflight": 0}
     assert decode.counts() == {"prealloc": 0, "transfer": 0, "waiting": 0, "running": 0}
-    assert RoomTable("colocated").stages == QUEUES["decode"]
+    assert RoomTable("colocated", Room).stages == QUEUES["decode"]
     prefill.open("a", Stage.HANDSHAKE)
     prefill.open("b", Stage.HANDSHAKE).stage = Stage.INFLIGHT
     assert prefill.counts() == {"bootstrap": 1, "waiting": 0, "inflight": 1}
@@ -36,43 +44,44 @@ def test_counts_by_queue_label():
 
 
 def test_prefill_remembers_aborted_rooms_and_issued_writes():
-    rooms = RoomTable("prefill")
+    rooms = RoomTable("prefill", PrefillRoom)
     rooms.name_in_abort("early")  # an Abort before its Prefill
     with pytest.raises(RoomInUse):
         rooms.open("early", Stage.HANDSHAKE)
     live = rooms.open("live", Stage.WAITING)
     assert rooms.name_in_abort("live") is live
-    rooms.close(live, [7, 8])
-    done = rooms.get("live")
+    rooms.close(issued(live, [7, 8]))
+    done = rooms.done("live")
+    assert rooms.get("live") is None
     assert done.stage is Stage.DONE and done.aborted and done.checksums == [7, 8]
     with pytest.raises(RoomInUse):
         rooms.open("live", Stage.HANDSHAKE)
     finished = rooms.open("finished", Stage.INFLIGHT)
-    rooms.close(finished, [9])
-    assert rooms.get("finished").checksums == [9] and not rooms.get("finished").aborted
+    rooms.close(issued(finished, [9]))
+    assert rooms.done("finished").checksums == [9] and not rooms.done("finished").aborted
     rooms.open("finished", Stage.HANDSHAKE)  # ended normally: the room may be used again
     quiet = rooms.open("quiet", Stage.HANDSHAKE)
     rooms.close(quiet)  # no writes, no Abort: nothing to remember
-    assert rooms.get("quiet") is None
+    assert rooms.get("quiet") is None and rooms.done("quiet") is None
     assert rooms.live() == {"finished"}
 
 
 def test_the_record_of_done_rooms_is_bounded_and_keeps_live_rooms():
-    rooms = RoomTable("prefill")
+    rooms = RoomTable("prefill", PrefillRoom)
     rooms._remember = 2
     live = rooms.open("live", Stage.WAITING)
     for name in ("a", "b", "c"):
         rooms.name_in_abort(name)
-    assert rooms.get("a") is None and rooms.get("b").aborted and rooms.get("c").aborted
+    assert rooms.done("a") is None and rooms.done("b").aborted and rooms.done("c").aborted
     assert rooms.get("live") is live
 
 
 def test_decode_keeps_no_done_rooms():
-    rooms = RoomTable("decode")
+    rooms = RoomTable("decode", Room)
     rooms.name_in_abort("x")
     room = rooms.open("x", Stage.PREALLOC)
-    rooms.close(room, [1])
-    assert rooms.get("x") is None
+    rooms.close(room)
+    assert rooms.get("x") is None and rooms.done("x") is None
 
 
 async def test_cleanup_runs_to_its_end_through_a_second_cancellation():
