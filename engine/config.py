@@ -69,7 +69,7 @@ class EngineConfig:
         "all-to-all runs instead and the worker says so at start (identical output, only speed differs)"))
     elastic_ep_backend: str = field(default="none", metadata=_help(
         "none | mooncake: accepted so the seeds' command lines run; an EP rank that dies takes its worker down "
-        "(see the README's expert-parallelism section)"))
+        "(see docs/parallelism.md, Expert parallelism)"))
     mooncake_ib_device: str | None = field(default=None, metadata=_help(
         "RDMA device(s) of Mooncake's expert-parallel all-to-all (used where that backend runs)"))
     nnodes: int = field(default=1, metadata=_help(

@@ -186,7 +186,7 @@ def test_the_rule_reads_paths_as_documented():
     assert refs == ["services/gateway/app.py", "engine/tp/", "docs/x.md", "engine/bench_x"]
     assert [m.group(0) for m in _ROOT_DOC.finditer("cites ARCHITECTURE.md and docs/a.md")] == ["ARCHITECTURE.md"]
     docs = ROOT / "docs"
-    assert _link_resolves(docs, "docs/failures.md", "architecture.md#the-engine")
+    assert _link_resolves(docs, "docs/failures.md", "engine.md#the-engine")
     assert not _link_resolves(docs, "docs/failures.md", "architecture.md#no-such-heading")
     assert not _link_resolves(docs, "docs/failures.md", "no-such-page.md")
     assert _link_resolves(docs, "docs/failures.md", "https://example.com/x.md")

@@ -3,7 +3,7 @@ etcd store (a real etcd on free ports), with 50 workers registered. Run from the
 
     .venv/bin/python -m tools.bench.registry
 
-docs/benchmarks.md quotes its figures.
+docs/benchmarks-transfer-gateway-registry.md quotes its figures.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def to_table(rows: Sequence[Row]) -> str:
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    """The table as Markdown, as docs/benchmarks.md shows it."""
+    """The table as Markdown, as docs/benchmarks-chaos.md shows it."""
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""`pdserve bench transfer` end to end on one backend, small: the figures docs/benchmarks.md quotes
-(bandwidth, checksum cost, verify_grant time) come out of a real run."""
+"""`pdserve bench transfer` end to end on one backend, small: the figures that
+docs/benchmarks-transfer-gateway-registry.md quotes (bandwidth, checksum cost, verify_grant time)
+come out of a real run."""
 
 import importlib.util
 import json
