@@ -131,7 +131,8 @@ class Service:
         self.kill()
         return NotReady(f"{self.name} {why}:\n{self.log_tail()}")
 
-    def wait_ready(self, timeout_s: float = 180.0, should_stop: Callable[[], bool] = lambda: False) -> Service:
+    def wait_ready(self, timeout_s: float = 180.0,
+                   should_stop: Callable[[], bool] = lambda: False) -> Service:
         """Block until the ready line appears and read the bound ports from it. `should_stop` (polled
         every 0.1 s) gives up early, leaving the process to the caller's stop."""
         deadline = time.monotonic() + timeout_s
@@ -210,13 +211,14 @@ class ProcessGroup:
               module: str = "pdserve", timeout_s: float = 180.0) -> Service:
         return self.spawn(name, args, wrapper=wrapper, module=module).wait_ready(timeout_s)
 
-    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]], timeout_s: float = 180.0,
-                   module: str = "pdserve") -> list[Service]:
+    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]],
+                   timeout_s: float = 180.0) -> list[Service]:
         """Start several services at once (their model loading overlaps), then wait for each."""
-        procs = [self.spawn(name, args, module=module) for name, args in specs]
+        procs = [self.spawn(name, args) for name, args in specs]
         return [proc.wait_ready(timeout_s) for proc in procs]
 
-    def restart(self, proc: Service, *, args: Sequence[str] | None = None, timeout_s: float = 180.0) -> Service:
+    def restart(self, proc: Service, *, args: Sequence[str] | None = None,
+                timeout_s: float = 180.0) -> Service:
         """Start `proc` again (same arguments unless given, same wrapper) as a new process; the old one
         must have exited."""
         assert not proc.alive(), f"{proc.name} still runs"

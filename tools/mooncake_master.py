@@ -58,7 +58,8 @@ def spawn(log_dir: Path, host: str = "127.0.0.1", port: int = 0) -> Service:
                        "mooncake-transfer-engine-non-cuda): install it or drop --hicache")
     port = port or free_port(host)
     metrics_port = free_port(host)
-    args = ["-rpc_address", host, "-rpc_port", str(port), "-metrics_host", host, "-metrics_port", str(metrics_port)]
+    args = ["-rpc_address", host, "-rpc_port", str(port),
+            "-metrics_host", host, "-metrics_port", str(metrics_port)]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{NAME}.log"
     with open(log_path, "w") as log_file:
@@ -67,7 +68,8 @@ def spawn(log_dir: Path, host: str = "127.0.0.1", port: int = 0) -> Service:
     return Service(NAME, args, popen, log_path, host=host, port=port, metrics_port=metrics_port)
 
 
-def wait_listening(master: Service, timeout_s: float = 30.0, should_stop: Callable[[], bool] = lambda: False) -> Service:
+def wait_listening(master: Service, timeout_s: float = 30.0,
+                   should_stop: Callable[[], bool] = lambda: False) -> Service:
     """Block until the master accepts connections on its RPC port. NotReady (with its log tail) if
     it exits, does not listen within `timeout_s`, or `should_stop()` says give up."""
     deadline = time.monotonic() + timeout_s

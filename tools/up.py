@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument("--host", default="127.0.0.1", help="address every process binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
-    parser.add_argument("--policy", default="cache_aware", help="gateway routing policy (default cache_aware)")
+    parser.add_argument("--policy", default="cache_aware",
+                        help="gateway routing policy (default cache_aware)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and KV dtype of every worker (default auto: the checkpoint's)")
     parser.add_argument("--worker-threads", type=int, default=None,
@@ -63,12 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="registry processes (default 1; more than 1 needs --etcd-endpoints): workers "
                              "and the gateway get every address and fail over between them")
     parser.add_argument("--hicache", choices=HICACHE_BACKENDS, default=None,
-                        help="start this cluster-wide KV store (mooncake: Mooncake Store's master) and run every "
-                             "worker with --enable-hierarchical-cache on it (default: none)")
+                        help="start this cluster-wide KV store (mooncake: Mooncake Store's master) and run "
+                             "every worker with --enable-hierarchical-cache on it (default: none)")
     parser.add_argument("--hicache-master-port", type=int, default=0,
                         help="RPC port of the store's master with --hicache (default 0: a free port)")
-    parser.add_argument("--log-dir", type=Path, default=Path(".cache/up-logs"), help="one log file per process")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each step may take to come up")
+    parser.add_argument("--log-dir", type=Path, default=Path(".cache/up-logs"),
+                        help="one log file per process")
+    parser.add_argument("--ready-timeout", type=float, default=300.0,
+                        help="seconds each step may take to come up")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds each process gets to stop")
 
 
@@ -109,7 +112,8 @@ def wait_healthy(url: str, timeout_s: float, children: list[Service], stop: _Sto
     while time.monotonic() < deadline and not stop:
         for child in children:
             if not child.alive():
-                raise NotReady(f"{child.name} exited with code {child.popen.returncode}:\n{child.log_tail(4000)}")
+                raise NotReady(f"{child.name} exited with code {child.popen.returncode}:\n"
+                               f"{child.log_tail(4000)}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 return json.loads(response.read())
@@ -147,9 +151,11 @@ def main(args: argparse.Namespace) -> int:
     if args.hicache_master_port and not args.hicache:
         raise SystemExit("pdserve up: --hicache-master-port needs --hicache mooncake")
     if not 0 <= args.hicache_master_port <= 65535:
-        raise SystemExit(f"pdserve up: --hicache-master-port must be a port number, got {args.hicache_master_port}")
+        raise SystemExit("pdserve up: --hicache-master-port must be a port number, "
+                         f"got {args.hicache_master_port}")
     if args.hicache_master_port and not mooncake_master.port_free(args.host, args.hicache_master_port):
-        raise SystemExit(f"pdserve up: --hicache-master-port {args.hicache_master_port} is in use on {args.host}")
+        raise SystemExit(f"pdserve up: --hicache-master-port {args.hicache_master_port} is in use on "
+                         f"{args.host}")
     stop = _Stop()
     ensure_model(args.model_path)
     model_path = str(args.model_path)
@@ -158,7 +164,8 @@ def main(args: argparse.Namespace) -> int:
     children = group.procs  # in start order
     started = time.monotonic()
     try:
-        store = ["--registry-store", "etcd", "--etcd-endpoints", args.etcd_endpoints] if args.etcd_endpoints else []
+        store = (["--registry-store", "etcd", "--etcd-endpoints", args.etcd_endpoints]
+                 if args.etcd_endpoints else [])
         registries = []
         for index in range(args.num_registries):
             name = "bootstrap" if args.num_registries == 1 else f"bootstrap-{index}"
@@ -180,7 +187,8 @@ def main(args: argparse.Namespace) -> int:
                 worker = group.spawn(name, [
                     "launch-server", "--model-path", model_path, "--disaggregation-mode", role,
                     "--disaggregation-transfer-backend", args.transfer_backend, "--host", args.host,
-                    "--port", "0", "--bootstrap", registry_addresses, "--dtype", args.dtype, *threads, *hicache])
+                    "--port", "0", "--bootstrap", registry_addresses, "--dtype", args.dtype, *threads,
+                    *hicache])
                 workers.append(worker)
         for worker in workers:
             worker.wait_ready(args.ready_timeout, lambda: bool(stop))
@@ -188,13 +196,14 @@ def main(args: argparse.Namespace) -> int:
 
         say("starting gateway ...")
         gateway = group.spawn("gateway", [
-            "launch-router", "--model-path", model_path, "--bootstrap", registry_addresses, "--host", args.host,
-            "--port", str(args.port), "--policy", args.policy])
+            "launch-router", "--model-path", model_path, "--bootstrap", registry_addresses,
+            "--host", args.host, "--port", str(args.port), "--policy", args.policy])
         gateway.wait_ready(args.ready_timeout, lambda: bool(stop))
         base = f"http://{args.host}:{gateway.port}"
         health = wait_healthy(f"{base}/health", args.ready_timeout, children, stop)
         model = health.get("model", args.model_path.resolve().name)
-        request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+        request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                              "max_tokens": 32})
         say(f"\npdserve is up in {time.monotonic() - started:.1f}s: {base}  (model {model}, "
             f"{args.num_prefill} prefill + {args.num_decode} decode, {args.transfer_backend}"
             f"{', KV store ' + hicache[-1] if hicache else ''})\n")

@@ -62,7 +62,8 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 def test_compose_commands_parse_with_pdserve_flags():
     services = _compose()["services"]
     assert {"bootstrap", "prefill", "decode", "gateway"} <= set(services)
-    parsed = {name: _parse_pdserve(services[name]["command"]) for name in ("bootstrap", "prefill", "decode", "gateway")}
+    parsed = {name: _parse_pdserve(services[name]["command"])
+              for name in ("bootstrap", "prefill", "decode", "gateway")}
     assert parsed["prefill"].disaggregation_mode == "prefill"
     assert parsed["decode"].disaggregation_mode == "decode"
     for name in ("prefill", "decode"):
@@ -151,12 +152,14 @@ def test_light_images_copy_every_module_their_service_imports(target: str, modul
     model stage likewise carries only the checkpoint builder of tools/."""
     code = ("import sys\n"
             f"import {modules}\n"
-            "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))\n")
+            "print('\\n'.join(m.__file__ for m in list(sys.modules.values())\n"
+            "                 if getattr(m, '__file__', None)))\n")
     loaded = _run([sys.executable, "-c", code], env={"PYTHONPATH": str(ROOT)})
     assert loaded.returncode == 0, loaded.stderr
     # torch names a few of its modules by a bare relative file name: only absolute paths are files
     files = {Path(f).resolve().relative_to(ROOT).as_posix() for f in loaded.stdout.split()
-             if Path(f).is_absolute() and Path(f).resolve().is_relative_to(ROOT) and ".venv" not in Path(f).parts}
+             if Path(f).is_absolute() and Path(f).resolve().is_relative_to(ROOT)
+             and ".venv" not in Path(f).parts}
     copied = [src.rstrip("/") for src in _copied_sources((DOCKER / "Dockerfile").read_text(), target)]
     missing = sorted(f for f in files if not any(f == src or f.startswith(src + "/") for src in copied))
     assert not missing, f"the {target} image lacks {missing}: add them to its COPY lines in docker/Dockerfile"
@@ -189,7 +192,8 @@ def test_compose_hicache_profile_runs_the_store_master_from_the_worker_image():
     flags = dict(zip(master["command"][::2], master["command"][1::2], strict=True))
     assert flags["-rpc_address"] == "0.0.0.0"
     assert f"('127.0.0.1', {flags['-rpc_port']})" in master["healthcheck"]["test"][-1]
-    assert "mooncake-master:" + flags["-rpc_port"] in (DOCKER / "compose.yaml").read_text()  # the documented value
+    # the documented value
+    assert "mooncake-master:" + flags["-rpc_port"] in (DOCKER / "compose.yaml").read_text()
     assert {"PDSERVE_HICACHE_MOONCAKE_MASTER", "MOONCAKE_MASTER"} <= set(compose["x-pdserve-env"])
     for name in ("prefill", "decode"):
         assert services[name]["environment"] == compose["x-pdserve-env"]
@@ -197,7 +201,8 @@ def test_compose_hicache_profile_runs_the_store_master_from_the_worker_image():
         assert "--enable-hierarchical-cache" not in services[name]["command"]  # the entrypoint adds it
 
 
-@pytest.mark.skipif(shutil.which("mooncake_master") is None and not (Path(sys.executable).parent / "mooncake_master").exists(),
+@pytest.mark.skipif(shutil.which("mooncake_master") is None
+                    and not (Path(sys.executable).parent / "mooncake_master").exists(),
                     reason="mooncake_master (the Mooncake wheel) is not installed")
 def test_compose_mooncake_master_flags_are_the_binarys(tmp_path: Path):
     """The master's command line, on free ports, starts the real mooncake_master (gflags exits on an
@@ -243,7 +248,8 @@ def test_entrypoint_turns_the_store_tier_on_for_workers_when_a_master_is_named(t
     named = {"PDSERVE_HICACHE_MOONCAKE_MASTER": "mooncake-master:50051"}
     assert run("launch-server", "--host", "auto", **named) == "launch-server --host 10.1.2.3" + store
     assert run("launch-server", **{"MOONCAKE_MASTER": "m:1"}) == "launch-server" + store
-    assert run("launch-server", "--enable-hierarchical-cache", **named) == "launch-server --enable-hierarchical-cache"
+    assert (run("launch-server", "--enable-hierarchical-cache", **named)
+            == "launch-server --enable-hierarchical-cache")
     assert run("launch-router", "--host", "auto", **named) == "launch-router --host 10.1.2.3"
     # What the worker then parses: the store tier on, on the named master.
     parsed = _parse_pdserve(["pdserve", "launch-server", "--model-path", "/models/tiny", *store.split()])
@@ -253,13 +259,14 @@ def test_entrypoint_turns_the_store_tier_on_for_workers_when_a_master_is_named(t
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
 def test_entrypoint_replaces_host_auto_only():
     entry = str(DOCKER / "entrypoint.sh")
-    out = _run(["sh", entry, "echo", "--port", "auto", "--host", "auto", "a b"], {"CONTAINER_HOST": "10.1.2.3"})
+    out = _run(["sh", entry, "echo", "--port", "auto", "--host", "auto", "a b"],
+               {"CONTAINER_HOST": "10.1.2.3"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "--port auto --host 10.1.2.3 a b"
     # Without CONTAINER_HOST it resolves this machine's hostname, as the containers do.
     env = {k: v for k, v in os.environ.items() if k != "CONTAINER_HOST"}
-    out = subprocess.run(["sh", entry, sys.executable, "-c", "import sys; print(sys.argv[1:])", "--host", "auto"],
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(["sh", entry, sys.executable, "-c", "import sys; print(sys.argv[1:])",
+                          "--host", "auto"], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr(["--host", socket.gethostbyname(socket.gethostname())])
     exit_code = _run(["sh", entry, "sh", "-c", "exit 7"])
@@ -287,10 +294,12 @@ async def test_healthcheck_grpc_speaks_mutual_tls_when_the_server_does(tmp_path:
     passes them) and accepts a server certificate that names something other than the dialled
     address (here localhost, dialled as 127.0.0.1's name is not asked)."""
     certs = make_certificates(tmp_path)
-    tls_env = {"PDSERVE_GRPC_TLS_CERT": str(certs["node.pem"]), "PDSERVE_GRPC_TLS_KEY": str(certs["node.key"]),
+    tls_env = {"PDSERVE_GRPC_TLS_CERT": str(certs["node.pem"]),
+               "PDSERVE_GRPC_TLS_KEY": str(certs["node.key"]),
                "PDSERVE_GRPC_TLS_CA": str(certs["ca.pem"])}
     security = GrpcSecurity(grpc_tls_cert=tls_env["PDSERVE_GRPC_TLS_CERT"],
-                            grpc_tls_key=tls_env["PDSERVE_GRPC_TLS_KEY"], grpc_tls_ca=tls_env["PDSERVE_GRPC_TLS_CA"])
+                            grpc_tls_key=tls_env["PDSERVE_GRPC_TLS_KEY"],
+                            grpc_tls_ca=tls_env["PDSERVE_GRPC_TLS_CA"])
     server = await start_grpc_server([], "127.0.0.1", 0, security=security)
     check = [sys.executable, str(DOCKER / "healthcheck.py"), "grpc", str(server.port)]
     env = {"CONTAINER_HOST": "127.0.0.1", "PYTHONPATH": str(ROOT)}
@@ -366,7 +375,8 @@ def test_compose_file_is_valid_for_docker_compose(profiles: tuple[str, ...]):
     assert out.returncode == 0, out.stderr
     # compose 1.29 lists the profiled services with or without --profile
     services = set(_run([*base, "config", "--services"]).stdout.split())
-    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana", "mooncake-master", "encoder"}
+    assert services == {"bootstrap", "prefill", "decode", "gateway", "prometheus", "grafana",
+                        "mooncake-master", "encoder"}
 
 
 def test_grafana_provisioning_matches_the_dashboards_and_compose():
@@ -375,7 +385,8 @@ def test_grafana_provisioning_matches_the_dashboards_and_compose():
     datasources = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yml").read_text())
     (source,) = datasources["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    providers = yaml.safe_load((DOCKER / "grafana/provisioning/dashboards/pdserve.yml").read_text())["providers"]
+    provisioning = (DOCKER / "grafana/provisioning/dashboards/pdserve.yml").read_text()
+    providers = yaml.safe_load(provisioning)["providers"]
     grafana = _compose()["services"]["grafana"]
     assert f"./grafana/dashboards:{providers[0]['options']['path']}:ro" in grafana["volumes"]
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
@@ -387,7 +398,8 @@ def test_grafana_provisioning_matches_the_dashboards_and_compose():
             if panel["type"] == "row":  # a heading over the panels below it: no query
                 assert not panel.get("targets") and not panel.get("panels"), (path.name, panel["title"])
                 continue
-            assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, (path.name, panel["title"])
+            where = (path.name, panel["title"])
+            assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, where
             assert panel["targets"] and all(target["expr"] for target in panel["targets"])
     assert len(uids) == 3
 

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations of both systems")
     parser.add_argument("--skip-hf", action="store_true", help="leave HF transformers out")
     parser.add_argument("--peer-python", default=None,
-                        help="python of an environment with vLLM's CPU build: also measure vLLM's offline engine")
+                        help="python of an environment with vLLM's CPU build: also measure vLLM's offline "
+                             "engine")
     parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
                         help="pdserve's fused C++ CPU kernels (engine config cpu_kernels)")
     parser.add_argument("--tp-size", type=int, default=1,
@@ -209,7 +210,8 @@ class _PeerChild:
     def __init__(self, peer_python: str, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
                  dtype: str) -> None:
         self.name = "vllm"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-vllm-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-vllm-", suffix=".log",
+                                               delete=False)
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
         self.process = subprocess.Popen([peer_python, str(self.SCRIPT)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
@@ -274,7 +276,8 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, rep
     systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
-        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size, device))
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
+                                      device))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -321,11 +324,13 @@ def main(args: argparse.Namespace) -> int:
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
         report["pdserve_best_step_over_floor"] = results["pdserve"]["best_decode_ms_per_step"] / floor.ms
         if floor.compute_ms is not None:
-            report["pdserve_step_over_compute_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.compute_ms
+            report["pdserve_step_over_compute_floor"] = (results["pdserve"]["decode_ms_per_step"]
+                                                         / floor.compute_ms)
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
         if peer in results:
-            report.update({prefix + key: value for key, value in _compare(results["pdserve"], results[peer]).items()})
+            compared = _compare(results["pdserve"], results[peer])
+            report.update({prefix + key: value for key, value in compared.items()})
     for system in ("pdserve", "hf", "vllm"):
         if system in report:
             report[system].pop("tokens")
@@ -366,16 +371,18 @@ def print_table(report: dict) -> None:
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
     if "floor" in report:
         floor = report["floor"]
-        out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of weights + "
-                  f"{floor['kv_bytes'] / 1e6:.1f} MB of K/V at {floor['read_gb_s']:.1f} GB/s read "
-                  f"(tools/bench/step_floor.py); pdserve step / floor {report['pdserve_step_over_floor']:.2f}x "
+        out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of "
+                  f"weights + {floor['kv_bytes'] / 1e6:.1f} MB of K/V at {floor['read_gb_s']:.1f} GB/s read "
+                  "(tools/bench/step_floor.py); pdserve step / floor "
+                  f"{report['pdserve_step_over_floor']:.2f}x "
                   f"(best round {report['pdserve_best_step_over_floor']:.2f}x)\n")
         if "compute_floor_ms" in floor:
-            out.write(f"  compute  {floor['compute_floor_ms']:.1f} ms/step: {floor['flops'] / 1e9:.2f} GFLOP at "
-                      f"{floor['matmul_gflop_s']:.0f} GFLOP/s (torch's best square matmul here, "
+            out.write(f"  compute  {floor['compute_floor_ms']:.1f} ms/step: {floor['flops'] / 1e9:.2f} "
+                      f"GFLOP at {floor['matmul_gflop_s']:.0f} GFLOP/s (torch's best square matmul here, "
                       f"{floor['matmul_dtype']}); pdserve step / compute floor "
                       f"{report['pdserve_step_over_compute_floor']:.2f}x\n")
     if "seed_figure" in report:
         seed = report["seed_figure"]
-        out.write(f"  seeds    decode {seed['decode_tokens_per_s']:8.1f} tok/s ({seed['system']}; pdserve / seeds: "
+        out.write(f"  seeds    decode {seed['decode_tokens_per_s']:8.1f} tok/s ({seed['system']}; "
+                  "pdserve / seeds: "
                   f"{report['pdserve']['decode_tokens_per_s'] / seed['decode_tokens_per_s']:.2f}x)\n")

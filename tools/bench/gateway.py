@@ -31,15 +31,19 @@ from tools.launch import NotReady, ProcessGroup
 from tools.up import ensure_model
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
-PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog near the river bank." for i in range(16)]
+PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog near the river bank."
+           for i in range(16)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help="checkpoint (default: built-in tiny)")
+    parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
+                        help="checkpoint (default: built-in tiny)")
     parser.add_argument("--requests", type=int, default=100, help="requests per way and phase (default 100)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight in the throughput phase")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="requests in flight in the throughput phase")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (default 4)")
-    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads of the worker (default 1)")
+    parser.add_argument("--worker-threads", type=int, default=1,
+                        help="torch threads of the worker (default 1)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -52,7 +56,8 @@ def percentile(samples: list[float], q: float) -> float:
 class Ways:
     """The two ways to run one prompt, as coroutines returning the number of tokens generated."""
 
-    def __init__(self, worker_address: str, gateway_url: str, model: str, files: ModelFiles, max_tokens: int) -> None:
+    def __init__(self, worker_address: str, gateway_url: str, model: str, files: ModelFiles,
+                 max_tokens: int) -> None:
         self.channel = grpc.aio.insecure_channel(worker_address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.http = httpx.AsyncClient(base_url=gateway_url, timeout=120)
@@ -65,7 +70,8 @@ class Ways:
         self._room += 1
         sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=self.max_tokens, ignore_eos=True)
         request = worker_pb2.GenerateRequest(room=f"bench-{self._room}",
-                                             prompt_token_ids=self.prompt_ids[index % len(PROMPTS)], sampling=sampling)
+                                             prompt_token_ids=self.prompt_ids[index % len(PROMPTS)],
+                                             sampling=sampling)
         tokens = 0
         async for response in self.stub.Generate(request, timeout=120):
             tokens += len(response.outputs)
@@ -104,7 +110,8 @@ async def throughput(call: Callable[[int], Awaitable[int]], requests: int, concu
 
 
 def summary(samples: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(percentile(samples, 50) * 1e3, 3), "p99_ms": round(percentile(samples, 99) * 1e3, 3),
+    return {"p50_ms": round(percentile(samples, 50) * 1e3, 3),
+            "p99_ms": round(percentile(samples, 99) * 1e3, 3),
             "mean_ms": round(statistics.fmean(samples) * 1e3, 3)}
 
 
@@ -136,9 +143,11 @@ def main(args: argparse.Namespace) -> int:
         with ProcessGroup(log_dir) as group:  # stops the gateway, then the worker
             worker = group.start("worker", [
                 "launch-server", "--model-path", str(args.model_path), "--disaggregation-mode", "null",
-                "--port", "0", "--metrics-port", "0", "--num-threads", str(args.worker_threads)], timeout_s=300)
+                "--port", "0", "--metrics-port", "0", "--num-threads", str(args.worker_threads)],
+                timeout_s=300)
             gateway = group.start("gateway", [
-                "launch-router", "--model-path", str(args.model_path), "--port", "0", "--policy", "round_robin",
+                "launch-router", "--model-path", str(args.model_path), "--port", "0",
+                "--policy", "round_robin",
                 "--worker", worker.address], timeout_s=120)
             model = args.model_path.resolve().name
 
@@ -155,7 +164,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench gateway: {exc}")
         return 1
     result = {"model": model, "requests": args.requests, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "prompt_tokens": len(files.encode(PROMPTS[0], add_special_tokens=True)),
+              "max_tokens": args.max_tokens,
+              "prompt_tokens": len(files.encode(PROMPTS[0], add_special_tokens=True)),
               **result}
     if args.json:
         print(json.dumps(result))

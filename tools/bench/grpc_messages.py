@@ -30,11 +30,13 @@ PREFILL_CALL_MESSAGES = 2  # decode's Prefill call: one request, one response
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=Path(".cache/models/tiny"),
                         help="checkpoint (default: built-in tiny)")
-    parser.add_argument("--transfer-backend", default="mooncake", help="KV transfer backend (default mooncake)")
+    parser.add_argument("--transfer-backend", default="mooncake",
+                        help="KV transfer backend (default mooncake)")
     parser.add_argument("--requests", type=int, default=32, help="requests per deployment (default 32)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="tokens generated per request (default 32)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -79,17 +81,20 @@ def main(args: argparse.Namespace) -> int:
     ensure_model(args.model_path)
     model = str(args.model_path.resolve())
     ids = prompts(args.model_path, args.requests, args.prompt_tokens)
-    worker = ["launch-server", "--model-path", model, "--port", "0", "--metrics-port", "0", "--num-threads", "1",
-              "--disaggregation-transfer-backend", args.transfer_backend]
-    with tempfile.TemporaryDirectory(prefix="pdserve-grpc-messages-") as tmp, ProcessGroup(Path(tmp)) as group:
+    worker = ["launch-server", "--model-path", model, "--port", "0", "--metrics-port", "0",
+              "--num-threads", "1", "--disaggregation-transfer-backend", args.transfer_backend]
+    with (tempfile.TemporaryDirectory(prefix="pdserve-grpc-messages-") as tmp,
+          ProcessGroup(Path(tmp)) as group):
         colocated, prefill, decode = group.start_many([
             ("colocated", [*worker, "--disaggregation-mode", "null"]),
             ("prefill", [*worker, "--disaggregation-mode", "prefill"]),
             ("decode", [*worker, "--disaggregation-mode", "decode"])])
         asyncio.run(stream_messages(decode.address, ids[:2], args.max_tokens, 2, prefill.address, "warm-pd"))
         asyncio.run(stream_messages(colocated.address, ids[:2], args.max_tokens, 2, None, "warm-colocated"))
-        pd = asyncio.run(stream_messages(decode.address, ids, args.max_tokens, args.concurrency, prefill.address, "pd"))
-        co = asyncio.run(stream_messages(colocated.address, ids, args.max_tokens, args.concurrency, None, "colocated"))
+        pd = asyncio.run(stream_messages(decode.address, ids, args.max_tokens, args.concurrency,
+                                         prefill.address, "pd"))
+        co = asyncio.run(stream_messages(colocated.address, ids, args.max_tokens, args.concurrency,
+                                         None, "colocated"))
     result = {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "colocated": summarize(co, 0), "pd": summarize(pd, PREFILL_CALL_MESSAGES)}
     result["pd_over_colocated_stream_messages"] = round(

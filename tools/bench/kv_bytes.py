@@ -39,7 +39,8 @@ MODELS_DIR = Path(".cache/models")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="tiny-deepseek,tiny",
                         help="comma-separated checkpoint folders or make-tiny-model presets; the last is the "
-                             "baseline of the ratios (default tiny-deepseek,tiny: MLA against GQA, hidden 256 both)")
+                             "baseline of the ratios (default tiny-deepseek,tiny: MLA against GQA, hidden "
+                             "256 both)")
     parser.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--page-size", type=int, default=16)
@@ -66,13 +67,13 @@ def model_dir(spec: str) -> Path:
     if spec in PRESETS:
         path = MODELS_DIR / spec
         if not (path / "config.json").is_file():
-            subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", spec, "--out", str(path)],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", spec,
+                            "--out", str(path)], check=True)
         return path
     path = Path(spec)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"pdserve bench kv-bytes: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                         "nor a checkpoint folder")
+        raise SystemExit(f"pdserve bench kv-bytes: {spec!r} is neither a preset "
+                         f"({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
     return path
 
 
@@ -126,8 +127,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'model':<16} {'tokens':>7} {'bytes sent':>11} {'bytes/token':>12} {'layout bytes/token':>19} "
           f"{'vs ' + baseline.model:>14}  layout")
     for r in results:
-        print(f"{r.model:<16} {r.tokens:>7} {r.bytes_sent:>11.0f} {r.per_token:>12.1f} {r.layout_token_bytes:>19} "
-              f"{r.per_token / baseline.per_token:>14.3f}  {r.layout}")
+        print(f"{r.model:<16} {r.tokens:>7} {r.bytes_sent:>11.0f} {r.per_token:>12.1f} "
+              f"{r.layout_token_bytes:>19} {r.per_token / baseline.per_token:>14.3f}  {r.layout}")
     return 0
 
 

@@ -29,9 +29,11 @@ KINDS = ("all_reduce", "all_gather", "all_to_all", "stage", "plan")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a checkpoint folder or a tiny preset (tiny-deepseek, ...)")
+    parser.add_argument("--model", required=True,
+                        help="a checkpoint folder or a tiny preset (tiny-deepseek, ...)")
     parser.add_argument("--layouts", default="tp1,tp2,pp2,dp2-ep2",
-                        help="comma-separated layouts: tpN, ppN, dpN, epN joined with '-' (default: %(default)s)")
+                        help="comma-separated layouts: tpN, ppN, dpN, epN joined with '-' "
+                             "(default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -47,7 +49,8 @@ def parse_layout(text: str) -> dict[str, int]:
     for part in text.split("-"):
         match = re.fullmatch(r"(tp|pp|dp|ep)(\d+)", part)
         if match is None:
-            raise SystemExit(f"pdserve bench parallel: bad layout part {part!r} in {text!r} (tpN, ppN, dpN, epN)")
+            raise SystemExit(f"pdserve bench parallel: bad layout part {part!r} in {text!r} "
+                             "(tpN, ppN, dpN, epN)")
         sizes[match[1]] = int(match[2])
         given.add(match[1])
     if "tp" not in given:
@@ -104,7 +107,8 @@ def _measure(model: str, layout: str, prompts: list[list[int]], new_tokens: int,
         end, traffic, stats = time.perf_counter(), rank0_traffic(engine), engine.stats()
         start, traffic0, stats0 = marks["start"]  # type: ignore[misc]
         # One broadcast per step on rank 0 (a DP step runs every group's batch but counts once).
-        steps = max(1, traffic["broadcasts"] - traffic0["broadcasts"] if ranks > 1 else stats.steps - stats0.steps)
+        steps = max(1, (traffic["broadcasts"] - traffic0["broadcasts"] if ranks > 1
+                        else stats.steps - stats0.steps))
         decoded = stats.generated_tokens - stats0.generated_tokens
         conn.send({"layout": layout, "ranks": ranks, "decode_tokens_per_s": decoded / (end - start),
                    "decode_steps": steps,
@@ -126,7 +130,8 @@ def run(model: str, layouts: list[str], batch: int, prompt_len: int, new_tokens:
     results = []
     for layout in layouts:
         parent, child = context.Pipe()
-        proc = context.Process(target=_measure, args=(model, layout, prompts, new_tokens, threads, dtype, child))
+        proc = context.Process(target=_measure,
+                               args=(model, layout, prompts, new_tokens, threads, dtype, child))
         proc.start()
         result = parent.recv() if parent.poll(900) else {"layout": layout, "error": "no result within 900 s"}
         proc.join(60)
@@ -153,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(f"{args.model}: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{args.dtype}, {args.threads} cores shared by each layout's ranks; bytes are rank 0's per decode step")
+          f"{args.dtype}, {args.threads} cores shared by each layout's ranks; bytes are rank 0's per "
+          "decode step")
     base = next((r["decode_tokens_per_s"] for r in results if "error" not in r and r["ranks"] == 1), None)
     print(f"{'layout':<12}{'ranks':>6}{'tok/s':>9}{'vs 1 rank':>10}" + "".join(f"{k:>12}" for k in KINDS))
     for r in results:

@@ -78,7 +78,8 @@ def main() -> int:
         message = json.loads(line)
         try:
             if "model" in message:
-                system = VllmSystem(message["model"], message["prompts"], message["new_tokens"], message["dtype"])
+                system = VllmSystem(message["model"], message["prompts"], message["new_tokens"],
+                                    message["dtype"])
                 _reply({"ready": True})
             elif "round" in message:
                 _reply(system.round(message["round"]))  # type: ignore[union-attr]

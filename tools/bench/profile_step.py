@@ -32,7 +32,8 @@ if __name__ == "__main__":  # run by path: this folder must not shadow the `engi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.profile_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.profile_step",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=16)
@@ -42,11 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=12, help="ops listed in the profile")
     parser.add_argument("--cpu-kernels", default=None, help="auto | on | off (older trees: leave unset)")
-    parser.add_argument("--prefill", action="store_true", help="time and profile whole prefills of one prompt")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time and profile whole prefills of one prompt")
     parser.add_argument("--chunk", type=int, default=EngineConfig.chunked_prefill_size,
                         help="--prefill: chunked_prefill_size")
     parser.add_argument("--repeats", type=int, default=3, help="--prefill: timed prefills")
-    parser.add_argument("--torch-extend", action="store_true", help="--prefill: torch SDPA for extend attention")
+    parser.add_argument("--torch-extend", action="store_true",
+                        help="--prefill: torch SDPA for extend attention")
     args = parser.parse_args(argv)
     if args.prefill:
         return profile_prefill(args)
@@ -57,15 +60,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     extra = {} if args.cpu_kernels is None else {"cpu_kernels": args.cpu_kernels}
-    pages_per_request = -(-(args.prompt_len + args.steps + args.profile_steps + 16) // EngineConfig.page_size) + 1
+    tokens_per_request = args.prompt_len + args.steps + args.profile_steps + 16
+    pages_per_request = -(-tokens_per_request // EngineConfig.page_size) + 1
     engine = Engine.load(EngineConfig(model_path=args.model, dtype=args.dtype, num_threads=args.threads,
                                       num_pages=args.batch * pages_per_request + 8,
-                                      max_running_requests=args.batch, chunked_prefill_size=args.batch * args.prompt_len,
+                                      max_running_requests=args.batch,
+                                      chunked_prefill_size=args.batch * args.prompt_len,
                                       **extra))
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_new_tokens=1 << 20, ignore_eos=True)
     for index in range(args.batch):
-        prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,),
+                               generator=generator).tolist()
         request = engine._new_request(EngineRequest(f"profile-{index}", prompt, params))
         request.emit = lambda item: None  # nobody listens: outputs are dropped
         engine.scheduler.add(request)
@@ -114,7 +120,8 @@ def profile_prefill(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     extra = {} if args.cpu_kernels is None else {"cpu_kernels": args.cpu_kernels}
     engine = Engine.load(EngineConfig(model_path=args.model, dtype=args.dtype, num_threads=args.threads,
-                                      num_pages=-(-args.prompt_len // EngineConfig.page_size) + 8, max_running_requests=1,
+                                      num_pages=-(-args.prompt_len // EngineConfig.page_size) + 8,
+                                      max_running_requests=1,
                                       chunked_prefill_size=args.chunk, **extra))
     ops = engine.model.ops
     extend_op = extend_attention_torch if args.torch_extend else ops.extend_attention
@@ -128,7 +135,8 @@ def profile_prefill(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
 
     def prefill(index: int) -> None:  # a new random prompt each time: no prefix cache hits
-        prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,),
+                               generator=generator).tolist()
         request = engine._new_request(EngineRequest(f"prefill-{index}", prompt, params))
         request.emit = lambda item: None
         engine.scheduler.add(request)
@@ -143,9 +151,10 @@ def profile_prefill(args: argparse.Namespace) -> int:
         cpu.append(time.thread_time() - started_cpu)
         wall.append(time.perf_counter() - started)
     path = "torch SDPA over gathered pages" if args.torch_extend else type(ops).__name__ + ".extend_attention"
-    print(f"prefill of a {args.prompt_len}-token prompt in chunks of {args.chunk}, {args.dtype}, {args.threads} "
-          f"threads, extend attention by {path}: wall median {statistics.median(wall):.3f} s (min "
-          f"{min(wall):.3f}), stepping thread CPU median {statistics.median(cpu):.3f} s, over {args.repeats}")
+    print(f"prefill of a {args.prompt_len}-token prompt in chunks of {args.chunk}, {args.dtype}, "
+          f"{args.threads} threads, extend attention by {path}: wall median {statistics.median(wall):.3f} s "
+          f"(min {min(wall):.3f}), stepping thread CPU median {statistics.median(cpu):.3f} s, "
+          f"over {args.repeats}")
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()

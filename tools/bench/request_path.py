@@ -34,7 +34,8 @@ _SETTLE_S = 0.5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=Path(".cache/models/tiny"),
                         help="checkpoint (default: built-in tiny)")
-    parser.add_argument("--transfer-backend", default="mooncake", help="KV transfer backend (default mooncake)")
+    parser.add_argument("--transfer-backend", default="mooncake",
+                        help="KV transfer backend (default mooncake)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated (default 16)")
     parser.add_argument("--repeat", type=int, default=3, help="requests recorded, one at a time (default 3)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -78,13 +79,14 @@ def main(args: argparse.Namespace) -> int:
             wrapper = (sys.executable, "-m", "tools.bench.call_tracer", str(outputs[name]))
             return group.start(name, pdserve_args, wrapper=wrapper)
 
-        worker = ["launch-server", "--model-path", model, "--port", "0", "--metrics-port", "0", "--num-threads", "1",
-                  "--disaggregation-transfer-backend", args.transfer_backend, "--decode-log-interval", "0"]
+        worker = ["launch-server", "--model-path", model, "--port", "0", "--metrics-port", "0",
+                  "--num-threads", "1", "--disaggregation-transfer-backend", args.transfer_backend,
+                  "--decode-log-interval", "0"]
         prefill = traced("prefill", [*worker, "--disaggregation-mode", "prefill"])
         decode = traced("decode", [*worker, "--disaggregation-mode", "decode"])
-        gateway = traced("gateway", ["launch-router", "--model-path", model, "--pd-disaggregation", "--port", "0",
-                                     "--prefill", f"http://{prefill.address}", "--decode", f"http://{decode.address}",
-                                     "--policy", "round_robin"])
+        gateway = traced("gateway", ["launch-router", "--model-path", model, "--pd-disaggregation",
+                                     "--port", "0", "--prefill", f"http://{prefill.address}",
+                                     "--decode", f"http://{decode.address}", "--policy", "round_robin"])
         sent = iter(range(1_000_000))
 
         def chat() -> None:
@@ -118,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{name}: {len(entry['counted'])} files")
         for path in entry["counted"]:
             print(f"  {path}{'  (also ran idle)' if path in entry['idle'] else ''}")
-        print(f"  not counted: {len(entry['generated'])} generated, {len(entry['forward'])} of the forward pass")
+        print(f"  not counted: {len(entry['generated'])} generated, {len(entry['forward'])} of the "
+              "forward pass")
     print(f"distinct files over the three processes: {len(counted)}")
     return 0

@@ -55,8 +55,8 @@ class StepFloor:
         return self.flops / (self.matmul_gflop_s * 1e9) * 1e3
 
     def to_dict(self) -> dict:
-        out = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "read_gb_s": round(self.read_gb_s, 2),
-               "floor_ms": round(self.ms, 3)}
+        out = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
+               "read_gb_s": round(self.read_gb_s, 2), "floor_ms": round(self.ms, 3)}
         if self.compute_ms is not None:
             out.update({"flops": self.flops, "matmul_gflop_s": round(self.matmul_gflop_s, 1),
                         "matmul_dtype": self.matmul_dtype, "compute_floor_ms": round(self.compute_ms, 3)})
@@ -134,7 +134,8 @@ def read_bandwidth_gb_s(threads: int, passes: int = 5) -> float:
         torch.set_num_threads(previous)
 
 
-def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_tokens: int, threads: int) -> StepFloor:
+def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_tokens: int,
+               threads: int) -> StepFloor:
     from engine.models.config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
@@ -147,4 +148,5 @@ def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_toke
         flops = int(batch * (2 * linear_weights(Path(model_dir), config.tie_word_embeddings) + attention))
         rate, rate_dtype = matmul_gflop_s(threads)
     return StepFloor(weight_bytes(Path(model_dir), torch_dtype, config.tie_word_embeddings),
-                     int(batch * context * kv_per_token), read_bandwidth_gb_s(threads), flops, rate, rate_dtype)
+                     int(batch * context * kv_per_token), read_bandwidth_gb_s(threads), flops, rate,
+                     rate_dtype)

@@ -151,14 +151,15 @@ class _Pair:
         """Median seconds of one write + wait, after one warm-up; and its number of runs."""
         self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
                          repeats=1, timeout=300)
-        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench", grant=self.grant,
-                                 repeats=repeats, timeout=600)
+        reply = self.sender.call("bench_write", peer=self.peer, src=src, dst=dst, key="bench",
+                                 grant=self.grant, repeats=repeats, timeout=600)
         return statistics.median(reply["seconds"]), reply["runs"]
 
     def time_checksums(self, proc: PeerProcess, pages: list[int], repeats: int) -> float:
         """Median seconds of checksumming `pages` in `proc`'s pool, after one warm-up."""
         proc.call("bench_checksums", pages=pages, repeats=1, timeout=600)
-        return statistics.median(proc.call("bench_checksums", pages=pages, repeats=repeats, timeout=600)["seconds"])
+        reply = proc.call("bench_checksums", pages=pages, repeats=repeats, timeout=600)
+        return statistics.median(reply["seconds"])
 
     def time_poison(self, pages: list[int], repeats: int) -> float:
         """Median seconds of the receiver poisoning `pages`, after one warm-up."""
@@ -203,8 +204,9 @@ def measure_backend(backend: str, args: argparse.Namespace, sizes_mib: list[int]
         src, dst = run_pages(prompt_pages, run)
         page_major_s, page_major_runs = pair.time_write(src, dst, args.repeats)
         verify_s = pair.time_verify(dst, args.repeats)
-        prompt_checksum_s = (pair.time_checksums(pair.sender, src, args.repeats)
-                             + pair.time_checksums(pair.receiver, dst, args.repeats)) if args.checksum else None
+        prompt_checksum_s = ((pair.time_checksums(pair.sender, src, args.repeats)
+                              + pair.time_checksums(pair.receiver, dst, args.repeats))
+                             if args.checksum else None)
         poison_s = pair.time_poison(dst, args.repeats) if args.checksum else None
     finally:
         pair.close()
@@ -245,14 +247,18 @@ def render_table(results: list[BackendResult]) -> str:
                          f"{size.sender_checksum_ms:.2f} | {size.receiver_checksum_ms:.2f} |")
             lines.append(line)
     extra = " checksums ms (both sides) | poison ms (decode) |" if checked else ""
-    lines += ["", f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms "
-              "| verify_grant ms |" + extra, "|---|---|---|---|---|---|---|" + "---|" * extra.count("|")]
+    lines += ["",
+              f"| backend | {PROMPT_TOKENS}-token prompt | page-major writes | ms | layer-major writes | ms "
+              "| verify_grant ms |" + extra,
+              "|---|---|---|---|---|---|---|" + "---|" * extra.count("|")]
     for result in results:
         if result.prompt:
             p = result.prompt
             lines.append(f"| {result.backend} | {p.nbytes / MIB:.0f} MiB | {p.page_major_writes} | "
                          f"{p.page_major_ms:.1f} | {p.layer_major_writes} | {p.layer_major_ms:.1f} | "
-                         f"{p.verify_grant_ms:.3f} |" + (f" {p.checksum_ms:.2f} | {p.poison_ms:.2f} |" if p.checksum_ms is not None else ""))
+                         f"{p.verify_grant_ms:.3f} |"
+                         + (f" {p.checksum_ms:.2f} | {p.poison_ms:.2f} |"
+                            if p.checksum_ms is not None else ""))
     return "\n".join(lines)
 
 

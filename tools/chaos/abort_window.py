@@ -39,8 +39,8 @@ async def _first_event(http: httpx.AsyncClient, url: str, body: dict) -> float |
     return None
 
 
-async def abort_around_first_token(url: str, model: str, prompts: Sequence[str], *, count: int, max_tokens: int,
-                                   seed: int, concurrency: int = 4) -> Counter:
+async def abort_around_first_token(url: str, model: str, prompts: Sequence[str], *, count: int,
+                                   max_tokens: int, seed: int, concurrency: int = 4) -> Counter:
     """`count` streaming requests cut around their first token, `concurrency` at a time. Returns
     counts by MODE (cut), `MODE completed` and `errors`."""
     rng = random.Random(seed)

@@ -50,7 +50,8 @@ class ChaosConfig:
         "seconds of steady load around each fault: a third before it, the rest after it ends"))
     clients: int = field(default=6, metadata=_help("steady-load clients; half stream, half do not"))
     disconnects: int = field(default=120, metadata=_help("client disconnects in the disconnect scenario"))
-    max_tokens: int = field(default=32, metadata=_help("tokens each steady-load request generates (ignore_eos)"))
+    max_tokens: int = field(default=32, metadata=_help(
+        "tokens each steady-load request generates (ignore_eos)"))
     hung_after: float = field(default=15.0, metadata=_help(
         "seconds after the later of its start and fault + lease bound with no answer: the request is hung"))
     hung_wait: float = field(default=20.0, metadata=_help(
@@ -86,7 +87,8 @@ class ChaosConfig:
         "seconds for every worker to be seen by the gateway and serve a request after a scenario"))
     log_dir: str | None = field(default=None, metadata=_help(
         "one log file per process here (kept); unset = a temporary folder, kept only if a row fails"))
-    seed: int = field(default=0, metadata=_help("seed of the prompt set, the disconnect points and the soak's faults"))
+    seed: int = field(default=0, metadata=_help(
+        "seed of the prompt set, the disconnect points and the soak's faults"))
     soak: str = field(default="", metadata=_help(
         "soak mode: one deployment per backend under steady load for this long (90s, 30m, 1h; bare "
         "numbers are seconds), faults drawn at random (--seed) from --scenarios one at a time; one "
@@ -100,7 +102,8 @@ class ChaosConfig:
             if backend not in BACKENDS:
                 raise ValueError(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
         if self.registry_store not in REGISTRY_STORES:
-            raise ValueError(f"--registry-store: unknown store {self.registry_store!r}; choose from {REGISTRY_STORES}")
+            raise ValueError(f"--registry-store: unknown store {self.registry_store!r}; "
+                             f"choose from {REGISTRY_STORES}")
         if self.clients < 1:
             raise ValueError("--clients must be >= 1")
         if self.duration <= 0 or self.hung_after <= 0:
@@ -138,7 +141,8 @@ class ChaosConfig:
         restart, the health probe. A fault that overruns it is reported and its task cancelled."""
         outage = {"freeze-prefill": self.freeze_s, "freeze-decode": self.freeze_s,
                   "network-cut-prefill": self.network_cut_s, "network-cut-decode": self.network_cut_s,
-                  "registry-restart": self.registry_down, "idle": self.idle + self.hung_after + self.hung_wait,
+                  "registry-restart": self.registry_down,
+                  "idle": self.idle + self.hung_after + self.hung_wait,
                   "idle-cut": self.idle + self.hung_after + self.hung_wait,
                   # etcd down twice (on its data, then wiped), the workers re-registering after each
                   "etcd-restart": 2 * (self.etcd_down + self.recovery_timeout),

@@ -71,9 +71,9 @@ class Deployment:
 
     def gateway_args(self, port: int = 0) -> list[str]:
         assert self.bootstrap is not None
-        return ["launch-router", "--model-path", self.config.model_path, "--bootstrap", self.bootstrap.address,
-                "--host", self.host, "--port", str(port), "--prefill-policy", self.config.prefill_policy,
-                "--decode-policy", self.config.decode_policy]
+        return ["launch-router", "--model-path", self.config.model_path,
+                "--bootstrap", self.bootstrap.address, "--host", self.host, "--port", str(port),
+                "--prefill-policy", self.config.prefill_policy, "--decode-policy", self.config.decode_policy]
 
     def worker_args(self, name: str, port: int = 0) -> tuple[list[str], tuple[str, ...]]:
         """`pdserve` arguments of worker `name` (gRPC on `port`, 0: a free one), and the wrapper it runs
@@ -81,10 +81,11 @@ class Deployment:
         assert self.bootstrap is not None
         inside = self.netns is not None and name == self.isolated
         host = self.netns.inner_address if inside else self.host
-        args = ["launch-server", "--model-path", self.config.model_path, "--disaggregation-mode", role_of(name),
-                "--disaggregation-transfer-backend", self.backend, "--host", host, "--port", str(port),
-                "--metrics-port", "0", "--bootstrap", self.bootstrap.address,
-                "--num-pages", str(self.config.num_pages), "--num-threads", "1"]
+        args = ["launch-server", "--model-path", self.config.model_path,
+                "--disaggregation-mode", role_of(name), "--disaggregation-transfer-backend", self.backend,
+                "--host", host, "--port", str(port), "--metrics-port", "0",
+                "--bootstrap", self.bootstrap.address, "--num-pages", str(self.config.num_pages),
+                "--num-threads", "1"]
         if self.store is not None:
             args += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
                      "--hicache-mooncake-master", self.store.address, "--hicache-mooncake-segment-mb", "32"]
@@ -121,8 +122,8 @@ class Deployment:
     async def restart_bootstrap(self) -> Service:
         """Start the registry again on its old port (every worker and the gateway dial that address)."""
         assert self.bootstrap is not None and not self.bootstrap.alive()
-        self.bootstrap = await until_ready(self.group.spawn("bootstrap", self.bootstrap_args(self.bootstrap.port)),
-                                           self.config.ready_timeout)
+        restarted = self.group.spawn("bootstrap", self.bootstrap_args(self.bootstrap.port))
+        self.bootstrap = await until_ready(restarted, self.config.ready_timeout)
         return self.bootstrap
 
     async def restart_gateway(self) -> Service:
@@ -173,7 +174,8 @@ class Deployment:
         while time.monotonic() < deadline:
             status, body = await self.health()
             seen = body.get("workers", {})
-            if status == 200 and seen.get("prefill", 0) >= len(PREFILLS) and seen.get("decode", 0) >= len(DECODES):
+            if (status == 200 and seen.get("prefill", 0) >= len(PREFILLS)
+                    and seen.get("decode", 0) >= len(DECODES)):
                 return True
             await asyncio.sleep(0.2)
         return False

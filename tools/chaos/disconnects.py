@@ -36,7 +36,8 @@ async def cut_after(delay_s: float, request) -> bool:
 async def _one(url: str, body: dict, mode: str, rng: random.Random) -> bool:
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
         if mode == "whole":
-            return await cut_after(rng.uniform(0.002, 0.6), http.post(f"{url}/v1/chat/completions", json=body))
+            return await cut_after(rng.uniform(0.002, 0.6),
+                                   http.post(f"{url}/v1/chat/completions", json=body))
         if mode == "before-first-token":
             async def open_stream() -> None:
                 async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -58,7 +59,8 @@ async def disconnect_clients(url: str, model: str, prompts: Sequence[str], *, co
     """`count` requests, each dropped at a random point, `concurrency` at a time. Returns counts by
     `MODE` (cut) and `MODE completed` (finished before its cut point) and `errors`."""
     rng = random.Random(seed)
-    plans = [(MODES[i % len(MODES)], rng.randrange(len(prompts)), random.Random(rng.random())) for i in range(count)]
+    plans = [(MODES[i % len(MODES)], rng.randrange(len(prompts)), random.Random(rng.random()))
+             for i in range(count)]
     limit = asyncio.Semaphore(concurrency)
     counts: Counter = Counter()
 

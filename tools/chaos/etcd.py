@@ -65,8 +65,10 @@ class EtcdProcess:
             self.popen = subprocess.Popen(
                 [binary, "--name", "chaos", "--data-dir", str(self.data_dir), "--listen-client-urls", client,
                  "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"chaos={peer}", "--log-level", "warn"],
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"chaos={peer}",
+                 "--log-level", "warn"],
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as http:
             while time.monotonic() < deadline:

@@ -109,7 +109,8 @@ class SteadyLoad:
             self._paused = False
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._client(i), name=f"load-client-{i}") for i in range(self.clients)]
+        self._tasks = [asyncio.create_task(self._client(i), name=f"load-client-{i}")
+                       for i in range(self.clients)]
         self._monitor_task = asyncio.create_task(self._monitor(), name="load-hung-monitor")
 
     async def stop(self) -> Tally:
@@ -152,15 +153,16 @@ class SteadyLoad:
                 except asyncio.CancelledError:
                     if not entry.hung:
                         raise  # the client itself is being cancelled
-                    self.tally.record_hung(f"{entry.detail}: no answer after {time.monotonic() - started:.0f}s")
+                    self.tally.record_hung(f"{entry.detail}: no answer after "
+                                           f"{time.monotonic() - started:.0f}s")
                     continue
                 finally:
                     self._inflight.discard(entry)
                 if entry.hung:
                     verdict = "ok" if reply.ok and reply.text == self.reference[prompt_index] else (
                         "wrong" if reply.ok else reply.kind)
-                    self.tally.record_hung(f"{entry.detail}: answered after {time.monotonic() - started:.1f}s "
-                                           f"({verdict})")
+                    self.tally.record_hung(f"{entry.detail}: answered after "
+                                           f"{time.monotonic() - started:.1f}s ({verdict})")
                     continue
                 self.tally.record(reply, self.reference[prompt_index], entry.detail)
                 if not reply.ok:

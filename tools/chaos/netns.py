@@ -84,7 +84,8 @@ class NetworkNamespace:
         pid, index = os.getpid(), next(_INDEXES)
         link = _free_link_subnet(pid * 7 + index)
         host_ip, inner_ip = list(link.hosts())
-        ns = cls(f"{PREFIX}-{pid}-{index}", f"pdc{pid}h{index}", f"pdc{pid}n{index}", str(host_ip), str(inner_ip))
+        ns = cls(f"{PREFIX}-{pid}-{index}", f"pdc{pid}h{index}", f"pdc{pid}n{index}", str(host_ip),
+                 str(inner_ip))
         try:
             ns._build(link.prefixlen)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
@@ -142,8 +143,10 @@ class NetworkNamespace:
             raise NetnsUnavailable("iptables is not installed (scripts/setup.sh installs it)")
         flows = self.open_flows(port)
         for host, peer_port in flows:
-            for rule in (["INPUT", "-s", host, "-p", "tcp", "--sport", str(peer_port), "--dport", str(port)],
-                         ["OUTPUT", "-d", host, "-p", "tcp", "--sport", str(port), "--dport", str(peer_port)]):
+            for rule in (["INPUT", "-s", host, "-p", "tcp", "--sport", str(peer_port),
+                          "--dport", str(port)],
+                         ["OUTPUT", "-d", host, "-p", "tcp", "--sport", str(port),
+                          "--dport", str(peer_port)]):
                 subprocess.run([*self.wrapper, "iptables", "-I", *rule, "-j", "DROP"], capture_output=True,
                                text=True, timeout=10, check=True)
                 self._idle_rules.append(rule)

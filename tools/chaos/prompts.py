@@ -21,4 +21,5 @@ def make_prompts(seed: int = 0, word_counts: tuple[int, ...] = WORD_COUNTS) -> l
     """One user message per entry of `word_counts`, each starting with its index so no two share a prefix
     (routing and prefix caching then see distinct prompts)."""
     rng = random.Random(seed)
-    return [f"Prompt {i}: " + " ".join(_word(rng) for _ in range(count)) for i, count in enumerate(word_counts)]
+    return [f"Prompt {i}: " + " ".join(_word(rng) for _ in range(count))
+            for i, count in enumerate(word_counts)]

@@ -135,7 +135,8 @@ async def check_recovery(dep: Deployment, prompts: Sequence[str], reference: Seq
             turn += _BATCH
             left = max(1.0, deadline - time.monotonic())
             replies = await asyncio.gather(*(
-                asyncio.wait_for(chat(http, dep.url, dep.model_name, prompts[i], max_tokens, stream=i % 2 == 1), left)
+                asyncio.wait_for(chat(http, dep.url, dep.model_name, prompts[i], max_tokens,
+                                      stream=i % 2 == 1), left)
                 for i in batch), return_exceptions=True)
             for index, reply in zip(batch, replies, strict=True):
                 recovery.tally.sent += 1

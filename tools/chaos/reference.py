@@ -38,7 +38,8 @@ async def _until_answered(http: httpx.AsyncClient, url: str, model: str, prompt:
     deadline = time.monotonic() + _RETRY_FOR_S
     refused = 0
     while True:
-        reply = await asyncio.wait_for(chat(http, url, model, prompt, max_tokens, stream=stream), _RETRY_FOR_S)
+        reply = await asyncio.wait_for(chat(http, url, model, prompt, max_tokens, stream=stream),
+                                       _RETRY_FOR_S)
         if reply.ok or time.monotonic() > deadline:
             return reply, refused
         refused += 1
@@ -54,7 +55,8 @@ async def collect_reference(url: str, model: str, prompts: Sequence[str], max_to
             refused += refused_whole + refused_streamed
             for reply in (whole, streamed):
                 if not reply.ok:
-                    raise NoReferenceAnswer(f"prompt {index} got no fault-free answer: {reply.kind} {reply.error}")
+                    raise NoReferenceAnswer(f"prompt {index} got no fault-free answer: "
+                                            f"{reply.kind} {reply.error}")
             if whole.text != streamed.text:
                 raise NoReferenceAnswer(f"prompt {index}: whole and streamed greedy answers differ: "
                                       f"{whole.text!r} vs {streamed.text!r}")

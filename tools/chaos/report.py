@@ -101,7 +101,8 @@ def to_table(rows: Sequence[Row]) -> str:
         if row.gateway_migrations:
             lines.append(f"  {label} gateway migrations: {row.gateway_migrations}")
         if row.errors:
-            kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(row.errors.items(), key=lambda kv: -kv[1]))
+            kinds = ", ".join(f"{kind} x{count}"
+                              for kind, count in sorted(row.errors.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {label} failures: {kinds}")
         if "wrong" in row.examples:
             lines.append(f"  {label} wrong: {row.examples['wrong']}")

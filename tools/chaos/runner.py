@@ -74,8 +74,8 @@ def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery
     if not recovery.recovered:
         row.problems.append(f"did not recover: {'; '.join(recovery.not_recovered)}")
     if recovery.retries:
-        row.problems.append(f"the gateway retried {sum(recovery.retries.values())} attempts after the fault was "
-                            f"over ({recovery.retries}): a (prefill, decode) pair still fails")
+        row.problems.append(f"the gateway retried {sum(recovery.retries.values())} attempts after the "
+                            f"fault was over ({recovery.retries}): a (prefill, decode) pair still fails")
     if recovery.tally.sent - recovery.tally.succeeded:
         row.problems.append(f"{recovery.tally.sent - recovery.tally.succeeded} of {recovery.tally.sent} "
                             f"requests failed after the fault was over ({dict(recovery.tally.errors)})")
@@ -83,11 +83,11 @@ def judge(row: Row, scenario: Scenario, tally: Tally, settled: Settled, recovery
     if failed and not scenario.failures_allowed:
         row.problems.append(f"{failed} requests failed although every worker stayed up")
     if row.gateway_migrations and not scenario.failures_allowed:
-        row.problems.append(f"the gateway migrated {sum(row.gateway_migrations.values())} streams although every "
-                            f"worker stayed up ({row.gateway_migrations})")
+        row.problems.append(f"the gateway migrated {sum(row.gateway_migrations.values())} streams "
+                            f"although every worker stayed up ({row.gateway_migrations})")
     if row.gateway_retries and not scenario.failures_allowed:
-        row.problems.append(f"the gateway retried {sum(row.gateway_retries.values())} attempts although every "
-                            f"worker stayed up ({row.gateway_retries})")
+        row.problems.append(f"the gateway retried {sum(row.gateway_retries.values())} attempts "
+                            f"although every worker stayed up ({row.gateway_retries})")
     elif tally.failed_unclear and not scenario.unclear_allowed:
         row.problems.append(f"{tally.failed_unclear} requests failed without a clear error")
 
@@ -152,7 +152,8 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
         say(f"{label} {scenario.name}: {scenario.about}")
         try:
             row = await run_scenario(dep, scenario, cfg, prompts, reference.texts)
-        except Exception as exc:  # a restart that failed, a harness bug: report it, keep the other backends going
+        except Exception as exc:
+            # A restart that failed, a harness bug: report it, keep the other backends going.
             broken = f"the deployment broke in {scenario.name}"
             row = Row(scenario.name, dep.backend,
                       problems=[f"scenario could not run: {type(exc).__name__}: {str(exc)[:300]}"])
@@ -166,10 +167,10 @@ async def _run_on(dep: Deployment, scenarios: Sequence[Scenario], cfg: ChaosConf
         result.rows.append(row)
 
 
-async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario], prompts: Sequence[str],
-                          log_dir: Path, env: dict[str, str], result: BackendResult, *,
-                          netns: NetworkNamespace | None = None, isolated: str | None = None,
-                          store: bool = False) -> None:
+async def _deployment_run(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenario],
+                          prompts: Sequence[str], log_dir: Path, env: dict[str, str],
+                          result: BackendResult, *, netns: NetworkNamespace | None = None,
+                          isolated: str | None = None, store: bool = False) -> None:
     with contextlib.ExitStack() as stack, ProcessGroup(log_dir, env=env) as group:
         # the group's exit kills whatever still runs, whatever happened; then the stack's: the master
         master = stack.enter_context(MasterProcess(log_dir / "mooncake_master")) if store else None
@@ -193,8 +194,8 @@ async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenar
             say(f"[{backend}] {scenario.name} skipped: {why}")
             result.rows.append(Row(scenario.name, backend, skipped=why))
             continue
-        await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario], prompts,
-                              log_root / f"{backend}-{scenario.name}", env, result)
+        await _deployment_run(backend, replace(cfg, registry_store=scenario.registry_store), [scenario],
+                              prompts, log_root / f"{backend}-{scenario.name}", env, result)
     stored = [s for s in scenarios if s.store]
     if stored and mooncake_master.binary() is None:
         for scenario in stored:
@@ -202,7 +203,8 @@ async def run_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scenar
             say(f"[{backend}] {scenario.name} skipped: {why}")
             result.rows.append(Row(scenario.name, backend, skipped=why))
     elif stored:  # workers on a Mooncake Store of their own, in a deployment of their own
-        await _deployment_run(backend, cfg, stored, prompts, log_root / f"{backend}-store", env, result, store=True)
+        await _deployment_run(backend, cfg, stored, prompts, log_root / f"{backend}-store", env, result,
+                              store=True)
     # one namespace deployment per isolated worker, shared by the scenarios that isolate it
     isolated: dict[str, list[Scenario]] = {}
     for scenario in (s for s in scenarios if s.isolate is not None):

@@ -141,15 +141,18 @@ async def _disconnects(ctx: FaultContext) -> None:
                                                count=ctx.config.disconnects, max_tokens=DISCONNECT_MAX_TOKENS,
                                                seed=ctx.config.seed)
     cut = sum(ctx.disconnects.get(mode, 0) for mode in MODES)
-    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut by their client ({dict(ctx.disconnects)})")
+    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut by their client "
+                     f"({dict(ctx.disconnects)})")
 
 
 async def _abort_window(ctx: FaultContext) -> None:
-    counts = await abort_around_first_token(ctx.dep.url, ctx.dep.model_name, ctx.prompts, count=ctx.config.disconnects,
-                                            max_tokens=DISCONNECT_MAX_TOKENS, seed=ctx.config.seed)
+    counts = await abort_around_first_token(ctx.dep.url, ctx.dep.model_name, ctx.prompts,
+                                            count=ctx.config.disconnects, max_tokens=DISCONNECT_MAX_TOKENS,
+                                            seed=ctx.config.seed)
     ctx.disconnects = counts
     cut = sum(counts.get(mode, 0) for mode in ABORT_WINDOW_MODES)
-    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut around their first token ({dict(counts)})")
+    ctx.notes.append(f"{cut} of {ctx.config.disconnects} requests cut around their first token "
+                     f"({dict(counts)})")
 
 
 # -- registry downtime -------------------------------------------------------------------------------
@@ -296,7 +299,8 @@ async def _kill_store_master(ctx: FaultContext) -> None:
     errors = sum(e or 0 for e in await _store_metric(ctx, "pdserve:hicache_store_errors_total")) - errors
     # A worker whose requests all hit its local cache meanwhile made no store call, so saw nothing.
     ctx.notes.append(f"mooncake_master killed {STORE_DOWN_S:.0f}s, restarted on its port, frozen "
-                     f"{STORE_DOWN_S:.0f}s; {hits:.0f} store page hits before, {errors:.0f} failed store calls")
+                     f"{STORE_DOWN_S:.0f}s; {hits:.0f} store page hits before, {errors:.0f} failed store "
+                     "calls")
 
 
 # -- idle, with the connections silently dropped ------------------------------------------------------
@@ -324,17 +328,20 @@ async def _idle_cut(ctx: FaultContext) -> None:
 
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("baseline", "no fault: the same load and checks, as a control", _no_fault, failures_allowed=False),
+    Scenario("baseline", "no fault: the same load and checks, as a control", _no_fault,
+             failures_allowed=False),
     Scenario("kill-bootstrap", "kill -9 the registry, start it again on its port", _kill_bootstrap,
              failures_allowed=False),
-    Scenario("kill-prefill", "kill -9 prefill-0, start it again", _kill_worker("prefill-0"), failures_allowed=True),
-    Scenario("kill-decode", "kill -9 decode-0, start it again", _kill_worker("decode-0"), failures_allowed=True),
+    Scenario("kill-prefill", "kill -9 prefill-0, start it again", _kill_worker("prefill-0"),
+             failures_allowed=True),
+    Scenario("kill-decode", "kill -9 decode-0, start it again", _kill_worker("decode-0"),
+             failures_allowed=True),
     Scenario("kill-gateway", "kill -9 the gateway, start it again on its port; requests right after its "
              "/health says 200 must succeed", _kill_gateway, failures_allowed=True, unclear_allowed=True),
-    Scenario("freeze-prefill", "SIGSTOP prefill-0 past the lease bound, then SIGCONT", _freeze_worker("prefill-0"),
-             failures_allowed=True),
-    Scenario("freeze-decode", "SIGSTOP decode-0 past the lease bound, then SIGCONT", _freeze_worker("decode-0"),
-             failures_allowed=True),
+    Scenario("freeze-prefill", "SIGSTOP prefill-0 past the lease bound, then SIGCONT",
+             _freeze_worker("prefill-0"), failures_allowed=True),
+    Scenario("freeze-decode", "SIGSTOP decode-0 past the lease bound, then SIGCONT",
+             _freeze_worker("decode-0"), failures_allowed=True),
     Scenario("disconnects", "clients drop requests before the first token, mid-stream and mid-answer",
              _disconnects, failures_allowed=False),
     Scenario("registry-restart", "stop the registry, keep it down, start a new one on its port",
@@ -347,13 +354,15 @@ SCENARIOS: tuple[Scenario, ...] = (
              _restart_prefill_in_place, failures_allowed=True),
     Scenario("abort-window", "clients leave around the first token: aborts land as prefill finishes and "
              "decode admits", _abort_window, failures_allowed=False),
-    Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle, failures_allowed=False),
+    Scenario("idle", "no traffic for a while (idle gRPC channels), then load again", _idle,
+             failures_allowed=False),
     Scenario("etcd-restart", "registry on etcd: kill -9 etcd, start it on its data, then again wiped; "
-             "workers re-register by themselves", _etcd_restart, failures_allowed=False, registry_store="etcd"),
+             "workers re-register by themselves", _etcd_restart, failures_allowed=False,
+             registry_store="etcd"),
     Scenario("idle-cut", "no traffic; the open connections to decode-1 dropped silently (iptables in its "
              "namespace), then load again", _idle_cut, failures_allowed=False, isolate="decode-1"),
-    Scenario("kill-store-master", "workers on Mooncake Store (--enable-hierarchical-cache): kill -9 its master, "
-             "start it on its port, then SIGSTOP it a while; no request may fail", _kill_store_master,
+    Scenario("kill-store-master", "workers on Mooncake Store (--enable-hierarchical-cache): kill -9 its "
+             "master, start it on its port, then SIGSTOP it a while; no request may fail", _kill_store_master,
              failures_allowed=False, store=True),
 )
 
@@ -366,6 +375,7 @@ def select(names: str) -> list[Scenario]:
     chosen = []
     for name in (n.strip() for n in names.split(",")):
         if name not in by_name:
-            raise ValueError(f"--scenarios: unknown scenario {name!r}; choose from {', '.join(by_name)} or all")
+            raise ValueError(f"--scenarios: unknown scenario {name!r}; "
+                             f"choose from {', '.join(by_name)} or all")
         chosen.append(by_name[name])
     return chosen

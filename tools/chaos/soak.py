@@ -44,7 +44,8 @@ class FaultLog:
 def soak_pool(scenarios: Sequence[Scenario], registry_store: str = "memory") -> list[Scenario]:
     """The scenarios a soak draws from: those that run on the plain deployment (no network namespace,
     and the registry store the deployment has: etcd-restart only with --registry-store etcd)."""
-    return [s for s in scenarios if s.isolate is None and s.registry_store in (None, registry_store) and not s.store]
+    return [s for s in scenarios
+            if s.isolate is None and s.registry_store in (None, registry_store) and not s.store]
 
 
 def as_one_scenario(drawn: Sequence[Scenario]) -> Scenario:
@@ -56,7 +57,8 @@ def as_one_scenario(drawn: Sequence[Scenario]) -> Scenario:
 
 
 async def inject_faults(dep: Deployment, load: SteadyLoad, cfg: ChaosConfig, prompts: Sequence[str],
-                        pool: Sequence[Scenario], until: float, rng: random.Random, log: FaultLog) -> list[Scenario]:
+                        pool: Sequence[Scenario], until: float, rng: random.Random,
+                        log: FaultLog) -> list[Scenario]:
     """Gaps of plain load and random faults until monotonic time `until`; returns the faults drawn."""
     drawn: list[Scenario] = []
     while True:
@@ -91,7 +93,8 @@ async def soak_on(dep: Deployment, cfg: ChaosConfig, pool: Sequence[Scenario], p
     started = time.monotonic()
     row = Row("soak", dep.backend)
     try:
-        say(f"[{dep.backend} soak] starting bootstrap, 2 prefill, 2 decode, gateway (logs in {dep.group.workdir})")
+        say(f"[{dep.backend} soak] starting bootstrap, 2 prefill, 2 decode, gateway "
+            f"(logs in {dep.group.workdir})")
         await dep.start()
         reference = await collect_reference(dep.url, dep.model_name, prompts, cfg.max_tokens)
     except (NotReady, RuntimeError, NoReferenceAnswer) as exc:
@@ -136,8 +139,8 @@ async def soak_backend(backend: str, cfg: ChaosConfig, scenarios: Sequence[Scena
         say(f"[{backend} soak] left out of the draw (they need a network namespace or another registry "
             f"store): {', '.join(left_out)}")
     if not pool:
-        return Row("soak", backend, problems=["no scenario to draw from: --scenarios names only scenarios that "
-                                              "need a network namespace or another registry store"])
+        return Row("soak", backend, problems=["no scenario to draw from: --scenarios names only scenarios "
+                                              "that need a network namespace or another registry store"])
     with ProcessGroup(log_root / f"{backend}-soak", env=env) as group:
         dep = Deployment(backend, cfg, group)
         try:

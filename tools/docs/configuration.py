@@ -179,7 +179,8 @@ def render() -> str:
                   "| flag | default | meaning |", "|---|---|---|"]
         for flag in flags(command):
             linked = links.get((command, flag.spellings[0]), [])
-            lines.append(f"| {_cell(_flag_cell(flag))} | {_cell(_default(flag, linked))} | {_cell(flag.help)} |")
+            lines.append(f"| {_cell(_flag_cell(flag))} | {_cell(_default(flag, linked))} "
+                         f"| {_cell(flag.help)} |")
         lines.append("")
     lines += ["## Environment variables", "",
               "Declared in pdserve/envs.py; an empty value counts as unset.", "",
@@ -191,7 +192,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.docs.configuration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.docs.configuration",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
                         help=f"compare with {PAGE.name} instead of printing; exit 1 if it differs")
     args = parser.parse_args(argv)

@@ -46,7 +46,8 @@ PARTS = (
     Part("pd", "prefill and decode on a GPU each (--base-gpu-id), KV GPU to GPU over mooncake and nixl, "
          "vs colocated", ("tests/gpu/test_pd_gpu.py",)),
     Part("tp", "TP 2 over NCCL vs HF (needs 2 GPUs)", ("tests/gpu/test_tp_nccl.py",)),
-    Part("bench", "bench engine --device cuda on qwen3-4b-shape (bf16), batch 1 and 16, beside the seeds' 144 tok/s"),
+    Part("bench", "bench engine --device cuda on qwen3-4b-shape (bf16), batch 1 and 16, beside the seeds' "
+         "144 tok/s"),
 )
 PART_NAMES = tuple(part.name for part in PARTS)
 
@@ -96,7 +97,8 @@ def describe(venv: str, parts: list[str]) -> str:
              f"   CUDA 12: {' '.join(cuda_wheels(12))}",
              f"   CUDA 13: {' '.join(cuda_wheels(13))}",
              "parts:"]
-    lines += [f"  {part.name:7s} {part.what}" + ("" if part.name in parts else "  [not selected]") for part in PARTS]
+    lines += [f"  {part.name:7s} {part.what}" + ("" if part.name in parts else "  [not selected]")
+              for part in PARTS]
     return "\n".join(lines)
 
 

@@ -94,8 +94,8 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
         return row
     started = time.monotonic()
     if not (BENCH_MODEL / "model.safetensors.index.json").exists():
-        made = subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "qwen3-4b-shape",
-                               "--out", str(BENCH_MODEL)], cwd=REPO, env=_env())
+        made = subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model",
+                               "--preset", "qwen3-4b-shape", "--out", str(BENCH_MODEL)], cwd=REPO, env=_env())
         if made.returncode != 0:
             row.failed, row.reason = 1, f"make-tiny-model --preset qwen3-4b-shape exited {made.returncode}"
             return row
@@ -117,10 +117,11 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
         print_table(report)
         figures.append(f"batch {batch}: {report['pdserve']['decode_tokens_per_s']:.0f} tok/s")
     if not peer_python:
-        print("[gpu:bench] vLLM not measured: its CUDA wheel pins a torch of its own, so it needs a venv of its "
-              "own; pass --vllm-python PATH (a venv with vllm) to set it beside pdserve in the same run")
+        print("[gpu:bench] vLLM not measured: its CUDA wheel pins a torch of its own, so it needs a venv of "
+              "its own; pass --vllm-python PATH (a venv with vllm) to set it beside pdserve in the same run")
     if figures:
-        row.reason = "; ".join(figures) + f" (seeds: {SEED_FIGURE['decode_tokens_per_s']:.0f} tok/s at batch 1)"
+        row.reason = ("; ".join(figures)
+                      + f" (seeds: {SEED_FIGURE['decode_tokens_per_s']:.0f} tok/s at batch 1)")
     row.seconds = time.monotonic() - started
     return row
 
@@ -128,7 +129,8 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
 def _env() -> dict[str, str]:
     # The repository first, then whatever PYTHONPATH already names (an offline machine may hold some of
     # pdserve's requirements in a folder of their own rather than in the interpreter's site-packages).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     env.pop("TRITON_INTERPRET", None)  # the GPU suite compiles the kernels
     return env
 
@@ -136,7 +138,8 @@ def _env() -> dict[str, str]:
 def summary(rows: list[Row]) -> str:
     lines = [f"{'part':8s} {'passed':>6s} {'failed':>6s} {'skipped':>7s} {'time':>7s}  reason / result",
              "-" * 100]
-    lines += [f"{r.part:8s} {r.passed:6d} {r.failed:6d} {r.skipped:7d} {r.seconds:6.0f}s  {r.reason}" for r in rows]
+    lines += [f"{r.part:8s} {r.passed:6d} {r.failed:6d} {r.skipped:7d} {r.seconds:6.0f}s  {r.reason}"
+              for r in rows]
     return "\n".join(lines)
 
 

@@ -66,8 +66,8 @@ def llava_config() -> dict[str, Any]:
                          max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.3,
                          bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], tie_word_embeddings=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        image_token_index=IMAGE_TOKEN_ID, projector_hidden_act="gelu", vision_feature_select_strategy="default",
-        vision_feature_layer=-2, image_seq_length=IMAGE_TOKENS,
+        image_token_index=IMAGE_TOKEN_ID, projector_hidden_act="gelu",
+        vision_feature_select_strategy="default", vision_feature_layer=-2, image_seq_length=IMAGE_TOKENS,
         tie_word_embeddings=True)  # an untied head would be 2 MB more
     raw = config.to_dict()
     raw["architectures"] = ["LlavaForConditionalGeneration"]

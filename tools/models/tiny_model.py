@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 from tools.models.tokenizer_train import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
 
 ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama"),
-                 "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "mixtral": ("MixtralForCausalLM", "mixtral"),
+                 "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                 "mixtral": ("MixtralForCausalLM", "mixtral"),
                  "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
                  "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
                  "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
@@ -96,44 +97,48 @@ PRESETS: dict[str, TinyPreset] = {
                                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
     # small's attention and vocabulary with 16 experts of width 192 (4 per token) in every layer:
     # about 153M parameters (612 MB in fp32), a quarter of them active per token.
-    "small-moe": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                            head_dim=64, intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False,
+    "small-moe": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                            num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
+                            tie_word_embeddings=False,
                             corpus_bytes=4_000_000, arch="qwen3_moe",
                             extra=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=192,
                                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
     # DeepSeek-V3 in miniature: multi-head latent attention, layer 0 dense, then 8 routed experts in
     # 4 groups (a token picks 2 experts from its 2 best groups, sigmoid scores with a correction
     # bias) plus one shared expert. No head_dim or GQA: MLA's dims are the q/kv ranks below.
-    "tiny-deepseek": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                                head_dim=64, intermediate_size=512, vocab_size=4096, tie_word_embeddings=False,
-                                corpus_bytes=1_000_000, arch="deepseek_v3",
-                                extra=dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
-                                           num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256,
-                                           moe_layer_freq=1, q_lora_rank=128, kv_lora_rank=128,
-                                           qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-                                           rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                           scoring_func="sigmoid", topk_method="noaux_tc")),
+    "tiny-deepseek": TinyPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=4096,
+                                tie_word_embeddings=False, corpus_bytes=1_000_000, arch="deepseek_v3",
+                                extra=dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+                                           topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+                                           moe_intermediate_size=256, moe_layer_freq=1, q_lora_rank=128,
+                                           kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                                           v_head_dim=64, rope_interleave=True, norm_topk_prob=True,
+                                           routed_scaling_factor=2.5, scoring_func="sigmoid",
+                                           topk_method="noaux_tc")),
     # tiny-deepseek at small's width, depth and vocabulary (benchmarks): 16 routed experts of width
     # 192 in 4 groups, 4 per token from the 2 best groups, one shared expert, and DeepSeek-V3's own
     # latent (kv_lora_rank 512 + rope 64, the one shape vLLM's CPU MLA kernel is built for, so the two
     # engines can be compared); about 170M parameters.
     "small-deepseek": TinyPreset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                                 num_key_value_heads=12, head_dim=64, intermediate_size=2048, vocab_size=32000,
-                                 tie_word_embeddings=False, corpus_bytes=4_000_000, arch="deepseek_v3",
-                                 extra=dict(first_k_dense_replace=1, n_routed_experts=16, n_group=4, topk_group=2,
-                                            num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=192,
-                                            moe_layer_freq=1, q_lora_rank=384, kv_lora_rank=512,
-                                            qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-                                            rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                            scoring_func="sigmoid", topk_method="noaux_tc")),
+                                 num_key_value_heads=12, head_dim=64, intermediate_size=2048,
+                                 vocab_size=32000, tie_word_embeddings=False, corpus_bytes=4_000_000,
+                                 arch="deepseek_v3",
+                                 extra=dict(first_k_dense_replace=1, n_routed_experts=16, n_group=4,
+                                            topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                                            moe_intermediate_size=192, moe_layer_freq=1, q_lora_rank=384,
+                                            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                            v_head_dim=64, rope_interleave=True, norm_topk_prob=True,
+                                            routed_scaling_factor=2.5, scoring_func="sigmoid",
+                                            topk_method="noaux_tc")),
     # Qwen3-4B's dimensions (its published config.json), random bf16 weights: 4.0B parameters, 8 GB,
     # for decode throughput on a GPU beside the seeds' Qwen3-4B figures (scripts/test_gpu.sh writes it
     # there; it is never committed or downloaded). HF's init range, since nothing compares its tokens.
     "qwen3-4b-shape": TinyPreset(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                                 num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-                                 tie_word_embeddings=True, corpus_bytes=4_000_000, initializer_range=0.02,
-                                 max_position_embeddings=40960, dtype="bfloat16", tokenizer_vocab_size=32000,
-                                 shard_bytes=2 << 30),
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                                 vocab_size=151936, tie_word_embeddings=True, corpus_bytes=4_000_000,
+                                 initializer_range=0.02, max_position_embeddings=40960, dtype="bfloat16",
+                                 tokenizer_vocab_size=32000, shard_bytes=2 << 30),
     # Qwen2-VL in miniature (tools.models.tiny_vl writes it; the fields here are its decoder's).
     "tiny-vl": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
@@ -147,9 +152,10 @@ PRESETS: dict[str, TinyPreset] = {
                                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
                                 tie_word_embeddings=True, corpus_bytes=1_000_000, arch="qwen3_vl"),
     # LLaVA in miniature: CLIP tower, projector, Llama decoder (tools.models.tiny_llava).
-    "tiny-llava": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, intermediate_size=256, vocab_size=4096, tie_word_embeddings=True,
-                             corpus_bytes=1_000_000, rope_theta=10000.0, arch="llava"),
+    "tiny-llava": TinyPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=4096,
+                             tie_word_embeddings=True, corpus_bytes=1_000_000, rope_theta=10000.0,
+                             arch="llava"),
 }
 # Vision-language presets (each written by its own module) and their architectures.
 VL_PRESETS = {"tiny-vl": "qwen2_vl", "tiny-qwen25-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl",
@@ -190,7 +196,8 @@ def model_config(preset: TinyPreset, arch: str | None = None, **overrides: Any) 
         "vocab_size": preset.vocab_size,
     }
     if arch in ("qwen3", "qwen3_moe"):
-        config.update(max_window_layers=preset.num_hidden_layers, sliding_window=None, use_sliding_window=False)
+        config.update(max_window_layers=preset.num_hidden_layers, sliding_window=None,
+                      use_sliding_window=False)
     elif arch == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     elif arch == "mixtral":
@@ -277,7 +284,8 @@ def _save_weights(out: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtyp
         weights = dict(next(drawn) for _ in names)
         if not fused_experts:
             weights = published_layout(weights, arch)
-        file = "model.safetensors" if shard_bytes is None else f"model-{index + 1:05d}-of-{len(runs):05d}.safetensors"
+        file = ("model.safetensors" if shard_bytes is None
+                else f"model-{index + 1:05d}-of-{len(runs):05d}.safetensors")
         save_file(weights, str(out / file), metadata={"format": "pt"})
         (out / file).chmod(0o644)  # safetensors creates it owner-only; match the other files
         weight_map.update(dict.fromkeys(weights, file))
@@ -343,8 +351,8 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
     out = Path(out_dir)
     if spec.arch in VL_PRESETS.values() or arch in VL_PRESETS.values():
         if VL_PRESETS.get(preset) != (arch or spec.arch) or overrides:
-            raise ValueError(f"{arch or spec.arch} is written by the {VL_PRESET_OF.get(arch or spec.arch, '?')} preset "
-                             "only, without overrides")
+            raise ValueError(f"{arch or spec.arch} is written by the "
+                             f"{VL_PRESET_OF.get(arch or spec.arch, '?')} preset only, without overrides")
         if spec.arch == "llava":
             from tools.models.tiny_llava import write_tiny_llava
 
@@ -356,7 +364,8 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, a
     config = model_config(spec, arch, **overrides)
     vocab = tokenizer_vocab_size or spec.tokenizer_vocab_size or config["vocab_size"]
     if vocab > config["vocab_size"]:
-        raise ValueError(f"tokenizer_vocab_size {vocab} exceeds the model's vocab_size {config['vocab_size']}")
+        raise ValueError(f"tokenizer_vocab_size {vocab} exceeds the model's vocab_size "
+                         f"{config['vocab_size']}")
 
     write_tokenizer(out, vocab_size=vocab, corpus_bytes=spec.corpus_bytes, seed=seed,
                     model_max_length=config["max_position_embeddings"])
@@ -380,13 +389,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(tensor-parallel tests); small: about 125M (benchmarks); tiny-moe: Qwen3-MoE, 8 "
                         "experts, 2 per token (tests); small-moe: Qwen3-MoE, about 153M, 16 experts, 4 per "
                         "token (benchmarks); tiny-deepseek: DeepSeek-V3, latent attention, grouped experts "
-                        "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with V3's latent (512 + 64), about 170M, "
-                        "16 experts, 4 per token (benchmarks); qwen3-4b-shape: Qwen3-4B's dimensions, random "
-                        "bf16 weights in 2 GB shards, 8 GB (GPU benchmarks); tiny-vl: Qwen2-VL (vision tower, "
-                        "M-RoPE decoder); tiny-qwen25-vl: Qwen2.5-VL (window-attention tower); tiny-qwen3-vl: Qwen3-VL "
-                        "(interleaved M-RoPE, deepstack); tiny-llava: "
-                        "LLaVA (CLIP tower, projector, Llama decoder); each VL preset with its processor "
-                        "config and a chat template rendering image parts (tests)")
+                        "and a shared one (tests); small-deepseek: tiny-deepseek at small's size with "
+                        "V3's latent (512 + 64), about 170M, 16 experts, 4 per token (benchmarks); "
+                        "qwen3-4b-shape: Qwen3-4B's dimensions, random bf16 weights in 2 GB shards, 8 GB "
+                        "(GPU benchmarks); tiny-vl: Qwen2-VL (vision tower, M-RoPE decoder); tiny-qwen25-vl: "
+                        "Qwen2.5-VL (window-attention tower); tiny-qwen3-vl: Qwen3-VL (interleaved M-RoPE, "
+                        "deepstack); tiny-llava: LLaVA (CLIP tower, projector, Llama decoder); each VL "
+                        "preset with its processor config and a chat template rendering image parts (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tokenizer corpus and the weights")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
                         help="write the preset as this architecture (default: the preset's own)")
@@ -396,6 +405,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = write_tiny_model(args.out, preset=args.preset, seed=args.seed, arch=args.arch)
     preset = asdict(PRESETS[args.preset])
-    print(f"wrote {args.arch or preset['arch']} {args.preset} checkpoint to {out} in {time.perf_counter() - started:.1f}s "
-          f"(hidden {preset['hidden_size']}, {preset['num_hidden_layers']} layers, vocab {preset['vocab_size']})")
+    print(f"wrote {args.arch or preset['arch']} {args.preset} checkpoint to {out} in "
+          f"{time.perf_counter() - started:.1f}s (hidden {preset['hidden_size']}, "
+          f"{preset['num_hidden_layers']} layers, vocab {preset['vocab_size']})")
     return 0

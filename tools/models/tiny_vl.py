@@ -76,7 +76,8 @@ _VISION = {
 # Qwen3-VL's processor: 16-pixel patches (32-pixel image tokens), mean/std 0.5
 PREPROCESSOR_QWEN3 = {
     "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor",
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor",
     "merge_size": 2, "min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "patch_size": 16,
     "processor_class": "Qwen3VLProcessor", "resample": 3, "rescale_factor": 1 / 255,
     "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}, "temporal_patch_size": 2,
@@ -105,7 +106,8 @@ def vl_config(family: str = "qwen2_vl") -> dict[str, Any]:
                          eos_token_id=ids[IM_END], **rope),
         vision_config=_VISION[family],
         image_token_id=VISION_TOKEN_IDS[IMAGE_PAD], video_token_id=VISION_TOKEN_IDS[IMAGE_PAD],
-        vision_start_token_id=VISION_TOKEN_IDS[VISION_START], vision_end_token_id=VISION_TOKEN_IDS[VISION_END],
+        vision_start_token_id=VISION_TOKEN_IDS[VISION_START],
+        vision_end_token_id=VISION_TOKEN_IDS[VISION_END],
         tie_word_embeddings=True)  # an untied head would be 2 MB more
     raw = config.to_dict()
     raw["architectures"] = [FAMILIES[family][1]]
@@ -113,7 +115,8 @@ def vl_config(family: str = "qwen2_vl") -> dict[str, Any]:
     return raw
 
 
-def write_tiny_vl(out: Path, seed: int, corpus_bytes: int, std: float = 0.3, family: str = "qwen2_vl") -> Path:
+def write_tiny_vl(out: Path, seed: int, corpus_bytes: int, std: float = 0.3,
+                  family: str = "qwen2_vl") -> Path:
     """Write the checkpoint folder; deterministic for a seed."""
     out.mkdir(parents=True, exist_ok=True)
     write_vl_tokenizer(out, VISION_TOKEN_IDS, corpus_bytes, seed)
@@ -121,7 +124,8 @@ def write_tiny_vl(out: Path, seed: int, corpus_bytes: int, std: float = 0.3, fam
     config = vl_config(family)
     _write_json(out / "config.json", config)
     write_generation_config(out)
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_QWEN3 if family == "qwen3_vl" else PREPROCESSOR)
+    _write_json(out / "preprocessor_config.json",
+                PREPROCESSOR_QWEN3 if family == "qwen3_vl" else PREPROCESSOR)
     config_class, model_class = _classes(family)
     # The vision tower's norm weights ("norm1.weight", "ln_q.weight") start at one, as transformers
     # initializes them; iter_random_weights does so for names ending "norm.weight".

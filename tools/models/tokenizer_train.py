@@ -54,7 +54,8 @@ def build_tokenizer(vocab_size: int, corpus_bytes: int, seed: int = 0) -> Tokeni
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(generate_corpus(corpus_bytes, seed=seed, invented_words=2 * vocab_size), trainer=trainer)
+    corpus = generate_corpus(corpus_bytes, seed=seed, invented_words=2 * vocab_size)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     got = tokenizer.get_vocab_size()
     if got != vocab_size:
         raise RuntimeError(f"tokenizer training produced {got} tokens, wanted {vocab_size}; "

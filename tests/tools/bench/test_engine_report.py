@@ -27,7 +27,8 @@ def _table(report: dict) -> str:
 def test_cuda_run_prints_the_seed_figure_and_the_ratio():
     table = _table(_report("cuda"))
     assert "bfloat16, cuda" in table
-    assert "seeds    decode    144.0 tok/s (SGLang, Qwen3-4B, batch 1, CUDA graphs; pdserve / seeds: 0.50x)" in table
+    assert ("seeds    decode    144.0 tok/s (SGLang, Qwen3-4B, batch 1, CUDA graphs; "
+            "pdserve / seeds: 0.50x)") in table
 
 
 def test_cpu_run_has_no_seed_line():

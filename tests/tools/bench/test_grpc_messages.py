@@ -14,8 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.e2e
 def test_messages_are_counted_for_pd_and_colocated(qwen3_ckpt: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "grpc-messages", "--model-path", str(qwen3_ckpt),
-                             "--requests", "4", "--concurrency", "2", "--max-tokens", "5", "--json"],
+    result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "grpc-messages",
+                             "--model-path", str(qwen3_ckpt), "--requests", "4", "--concurrency", "2",
+                             "--max-tokens", "5", "--json"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)

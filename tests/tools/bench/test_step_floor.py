@@ -28,7 +28,8 @@ def test_weight_bytes_count_every_tensor_but_an_untied_embedding(checkpoint, dty
         tensors.update(load_file(path))
     itemsize = torch.empty((), dtype=dtype).element_size()
     everything = sum(t.numel() for t in tensors.values()) * itemsize
-    embedding = next(t.numel() for name, t in tensors.items() if name.endswith("embed_tokens.weight")) * itemsize
+    embedding = itemsize * next(t.numel() for name, t in tensors.items()
+                                if name.endswith("embed_tokens.weight"))
     tied = ModelConfig.from_dir(str(checkpoint)).tie_word_embeddings
     assert weight_bytes(checkpoint, dtype, tied) == (everything if tied else everything - embedding)
     assert weight_bytes(checkpoint, dtype, tied=True) == everything
@@ -48,7 +49,8 @@ def test_read_bandwidth_is_measured():
 
 def test_the_table_prints_the_floor_and_the_ratio():
     floor = StepFloor(weight_bytes=200_000_000, kv_bytes=29_000_000, read_gb_s=31.0)
-    report = {"batch": 16, "prompt_len": 128, "new_tokens": 64, "threads": 2, "dtype": "bfloat16", "device": "cpu",
+    report = {"batch": 16, "prompt_len": 128, "new_tokens": 64, "threads": 2, "dtype": "bfloat16",
+              "device": "cpu",
               "pdserve": {"decode_tokens_per_s": 800.0, "decode_ms_per_step": 20.0, "prefill_s": 0.1,
                           "peak_rss_mib": None},
               "floor": floor.to_dict(), "pdserve_step_over_floor": 20.0 / floor.ms,
@@ -66,7 +68,8 @@ def test_the_compute_floor_counts_every_matrix_times_the_batch_and_the_attention
     for path in checkpoint.glob("*.safetensors"):
         tensors.update(load_file(path))
     matrices = sum(t.numel() for name, t in tensors.items()
-                   if t.dim() == 2 and (config.tie_word_embeddings or not name.endswith("embed_tokens.weight")))
+                   if t.dim() == 2
+                   and (config.tie_word_embeddings or not name.endswith("embed_tokens.weight")))
     floor = step_floor(str(checkpoint), "bfloat16", batch=4, prompt_len=100, new_tokens=20, threads=1)
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * 110
     assert floor.flops == 4 * (2 * matrices + attention)
@@ -83,7 +86,8 @@ def test_no_compute_floor_for_a_mixture_of_experts(tmp_path):
 def test_the_table_prints_the_compute_floor_next_to_the_memory_floor():
     floor = StepFloor(weight_bytes=200_000_000, kv_bytes=29_000_000, read_gb_s=31.0, flops=3_200_000_000,
                       matmul_gflop_s=320.0, matmul_dtype="float32")
-    report = {"batch": 16, "prompt_len": 128, "new_tokens": 64, "threads": 2, "dtype": "bfloat16", "device": "cpu",
+    report = {"batch": 16, "prompt_len": 128, "new_tokens": 64, "threads": 2, "dtype": "bfloat16",
+              "device": "cpu",
               "pdserve": {"decode_tokens_per_s": 800.0, "decode_ms_per_step": 20.0, "prefill_s": 0.1,
                           "peak_rss_mib": None},
               "floor": floor.to_dict(), "pdserve_step_over_floor": 20.0 / floor.ms,

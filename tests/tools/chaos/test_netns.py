@@ -11,8 +11,8 @@ import pytest
 
 from tools.chaos.netns import NetnsUnavailable, NetworkNamespace
 
-SERVER = "import socket,sys; s=socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True); " \
-         "[s.accept()[0].close() for _ in iter(int, 1)]"
+SERVER = ("import socket,sys; s=socket.create_server((sys.argv[1], 0)); "
+          "print(s.getsockname()[1], flush=True); [s.accept()[0].close() for _ in iter(int, 1)]")
 
 
 def _connects(host: str, port: int) -> bool:
@@ -56,9 +56,10 @@ def test_cut_restore_and_remove():
     assert subprocess.run(["ip", "link", "show", ns.host_dev], capture_output=True).returncode != 0
 
 
-ECHO = "import socket,sys,threading; s=socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)\n" \
-       "def echo(c):\n    while (d := c.recv(64)): c.sendall(d)\n" \
-       "while True: threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()"
+ECHO = ("import socket,sys,threading; s=socket.create_server((sys.argv[1], 0)); "
+        "print(s.getsockname()[1], flush=True)\n"
+        "def echo(c):\n    while (d := c.recv(64)): c.sendall(d)\n"
+        "while True: threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()")
 
 
 def test_idle_cut_drops_the_open_connections_silently_and_lets_new_ones_through():

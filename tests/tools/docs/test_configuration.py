@@ -14,8 +14,9 @@ def test_committed_page_matches_the_generator():
     expected = configuration.render()
     committed = configuration.PAGE.read_text() if configuration.PAGE.exists() else ""
     if committed != expected:
-        diff = "\n".join(list(difflib.unified_diff(committed.splitlines(), expected.splitlines(),
-                                                   "docs/configuration.md (committed)", "generator", lineterm=""))[:40])
+        lines = difflib.unified_diff(committed.splitlines(), expected.splitlines(),
+                                     "docs/configuration.md (committed)", "generator", lineterm="")
+        diff = "\n".join(list(lines)[:40])
         raise AssertionError(f"docs/configuration.md is out of date; regenerate it with\n"
                              f"    {configuration.REGENERATE}\n{diff}")
 

@@ -28,7 +28,8 @@ def test_every_pin_is_installed_once_torch_and_triton_first_mooncake_swapped():
     assert sorted(first + rest + [mooncake]) == sorted(deps + dev)
     version = mooncake.split("==")[1]
     assert cuda_wheels(12) == [f"mooncake-transfer-engine=={version}", "nixl==1.5.1", "nixl-cu12==1.5.1"]
-    assert cuda_wheels(13)[0] == "mooncake-transfer-engine-cuda13" and cuda_wheels(13)[2] == "nixl-cu13==1.5.1"
+    assert cuda_wheels(13)[0] == "mooncake-transfer-engine-cuda13"
+    assert cuda_wheels(13)[2] == "nixl-cu13==1.5.1"
     assert cuda_wheels(None) == [] and cuda_wheels(11) == []
 
 

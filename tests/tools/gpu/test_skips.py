@@ -41,5 +41,6 @@ def test_bench_skips_without_cuda_and_the_table_shows_it(tmp_path):
     row = run_bench(tmp_path, peer_python=None)
     assert (row.skipped, row.failed) == (1, 0) and "[gpu:bench] no CUDA" in row.reason
     table = summary([row, Row("tp", passed=1, seconds=12.0)])
-    assert table.splitlines()[0].split() == ["part", "passed", "failed", "skipped", "time", "reason", "/", "result"]
+    assert table.splitlines()[0].split() == ["part", "passed", "failed", "skipped", "time", "reason", "/",
+                                             "result"]
     assert "[gpu:bench] no CUDA" in table and "tp            1      0       0     12s" in table

@@ -37,7 +37,8 @@ def _loads_as_written(folder: Path):
         if ".experts." in name and ".shared_experts." not in name:
             layer, expert, proj = name.split(".mlp.experts.")[0], int(name.split(".")[5]), name.split(".")[6]
             width = tensor.shape[1] if proj == "down_proj" else tensor.shape[0]
-            fused = state[f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][expert]
+            fused_name = "down_proj" if proj == "down_proj" else "gate_up_proj"
+            fused = state[f"{layer}.mlp.experts.{fused_name}"][expert]
             part = {"gate_proj": fused[:width], "up_proj": fused[width:], "down_proj": fused}[proj]
             assert torch.equal(tensor, part), name
         else:
@@ -49,7 +50,8 @@ def test_tiny_moe_is_a_published_qwen3_moe_checkpoint(tmp_path):
     folder = write_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 256)
+    experts = (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"])
+    assert experts == (8, 2, 256)
     model, files = _loads_as_written(folder)
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in files
     assert "model.layers.1.mlp.gate_proj.weight" in files  # the dense layer
@@ -82,7 +84,8 @@ def test_deepseek_group_limit_and_bias_change_choices(deepseek_dir):
     """With the preset's router weights and random normed inputs, the correction bias and the
     group limit each change some tokens' experts (else a test could not tell them from plain top-k)."""
     files = load_file(str(deepseek_dir / "model.safetensors"))
-    weight, bias = files["model.layers.2.mlp.gate.weight"], files["model.layers.2.mlp.gate.e_score_correction_bias"]
+    weight = files["model.layers.2.mlp.gate.weight"]
+    bias = files["model.layers.2.mlp.gate.e_score_correction_bias"]
     moe = MoEConfig.from_dict(json.loads((deepseek_dir / "config.json").read_text()), "DeepseekV3ForCausalLM")
     x = torch.randn(1000, 256, generator=torch.Generator().manual_seed(0))
     ids = Router(moe, weight, bias)(x)[0].sort(-1)[0]
@@ -95,7 +98,8 @@ def test_deepseek_group_limit_and_bias_change_choices(deepseek_dir):
 
 
 def test_deepseek_without_q_lora(tmp_path):
-    folder = write_tiny_model(tmp_path / "noq", preset="tiny-deepseek", q_lora_rank=None, tokenizer_vocab_size=512)
+    folder = write_tiny_model(tmp_path / "noq", preset="tiny-deepseek", q_lora_rank=None,
+                              tokenizer_vocab_size=512)
     _, files = _loads_as_written(folder)
     assert files["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 96, 256)
 
@@ -109,7 +113,8 @@ def test_small_moe_size(tmp_path):
 
 
 def test_cli_help_lists_the_presets():
-    out = subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--help"], cwd=REPO, check=True,
-                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60).stdout
+    out = subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--help"], cwd=REPO,
+                         check=True, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"},
+                         timeout=60).stdout
     for preset in ("tiny-moe", "small-moe", "tiny-deepseek"):
         assert preset in out

@@ -23,9 +23,10 @@ from tools.models.tiny_model import (
 def test_qwen3_4b_shape_has_qwen3_4b_dimensions(tmp_path):
     config = model_config(PRESETS["qwen3-4b-shape"])
     # Qwen/Qwen3-4B config.json
-    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                   "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                                   "rope_theta", "max_position_embeddings", "torch_dtype")} == {
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                                   "tie_word_embeddings", "rope_theta", "max_position_embeddings",
+                                   "torch_dtype")} == {
         "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936, "tie_word_embeddings": True,
         "rope_theta": 1_000_000.0, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}

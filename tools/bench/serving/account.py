@@ -100,15 +100,18 @@ class ServingAccount:
             "engine_steps": int(steps),
             "account_tpot_ms": account_ms,
             "measured_tpot_ms": measured_tpot_ms,
-            "measured_over_account": (measured_tpot_ms / account_ms if account_ms and measured_tpot_ms else None),
-            "cpu_ms_per_token": {name: (after.cpu[name] - before.cpu[name]) / tokens * 1e3 for name in after.cpu},
+            "measured_over_account": (measured_tpot_ms / account_ms
+                                      if account_ms and measured_tpot_ms else None),
+            "cpu_ms_per_token": {name: (after.cpu[name] - before.cpu[name]) / tokens * 1e3
+                                 for name in after.cpu},
             "wall_s": after.at - before.at,
         }
 
 
 def account_table(rows: dict[str, dict]) -> str:
     """Markdown: one row per deployment (its account), CPU ms per token of each of its processes."""
-    lines = ["| deployment | measured TPOT ms | account TPOT ms | measured / account | CPU ms per generated token |",
+    lines = ["| deployment | measured TPOT ms | account TPOT ms | measured / account "
+             "| CPU ms per generated token |",
              "|---|---|---|---|---|"]
     for name, row in rows.items():
         account = row.get("account_tpot_ms")

@@ -58,9 +58,11 @@ def completions_body(model: str, prompt: Prompt, *, ignore_eos: bool, logprobs: 
 
 def chat_body(model: str, prompt: Prompt, *, ignore_eos: bool, logprobs: bool) -> dict:
     if not isinstance(prompt.prompt, str):
-        raise ValueError("a chat request needs the prompt as text (datasets.random_prompts(..., as_text=True))")
-    body = {"model": model, "messages": [{"role": "user", "content": prompt.prompt}], "max_tokens": prompt.output_len,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+        raise ValueError("a chat request needs the prompt as text "
+                         "(datasets.random_prompts(..., as_text=True))")
+    body = {"model": model, "messages": [{"role": "user", "content": prompt.prompt}],
+            "max_tokens": prompt.output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if logprobs:
         body["logprobs"] = True
     return body

@@ -51,17 +51,19 @@ def _plain_ids(tokenizer: Tokenizer) -> list[int]:
 
 def random_prompts(request_class: RequestClass, tokenizer: Tokenizer, rng: random.Random, *,
                    as_text: bool = False) -> list[Prompt]:
-    """`request_class.num_requests` prompts of random ids (or text made of them), lengths drawn per the class."""
+    """`request_class.num_requests` prompts of random ids (or text made of them), lengths drawn per
+    the class."""
     ids = _plain_ids(tokenizer)
     prompts = []
     for input_len, output_len in request_class.lengths(rng):
         prompt = [rng.choice(ids) for _ in range(input_len)]
-        prompts.append(Prompt(request_class.name, _as_text(prompt, tokenizer, rng, ids) if as_text else prompt,
-                              input_len, output_len))
+        text_or_ids = _as_text(prompt, tokenizer, rng, ids) if as_text else prompt
+        prompts.append(Prompt(request_class.name, text_or_ids, input_len, output_len))
     return prompts
 
 
-def _as_text(prompt: list[int], tokenizer: Tokenizer, rng: random.Random, ids: list[int], rounds: int = 10) -> str:
+def _as_text(prompt: list[int], tokenizer: Tokenizer, rng: random.Random, ids: list[int],
+             rounds: int = 10) -> str:
     """Text whose encoding is (about) `len(prompt)` tokens: decoding random ids and encoding the text
     again seldom gives the same count (pieces merge or split), so cut or pad and try again."""
     target = len(prompt)
@@ -95,12 +97,14 @@ def sharegpt_prompts(path: str | Path, num_prompts: int, tokenizer: Tokenizer, r
                 pairs.append((prompt, reply))
     if not pairs:
         raise WorkloadError(f"--dataset-path {str(path)!r}: no conversation with a prompt and a reply "
-                            "(ShareGPT format: [{\"conversations\": [{\"from\": \"human\", \"value\": ...}, ...]}])")
+                            "(ShareGPT format: "
+                            "[{\"conversations\": [{\"from\": \"human\", \"value\": ...}, ...]}])")
     rng.shuffle(pairs)
     prompts = []
     for text, reply in pairs:
         input_len = len(tokenizer.encode(text, add_special_tokens=False).ids)
-        wanted = output_len if output_len is not None else len(tokenizer.encode(reply, add_special_tokens=False).ids)
+        wanted = (output_len if output_len is not None
+                  else len(tokenizer.encode(reply, add_special_tokens=False).ids))
         if input_len < 4 or input_len > 1024 or wanted < 4:
             continue
         prompts.append(Prompt("sharegpt", text, input_len, wanted))

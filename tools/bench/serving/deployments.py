@@ -75,7 +75,8 @@ def _worker_args(settings: WorkerSettings, mode: str, threads: int, extra: tuple
     return ["launch-server", "--model-path", settings.model_path, "--disaggregation-mode", mode,
             "--disaggregation-transfer-backend", settings.backend, "--host", "127.0.0.1", "--port", "0",
             "--metrics-port", "0", "--num-threads", str(threads), "--dtype", settings.dtype,
-            "--num-pages", str(settings.num_pages), "--chunked-prefill-size", str(settings.chunked_prefill_size),
+            "--num-pages", str(settings.num_pages),
+            "--chunked-prefill-size", str(settings.chunked_prefill_size),
             "--decode-log-interval", "0", *extra]
 
 
@@ -90,12 +91,14 @@ def start(group: ProcessGroup, kind: str, settings: WorkerSettings, cores: list[
         raise ValueError(f"unknown deployment {kind!r}; expected one of {KINDS}")
     tag = kind.replace("+", "-")
     if kind == "colocated":
-        worker = group.spawn(f"{tag}-worker", _worker_args(settings, "null", len(cores)), wrapper=_pinned(cores))
+        worker = group.spawn(f"{tag}-worker", _worker_args(settings, "null", len(cores)),
+                             wrapper=_pinned(cores))
         workers, placement = {"worker": worker}, {"colocated worker": cores}
         routes = ["--worker", "WORKER"]
     else:
         prefill_cores, decode_cores = split_cores(cores)
-        extra = (("--conditional-disaggregation", "--local-prefill-max-tokens", str(settings.local_prefill_max_tokens))
+        extra = (("--conditional-disaggregation",
+                  "--local-prefill-max-tokens", str(settings.local_prefill_max_tokens))
                  if kind == "pd+conditional" else ())
         workers = {
             "prefill": group.spawn(f"{tag}-prefill", _worker_args(settings, "prefill", len(prefill_cores)),
@@ -108,5 +111,6 @@ def start(group: ProcessGroup, kind: str, settings: WorkerSettings, cores: list[
         worker.wait_ready(settings.ready_timeout_s)
     addresses = {"WORKER": "worker", "PREFILL": "prefill", "DECODE": "decode"}
     routes = [workers[addresses[r]].address if r in addresses else r for r in routes]
-    gateway = group.start(f"{tag}-gateway", _gateway_args(settings, routes), timeout_s=settings.ready_timeout_s)
+    gateway = group.start(f"{tag}-gateway", _gateway_args(settings, routes),
+                          timeout_s=settings.ready_timeout_s)
     return Deployment(kind, gateway, workers, placement)

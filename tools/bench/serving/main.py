@@ -36,7 +36,8 @@ from tools.bench.serving.workload import RequestClass, WorkloadError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
-    server.add_argument("--base-url", help="the server's URL, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
+    server.add_argument("--base-url",
+                        help="the server's URL, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
     server.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given")
     server.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given")
     server.add_argument("--backend", default="pdserve", help="label printed in the report")
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the OpenAI API spoken: /v1/completions (random prompts as token ids) or "
                         "/v1/chat/completions (the prompt text as one user message) (default completions)")
     server.add_argument("--model", help="model name sent in requests; a local checkpoint folder means its "
-                        "folder name (pdserve's served name) and its tokenizer (default: the server's first model)")
+                        "folder name (pdserve's served name) and its tokenizer (default: the server's first "
+                        "model)")
     server.add_argument("--tokenizer", help="local checkpoint folder or tokenizer.json for building prompts "
                         "(default: --model when it is a local folder)")
     data = parser.add_argument_group("workload")
@@ -57,27 +59,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="random lengths are drawn in [ratio * len, len] (SGLang's default 0.0)")
     data.add_argument("--sharegpt-output-len", type=int, help="tokens to generate per ShareGPT prompt "
                       "(default: the length of the conversation's reply)")
-    data.add_argument("--workload", help="a mixed workload instead of the dataset flags, e.g. 'background: in=64 "
-                      "out=128 n=64 concurrency=8; long: in=2048 out=8 n=4 rate=0.2' (random prompts)")
+    data.add_argument("--workload", help="a mixed workload instead of the dataset flags, e.g. 'background: "
+                      "in=64 out=128 n=64 concurrency=8; long: in=2048 out=8 n=4 rate=0.2' (random prompts)")
     data.add_argument("--request-rate", type=float, default=math.inf,
                       help="requests/s, Poisson arrivals (default inf: all at once)")
     data.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
     data.add_argument("--seed", type=int, default=1)
     data.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
     data.add_argument("--warmup-requests", type=int, default=1,
-                      help="requests sent at once (and not counted) first, with other prompts than the measured ones")
+                      help="requests sent at once (and not counted) first, with other prompts than the "
+                      "measured ones")
     bound = parser.add_argument_group("bounds")
     bound.add_argument("--max-duration", type=float, default=600.0,
                        help="seconds after which nothing new is sent (default 600)")
     bound.add_argument("--drain-timeout", type=float, default=60.0,
-                       help="seconds requests in flight get after --max-duration before they are cut (default 60)")
+                       help="seconds requests in flight get after --max-duration before they are cut "
+                       "(default 60)")
     slo = parser.add_argument_group("goodput")
     slo.add_argument("--slo-ttft-ms", type=float, help="TTFT objective (ms)")
-    slo.add_argument("--slo-itl-ms", type=float, help="objective (ms) for a request's ITL at --slo-itl-quantile")
+    slo.add_argument("--slo-itl-ms", type=float,
+                     help="objective (ms) for a request's ITL at --slo-itl-quantile")
     slo.add_argument("--slo-itl-quantile", type=float, default=0.99, help="default 0.99")
     slo.add_argument("--slo-tpot-ms", type=float, help="TPOT objective (ms)")
     out = parser.add_argument_group("output")
-    out.add_argument("--output-dir", type=Path, default=Path("bench-serving"), help="where the JSON and PNG go")
+    out.add_argument("--output-dir", type=Path, default=Path("bench-serving"),
+                     help="where the JSON and PNG go")
     out.add_argument("--tag", default="serving", help="file names: TAG.json and TAG.png (default serving)")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -96,7 +102,8 @@ def dataset_classes(args: argparse.Namespace) -> list[RequestClass]:
                          args.num_prompts, rate=rate, range_ratio=args.random_range_ratio)]
 
 
-def build_prompts(args: argparse.Namespace, classes: list[RequestClass], tokenizer) -> list[tuple[RequestClass, list]]:
+def build_prompts(args: argparse.Namespace, classes: list[RequestClass],
+                  tokenizer) -> list[tuple[RequestClass, list]]:
     rng = random.Random(args.seed)
     as_text = args.endpoint == "chat"
     if args.dataset_name == "sharegpt" and not args.workload:
@@ -115,8 +122,9 @@ def warmup_prompts(measured: list[datasets.Prompt], count: int, tokenizer, seed:
     a measured prompt (one sent first would hit the prefix cache when measured)."""
     lengths = [prompt.input_len for prompt in measured[:count]]
     rng = random.Random(f"{seed}-warmup")
-    return [datasets.random_prompts(RequestClass("warmup", length, output_len, 1, rate=math.inf), tokenizer, rng,
-                                    as_text=as_text)[0] for length in lengths]
+    return [datasets.random_prompts(RequestClass("warmup", length, output_len, 1, rate=math.inf),
+                                    tokenizer, rng, as_text=as_text)[0]
+            for length in lengths]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -149,7 +157,8 @@ def resolve_model(args: argparse.Namespace, base_url: str) -> tuple[str, str | N
             listed = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
             model = listed[0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise WorkloadError(f"could not read the model name from {base_url}/v1/models ({exc}); give --model") from None
+            raise WorkloadError(f"could not read the model name from {base_url}/v1/models ({exc}); "
+                                "give --model") from None
     return model, tokenizer
 
 
@@ -188,7 +197,8 @@ def benchmark(batches: list[tuple[RequestClass, list]], settings: runner.RunSett
             per_class[request_class.name] = metrics.summarize(mine, outcome.duration_s, slo)
     slo_text = ", ".join(f"{k}={v:g}" for k, v in slo.to_dict().items() if v is not None) if slo.given else ""
     print(report.result_text(summary, backend=backend, request_rate=request_rate,
-                             max_concurrency=settings.max_concurrency, peak_concurrency=outcome.peak_concurrency,
+                             max_concurrency=settings.max_concurrency,
+                             peak_concurrency=outcome.peak_concurrency,
                              slo_text=slo_text, per_class=per_class))
     problems = metrics.errors(outcome.results)
     if problems or outcome.not_sent:
@@ -202,7 +212,8 @@ def benchmark(batches: list[tuple[RequestClass, list]], settings: runner.RunSett
                "per_class": per_class, "errors": problems, "requests": detail,
                "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     json_path = report.write_json(output_dir / f"{tag}.json", payload)
-    png_path = plots.run_figure(detail, output_dir / f"{tag}.png", title or f"{tag}: {backend} at {settings.base_url}")
+    png_path = plots.run_figure(detail, output_dir / f"{tag}.png",
+                                title or f"{tag}: {backend} at {settings.base_url}")
     print(f"wrote {json_path} and {png_path}")
     return payload
 
@@ -215,22 +226,22 @@ def main(args: argparse.Namespace) -> int:
         classes = dataset_classes(args)
         model, tokenizer_path = resolve_model(args, base_url)
         if not tokenizer_path:
-            raise WorkloadError("give --tokenizer (a local checkpoint folder or tokenizer.json): prompts are built "
-                                "with the served model's tokenizer")
+            raise WorkloadError("give --tokenizer (a local checkpoint folder or tokenizer.json): prompts are "
+                                "built with the served model's tokenizer")
         tokenizer = datasets.load_tokenizer(tokenizer_path)
         batches = build_prompts(args, classes, tokenizer)
-        warmup = warmup_prompts([p for _, ps in batches for p in ps], args.warmup_requests, tokenizer, args.seed,
-                                as_text=args.endpoint == "chat")
+        warmup = warmup_prompts([p for _, ps in batches for p in ps], args.warmup_requests, tokenizer,
+                                args.seed, as_text=args.endpoint == "chat")
     except (WorkloadError, ValueError) as exc:
         print(f"pdserve bench serving: {exc}", file=sys.stderr)
         return 2
     settings = runner.RunSettings(base_url=base_url, model=model, max_concurrency=args.max_concurrency,
                                   max_duration_s=args.max_duration, drain_s=args.drain_timeout,
-                                  ignore_eos=not args.disable_ignore_eos, endpoint=args.endpoint, seed=args.seed,
-                                  progress=not args.disable_tqdm)
+                                  ignore_eos=not args.disable_ignore_eos, endpoint=args.endpoint,
+                                  seed=args.seed, progress=not args.disable_tqdm)
     try:
-        payload = benchmark(batches, settings, slo, output_dir=args.output_dir, tag=args.tag, backend=args.backend,
-                            request_rate=args.request_rate, warmup=warmup)
+        payload = benchmark(batches, settings, slo, output_dir=args.output_dir, tag=args.tag,
+                            backend=args.backend, request_rate=args.request_rate, warmup=warmup)
     except WorkloadError as exc:
         print(f"pdserve bench serving: {exc}", file=sys.stderr)
         return 1

@@ -30,7 +30,8 @@ class MasterProcess:
     def __init__(self, log_dir: Path, port: int | None = None) -> None:
         path = binary()
         if path is None:
-            raise FileNotFoundError("mooncake_master not found (it comes with the Mooncake wheel, `mooncake-transfer-engine`)")
+            raise FileNotFoundError("mooncake_master not found (it comes with the Mooncake wheel, "
+                                    "`mooncake-transfer-engine`)")
         self.binary, self.log_dir = path, log_dir
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
@@ -52,7 +53,8 @@ class MasterProcess:
         self.starts += 1
         with open(self.log_dir / f"mooncake_master.{self.starts}.log", "w") as log:
             # Its HTTP metrics port too (default 9003): two masters on one host must not share it.
-            self.process = subprocess.Popen([self.binary, "-rpc_port", str(self.port), "-metrics_port", str(free_port())],
+            self.process = subprocess.Popen([self.binary, "-rpc_port", str(self.port),
+                                             "-metrics_port", str(free_port())],
                                             stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

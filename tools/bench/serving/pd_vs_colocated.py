@@ -33,24 +33,27 @@ DEFAULT_MODEL = Path(".cache/models/small")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
-                        help="checkpoint (default .cache/models/small; written with `make-tiny-model --preset small` "
-                             "if missing)")
+                        help="checkpoint (default .cache/models/small; written with "
+                             "`make-tiny-model --preset small` if missing)")
     parser.add_argument("--transfer-backend", default="nixl", choices=("mooncake", "nixl", "ucx", "fake"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-pages", type=int, default=2048, help="KV pages per worker (default 2048)")
     parser.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
-    parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
+    parser.add_argument("--cores",
+                        help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--no-conditional", action="store_true", help="skip the pd+conditional deployment")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=LocalPrefillRule.max_tokens,
                         help="pd+conditional: prompts of at most this many tokens run on the decode worker")
     parser.add_argument("--request-rates", default="1,2,4", help="short requests/s to sweep (default 1,2,4)")
     parser.add_argument("--long-rate", type=float, default=0.2, help="long prompts/s (default 0.2)")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run (default 40)")
+    parser.add_argument("--duration", type=float, default=40.0,
+                        help="seconds of arrivals per run (default 40)")
     parser.add_argument("--short-input-len", type=int, default=64)
     parser.add_argument("--short-output-len", type=int, default=128)
     parser.add_argument("--long-input-len", type=int, default=2048)
     parser.add_argument("--long-output-len", type=int, default=8)
-    parser.add_argument("--slo-ttft-ms", type=float, default=5000.0, help="default 5000 (a long prompt must fit)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=5000.0,
+                        help="default 5000 (a long prompt must fit)")
     parser.add_argument("--slo-itl-ms", type=float, default=100.0,
                         help="objective for a request's ITL at --slo-itl-quantile (default 100)")
     parser.add_argument("--slo-itl-quantile", type=float, default=0.99)
@@ -98,8 +101,8 @@ def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     raise NotReady(f"gateway {url} did not report healthy within {timeout_s:.0f}s")
 
 
-_ROW_KEYS = ("goodput", "slo_attainment", "request_throughput", "output_throughput", "mean_itl_ms", "p99_itl_ms",
-             "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "completed", "failed")
+_ROW_KEYS = ("goodput", "slo_attainment", "request_throughput", "output_throughput", "mean_itl_ms",
+             "p99_itl_ms", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "completed", "failed")
 
 
 def sweep_row(kind: str, rate: float, payload: dict) -> dict:
@@ -128,7 +131,8 @@ def table(rows: list[dict], ratio_rows: list[dict]) -> str:
            f"{'mean TTFT':>11}{'p99 TTFT':>10}{'failed':>8}"
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["rate"], r["deployment"])):
-        lines.append(f"{r['deployment']:<16}{r['rate']:>6g}{r['goodput']:>9.2f}{r['slo_attainment'] * 100:>7.0f}"
+        lines.append(f"{r['deployment']:<16}{r['rate']:>6g}{r['goodput']:>9.2f}"
+                     f"{r['slo_attainment'] * 100:>7.0f}"
                      f"{r['mean_itl_ms']:>10.1f}{r['p99_itl_ms']:>10.1f}{r['mean_ttft_ms']:>11.0f}"
                      f"{r['p99_ttft_ms']:>10.0f}{r['failed']:>8}")
     lines += ["", "ratios to colocated (x; ITL and TTFT: below 1 is lower)",
@@ -144,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         rates = parse_rates(args.request_rates)
         cores = parse_cores(args.cores)
-        slo = metrics.Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, itl_quantile=args.slo_itl_quantile)
+        slo = metrics.Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms,
+                          itl_quantile=args.slo_itl_quantile)
         if not args.duration > 0 or not args.long_rate > 0:
             raise WorkloadError("--duration and --long-rate must be > 0")
         if args.long_input_len + args.long_output_len > args.num_pages * EngineConfig.page_size // 2:
@@ -154,7 +159,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not (args.model_path / "config.json").is_file():
         if args.model_path.resolve() != DEFAULT_MODEL.resolve():
-            print(f"pdserve bench pd-vs-colocated: --model-path {args.model_path} has no config.json", file=sys.stderr)
+            print(f"pdserve bench pd-vs-colocated: --model-path {args.model_path} has no config.json",
+                  file=sys.stderr)
             return 2
         subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "small",
                         "--out", str(args.model_path)], check=True)
@@ -174,12 +180,14 @@ def main(args: argparse.Namespace) -> int:
                 wait_healthy(deployment.url)
                 print(f"{deployment.kind}: {deployment.url} ({deployment.describe()})")
             for rate in rates:
-                classes = interruption_workload(rate, args.long_rate, args.duration, short_in=args.short_input_len,
-                                                short_out=args.short_output_len, long_in=args.long_input_len,
-                                                long_out=args.long_output_len)
+                classes = interruption_workload(rate, args.long_rate, args.duration,
+                                                short_in=args.short_input_len,
+                                                short_out=args.short_output_len,
+                                                long_in=args.long_input_len, long_out=args.long_output_len)
                 rng = random.Random(args.seed)
                 batches = [(c, datasets.random_prompts(c, tokenizer, rng)) for c in classes]
-                warmup = warmup_prompts([p for _, ps in batches for p in ps], 1, tokenizer, args.seed, as_text=False)
+                warmup = warmup_prompts([p for _, ps in batches for p in ps], 1, tokenizer, args.seed,
+                                        as_text=False)
                 for kind, deployment in started.items():
                     run_settings = runner.RunSettings(base_url=deployment.url, model=model,
                                                       max_duration_s=args.duration * 1.5 + 10, drain_s=60.0,
@@ -192,7 +200,8 @@ def main(args: argparse.Namespace) -> int:
                                               f"{args.long_rate:g}/s, {model} {args.dtype}")
                     rows.append(sweep_row(kind, rate, payload))
     except NotReady as exc:
-        print(f"pdserve bench pd-vs-colocated: a service did not start: {exc}\nlogs: {log_dir}", file=sys.stderr)
+        print(f"pdserve bench pd-vs-colocated: a service did not start: {exc}\nlogs: {log_dir}",
+              file=sys.stderr)
         return 1
     ratio_rows = [r for kind in kinds if kind != "colocated" for r in ratios(rows, kind)]
     print("\n" + table(rows, ratio_rows))
@@ -201,7 +210,8 @@ def main(args: argparse.Namespace) -> int:
                "workload": {"short": [args.short_input_len, args.short_output_len],
                             "long": [args.long_input_len, args.long_output_len], "long_rate": args.long_rate,
                             "duration_s": args.duration, "request_rates": rates},
-               "slo": slo.to_dict(), "rows": rows, "ratios": ratio_rows, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "slo": slo.to_dict(), "rows": rows, "ratios": ratio_rows,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "pd-vs-colocated", *sys.argv[3:]])}
     report.write_json(args.output_dir / "pd_vs_colocated.json", summary)
     plots.sweep_figure(rows, args.output_dir / "pd_vs_colocated.png",

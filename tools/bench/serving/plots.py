@@ -57,13 +57,14 @@ def run_figure(requests: Sequence[dict], path: Path, title: str) -> Path:
                 ax_time.axvline(r["start_s"], color="grey", linewidth=0.6, linestyle=":")
     ax_ttft.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
     ax_itl.set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps", title="ITL CDF", xscale="log")
-    ax_time.set(xlabel="time since start (s)", ylabel="ITL (ms)", title="ITL timeline (dotted: arrivals of the rarest class)",
-                yscale="log")
+    ax_time.set(xlabel="time since start (s)", ylabel="ITL (ms)",
+                title="ITL timeline (dotted: arrivals of the rarest class)", yscale="log")
     return _save(plt, fig, (ax_ttft, ax_itl, ax_time) if classes else (), path, title)
 
 
-_SWEEP_PANELS = (("goodput", "goodput (req/s)"), ("mean_itl_ms", "mean ITL (ms)"), ("p99_itl_ms", "p99 ITL (ms)"),
-                 ("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"))
+_SWEEP_PANELS = (("goodput", "goodput (req/s)"), ("mean_itl_ms", "mean ITL (ms)"),
+                 ("p99_itl_ms", "p99 ITL (ms)"), ("mean_ttft_ms", "mean TTFT (ms)"),
+                 ("p99_ttft_ms", "p99 TTFT (ms)"))
 
 
 def sweep_figure(rows: Sequence[dict], path: Path, title: str) -> Path:
@@ -74,7 +75,8 @@ def sweep_figure(rows: Sequence[dict], path: Path, title: str) -> Path:
     for color, name in zip(_COLORS, deployments, strict=False):
         mine = sorted((r for r in rows if r["deployment"] == name), key=lambda r: r["rate"])
         for ax, (key, _) in zip(axes, _SWEEP_PANELS, strict=True):
-            ax.plot([r["rate"] for r in mine], [r.get(key, 0.0) for r in mine], marker="o", label=name, color=color)
+            ax.plot([r["rate"] for r in mine], [r.get(key, 0.0) for r in mine], marker="o", label=name,
+                    color=color)
     for ax, (_, label) in zip(axes, _SWEEP_PANELS, strict=True):
         ax.set(xlabel="short-request rate (req/s)", ylabel=label)
     return _save(plt, fig, axes, path, title)

@@ -85,28 +85,31 @@ class RunResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
-                        help="checkpoint (default .cache/models/small; written with `make-tiny-model --preset small` "
-                             "if missing)")
+                        help="checkpoint (default .cache/models/small; written with "
+                             "`make-tiny-model --preset small` if missing)")
     parser.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-pages", type=int, default=2048, help="KV pages per worker (default 2048)")
     parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     parser.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size)
     parser.add_argument("--case", default="cache", choices=("cache", "store"),
-                        help="cache: the five runs above (default); store: two prefill workers and one decode, "
-                             "round-robin, with and without Mooncake Store (tools/bench/serving/prefix_cache_store.py)")
+                        help="cache: the five runs above (default); store: two prefill workers and one "
+                             "decode, round-robin, with and without Mooncake Store "
+                             "(tools/bench/serving/prefix_cache_store.py)")
     parser.add_argument("--users", type=int, help="conversations at once (default 4)")
     parser.add_argument("--turns", type=int, help="turns of each conversation (default 4; store case 8)")
     parser.add_argument("--system-len", type=int,
                         help="tokens of the shared system prompt (default 512; store case 128)")
-    parser.add_argument("--user-len", type=int, help="tokens of each user message (default 64; store case 16)")
+    parser.add_argument("--user-len", type=int,
+                        help="tokens of each user message (default 64; store case 16)")
     parser.add_argument("--output-len", type=int, help="tokens of each answer (default 32; store case 128)")
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="store case: ms between an answer and the user's next turn (default 0)")
     parser.add_argument("--store-segment-mb", type=int, default=128,
                         help="store case: MiB each worker lends to Mooncake Store (default 128; the default "
                              "workload writes about 170 MB in fp32)")
-    parser.add_argument("--cores", help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
+    parser.add_argument("--cores",
+                        help="cores to use, e.g. 0-1 or 0,1 (default: every core this process may use)")
     parser.add_argument("--runs", default="1,2,3,4,5",
                         help="which of the five runs to do, by number in the order above (default all; "
                              "cache case only)")
@@ -138,8 +141,8 @@ class Workload:
 
 async def generate_greedy(stub, prompt: list[int], max_new_tokens: int, prefill: str | None, room: str
                     ) -> tuple[float, list[int]]:
-    request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
-        temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True))
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=prompt, sampling=sampling)
     if prefill:
         request.prefill_address = prefill
     sent = time.perf_counter()
@@ -161,7 +164,8 @@ async def drive(workload: Workload, address: str, prefill: str | None, result: R
             for turn, message in enumerate(workload.messages[index]):
                 prompt = history + message
                 try:
-                    ttft, answer = await generate_greedy(stub, prompt, workload.output_len, prefill, f"u{index}t{turn}")
+                    ttft, answer = await generate_greedy(stub, prompt, workload.output_len, prefill,
+                                                         f"u{index}t{turn}")
                 except grpc.aio.AioRpcError as exc:
                     print(f"  user {index} turn {turn}: {exc.code().name} {exc.details()}", file=sys.stderr)
                     result.failures += 1
@@ -205,9 +209,11 @@ def _counters(prompts: Service, decode: Service | None) -> tuple[float, float, f
             decode.metric("pdserve:kv_transfer_bytes_saved_total"))
 
 
-def run_one(run: Run, workload: Workload, args: argparse.Namespace, cores: list[int], log_dir: Path) -> RunResult:
+def run_one(run: Run, workload: Workload, args: argparse.Namespace, cores: list[int],
+            log_dir: Path) -> RunResult:
     result = RunResult(run.name)
-    with ProcessGroup(log_dir / run.name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")) as group:
+    folder = run.name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+    with ProcessGroup(log_dir / folder) as group:
         if run.pd:
             prefill_cores, decode_cores = split_cores(cores)
             prompts = _worker(group, args, "prefill", "prefill", prefill_cores, run.prefill_cache)
@@ -222,7 +228,8 @@ def run_one(run: Run, workload: Workload, args: argparse.Namespace, cores: list[
         before = _counters(prompts, decode)
         asyncio.run(drive(workload, target.address, prefill, result))
         after = _counters(prompts, decode)
-        result.hit_tokens, result.transfer_bytes, result.saved_bytes = (b - a for a, b in zip(before, after, strict=True))
+        result.hit_tokens, result.transfer_bytes, result.saved_bytes = (
+            b - a for a, b in zip(before, after, strict=True))
     return result
 
 
@@ -267,15 +274,18 @@ CACHE_DEFAULTS = {"users": 4, "turns": 4, "system_len": 512, "user_len": 64, "ou
 def main(args: argparse.Namespace) -> int:
     from tools.bench.serving import prefix_cache_store  # it imports this module's workload
 
-    for name, value in (prefix_cache_store.STORE_DEFAULTS if args.case == "store" else CACHE_DEFAULTS).items():
+    defaults = prefix_cache_store.STORE_DEFAULTS if args.case == "store" else CACHE_DEFAULTS
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if min(args.users, args.turns, args.system_len, args.user_len, args.output_len) <= 0:
-        print("pdserve bench prefix-cache: --users, --turns and the lengths must be positive", file=sys.stderr)
+        print("pdserve bench prefix-cache: --users, --turns and the lengths must be positive",
+              file=sys.stderr)
         return 2
     if not (args.model_path / "config.json").is_file():
         if args.model_path.resolve() != DEFAULT_MODEL.resolve():
-            print(f"pdserve bench prefix-cache: --model-path {args.model_path} has no config.json", file=sys.stderr)
+            print(f"pdserve bench prefix-cache: --model-path {args.model_path} has no config.json",
+                  file=sys.stderr)
             return 2
         subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", "--preset", "small",
                         "--out", str(args.model_path)], check=True)
@@ -285,14 +295,15 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         if mooncake_master.binary() is None:  # found out before the run without the store, not after
-            print("pdserve bench prefix-cache --case store: mooncake_master not found (it comes with the Mooncake "
-                  "wheel, mooncake-transfer-engine)", file=sys.stderr)
+            print("pdserve bench prefix-cache --case store: mooncake_master not found (it comes with the "
+                  "Mooncake wheel, mooncake-transfer-engine)", file=sys.stderr)
             return 2
         return prefix_cache_store.main(args)
     try:
         chosen = [RUNS[int(n) - 1] for n in args.runs.split(",")]
     except (ValueError, IndexError):
-        print(f"pdserve bench prefix-cache: --runs {args.runs!r}: numbers from 1 to {len(RUNS)}", file=sys.stderr)
+        print(f"pdserve bench prefix-cache: --runs {args.runs!r}: numbers from 1 to {len(RUNS)}",
+              file=sys.stderr)
         return 2
     cores = parse_cores(args.cores)
     workload = Workload(args)
@@ -319,8 +330,10 @@ def main(args: argparse.Namespace) -> int:
     summary = {"model": args.model_path.resolve().name, "dtype": args.dtype, "cores": cores,
                "transfer_backend": args.transfer_backend,
                "workload": {"users": args.users, "turns": args.turns, "system_len": args.system_len,
-                            "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size},
-               "rows": [r.row() for r in results.values()], "ratios": ratio_rows, "outputs_identical": identical,
+                            "user_len": args.user_len, "output_len": args.output_len,
+                            "page_size": args.page_size},
+               "rows": [r.row() for r in results.values()], "ratios": ratio_rows,
+               "outputs_identical": identical,
                "outputs": {name: {f"user{u}-turn{t}": ids for (u, t), ids in sorted(r.outputs.items())}
                            for name, r in results.items()},
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),

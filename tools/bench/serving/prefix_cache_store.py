@@ -19,8 +19,8 @@ tokens looked up minus tokens found in the prefix cache, local or fetched from t
 fetched from the store and written to it; then the ratios with/without (the issue's target:
 computed tokens at most 0.3 of without). `--think-ms` waits that long between an answer and the
 user's next turn (default 0: at once, so a turn can reach prefill before decode's asynchronous
-write of the previous answer has landed in the store; that turn then computes more). Greedy outputs must be identical across both runs in fp32
-(checked). Writes prefix_cache_store.json.
+write of the previous answer has landed in the store; that turn then computes more). Greedy
+outputs must be identical across both runs in fp32 (checked). Writes prefix_cache_store.json.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class StoreRun:
     failures: int = 0
 
     def row(self) -> dict:
-        return {"run": self.name, "store": self.store, "requests": len(self.ttft_s), "failures": self.failures,
+        return {"run": self.name, "store": self.store, "requests": len(self.ttft_s),
+                "failures": self.failures,
                 "ttft_mean_ms": 1000 * statistics.fmean(self.ttft_s) if self.ttft_s else None,
                 "ttft_median_ms": 1000 * statistics.median(self.ttft_s) if self.ttft_s else None,
                 "prompt_tokens": self.prompt_tokens, "prefill_tokens_computed": self.computed_tokens,
@@ -81,7 +82,8 @@ def prefill_for(user: int, turn: int, prefills: list[str]) -> str:
     return prefills[(user + turn) % len(prefills)]
 
 
-async def drive(workload: Workload, decode: str, prefills: list[str], result: StoreRun, think_s: float) -> None:
+async def drive(workload: Workload, decode: str, prefills: list[str], result: StoreRun,
+                think_s: float) -> None:
     async with open_channel(decode, GrpcSecurity()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=60)  # the channel is up before timing
@@ -92,7 +94,8 @@ async def drive(workload: Workload, decode: str, prefills: list[str], result: St
                 prompt = history + message
                 try:
                     ttft, answer = await generate_greedy(stub, prompt, workload.output_len,
-                                                         prefill_for(index, turn, prefills), f"u{index}t{turn}")
+                                                         prefill_for(index, turn, prefills),
+                                                         f"u{index}t{turn}")
                 except grpc.aio.AioRpcError as exc:
                     print(f"  user {index} turn {turn}: {exc.code().name} {exc.details()}", file=sys.stderr)
                     result.failures += 1
@@ -115,7 +118,8 @@ def _worker(group: ProcessGroup, args: argparse.Namespace, name: str, mode: str,
              "--decode-log-interval", "0"]
     if master:
         flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
-                  "--hicache-mooncake-master", master, "--hicache-mooncake-segment-mb", str(args.store_segment_mb)]
+                  "--hicache-mooncake-master", master,
+                  "--hicache-mooncake-segment-mb", str(args.store_segment_mb)]
     return group.spawn(name, flags, wrapper=_pinned(cores))
 
 
@@ -131,7 +135,8 @@ def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
 def _totals(prefills: list[Service], decode: Service) -> tuple[float, float, float, float]:
     """(prompt tokens computed by the prefill workers, pages they fetched from the store, pages
     every worker wrote to it, failed store calls) so far."""
-    computed = sum(p.metric("pdserve:prefix_cache_query_tokens_total") - p.metric("pdserve:prefix_cache_hit_tokens_total")
+    computed = sum(p.metric("pdserve:prefix_cache_query_tokens_total")
+                   - p.metric("pdserve:prefix_cache_hit_tokens_total")
                    for p in prefills)
     hits = sum(p.metric("pdserve:hicache_hit_pages_total") for p in prefills)
     written = sum(w.metric("pdserve:hicache_written_pages_total") for w in (*prefills, decode))
@@ -208,7 +213,8 @@ def main(args: argparse.Namespace) -> int:
         without = run_one("2 prefill + decode, without store", None, workload, args, cores, log_dir)
         print("### 2 prefill + decode, round-robin, with the store", flush=True)
         with MasterProcess(log_dir / "master") as master:
-            with_store = run_one("2 prefill + decode, with store", master.address, workload, args, cores, log_dir)
+            with_store = run_one("2 prefill + decode, with store", master.address, workload, args, cores,
+                                 log_dir)
     except (NotReady, RuntimeError, FileNotFoundError) as exc:
         print(f"pdserve bench prefix-cache --case store: {exc}\nlogs: {log_dir}", file=sys.stderr)
         return 1
@@ -225,8 +231,8 @@ def main(args: argparse.Namespace) -> int:
     summary = {"case": "store", "model": args.model_path.resolve().name, "dtype": args.dtype, "cores": cores,
                "transfer_backend": args.transfer_backend,
                "workload": {"users": args.users, "turns": args.turns, "system_len": args.system_len,
-                            "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size,
-                            "think_ms": args.think_ms},
+                            "user_len": args.user_len, "output_len": args.output_len,
+                            "page_size": args.page_size, "think_ms": args.think_ms},
                "rows": [r.row() for r in runs], "ratios": ratio_rows, "outputs_identical": identical,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "prefix-cache", *sys.argv[3:]])}

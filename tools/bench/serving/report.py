@@ -78,7 +78,8 @@ def requests_detail(outcome: RunOutcome) -> list[dict]:
                "start_s": round(r.start - outcome.started, 4), "ok": r.ok}
         if r.ok:
             row.update(ttft_ms=round(r.ttft * 1e3, 3), e2e_ms=round(r.latency * 1e3, 3),
-                       prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, itl_ms=[round(gap * 1e3, 3) for gap in r.itl])
+                       prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
+                       itl_ms=[round(gap * 1e3, 3) for gap in r.itl])
         else:
             row["error"] = r.error
         rows.append(row)

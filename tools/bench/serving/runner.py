@@ -80,7 +80,8 @@ async def run(batches: Sequence[tuple[RequestClass, list[Prompt]]], settings: Ru
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         async def one(prompt: Prompt) -> None:
-            result = RequestResult(prompt.request_class, prompt.input_len, prompt.output_len, start=time.perf_counter())
+            result = RequestResult(prompt.request_class, prompt.input_len, prompt.output_len,
+                                   start=time.perf_counter())
             try:
                 async with slots if slots is not None else contextlib.nullcontext():
                     in_flight.change(+1)

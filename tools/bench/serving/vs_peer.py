@@ -47,18 +47,22 @@ WARMUP_OUTPUT_LEN = 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
-                        help="checkpoint (default .cache/models/small; written with `make-tiny-model --preset small` "
-                             "if missing)")
+                        help="checkpoint (default .cache/models/small; written with "
+                             "`make-tiny-model --preset small` if missing)")
     parser.add_argument("--peer-python", default=None,
-                        help="python of an environment with vLLM's CPU build: also serve with vLLM's OpenAI server")
+                        help="python of an environment with vLLM's CPU build: also serve with vLLM's OpenAI "
+                             "server")
     parser.add_argument("--transfer-backend", default="nixl", choices=["mooncake", "nixl", "ucx"])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--cores", default=None, help="cores to use, e.g. 0-1 (default: every core this process may use)")
+    parser.add_argument("--cores", default=None,
+                        help="cores to use, e.g. 0-1 (default: every core this process may use)")
     parser.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="chat",
-                        help="the OpenAI API the load is sent to: /v1/chat/completions (default, prompt text as "
-                        "one user message, as `vllm bench serve` measures) or /v1/completions (token-id prompts)")
+                        help="the OpenAI API the load is sent to: /v1/chat/completions (default, prompt text "
+                        "as one user message, as `vllm bench serve` measures) or /v1/completions (token-id "
+                        "prompts)")
     parser.add_argument("--input-len", type=int, default=512, help="random prompt tokens (default 512)")
-    parser.add_argument("--output-len", type=int, default=128, help="tokens generated, ignore_eos (default 128)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated, ignore_eos (default 128)")
     parser.add_argument("--num-prompts", type=int, default=32, help="measured requests per run (default 32)")
     parser.add_argument("--max-concurrency", type=int, default=8,
                         help="requests in flight, a closed loop; also the warm-up pass's size (default 8)")
@@ -72,14 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_step_ms(args: argparse.Namespace, threads: int, cores: list[int]) -> float | None:
     """Median decode step of the engine alone at the load's batch and mid-generation context."""
-    command = [sys.executable, "-m", "tools.bench.profile_step", "--model", str(args.model_path), "--dtype", args.dtype,
-               "--batch", str(args.max_concurrency), "--prompt-len", str(args.input_len + args.output_len // 2),
+    command = [sys.executable, "-m", "tools.bench.profile_step", "--model", str(args.model_path),
+               "--dtype", args.dtype, "--batch", str(args.max_concurrency),
+               "--prompt-len", str(args.input_len + args.output_len // 2),
                "--threads", str(threads), "--steps", "40", "--profile-steps", "1", "--rows", "1"]
     pin = ["taskset", "-c", ",".join(map(str, cores))] if shutil.which("taskset") else []
     done = subprocess.run(pin + command, capture_output=True, text=True, timeout=600)
     found = STEP_PATTERN.search(done.stdout)
     if found is None:
-        print(f"tools.bench.profile_step failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}", file=sys.stderr)
+        print(f"tools.bench.profile_step failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}",
+              file=sys.stderr)
         return None
     return float(found.group(1))
 
@@ -92,11 +98,12 @@ def free_port() -> int:
 
 def start_vllm(args: argparse.Namespace, cores: list[int], log_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
-               VLLM_CPU_KVCACHE_SPACE="4")
+    bind = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="4")
     log = open(log_dir / "vllm.log", "w")  # noqa: SIM115 (lives as long as the server)
     proc = subprocess.Popen([args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             str(args.model_path.resolve()), "--served-model-name", args.model_path.resolve().name,
+                             str(args.model_path.resolve()),
+                             "--served-model-name", args.model_path.resolve().name,
                              "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
                              "--max-model-len", str(max(2048, args.input_len + args.output_len))],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -130,7 +137,8 @@ def main(args: argparse.Namespace) -> int:
     # one's prompts would measure prefix caches, which pdserve and vLLM both have on by default.
     as_text = args.endpoint == "chat"
     rng = random.Random(args.seed)
-    prompts_by_round = [datasets.random_prompts(load, tokenizer, rng, as_text=as_text) for _ in range(args.rounds)]
+    prompts_by_round = [datasets.random_prompts(load, tokenizer, rng, as_text=as_text)
+                        for _ in range(args.rounds)]
     warmup_by_round = [warmup_prompts(prompts, args.max_concurrency, tokenizer, f"{args.seed}-round{i}",
                                       as_text=as_text, output_len=WARMUP_OUTPUT_LEN)
                        for i, prompts in enumerate(prompts_by_round)]
@@ -149,8 +157,9 @@ def main(args: argparse.Namespace) -> int:
             wait_vllm(vllm, urls["vllm"], log_dir)
         steps = {"colocated": engine_step_ms(args, len(cores), cores),
                  "pd": engine_step_ms(args, len(decode_cores), decode_cores)}
-        print(f"engine decode step, batch {args.max_concurrency}, context {args.input_len + args.output_len // 2}: "
-              f"{steps['colocated']} ms on {len(cores)} threads, {steps['pd']} ms on {len(decode_cores)} (PD decode)")
+        print(f"engine decode step, batch {args.max_concurrency}, context "
+              f"{args.input_len + args.output_len // 2}: {steps['colocated']} ms on {len(cores)} threads, "
+              f"{steps['pd']} ms on {len(decode_cores)} (PD decode)")
         with ProcessGroup(log_dir) as group:
             started = {}
             for kind in ("colocated", "pd"):
@@ -160,8 +169,9 @@ def main(args: argparse.Namespace) -> int:
             for round_index in range(args.rounds):
                 order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
                 for kind in order:
-                    run_settings = runner.RunSettings(base_url=urls[kind], model=model, max_concurrency=None,
-                                                      max_duration_s=900, drain_s=60.0, endpoint=args.endpoint,
+                    run_settings = runner.RunSettings(base_url=urls[kind], model=model,
+                                                      max_concurrency=None, max_duration_s=900,
+                                                      drain_s=60.0, endpoint=args.endpoint,
                                                       seed=args.seed, progress=False)
                     print(f"\n### {kind}, round {round_index + 1}")
                     payload = benchmark([(load, prompts_by_round[round_index])], run_settings, metrics.Slo(),
@@ -172,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
                     payload["load_average"] = os.getloadavg()[0]
                     runs.setdefault(kind, []).append(payload)
     except NotReady as exc:
-        print(f"pdserve bench serving-vs-vllm: a server did not start: {exc}\nlogs: {log_dir}", file=sys.stderr)
+        print(f"pdserve bench serving-vs-vllm: a server did not start: {exc}\nlogs: {log_dir}",
+              file=sys.stderr)
         return 1
     finally:
         if vllm is not None:
@@ -190,22 +201,26 @@ def main(args: argparse.Namespace) -> int:
                      "mean_tpot_ms": [p["mean_tpot_ms"] for p in payloads],
                      "load_average": [p["load_average"] for p in payloads],
                      "engine_step_ms": step, "tpot_over_step": tpot / step if step else None})
-    print("\n| deployment | req/s (each round) | mean TTFT ms | mean TPOT ms | engine step ms | TPOT / step |")
+    print("\n| deployment | req/s (each round) | mean TTFT ms | mean TPOT ms | engine step ms "
+          "| TPOT / step |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         fmt = lambda values, spec: ", ".join(format(v, spec) for v in values)  # noqa: E731
         ratio = f"{row['tpot_over_step']:.2f}" if row["tpot_over_step"] else "-"
-        print(f"| {row['deployment']} | {fmt(row['request_throughput'], '.2f')} | {fmt(row['mean_ttft_ms'], '.0f')} | "
-              f"{fmt(row['mean_tpot_ms'], '.1f')} | {row['engine_step_ms'] or '-'} | {ratio} |")
+        print(f"| {row['deployment']} | {fmt(row['request_throughput'], '.2f')} "
+              f"| {fmt(row['mean_ttft_ms'], '.0f')} | {fmt(row['mean_tpot_ms'], '.1f')} "
+              f"| {row['engine_step_ms'] or '-'} | {ratio} |")
     accounts = {f"{kind}, round {i + 1}": p["account"] for kind, payloads in runs.items()
                 for i, p in enumerate(payloads) if "account" in p}
     if accounts:
-        print("\nServing-cost account (tools/bench/serving/account.py): TPOT if a token paid only the engine's "
-              "decode steps and the prompt chunks inside them, against the clients' TPOT; CPU per token by process")
+        print("\nServing-cost account (tools/bench/serving/account.py): TPOT if a token paid only the "
+              "engine's decode steps and the prompt chunks inside them, against the clients' TPOT; CPU per "
+              "token by process")
         print(account_table(accounts))
     summary = {"model": model, "dtype": args.dtype, "cores": cores,
                "load": {**vars(load), "endpoint": ENDPOINTS[args.endpoint].path,
-                        "warmup": {"prompts": args.max_concurrency, "output_len": WARMUP_OUTPUT_LEN}}, "rows": rows,
+                        "warmup": {"prompts": args.max_concurrency, "output_len": WARMUP_OUTPUT_LEN}},
+               "rows": rows,
                "accounts": accounts,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join(["pdserve", "bench", "serving-vs-vllm", *sys.argv[3:]])}

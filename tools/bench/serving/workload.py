@@ -46,11 +46,13 @@ class RequestClass:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise WorkloadError(f"{where}: a name is letters, digits, '-' or '_'")
         if self.input_len < 1 or self.output_len < 1:
-            raise WorkloadError(f"{where}: in and out must be >= 1 (got in={self.input_len}, out={self.output_len})")
+            raise WorkloadError(f"{where}: in and out must be >= 1 "
+                                f"(got in={self.input_len}, out={self.output_len})")
         if self.num_requests < 1:
             raise WorkloadError(f"{where}: n must be >= 1 (got {self.num_requests})")
         if (self.rate is None) == (self.concurrency is None):
-            raise WorkloadError(f"{where}: give exactly one of rate= (Poisson arrivals) or concurrency= (closed loop)")
+            raise WorkloadError(f"{where}: give exactly one of rate= (Poisson arrivals) "
+                                "or concurrency= (closed loop)")
         if self.rate is not None and not self.rate > 0:
             raise WorkloadError(f"{where}: rate must be > 0 (or inf), got {self.rate}")
         if self.concurrency is not None and self.concurrency < 1:
@@ -104,7 +106,8 @@ def parse_workload(spec: str) -> list[RequestClass]:
         name, colon, body = part.partition(":")
         name = name.strip()
         if not colon:
-            raise WorkloadError(f"workload class {part!r}: expected 'NAME: in=.. out=.. n=.. rate=..|concurrency=..'")
+            raise WorkloadError(f"workload class {part!r}: "
+                                "expected 'NAME: in=.. out=.. n=.. rate=..|concurrency=..'")
         values: dict[str, str] = {}
         for item in body.split():
             key, eq, value = item.partition("=")
@@ -116,10 +119,12 @@ def parse_workload(spec: str) -> list[RequestClass]:
         if missing:
             raise WorkloadError(f"workload class {name!r}: missing {', '.join(sorted(missing))}")
         classes.append(RequestClass(
-            name=name, input_len=_integer(name, "in", values["in"]), output_len=_integer(name, "out", values["out"]),
+            name=name, input_len=_integer(name, "in", values["in"]),
+            output_len=_integer(name, "out", values["out"]),
             num_requests=_integer(name, "n", values["n"]),
             rate=_number(name, "rate", values["rate"]) if "rate" in values else None,
-            concurrency=_integer(name, "concurrency", values["concurrency"]) if "concurrency" in values else None,
+            concurrency=(_integer(name, "concurrency", values["concurrency"])
+                         if "concurrency" in values else None),
             start_s=_number(name, "start", values.get("start", "0")),
             range_ratio=_number(name, "range", values.get("range", "1"))))
     if not classes:
@@ -130,8 +135,8 @@ def parse_workload(spec: str) -> list[RequestClass]:
     return classes
 
 
-def interruption_workload(short_rate: float, long_rate: float, duration_s: float, *, short_in: int, short_out: int,
-                          long_in: int, long_out: int) -> list[RequestClass]:
+def interruption_workload(short_rate: float, long_rate: float, duration_s: float, *, short_in: int,
+                          short_out: int, long_in: int, long_out: int) -> list[RequestClass]:
     """The prefill-interruption workload of `bench pd-vs-colocated`: short requests arriving at
     `short_rate` (they decode most of the time) while long prompts arrive at `long_rate`, both
     Poisson, sized so that arrivals span about `duration_s`."""

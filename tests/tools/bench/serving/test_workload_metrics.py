@@ -13,7 +13,8 @@ from tools.bench.serving.workload import RequestClass, WorkloadError, interrupti
 
 
 def test_the_mixed_spec_parses_into_classes() -> None:
-    classes = parse_workload("background: in=64 out=128 n=32 concurrency=8; long: in=2048 out=8 n=4 rate=0.2 start=1")
+    classes = parse_workload("background: in=64 out=128 n=32 concurrency=8; "
+                             "long: in=2048 out=8 n=4 rate=0.2 start=1")
     assert classes == [RequestClass("background", 64, 128, 32, concurrency=8),
                        RequestClass("long", 2048, 8, 4, rate=0.2, start_s=1.0)]
 
@@ -94,7 +95,8 @@ def test_peak_output_throughput_counts_tokens_per_second() -> None:
 
 def test_report_has_the_seeds_layout() -> None:
     summary = summarize([_result(0.1, [0.01] * 9)], 1.0, Slo(ttft_ms=500))
-    text = result_text(summary, backend="pdserve", request_rate=float("inf"), max_concurrency=8, peak_concurrency=1)
+    text = result_text(summary, backend="pdserve", request_rate=float("inf"), max_concurrency=8,
+                       peak_concurrency=1)
     lines = text.splitlines()
     assert lines[0] == "============ Serving Benchmark Result ============"
     assert lines[1].startswith("Backend:") and lines[1].split()[1] == "pdserve"
