@@ -26,7 +26,8 @@ def hold_admission(prefix: str):
 
     async def hold(room: str) -> None:
         if room.startswith(prefix):
-            log.info("room %s: held before admission (tools.hooked_worker --hold-admission) until aborted", room)
+            log.info("room %s: held before admission (tools.hooked_worker --hold-admission) until aborted",
+                     room)
             await asyncio.Event().wait()  # until cancelled: an Abort, the client gone, shutdown
     return hold
 

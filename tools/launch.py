@@ -8,9 +8,10 @@ once it serves; `Service.wait_ready` reads the bound ports from it, so services 
 port 0. The line is logged at INFO, so a child never runs at a quieter log level.
 
 Each child runs `python -m pdserve ARGS` (or another entry point with pdserve's arguments, such as
-tools/hooked_worker.py; under an optional wrapper command such as `ip netns exec NS`), writes its output to one log file, runs in its own session (a Ctrl-C in the
-terminal reaches only the parent, which then stops its children in order) and gets SIGKILL if the
-parent dies without cleaning up (PR_SET_PDEATHSIG). Stopping is SIGTERM, then SIGKILL after a grace
+tools/hooked_worker.py; under an optional wrapper command such as `ip netns exec NS`), writes its
+output to one log file, runs in its own session (a Ctrl-C in the terminal reaches only the parent,
+which then stops its children in order) and gets SIGKILL if the parent dies without cleaning up
+(PR_SET_PDEATHSIG). Stopping is SIGTERM, then SIGKILL after a grace
 period. `ProcessGroup` stops everything it started when its `with` block ends, whatever happened.
 """
 
