@@ -99,12 +99,12 @@ def bf16_gemm_supported() -> bool:
 
 
 def bf16_gemm_preferred() -> bool:
-    """Whether bf16 linears should run on the C++ GEMM rather than oneDNN: it is built, and the CPU
-    has no AMX (oneDNN's AMX kernels do a tile multiply per instruction, far beyond the AVX-512 FMAs
-    this kernel uses)."""
-    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
-    has_amx = bool(amx()) if amx is not None else "amx_bf16" in cpu_ext._cpu_flags().split()
-    return not has_amx and bf16_gemm_supported()
+    """Whether bf16 linears should run on the C++ GEMM rather than oneDNN: whenever it is built.
+    On a CPU with AMX oneDNN's AMX kernels are faster for long prompts, but their sums depend on
+    the row count (a request's logprobs changed with the batch it ran in:
+    tests/engine/test_batch_invariance.py failed on an Emerald Rapids with AMX), and a token must
+    not depend on the load it was served under; the C++ GEMM sums every output in one order."""
+    return bf16_gemm_supported()
 
 
 def pack_bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

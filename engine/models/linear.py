@@ -6,13 +6,15 @@ call; oneDNN's own kernels on a prepacked weight (what torch.compile's freezing 
 preset, 2 threads, 16 x 768 into 1280/768/4096, 16 x 2048 into 768, the 32000-wide head; all
 weights of a bf16 step then stream at about 37 GB/s, the memory bandwidth of the machine).
 
-bf16 on a CPU with AVX512-BF16 but no AMX, when the C++ kernels are built, goes further: the weight is packed
+bf16 on a CPU with AVX512-BF16, when the C++ kernels are built, goes further: the weight is packed
 for kernels/csrc/bf16_gemm.cpp, which streams it once per call and does the math in fp32 FMAs
 (oneDNN without AMX uses vdpbf16ps, which issues at half the FMA's rate here: a batch-16 decode
 GEMM is compute-bound, and the kernel ran it 1.7x faster than oneDNN). It is used for every row
 count, prefill included: each output sums its inputs in one fixed order whatever the rows, so a
 row's result never depends on the batch, while switching kernels at some row count would make a
-decode row's result depend on whether a prompt chunk shared its step.
+decode row's result depend on whether a prompt chunk shared its step. Also where the CPU has AMX:
+oneDNN's AMX kernels are faster on long prompts, but their sums depend on the row count
+(kernels/cpu_kernels.py bf16_gemm_preferred).
 """
 
 from __future__ import annotations
@@ -46,8 +48,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        # Chosen once, at load: the C++ bf16 GEMM where this CPU and build have it (and no AMX,
-        # which oneDNN uses), else oneDNN.
+        # Chosen once, at load: the C++ bf16 GEMM where this CPU and build have it, else oneDNN.
         self.gemm = (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                      and cpu_kernels.bf16_gemm_preferred())
         if self.gemm:

@@ -6,8 +6,7 @@ fp32 ulps of the sum of |x_k * w_k|). Batch invariance is tested bit for bit: a 
 not depend on how many rows share the call, which rows they are, or the thread count.
 
 The kernel exists only where the CPU has AVX512-BF16 (the library is built with -march=native);
-elsewhere the Linear keeps oneDNN and these tests skip (and where the CPU has AMX, the Linear keeps
-oneDNN's AMX kernels).
+elsewhere the Linear keeps oneDNN and these tests skip.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(in_features, out_features
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_gemm_preferred(), reason="this CPU has AMX: bf16 linears keep oneDNN")
+@pytest.mark.skipif(not cpu_kernels.bf16_gemm_preferred(), reason="no AVX512-BF16: the kernel is not built")
 def test_linear_uses_it_for_bf16_and_keeps_fp32_on_onednn():
     x, weight, b = case(300, 256, rows=5, bias=True)
     bf16 = Linear(weight, b)
