@@ -1,7 +1,8 @@
 """Scheduler: continuous batching with chunked prefill, a page budget and retraction.
 
 Its unit is a `Request`: one sequence's tokens, KV pages and progress (the engine builds one from
-each caller's EngineRequest and keeps its own per-request state on it too). Its output is a
+each caller's EngineRequest; how a request samples and reaches its caller is the engine thread's,
+engine/engine_thread.py RequestIO). Its output is a
 `SchedulerOutput`, the whole contract with the model runner for one step. Each step (`schedule`) builds one SchedulerOutput:
 1. every decode-ready running request contributes its last token; it first gets a page for it,
    and when none is free the newest running request is retracted (pages freed, back to the front
@@ -27,15 +28,16 @@ pages that follow the local match before computing them (fetched into fresh page
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.page_manager import PageManager
 from pdserve.page_hash import page_hashes
+
+if TYPE_CHECKING:
+    from engine.multimodal.state import MultimodalState
+    from libkv.store import StoreTier
 
 
 class RequestStatus(Enum):
@@ -54,14 +56,13 @@ class Request:
     (a new prompt, or a retracted request recomputing prompt + generated tokens).
 
     `prefill_only` requests (the prefill side of PD) stop after their first sampled token and
-    keep their pages under their room until released. `on_pages_filled` is their progress hook.
-    The engine builds one from the caller's EngineRequest (engine.request).
+    keep their pages under their room until released. The engine builds one from the caller's
+    EngineRequest (engine.request).
     """
 
     room: str
     token_ids: list[int]
     num_prompt: int
-    params: Any  # engine.sampling.SamplingParams
     prefill_only: bool = False
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
@@ -73,15 +74,9 @@ class Request:
     # survive retraction), and how many of page_ids were offered to the cache.
     page_hashes: list[int] = field(default_factory=list)
     pages_cached: int = 0
-    # Engine-loop state (never read by the scheduler).
-    generator: torch.Generator | None = None
-    stop_token_ids: frozenset[int] = frozenset()  # sampling one ends the request ("stop"); eos included
-    emit: Callable[[Any], None] | None = None  # delivers a TokenOutput (or a refusal) to the caller
-    on_pages_filled: Callable[[list[int], int], None] | None = None
-    pages_reported: int = 0
-    # Images (engine.multimodal.state.MultimodalState): its M-RoPE positions, image embeddings,
-    # and the page salts that put each image's digest into its pages' hashes.
-    multimodal: Any = None
+    # Images: its M-RoPE positions, image embeddings, and the page salts that put each image's
+    # digest into its pages' hashes.
+    multimodal: MultimodalState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +110,7 @@ class ScheduledChunk:
     start_pos: int
     page_ids: list[int]
     sample: bool
-    multimodal: Any = None  # the request's engine.multimodal.state.MultimodalState, if it has images
+    multimodal: MultimodalState | None = None  # the request's, if it has images
 
     @property
     def end_pos(self) -> int:
@@ -168,7 +163,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_retractions = 0
         self._admissions = 0
-        self.store: Any = None  # a libkv.store.StoreTier, set by the engine
+        self.store: StoreTier | None = None  # --enable-hierarchical-cache: set by the engine
 
     # ---- entry and exit -------------------------------------------------------------------------
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -277,7 +272,7 @@ class Scheduler:
             max_pages = (request.num_tokens - 1) // size
             cached = self.pages.acquire_prefix(request.token_ids, max_pages, request.page_hashes)
             if self.store is not None and len(cached) < max_pages:
-                cached += self._fetch_from_store(request, cached, max_pages)
+                cached += self._fetch_from_store(self.store, request, cached, max_pages)
         num_cached = len(cached)
         request.page_ids = cached  # grown in place below
         if not self.pages.grow(request.page_ids, request.num_tokens, keep_free=len(self.running)):
@@ -288,7 +283,7 @@ class Scheduler:
         self.pages.count_query(request.num_tokens, request.num_computed)
         return True
 
-    def _fetch_from_store(self, request: Request, cached: list[int], max_pages: int) -> list[int]:
+    def _fetch_from_store(self, store: StoreTier, request: Request, cached: list[int], max_pages: int) -> list[int]:
         """Pages after `cached` that the store holds, fetched into fresh pages and cached here."""
         size = self.pages.page_size
 
@@ -296,7 +291,7 @@ class Scheduler:
             pages: list[int] = []
             return pages if self.pages.grow(pages, n * size, keep_free=len(self.running)) else None
 
-        fetched = self.store.fetch(request.token_ids, request.page_hashes, len(cached), max_pages, allocate)
+        fetched = store.fetch(request.token_ids, request.page_hashes, len(cached), max_pages, allocate)
         if fetched:
             pages = cached + fetched
             self.pages.cache_pages(request.token_ids, pages, request.page_hashes[:len(pages)], len(cached))

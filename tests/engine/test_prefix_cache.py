@@ -4,7 +4,6 @@ is simulated as in test_scheduler.py): hits, sharing, LRU eviction order, refcou
 from __future__ import annotations
 
 from engine.page_manager import PageManager, PrefixCache
-from engine.sampling import SamplingParams
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from libkv.allocator import PageAllocator
 from pdserve.page_hash import ROOT_HASH, page_hash, page_hashes
@@ -17,7 +16,7 @@ def make(num_pages=16, page_size=4, chunk=64, max_running=8) -> Scheduler:
 
 
 def request(room: str, tokens: list[int]) -> Request:
-    return Request(room=room, token_ids=list(tokens), num_prompt=len(tokens), params=SamplingParams(temperature=0))
+    return Request(room=room, token_ids=list(tokens), num_prompt=len(tokens))
 
 
 def finish(scheduler: Scheduler, room: str) -> None:

@@ -53,7 +53,7 @@ async def test_profile_prefill_records_the_bounded_prefill_steps(qwen3_ckpt, tmp
     assert prefill == ["prefill step 1: 1 chunk, 16 tokens", "prefill step 2: 1 chunk, 16 tokens",
                        "prefill step 3: 1 chunk, 8 tokens", "prefill step 9: 1 chunk, 16 tokens"]
     assert all(label.startswith("decode step") and label.endswith("batch 1") for label in labels[3:-1])
-    assert not engine.profiler.active
+    assert not engine.thread.profiler.active
     assert next(tmp_path.iterdir()).name.startswith("prefill-")
 
 
@@ -69,7 +69,7 @@ async def test_no_profile_flag_starts_no_profiler(qwen3_ckpt, tmp_path, monkeypa
     started = []
     monkeypatch.setattr(profiling, "profile", lambda **kwargs: started.append(kwargs))
     engine = start_engine(qwen3_ckpt, chunked_prefill_size=CHUNK, profile_dir=str(tmp_path))
-    assert not engine.profiler.active
+    assert not engine.thread.profiler.active
     await run_requests(engine, random_prompts([40], seed=3))
     assert started == []
     assert list(tmp_path.iterdir()) == []
@@ -87,7 +87,7 @@ async def test_a_failing_profiler_leaves_generation_correct(qwen3_ckpt, tmp_path
                           profile_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="engine.profiling"):
         assert await run_requests(engine, prompts) == expected
-    assert not engine.profiler.active
+    assert not engine.thread.profiler.active
     assert any("could not write the profile" in r.getMessage() and "disk full" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
 

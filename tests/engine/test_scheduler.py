@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from engine.page_manager import PageManager
-from engine.sampling import SamplingParams
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -16,8 +15,7 @@ def make(num_pages=16, page_size=4, chunk=32, max_running=8, max_seq_len=1000) -
 
 
 def request(room: str, prompt_len: int) -> Request:
-    return Request(room=room, token_ids=list(range(100, 100 + prompt_len)), num_prompt=prompt_len,
-                   params=SamplingParams(temperature=0))
+    return Request(room=room, token_ids=list(range(100, 100 + prompt_len)), num_prompt=prompt_len)
 
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 
-from engine.engine import _Add  # the inbox command that hands the engine a request
+from engine.engine_thread import Add  # the inbox command that hands the engine a request
 from engine.multimodal.image_processor import ImageProcessorConfig, preprocess
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
@@ -120,7 +120,7 @@ class _AdmitTogether:
         self.inbox, self.count, self.held = inbox, count, []
 
     def put(self, command) -> None:
-        if not isinstance(command, _Add) or self.count == 0:
+        if not isinstance(command, Add) or self.count == 0:
             self.inbox.put(command)
             return
         self.held.append(command)
@@ -138,12 +138,12 @@ class _AdmitTogether:
 
 @contextlib.contextmanager
 def admitted_together(engine, count: int):
-    inbox = engine._inbox
-    engine._inbox = _AdmitTogether(inbox, count)
+    inbox = engine.thread.inbox
+    engine.thread.inbox = _AdmitTogether(inbox, count)
     try:
         yield
     finally:
-        engine._inbox = inbox
+        engine.thread.inbox = inbox
 
 
 def test_decode_recomputes_a_retracted_image_prompt(vl_ckpt, tokenizer, images):

@@ -72,18 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     for index in range(args.batch):
         prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,),
                                generator=generator).tolist()
-        request = engine._new_request(EngineRequest(f"profile-{index}", prompt, params))
-        request.emit = lambda item: None  # nobody listens: outputs are dropped
-        engine.scheduler.add(request)
+        engine.add_unstreamed(EngineRequest(f"profile-{index}", prompt, params))  # outputs dropped
     started = time.perf_counter()
-    engine.step()
+    engine.thread.step()
     prefill_ms = 1000 * (time.perf_counter() - started)
     for _ in range(8):
-        engine.step()
+        engine.thread.step()
     wall, cpu = [], []
     for _ in range(args.steps):
         started, started_cpu = time.perf_counter(), time.thread_time()
-        engine.step()
+        engine.thread.step()
         cpu.append(1000 * (time.thread_time() - started_cpu))
         wall.append(1000 * (time.perf_counter() - started))
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.dtype}, {args.threads} threads: prefill step "
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.profile_steps):
-            engine.step()
+            engine.thread.step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) / 1000 / args.profile_steps
     print(f"profile: {total:.2f} ms of op time per step (self CPU, calling thread), top ops:")
@@ -137,11 +135,9 @@ def profile_prefill(args: argparse.Namespace) -> int:
     def prefill(index: int) -> None:  # a new random prompt each time: no prefix cache hits
         prompt = torch.randint(10, engine.model_config.vocab_size, (args.prompt_len,),
                                generator=generator).tolist()
-        request = engine._new_request(EngineRequest(f"prefill-{index}", prompt, params))
-        request.emit = lambda item: None
-        engine.scheduler.add(request)
+        engine.add_unstreamed(EngineRequest(f"prefill-{index}", prompt, params))
         while engine.scheduler.has_work():
-            engine.step()
+            engine.thread.step()
 
     prefill(-1)  # warm-up
     wall, cpu = [], []
