@@ -134,12 +134,12 @@ class KVPool:
             if not 0 <= page < self.num_pages:
                 raise IndexError(f"page {page} outside pool of {self.num_pages} pages")
         if self.device.type == "cpu":
-            pool_bytes = memoryview(self.as_bytes().numpy())
+            pool_bytes = self.as_bytes().numpy().data
             return [xxhash.xxh3_64_intdigest(pool_bytes[p * page_nbytes:(p + 1) * page_nbytes])
                     for p in page_ids]
         # Device memory: gather the pages and hash them on the host (one copy).
-        pages = memoryview(self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
-                           .contiguous().view(-1).view(torch.uint8).cpu().numpy())
+        pages = (self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
+                 .contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
         return [xxhash.xxh3_64_intdigest(pages[i * page_nbytes:(i + 1) * page_nbytes])
                 for i in range(len(page_ids))]
 

@@ -117,7 +117,7 @@ class MooncakeBackend(EngineBackend):
         engine = self._initialized_engine()
         if engine.register_memory(pool.data_ptr(), pool.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register the KV pool ({pool.nbytes} bytes)")
-        grants = self.grants.memory
+        grants = self._require_grants().memory
         if engine.register_memory(grants.data_ptr(), grants.numel()) != 0:
             raise RuntimeError(f"Mooncake could not register the grant table ({grants.numel()} bytes)")
         self._engine = engine
@@ -145,7 +145,7 @@ class MooncakeBackend(EngineBackend):
     def _engine_blob(self) -> bytes:
         pool = self._require_pool()
         return json.dumps({"session": self._session, "base": pool.data_ptr(), "nbytes": pool.nbytes,
-                           "grants": self.grants.address()}).encode()
+                           "grants": self._require_grants().address()}).encode()
 
     def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
         try:
@@ -226,7 +226,7 @@ class MooncakeBackend(EngineBackend):
         return TransferState.FAILED if op.failed else TransferState.DONE
 
     def _engine_close(self) -> None:
-        if self._engine is not None and self.pool is not None:
+        if self._engine is not None and self.pool is not None and self.grants is not None:
             for address in (self.pool.data_ptr(), self.grants.address()):
                 try:
                     self._engine.unregister_memory(address)

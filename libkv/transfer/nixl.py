@@ -112,7 +112,7 @@ class NixlBackend(EngineBackend):
         self._reg_descs = self._agent.register_memory(pool.as_bytes())
         if self._reg_descs is None:
             raise RuntimeError("NIXL refused to register the KV pool")
-        self._grant_descs = self._agent.register_memory(self.grants.memory)
+        self._grant_descs = self._agent.register_memory(self._require_grants().memory)
         if self._grant_descs is None:
             raise RuntimeError("NIXL refused to register the grant table")
         if not self.progress_thread:
@@ -134,7 +134,7 @@ class NixlBackend(EngineBackend):
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
         blob = {"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
-                "base": pool.data_ptr(), "nbytes": pool.nbytes, "grants": self.grants.address()}
+                "base": pool.data_ptr(), "nbytes": pool.nbytes, "grants": self._require_grants().address()}
         mem, dev = _memory_of(self._require_pool().device)
         if mem != "DRAM":  # only then: a host pool's blob reads as it always did
             blob.update(mem=mem, dev=dev)

@@ -269,7 +269,7 @@ class EtcdStore:
         except grpc.aio.AioRpcError as exc:
             raise _unavailable(exc) from exc
         record = self._decode(kv) if kv is not None else None
-        if (record is None or record.left_reason
+        if (kv is None or record is None or record.left_reason
                 or not hmac.compare_digest(record.lease_token.encode(), token.encode())):
             raise not_found
         return kv, record
@@ -444,7 +444,7 @@ class EtcdStore:
             log.warning("ignoring etcd key %r: %s", kv.key[:200], problem)
         return None
 
-    def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+    def _publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
         self._watchers.publish(event_type, info, reason)
 
 

@@ -250,7 +250,7 @@ class Registry:
         log.info("worker %s left: %s (grpc=%s)", entry.info.worker_id, reason, entry.info.grpc_address)
         self._publish(LEFT, entry.info, reason)
 
-    def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+    def _publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
         self._watchers.publish(event_type, info, reason)
 
 

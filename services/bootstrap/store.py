@@ -24,8 +24,11 @@ class RegistryStore(Protocol):
     """What the servicer and the metrics collector use. `start()` before serving, `close()` after
     (it ends every open watch)."""
 
-    stats: RegistryStats
-    ttl_s: float
+    @property
+    def stats(self) -> RegistryStats: ...
+
+    @property
+    def ttl_s(self) -> float: ...
 
     async def start(self) -> None: ...
 
