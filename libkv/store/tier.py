@@ -142,7 +142,8 @@ class StoreTier:
             return len(self._repair)
 
     # ---- engine thread --------------------------------------------------------------------------
-    def offer(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int], first: int) -> None:
+    def offer(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int],
+              first: int) -> None:
         """Queue pages `first`..len(hashes) of a sequence (full, computed, just cached) for writing."""
         if not self._up:
             return

@@ -58,6 +58,6 @@ def create_backend(name: str, **options) -> EngineBackend:
 __all__ = [
     "BACKENDS", "BACKEND_NAMES", "ONE_SIDED_BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineBackend",
     "EngineUnavailable", "GrantRefused", "PeerId", "PeerUnreachable", "TransferAborted", "TransferBackend",
-    "TransferEndpoint", "TransferError", "TransferHandle", "TransferState", "TransferTimeout", "backend_class",
-    "create_backend", "exit_process", "grant_tag",
+    "TransferEndpoint", "TransferError", "TransferHandle", "TransferState", "TransferTimeout",
+    "backend_class", "create_backend", "exit_process", "grant_tag",
 ]

@@ -110,7 +110,8 @@ class EngineBackend(EngineHooks, TransferBackend):
         check_stages(self.pp_size, self.tp_size, endpoint.pp_size(), len(ranks))
         if len(ranks) == self.tp_size:
             return self._connect_rank(ranks[self.tp_rank], pool.layout)
-        plan = links_to_other_size(self.name, self.writes_regions, pool.layout, self.tp_rank, self.tp_size, ranks)
+        plan = links_to_other_size(self.name, self.writes_regions, pool.layout, self.tp_rank, self.tp_size,
+                                   ranks)
         links = [(link.cut, self._connect_rank(link.endpoint, link.layout)) for link in plan]
         return self._peers.route(endpoint, len(ranks), links)
 
@@ -202,8 +203,8 @@ class EngineBackend(EngineHooks, TransferBackend):
             if refusal is not None:
                 raise GrantRefused(
                     f"{self.name} peer {target.peer_id} ({target.endpoint.host}) did not reserve page "
-                    f"{refusal.first_page} for key {key!r} and this grant ({refusal.count} of {refusal.total} "
-                    "pages refused)", refusal)
+                    f"{refusal.first_page} for key {key!r} and this grant "
+                    f"({refusal.count} of {refusal.total} pages refused)", refusal)
 
     def write(self, peer: PeerId, src_pages: list[int], dst_pages: list[int], *,
               key: str = "", grant: bytes = b"") -> TransferHandle:
@@ -223,7 +224,8 @@ class EngineBackend(EngineHooks, TransferBackend):
             pieces: list[PageRun] | list[ByteRun] = runs
             nbytes = len(src_pages) * pool.layout.page_nbytes
             if cut is not None:
-                pieces = slice_regions(cut, list(src_pages), list(dst_pages), pool.layout, target.endpoint.layout)
+                pieces = slice_regions(cut, list(src_pages), list(dst_pages), pool.layout,
+                                       target.endpoint.layout)
                 nbytes = sum(region.nbytes for region in pieces)
             record = Transfer(pieces, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
             record.handle = TransferHandle(next(self._ids), target.peer_id, key, len(src_pages), len(pieces),
@@ -238,7 +240,8 @@ class EngineBackend(EngineHooks, TransferBackend):
             try:
                 record.engine = self._engine_write(target, record)
             except Exception as exc:  # an engine refusing a request is a failed transfer, not a crash
-                error = exc if isinstance(exc, TransferError) else PeerUnreachable(f"{self.name} write failed: {exc}")
+                error = (exc if isinstance(exc, TransferError)
+                         else PeerUnreachable(f"{self.name} write failed: {exc}"))
                 if isinstance(error, PeerUnreachable):
                     self._peers.declare_dead(target.peer_id, error)
                 self._finish(record, TransferState.FAILED, error)
@@ -248,7 +251,8 @@ class EngineBackend(EngineHooks, TransferBackend):
         if not parts:  # an MLA rank that is no peer rank's writer: nothing to move, done
             group.state = TransferState.DONE
         group.handle = TransferHandle(next(self._ids), peer, key, len(src_pages),
-                                      sum(p.handle.num_runs for p in parts), sum(p.handle.nbytes for p in parts), group)
+                                      sum(p.handle.num_runs for p in parts),
+                                      sum(p.handle.nbytes for p in parts), group)
         return group.handle
 
     def page_checksums_for(self, peer: PeerId, page_ids: list[int], *, key: str = "") -> list[int]:

@@ -139,7 +139,8 @@ class TransferEndpoint:
             body: object = {"pp_size": pp_size, "ranks": [rank.to_json() for rank in ranks]}
         else:
             body = [rank.to_json() for rank in ranks]
-        return cls(first.backend, layout, first.host, first.num_pages, _RANKS_BLOB + json.dumps(body).encode())
+        return cls(first.backend, layout, first.host, first.num_pages,
+                   _RANKS_BLOB + json.dumps(body).encode())
 
     def ranks(self) -> list[TransferEndpoint]:
         """The endpoints of each rank of the worker behind this endpoint (itself at TP 1), in world
@@ -147,7 +148,8 @@ class TransferEndpoint:
         body = self._ranks_body()
         if body is None:
             return [self]
-        return [TransferEndpoint.from_json(text) for text in (body["ranks"] if isinstance(body, dict) else body)]
+        texts = body["ranks"] if isinstance(body, dict) else body
+        return [TransferEndpoint.from_json(text) for text in texts]
 
     def pp_size(self) -> int:
         """The pipeline stages of the worker behind this endpoint (1 without pipeline parallelism)."""

@@ -153,7 +153,8 @@ class UcxBackend(EngineBackend):
         ep = await self._ucxx.create_endpoint_from_worker_address(
             ucx_address, endpoint_error_handling=self.error_handling)
         mine = bytearray(self._address)
-        await ep.send(bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine))), tag=wire.CTRL_TAG, force_tag=True)
+        hello = bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine)))
+        await ep.send(hello, tag=wire.CTRL_TAG, force_tag=True)
         await ep.send(mine, tag=wire.addr_tag(self.uid), force_tag=True)
         return ep
 

@@ -62,7 +62,8 @@ class WorkerCache:
         etcd from the revision after it."""
         self._reconcile(first, publish=False)
         self._following = True
-        self._task = asyncio.create_task(self._watch_loop(first.header.revision + 1), name="registry-etcd-watch")
+        self._task = asyncio.create_task(self._watch_loop(first.header.revision + 1),
+                                         name="registry-etcd-watch")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -107,7 +108,8 @@ class WorkerCache:
                         log.info("etcd watch on %s back from revision %d", self.client.address, revision)
                         self._set_following(True)
                     if response.compact_revision or response.canceled:
-                        log.warning("etcd watch from revision %d ended (%s); reading the workers again", revision,
+                        log.warning("etcd watch from revision %d ended (%s); reading the workers again",
+                                    revision,
                                     response.cancel_reason or f"compacted to {response.compact_revision}")
                         resync = True
                         break
@@ -143,7 +145,8 @@ class WorkerCache:
         return response.header.revision + 1
 
     def _reconcile(self, response: rpc_pb2.RangeResponse, *, publish: bool) -> None:
-        fresh = {kv.key: (kv.create_revision, stored.worker) for kv, stored in self.records.live(response.kvs)}
+        fresh = {kv.key: (kv.create_revision, stored.worker)
+                 for kv, stored in self.records.live(response.kvs)}
         old, self._workers = self._workers, fresh
         if not publish:
             return
@@ -162,7 +165,8 @@ class WorkerCache:
             gone = self._workers.pop(key, None)
             if gone is not None:  # deleted with no left_reason first: its lease ran out
                 self._stats.lease_expiries += 1
-                log.info("worker %s left: %s (grpc=%s)", gone[1].worker_id, REASON_EXPIRED, gone[1].grpc_address)
+                log.info("worker %s left: %s (grpc=%s)", gone[1].worker_id, REASON_EXPIRED,
+                         gone[1].grpc_address)
                 self._publish(LEFT, gone[1], REASON_EXPIRED)
             return
         stored = self.records.decode(event.kv)

@@ -39,9 +39,11 @@ class RecordReader:
         self.prefix = prefix
         self._warned: set[tuple[bytes, int]] = set()
 
-    def live(self, kvs: Iterable[rpc_pb2.KeyValue]) -> list[tuple[rpc_pb2.KeyValue, registry_store_pb2.StoredWorker]]:
+    def live(self, kvs: Iterable[rpc_pb2.KeyValue]
+             ) -> list[tuple[rpc_pb2.KeyValue, registry_store_pb2.StoredWorker]]:
         """The readable records of workers that have not left, with their key-values."""
-        return [(kv, stored) for kv in kvs if (stored := self.decode(kv)) is not None and not stored.left_reason]
+        return [(kv, stored) for kv in kvs
+                if (stored := self.decode(kv)) is not None and not stored.left_reason]
 
     def decode(self, kv: rpc_pb2.KeyValue) -> registry_store_pb2.StoredWorker | None:
         """The record under `kv`, or None (with one warning per key and revision) if it is not one

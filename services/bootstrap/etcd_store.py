@@ -197,7 +197,8 @@ class EtcdStore:
         raise StoreUnavailable(f"registration of {info.grpc_address} kept racing other registrations "
                                f"({_TXN_ATTEMPTS} tries): try again")
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None) -> bootstrap_pb2.Lease:
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
+                        ) -> bootstrap_pb2.Lease:
         kv, record = await self._lookup(lease_id)
         try:
             ttl = await self.client.keep_alive(kv.lease)

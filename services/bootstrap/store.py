@@ -83,7 +83,8 @@ class MemoryStore:
     async def register(self, worker: bootstrap_pb2.WorkerInfo) -> tuple[str, bootstrap_pb2.Lease]:
         return self.registry.register(worker)
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None) -> bootstrap_pb2.Lease:
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
+                        ) -> bootstrap_pb2.Lease:
         return self.registry.heartbeat(lease_id, load)
 
     async def deregister(self, lease_id: str) -> str:

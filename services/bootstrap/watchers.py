@@ -143,7 +143,8 @@ class Watchers:
             watcher.close()
         return watcher
 
-    def publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+    def publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo,
+                reason: str = "") -> None:
         event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
         for watcher in list(self._open):
             if watcher.matches(info) and not watcher._push(event):

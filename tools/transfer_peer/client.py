@@ -35,7 +35,8 @@ class PeerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "tools.transfer_peer.worker"], cwd=REPO_ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1)
-        self.stdin, self.stdout, self.stderr = _pipe(self.proc.stdin), _pipe(self.proc.stdout), _pipe(self.proc.stderr)
+        self.stdin, self.stdout = _pipe(self.proc.stdin), _pipe(self.proc.stdout)
+        self.stderr = _pipe(self.proc.stderr)
         self.replies: queue.Queue[dict] = queue.Queue()
         self.stderr_tail: list[str] = []
         threading.Thread(target=self._read_stdout, daemon=True).start()

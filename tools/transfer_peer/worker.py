@@ -2,11 +2,12 @@
 
 Engines live in their own processes because a transfer needs two, and because NIXL and UCX
 crash at interpreter exit (so never inside pytest). Run: python -m tools.transfer_peer.worker
-(tools.transfer_peer.client.PeerProcess does it for you). Commands arrive on stdin, one JSON object a line:
-{"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Grants travel as hex. Each reply is one line
-on stdout starting with REPLY_PREFIX; engines print their own warnings on stdout too, and the
-driver skips every line without the prefix. An engine error in a command is a reply with
-"error" and "error_type", never a crash. The process ends with close() + exit_process.
+(tools.transfer_peer.client.PeerProcess does it for you). Commands arrive on stdin, one JSON
+object a line: {"op": "init", ...}, {"op": "connect", ...}, ... (see the handlers below). Grants
+travel as hex. Each reply is one line on stdout starting with REPLY_PREFIX; engines print their
+own warnings on stdout too, and the driver skips every line without the prefix. An engine error
+in a command is a reply with "error" and "error_type", never a crash. The process ends with
+close() + exit_process.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class PeerWorker:
         nbytes = pool.layout.page_nbytes
         flat = pool.as_bytes()
         pages = list(range(pool.num_pages)) if pages is None else pages
-        return {"hashes": {str(p): hashlib.sha256(flat[p * nbytes:(p + 1) * nbytes].numpy().tobytes()).hexdigest()
-                           for p in pages}}
+        return {"hashes": {str(p): hashlib.sha256(flat[p * nbytes:(p + 1) * nbytes].numpy().tobytes())
+                           .hexdigest() for p in pages}}
 
     def op_sent_checksums(self, peer: PeerId, pages: list[int]) -> dict:
         """The checksums a sender sends with a write of `pages` to `peer` (page_checksums_for)."""
