@@ -34,8 +34,8 @@ receives itself: data for an unknown or released key lands in scratch memory, ne
 
 Tensor parallelism: a worker of TP size N splits its KV heads over N rank processes (an MLA
 model's ranks each hold the whole latent instead), and its endpoint lists its ranks' endpoints
-(TransferEndpoint.of_ranks). Any backend connects to an
-endpoint of any TP size; libkv.transfer.base says how one rank writes to a peer's ranks, and
+(TransferEndpoint.of_ranks). Any backend connects to an endpoint of any TP size;
+libkv.transfer.peers says how one rank writes to a peer's ranks, and
 libkv.transfer.tensor_parallel is the backend of a worker with several ranks.
 
 Thread safety: write, poll, wait, wait_blocking and abort may be called from any thread (the

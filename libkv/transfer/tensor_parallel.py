@@ -2,12 +2,12 @@
 
 A TP worker's KV pool is split by KV head over its ranks' processes (MLA: each rank holds the whole
 latent), and each rank registers its own pool with its own transfer engine: an EngineBackend that
-knows its rank (libkv.transfer.base), connects to a peer of any TP size and writes its own heads
-(MLA: whole pages, to the peer ranks it is the writer of) straight into the peer's ranks' pages.
-Nothing is gathered through one process. This backend only fans each call out over the LOCAL
-ranks: rank 0's backend in this process, the followers' over the RankChannel each one answers
-on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker uses its engine's
-backend alone: that one pairs with TP-N peers by itself.
+knows its rank (libkv.transfer.base), connects to a peer of any TP size (libkv.transfer.peers) and
+writes its own heads (MLA: whole pages, to the peer ranks it is the writer of) straight into the
+peer's ranks' pages. Nothing is gathered through one process. This backend only fans each call out
+over the LOCAL ranks: rank 0's backend in this process, the followers' over the RankChannel each
+one answers on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker uses
+its engine's backend alone: that one pairs with TP-N peers by itself.
 
 Endpoint: the whole model's KV layout, with every rank's endpoint in the blob
 (TransferEndpoint.of_ranks). Checksums: rank 0's pool is a libkv.landing.TPKVPool, whose page
