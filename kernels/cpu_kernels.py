@@ -4,8 +4,8 @@ Each function has a torch counterpart it is tested against: `paged_decode_attent
 kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch SDPA over the
 gathered pages (engine.models.attention's torch extend path), `mla_attention` against
 engine.models.mla.MLAAttention.attend_torch, the layer ops against the torch op chains of
-engine.models.layer_ops.TorchLayerOps, `bf16_gemm` against the exact (fp64) product. Call `available()` first: without the built library
-`torch.ops.pdserve_cpu` has none of these ops.
+engine.models.layer_ops.TorchLayerOps, `bf16_gemm` against the exact (fp64) product. Call
+`available()` first: without the built library `torch.ops.pdserve_cpu` has none of these ops.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def extend_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_ids
     return torch.ops.pdserve_cpu.extend_attention(q, buffer, layer, _int32(page_ids), prefix_len, scale)
 
 
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor, layer: int, k_up: torch.Tensor,
-                  v_up_t: torch.Tensor, scale: float, decode_page_table: torch.Tensor | None,
-                  decode_seq_lens: torch.Tensor | None, span_page_ids: list[torch.Tensor], span_starts: list[int],
-                  span_lengths: list[int], span_prefix_lens: list[int]) -> torch.Tensor:
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor, layer: int,
+                  k_up: torch.Tensor, v_up_t: torch.Tensor, scale: float,
+                  decode_page_table: torch.Tensor | None, decode_seq_lens: torch.Tensor | None,
+                  span_page_ids: list[torch.Tensor], span_starts: list[int], span_lengths: list[int],
+                  span_prefix_lens: list[int]) -> torch.Tensor:
     """Absorbed multi-head latent attention (engine.models.mla) of a batch's rows, read straight from the
     MLA pool's [latent | k_pe] rows: q_nope [T, H, nope] and rotated q_pe [T, H, rope] in the pool's
     dtype, k_up [H, nope, kv_lora_rank] and v_up_t [H, kv_lora_rank, v_head_dim] in fp32 -> [T, H,
@@ -120,7 +121,8 @@ def pack_bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, BF16_GEMM_GROUP, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+              out_features: int) -> torch.Tensor:
     """y = x @ W.T + bias for a contiguous 2-d bf16 x and W packed by pack_bf16_gemm_weight: fp32 sums
     in a fixed order per output (a row's result never depends on the other rows), one bf16 rounding."""
     return torch.ops.pdserve_cpu.bf16_gemm(x, packed, bias, out_features)

@@ -95,7 +95,8 @@ def paged_decode_attention_triton(q: torch.Tensor, buffer: torch.Tensor, layer: 
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, buffer, page_table, seq_lens, out, float(scale), layer * buffer.stride(1),
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
-        page_table.stride(0), page_table.stride(1), buffer.stride(0), buffer.stride(2), buffer.stride(3), buffer.stride(4),
+        page_table.stride(0), page_table.stride(1),
+        buffer.stride(0), buffer.stride(2), buffer.stride(3), buffer.stride(4),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),

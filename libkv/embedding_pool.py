@@ -94,7 +94,8 @@ class EmbeddingPages:
             raise ValueError(f"allocate needs a positive page count, got {count}")
         with self._lock:
             if count > len(self._free):
-                raise PagesExhausted(f"{count} embedding pages wanted, {len(self._free)} of {self.num_pages} free")
+                raise PagesExhausted(f"{count} embedding pages wanted, "
+                                     f"{len(self._free)} of {self.num_pages} free")
             self._free.sort()
             pages, self._free = self._free[:count], self._free[count:]
             return pages

@@ -42,9 +42,10 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
             raise ValueError("KVLayout.kv_lora_rank and qk_rope_head_dim must not be negative")
-        if self.is_mla and (self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
+        latent_width = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.is_mla and (self.num_kv_heads != 1 or self.head_dim != latent_width):
             raise ValueError(f"an MLA KV layout has one head of kv_lora_rank + qk_rope_head_dim = "
-                             f"{self.kv_lora_rank + self.qk_rope_head_dim} values, got {self.num_kv_heads} "
+                             f"{latent_width} values, got {self.num_kv_heads} "
                              f"heads of {self.head_dim}")
         if not self.is_mla and self.qk_rope_head_dim:
             raise ValueError("KVLayout.qk_rope_head_dim is set but kv_lora_rank is 0 (not an MLA layout)")

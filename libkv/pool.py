@@ -71,14 +71,16 @@ class KVPool:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         if self.layout.is_mla:
-            raise ValueError("an MLA KV pool holds one latent row per token and no V: read latent_cache(layer)")
+            raise ValueError("an MLA KV pool holds one latent row per token and no V: "
+                             "read latent_cache(layer)")
         return self.buffer[:, layer, 1]
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         """An MLA layer's rows, [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]: the
         latent in the first kv_lora_rank values, the rope key after it."""
         if not self.layout.is_mla:
-            raise ValueError("latent_cache is an MLA pool's; this pool holds K and V per head (k_cache, v_cache)")
+            raise ValueError("latent_cache is an MLA pool's; this pool holds K and V per head "
+                             "(k_cache, v_cache)")
         return self.buffer[:, layer, 0]
 
     @property
@@ -108,15 +110,16 @@ class KVPool:
         """
         heads = self.layout.num_kv_heads
         if self.layout.is_mla and parts != 1:
-            raise ValueError(f"an MLA latent page has no KV heads to split into {parts} parts: checksum whole pages")
+            raise ValueError(f"an MLA latent page has no KV heads to split into {parts} parts: "
+                             "checksum whole pages")
         if parts < 1 or heads % parts:
             raise ValueError(f"cannot split {heads} KV heads into {parts} parts")
         width = heads // parts
         pages = self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
         result = []
         for page in pages:
-            part_bytes = [page[..., k * width:(k + 1) * width, :].contiguous().view(-1).view(torch.uint8).cpu()
-                          for k in range(parts)]
+            part_bytes = [page[..., k * width:(k + 1) * width, :].contiguous().view(-1)
+                          .view(torch.uint8).cpu() for k in range(parts)]
             result.append([xxhash.xxh3_64_intdigest(memoryview(b.numpy())) for b in part_bytes])
         return result
 
@@ -134,12 +137,12 @@ class KVPool:
             if not 0 <= page < self.num_pages:
                 raise IndexError(f"page {page} outside pool of {self.num_pages} pages")
         if self.device.type == "cpu":
-            pool_bytes = memoryview(self.as_bytes().numpy())
+            pool_bytes = self.as_bytes().numpy().data
             return [xxhash.xxh3_64_intdigest(pool_bytes[p * page_nbytes:(p + 1) * page_nbytes])
                     for p in page_ids]
         # Device memory: gather the pages and hash them on the host (one copy).
-        pages = memoryview(self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
-                           .contiguous().view(-1).view(torch.uint8).cpu().numpy())
+        pages = (self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.device)]
+                 .contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
         return [xxhash.xxh3_64_intdigest(pages[i * page_nbytes:(i + 1) * page_nbytes])
                 for i in range(len(page_ids))]
 

@@ -4,14 +4,14 @@
 // tokens' K/V were stored there before this runs), attended causally.
 //
 // Flash style. First every KV head's keys and values are copied once from the pages into blocks of
-// kKeyBlock tokens in the layout the matmul microkernels read (bf16: pairs of elements in 32-bit
-// lanes, as _mm512_dpbf16_ps takes them), so the page walk and the transposition cost O(S D), not
-// O(L S D). Then a work item is (KV head, block of kQueryBlock query positions): its rows are those
-// positions times the `group` query heads sharing the KV head (GQA: each K/V block is used by all of
-// them), and it walks the KV blocks up to the diagonal (blocks entirely above it are skipped):
-// scores in fp32 (bf16 products summed in fp32 by dpbf16), an online softmax in fp32 per row
-// (running max, running sum), then P (rounded to bf16 as torch's flash attention does) times V
-// accumulated in fp32.
+// kKeyBlock tokens in the layout the matmul microkernels (extend_attention_tiles.h) read (bf16:
+// pairs of elements in 32-bit lanes, as _mm512_dpbf16_ps takes them), so the page walk and the
+// transposition cost O(S D), not O(L S D). Then a work item is (KV head, block of kQueryBlock query
+// positions): its rows are those positions times the `group` query heads sharing the KV head (GQA:
+// each K/V block is used by all of them), and it walks the KV blocks up to the diagonal (blocks
+// entirely above it are skipped): scores in fp32 (bf16 products summed in fp32 by dpbf16), an
+// online softmax in fp32 per row (running max, running sum), then P (rounded to bf16 as torch's
+// flash attention does) times V accumulated in fp32.
 //
 // Why a microkernel rather than at::native::cpublas::gemm: torch's own CPU flash attention calls
 // that per block and reaches 80-90 GFLOP/s per thread on this Zen 5 (no AMX, so no brgemm for
@@ -28,18 +28,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "extend_attention_tiles.h"
 #include "numerics.h"
 #include "pool_checks.h"
 
 namespace pdserve {
 namespace {
 
-// Keys per KV block: a row's scores for one block are four vectors, kept in registers.
-constexpr int64_t kKeyBlock = 64;
 // Query positions per work item: 32 positions x 3 heads = 96 rows, whose scores (24 KB) and
 // accumulators (24 KB) stay in L2 across the KV blocks, with enough items for every thread.
 constexpr int64_t kQueryBlock = 32;
-constexpr int kKeyVectors = kKeyBlock / kLanes;
 // The packed K/V copy a thread keeps between calls, at most (16 MB: K and V of 8 KV heads of
 // 128 dims over 4096 tokens in bf16).
 constexpr size_t kKeptPackedBytes = size_t{16} << 20;
@@ -132,72 +130,7 @@ void pack_block(const Pool& pool, const T* data, const int32_t* pages, int64_t h
   }
 }
 
-// ---- microkernels: R rows at a time ----
-// scores[r][0..kKeyBlock) = q[r] . K block (unscaled).
-template <int R>
-void scores_tile(const float* q, int64_t D, const float* k, float* scores) {
-  Vec16 acc[R][kKeyVectors];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = Vec16::zero();
-  for (int64_t d = 0; d < D; ++d) {
-    Vec16 keys[kKeyVectors];
-    for (int c = 0; c < kKeyVectors; ++c) keys[c] = Vec16::load(k + d * kKeyBlock + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec16 x = Vec16::fill(q[r * D + d]);
-      for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = acc[r][c].fma(x, keys[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) acc[r][c].store(scores + r * kKeyBlock + c * kLanes);
-}
-
-// out[r][0..D) += p[r] . V block, D = NV * 16.
-template <int R, int NV>
-void values_tile(const float* p, const float* v, float* out) {
-  constexpr int64_t D = NV * kLanes;
-  Vec16 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = Vec16::load(out + r * D + c * kLanes);
-  for (int64_t t = 0; t < kKeyBlock; ++t) {
-    Vec16 values[NV];
-    for (int c = 0; c < NV; ++c) values[c] = Vec16::load(v + t * D + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec16 x = Vec16::fill(p[r * kKeyBlock + t]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = acc[r][c].fma(x, values[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c].store(out + r * D + c * kLanes);
-}
-
 #if defined(__AVX512BF16__)
-inline __m512bh as_bf16_pairs(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-inline __m512bh broadcast_pair(const uint16_t* pair) {
-  int32_t bits;
-  std::memcpy(&bits, pair, sizeof(bits));
-  return as_bf16_pairs(_mm512_set1_epi32(bits));
-}
-
-template <int R>
-void scores_tile(const uint16_t* q, int64_t D, const uint16_t* k, float* scores) {
-  __m512 acc[R][kKeyVectors];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t pair = 0; pair < D / 2; ++pair) {
-    __m512bh keys[kKeyVectors];
-    for (int c = 0; c < kKeyVectors; ++c) {
-      keys[c] = as_bf16_pairs(_mm512_loadu_si512(k + (pair * kKeyBlock + c * kLanes) * 2));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = broadcast_pair(q + r * D + 2 * pair);
-      for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, keys[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) _mm512_storeu_ps(scores + r * kKeyBlock + c * kLanes, acc[r][c]);
-}
-
 // 2^t for t <= 0 (or -inf) on the bf16 path: the degree-5 polynomial of torch's exp_u20 (what
 // its CPU flash attention uses; about 20 ulp), rewritten for 2^f (coefficients times ln2^k) so the
 // caller folds the softmax scale, the max and log2(e) into one fmsub, with 2^n applied by scalef:
@@ -214,50 +147,7 @@ inline __m512 exp2_nonpositive(__m512 t) {
   p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(live, p, n);  // NaN lanes of t = -inf are masked to 0
 }
-
-template <int R, int NV>
-void values_tile(const uint16_t* p, const uint16_t* v, float* out) {
-  constexpr int64_t D = NV * kLanes;
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(out + r * D + c * kLanes);
-  for (int64_t pair = 0; pair < kKeyBlock / 2; ++pair) {
-    __m512bh values[NV];
-    for (int c = 0; c < NV; ++c) {
-      values[c] = as_bf16_pairs(_mm512_loadu_si512(v + (pair * D + c * kLanes) * 2));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = broadcast_pair(p + r * kKeyBlock + 2 * pair);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, values[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * D + c * kLanes, acc[r][c]);
-}
 #endif
-
-// Rows per tile: R x (vectors per row) accumulators plus the loaded operands fit 32 registers.
-constexpr int kScoreRows = 6;
-template <int NV>
-constexpr int value_rows() { return NV <= 4 ? 6 : (NV <= 8 ? 3 : 1); }
-
-template <int R, typename P>
-void scores_rows(const P* q, int64_t D, const P* k, float* scores, int64_t rows) {
-  if constexpr (R > 0) {
-    int64_t r = 0;
-    for (; r + R <= rows; r += R) scores_tile<R>(q + r * D, D, k, scores + r * kKeyBlock);
-    if (r < rows) scores_rows<R - 1>(q + r * D, D, k, scores + r * kKeyBlock, rows - r);
-  }
-}
-
-template <int R, int NV, typename P>
-void values_rows(const P* p, const P* v, float* out, int64_t rows) {
-  if constexpr (R > 0) {
-    int64_t r = 0;
-    for (; r + R <= rows; r += R) values_tile<R, NV>(p + r * kKeyBlock, v, out + r * NV * kLanes);
-    if (r < rows) values_rows<R - 1, NV>(p + r * kKeyBlock, v, out + r * NV * kLanes, rows - r);
-  }
-}
 
 // ---- one work item: a KV head and a block of query positions ----
 template <typename T, int NV>

@@ -144,5 +144,6 @@ def create_client(backend: str, master: str, **options) -> StoreClient:
         raise ValueError(f"--hicache-storage-backend must be mooncake, got {backend!r}")
     if not master:
         raise ValueError("--hicache-storage-backend mooncake needs the master's address: "
-                         "--hicache-mooncake-master HOST:PORT (or PDSERVE_HICACHE_MOONCAKE_MASTER, MOONCAKE_MASTER)")
+                         "--hicache-mooncake-master HOST:PORT "
+                         "(or PDSERVE_HICACHE_MOONCAKE_MASTER, MOONCAKE_MASTER)")
     return MooncakeStoreClient(master, **options)

@@ -142,7 +142,8 @@ class StoreTier:
             return len(self._repair)
 
     # ---- engine thread --------------------------------------------------------------------------
-    def offer(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int], first: int) -> None:
+    def offer(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: Sequence[int],
+              first: int) -> None:
         """Queue pages `first`..len(hashes) of a sequence (full, computed, just cached) for writing."""
         if not self._up:
             return
@@ -240,14 +241,14 @@ class StoreTier:
     def _write_batch(self, batch: list[_Write]) -> None:
         pages = [w.page for w in batch]
         try:
-            data = self.pool.buffer[torch.tensor(pages, dtype=torch.long, device=self.pool.device)]
-            data = data.view(len(pages), -1).view(torch.uint8).cpu().numpy()
+            gathered = self.pool.buffer[torch.tensor(pages, dtype=torch.long, device=self.pool.device)]
+            data = gathered.view(len(pages), -1).view(torch.uint8).cpu().numpy()
         finally:
             self._release(pages)
         if not self._up or self._stopping.is_set():
             self.stats.dropped_pages += len(batch)
             return
-        values = [entry.encode(w.page_hash, w.tokens_digest, memoryview(data[i])) for i, w in enumerate(batch)]
+        values = [entry.encode(w.page_hash, w.tokens_digest, data[i].data) for i, w in enumerate(batch)]
         keys = [self.identity.key(w.page_hash) for w in batch]
         with self._written_lock:
             repair = [i for i, w in enumerate(batch) if w.page_hash in self._repair]

@@ -24,14 +24,21 @@ from libkv.transfer.grants import grant_tag
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 from libkv.transfer.process_exit import exit_process
 
-# name -> (module, class). Real engines first; `fake` moves nothing.
+# name -> (module, class). Real engines first; `fake` moves nothing. The one list of backend
+# names: the flags that pick a backend take their choices from the tuples below.
 BACKENDS: dict[str, tuple[str, str]] = {
     "mooncake": ("libkv.transfer.mooncake", "MooncakeBackend"),
     "nixl": ("libkv.transfer.nixl", "NixlBackend"),
     "ucx": ("libkv.transfer.ucx", "UcxBackend"),
     "fake": ("libkv.transfer.fake", "FakeBackend"),
 }
-REAL_BACKENDS = ("mooncake", "nixl", "ucx")
+BACKEND_NAMES = tuple(BACKENDS)  # every backend a worker may run (--disaggregation-transfer-backend)
+REAL_BACKENDS = tuple(name for name in BACKENDS if name != "fake")  # the engines that move bytes
+# The real engines whose writes land without the receiver taking part (`one_sided` on the class):
+# the receiver learns that bytes arrived only from the control plane and the landing checksums.
+# EPD's encoders write image embeddings over these only (--encoder-transfer-backend): the worker
+# poisons its pages and waits until they hash to the encoder's checksums (services/worker/encoders.py).
+ONE_SIDED_BACKENDS = ("mooncake", "nixl")
 
 
 def backend_class(name: str) -> type[EngineBackend]:
@@ -49,7 +56,8 @@ def create_backend(name: str, **options) -> EngineBackend:
 
 
 __all__ = [
-    "BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineBackend", "EngineUnavailable", "GrantRefused", "PeerId",
-    "PeerUnreachable", "TransferAborted", "TransferBackend", "TransferEndpoint", "TransferError", "TransferHandle",
-    "TransferState", "TransferTimeout", "backend_class", "create_backend", "exit_process", "grant_tag",
+    "BACKENDS", "BACKEND_NAMES", "ONE_SIDED_BACKENDS", "REAL_BACKENDS", "BackendMismatch", "EngineBackend",
+    "EngineUnavailable", "GrantRefused", "PeerId", "PeerUnreachable", "TransferAborted", "TransferBackend",
+    "TransferEndpoint", "TransferError", "TransferHandle", "TransferState", "TransferTimeout",
+    "backend_class", "create_backend", "exit_process", "grant_tag",
 ]

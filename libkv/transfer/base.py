@@ -4,24 +4,8 @@ It owns validation, page-run coalescing, the table of unfinished transfers, time
 the receiver's grant table and expectations, and the thread safety of all of it; an engine only
 implements the hooks of libkv.transfer.hooks. A write passes write() and one engine hook.
 
-Peers of any tensor-parallel size. A backend is registered on one pool: the worker's, or one
-rank's of a TP worker (`tp_rank` of `tp_size`, given by libkv.transfer.tensor_parallel; under
-pipeline parallelism the world rank of tp * pp ranks, and only a peer of the same tp and pp is
-accepted: rank r writes whole pages, its stage's layers, to rank r). connect()
-reads the peer's rank endpoints (TransferEndpoint.ranks):
-  same TP size   one engine connection, to the peer's rank of the same index: whole pages, every
-                 run of consecutive pages one engine write;
-  another size   one engine connection per peer rank this rank shares KV heads with
-                 (libkv.transfer.head_map), grouped under one PeerId (a `Route`); a write is then
-                 one engine write of byte regions (those heads' pieces of each page) per
-                 connection. Only engines that write byte regions (`writes_regions`) can; the
-                 others are refused in connect(), naming both --tp-size values.
-  MLA, another   every rank holds the whole latent page: one engine connection per peer rank
-  size           this rank is the one writer of (head_map.latent_receivers), whole pages as for
-                 the same size, any engine; a rank that writes to no peer rank has no connection
-                 and its writes are done at once, with nothing moved.
-So a TP-1 worker pairs with a TP-N worker in both directions, and a TP-N worker only fans its
-calls out over its own ranks.
+Its peers (engine connections, and peers of another tensor-parallel size: which connections a
+write to them fans out to) are libkv.transfer.peers'.
 """
 
 from __future__ import annotations
@@ -30,11 +14,10 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from libkv.landing import sent_checksums
-from libkv.layout import KVLayout, LayoutMismatch
+from libkv.layout import KVLayout
 from libkv.pool import ByteRun, KVPool, PageRun, coalesce
 from libkv.transfer.errors import (
     BackendMismatch,
@@ -45,30 +28,20 @@ from libkv.transfer.errors import (
     TransferTimeout,
 )
 from libkv.transfer.grants import GrantTable, check_grant, grant_tag
-from libkv.transfer.head_map import HeadSlice, latent_receivers, sender_slices, slice_regions, whole_model
+from libkv.transfer.head_map import HeadSlice, slice_regions
 from libkv.transfer.hooks import EngineHooks, Peer, Transfer
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
+from libkv.transfer.peers import PeerTable, check_stages, links_to_other_size
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Route:
-    """A peer of another TP size: the engine connections a write to it fans out to, one per
-    remote rank that shares KV heads with this rank, with the heads each one carries (None: whole
-    MLA latent pages, to the remote ranks this rank writes; none at all for a rank that writes none)."""
-
-    endpoint: TransferEndpoint
-    tp_size: int
-    links: list[tuple[HeadSlice | None, PeerId]]
 
 
 class EngineBackend(EngineHooks, TransferBackend):
     """A TransferBackend over one transfer engine; subclasses implement the `_engine_*` hooks."""
 
-    name: ClassVar[str]
-    one_sided: ClassVar[bool] = True
-    moves_bytes: ClassVar[bool] = True  # False only for `fake`: there is nothing to checksum
+    name: str
+    one_sided: bool = True
+    moves_bytes: bool = True  # False only for `fake`: there is nothing to checksum
     # Engines that write any list of byte regions (one-sided RMA), so can write pieces of pages
     # to a peer that splits the KV heads another way; UCX's protocol moves whole pages.
     writes_regions: ClassVar[bool] = False
@@ -85,12 +58,9 @@ class EngineBackend(EngineHooks, TransferBackend):
         self.pp_size = 1
         self._lock = threading.RLock()
         self._transfers: dict[int, Transfer] = {}  # unfinished writes, for close() / disconnect()
-        self._peers: dict[PeerId, Peer] = {}
-        self._by_endpoint: dict[TransferEndpoint, PeerId] = {}
-        self._routes: dict[PeerId, Route] = {}
-        self._route_by_endpoint: dict[TransferEndpoint, PeerId] = {}
+        self._ids = itertools.count(1)  # transfer ids, peer ids and engine request ids
+        self._peers = PeerTable(self.name, self._lock, self._ids)
         self.grants: GrantTable | None = None  # set by register(); see libkv.transfer.grants
-        self._ids = itertools.count(1)
         self._bytes_written = 0
         self._closed = False
 
@@ -126,7 +96,7 @@ class EngineBackend(EngineHooks, TransferBackend):
         return TransferEndpoint(self.name, pool.layout, self.host, pool.num_pages, self._engine_blob())
 
     def connect(self, endpoint: TransferEndpoint) -> PeerId:
-        """See TransferBackend.connect; the module doc says what a peer of another TP size gets.
+        """See TransferBackend.connect; libkv.transfer.peers says what a peer of another TP size gets.
 
         A prefill connects once per request: an endpoint already connected returns the same
         peer while it is usable (without this, every request would repeat the engine handshake
@@ -137,98 +107,39 @@ class EngineBackend(EngineHooks, TransferBackend):
             raise BackendMismatch(f"transfer backend mismatch (local vs remote): {self.name} vs "
                                   f"{endpoint.backend}")
         ranks = endpoint.ranks()
-        self._check_stages(endpoint.pp_size(), len(ranks))
+        check_stages(self.pp_size, self.tp_size, endpoint.pp_size(), len(ranks))
         if len(ranks) == self.tp_size:
             return self._connect_rank(ranks[self.tp_rank], pool.layout)
-        if pool.layout.is_mla or ranks[0].layout.is_mla:
-            whole_model(pool.layout, self.tp_size).check_compatible(
-                whole_model(ranks[0].layout, len(ranks)), mine="prefill", theirs="decode")
-            targets = latent_receivers(self.tp_size, len(ranks), self.tp_rank)
-            return self._route(endpoint, len(ranks),
-                               [(None, self._connect_rank(ranks[rank], pool.layout)) for rank in targets])
-        cuts = sender_slices(pool.layout, self.tp_rank, self.tp_size, ranks[0].layout, len(ranks))
-        if not self.writes_regions:
-            raise BackendMismatch(f"{self.name} moves whole pages only: KV between --tp-size {self.tp_size} "
-                                  f"and --tp-size {len(ranks)} needs mooncake or nixl")
-        heads = ranks[0].layout.num_kv_heads  # per rank of theirs
-        links = [(cut, self._connect_rank(ranks[cut.dst_rank], replace(pool.layout, num_kv_heads=heads)))
-                 for cut in cuts]
-        return self._route(endpoint, len(ranks), links)
-
-    def _check_stages(self, their_pp: int, their_ranks: int) -> None:
-        """Refuse a peer split into other pipeline stages, or into another TP size under pipeline
-        parallelism: a rank's pages hold only its stage's layers, so only rank r to rank r of the
-        same (tp, pp) layout lines up (no layer remapping here)."""
-        if their_pp != self.pp_size:
-            raise LayoutMismatch(
-                f"pipeline stages differ: --pp-size {self.pp_size} (prefill) vs --pp-size {their_pp} (decode); "
-                "each rank's KV pages hold its stage's layers, so only workers of equal --pp-size exchange KV")
-        if self.pp_size > 1 and their_ranks != self.tp_size:
-            raise LayoutMismatch(
-                f"--tp-size {self.tp_size // self.pp_size} (prefill) vs --tp-size {their_ranks // their_pp} (decode) "
-                f"at --pp-size {self.pp_size}: pipeline-parallel workers exchange KV only at equal --tp-size")
+        plan = links_to_other_size(self.name, self.writes_regions, pool.layout, self.tp_rank, self.tp_size,
+                                   ranks)
+        links = [(link.cut, self._connect_rank(link.endpoint, link.layout)) for link in plan]
+        return self._peers.route(endpoint, len(ranks), links)
 
     def _connect_rank(self, endpoint: TransferEndpoint, mine: KVLayout) -> PeerId:
         """One engine connection to the pool behind a (one-rank) endpoint whose layout must
         equal `mine`."""
         mine.check_compatible(endpoint.layout, mine="local", theirs=f"remote {endpoint.host}")
-        existing = self._live_peer_for(endpoint)
+        existing, dead = self._peers.live_for(endpoint)
+        for stale in dead:  # forget dead peers on the way
+            self.disconnect(stale.peer_id)
         if existing is not None:
             return existing
-        peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
-        peer = Peer(peer_id, endpoint)
+        peer = Peer(self._peers.new_id(), endpoint)
         # Not under the backend lock: an engine handshake may wait on the engine's own thread,
         # which takes the lock to serve incoming transfers.
         peer.engine = self._engine_connect(endpoint)
-        with self._lock:
-            raced = self._by_endpoint.get(endpoint)
-            if raced is not None and raced in self._peers and not self._peers[raced].dead:
-                winner = raced  # another thread connected the same endpoint meanwhile
-            else:
-                self._peers[peer_id] = peer
-                self._by_endpoint[endpoint] = winner = peer_id
-        if winner != peer_id:
+        winner = self._peers.add(peer)
+        if winner != peer.peer_id:  # another thread connected the same endpoint meanwhile
             self._engine_disconnect(peer)
         return winner
 
-    def _live_peer_for(self, endpoint: TransferEndpoint) -> PeerId | None:
-        """The usable peer already connected to `endpoint`, if any; forgets dead peers on the way."""
-        with self._lock:
-            dead = [p for p in self._peers.values() if p.dead]
-            peer_id = self._by_endpoint.get(endpoint)
-            usable = peer_id is not None and peer_id in self._peers and not self._peers[peer_id].dead
-        for peer in dead:
-            self.disconnect(peer.peer_id)
-        return peer_id if usable else None
-
-    def _route(self, endpoint: TransferEndpoint, tp_size: int,
-               links: list[tuple[HeadSlice | None, PeerId]]) -> PeerId:
-        """The PeerId of a peer of another TP size; a new one when one of its connections was
-        replaced (the old id then names nothing: its dead connection is gone already)."""
-        with self._lock:
-            known = self._route_by_endpoint.get(endpoint)
-            route = self._routes.get(known) if known is not None else None
-            if route is not None and route.links == links:
-                return known
-            self._routes.pop(known, None)
-            peer_id = PeerId(f"{self.name}-peer-{next(self._ids)}")
-            self._routes[peer_id] = Route(endpoint, tp_size, links)
-            self._route_by_endpoint[endpoint] = peer_id
-        return peer_id
-
     def disconnect(self, peer_id: PeerId) -> None:
         """Forget a peer (e.g. its lease expired). Its unfinished transfers are aborted."""
-        with self._lock:
-            route = self._routes.pop(peer_id, None)
-            if route is not None and self._route_by_endpoint.get(route.endpoint) == peer_id:
-                del self._route_by_endpoint[route.endpoint]
+        route = self._peers.remove_route(peer_id)
         for link in [peer_id] if route is None else [link for _, link in route.links]:
             for record in [t for t in list(self._transfers.values()) if t.handle.peer == link]:
                 self.abort(record.handle)
-            with self._lock:
-                peer = self._peers.pop(link, None)
-                if peer is not None and self._by_endpoint.get(peer.endpoint) == link:
-                    del self._by_endpoint[peer.endpoint]
+            peer = self._peers.remove(link)
             if peer is not None:
                 self._engine_disconnect(peer)
 
@@ -240,11 +151,7 @@ class EngineBackend(EngineHooks, TransferBackend):
             self.abort(record.handle)
         with self._lock:
             self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
-            self._by_endpoint.clear()
-            self._routes.clear()
-            self._route_by_endpoint.clear()
+            peers = self._peers.clear()
         for peer in peers:
             try:
                 self._engine_disconnect(peer)
@@ -260,12 +167,14 @@ class EngineBackend(EngineHooks, TransferBackend):
         if bad:
             raise IndexError(f"expect({key!r}): pages {bad[:8]} outside pool of {pool.num_pages} pages")
         tag = grant_tag(key, grant)
+        grants = self._require_grants()
         with self._lock:  # the two-sided receiver checks incoming writes against the table under it
-            self._engine_expect(key, self.grants.expect(key, dst_pages, tag))
+            self._engine_expect(key, grants.expect(key, dst_pages, tag))
 
     def release_expectation(self, key: str) -> None:
+        grants = self._require_grants()
         with self._lock:
-            pages = self.grants.release(key)
+            pages = grants.release(key)
         if pages is not None:
             self._engine_release(key, pages)
 
@@ -289,13 +198,13 @@ class EngineBackend(EngineHooks, TransferBackend):
             try:
                 refusal = self._engine_verify_grant(target, list(dst_pages), key, grant, tag)
             except PeerUnreachable as exc:
-                self._declare_dead(target.peer_id, exc)
+                self._peers.declare_dead(target.peer_id, exc)
                 raise
             if refusal is not None:
                 raise GrantRefused(
                     f"{self.name} peer {target.peer_id} ({target.endpoint.host}) did not reserve page "
-                    f"{refusal.first_page} for key {key!r} and this grant ({refusal.count} of {refusal.total} "
-                    "pages refused)", refusal)
+                    f"{refusal.first_page} for key {key!r} and this grant "
+                    f"({refusal.count} of {refusal.total} pages refused)", refusal)
 
     def write(self, peer: PeerId, src_pages: list[int], dst_pages: list[int], *,
               key: str = "", grant: bytes = b"") -> TransferHandle:
@@ -315,9 +224,10 @@ class EngineBackend(EngineHooks, TransferBackend):
             pieces: list[PageRun] | list[ByteRun] = runs
             nbytes = len(src_pages) * pool.layout.page_nbytes
             if cut is not None:
-                pieces = slice_regions(cut, list(src_pages), list(dst_pages), pool.layout, target.endpoint.layout)
+                pieces = slice_regions(cut, list(src_pages), list(dst_pages), pool.layout,
+                                       target.endpoint.layout)
                 nbytes = sum(region.nbytes for region in pieces)
-            record = Transfer(None, pieces, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
+            record = Transfer(pieces, time.monotonic() + self.timeout_s, owner=id(self), grant=grant)
             record.handle = TransferHandle(next(self._ids), target.peer_id, key, len(src_pages), len(pieces),
                                            nbytes, record)
             parts.append(record)
@@ -330,22 +240,23 @@ class EngineBackend(EngineHooks, TransferBackend):
             try:
                 record.engine = self._engine_write(target, record)
             except Exception as exc:  # an engine refusing a request is a failed transfer, not a crash
-                error = exc if isinstance(exc, TransferError) else PeerUnreachable(f"{self.name} write failed: {exc}")
+                error = (exc if isinstance(exc, TransferError)
+                         else PeerUnreachable(f"{self.name} write failed: {exc}"))
                 if isinstance(error, PeerUnreachable):
-                    self._declare_dead(target.peer_id, error)
+                    self._peers.declare_dead(target.peer_id, error)
                 self._finish(record, TransferState.FAILED, error)
         if len(parts) == 1:
             return parts[0].handle
-        group = Transfer(None, [], 0.0, owner=id(self), parts=parts)
+        group = Transfer([], 0.0, owner=id(self), parts=parts)
         if not parts:  # an MLA rank that is no peer rank's writer: nothing to move, done
             group.state = TransferState.DONE
         group.handle = TransferHandle(next(self._ids), peer, key, len(src_pages),
-                                      sum(p.handle.num_runs for p in parts), sum(p.handle.nbytes for p in parts), group)
+                                      sum(p.handle.num_runs for p in parts),
+                                      sum(p.handle.nbytes for p in parts), group)
         return group.handle
 
     def page_checksums_for(self, peer: PeerId, page_ids: list[int], *, key: str = "") -> list[int]:
-        with self._lock:
-            route = self._routes.get(peer)
+        route = self._peers.route_of(peer)
         return sent_checksums(self._require_pool(), page_ids, route.tp_size if route else self.tp_size)
 
     def poll(self, handle: TransferHandle) -> TransferState:
@@ -422,7 +333,7 @@ class EngineBackend(EngineHooks, TransferBackend):
 
     def _fail_locked(self, record: Transfer, error: TransferError, *, timed_out: bool = False) -> None:
         """Fail a transfer whose lock is held: cancel what is still in flight, and on a timeout or
-        an unreachable peer declare the peer dead (see _declare_dead)."""
+        an unreachable peer declare the peer dead (see PeerTable.declare_dead)."""
         # A timed-out peer is presumed dead: give in-flight operations a short grace, not another
         # full timeout.
         grace = 1.0 if timed_out else min(self.timeout_s, 5.0)
@@ -431,54 +342,28 @@ class EngineBackend(EngineHooks, TransferBackend):
         except Exception:
             log.exception("%s: cancelling failed transfer %d", self.name, record.handle.transfer_id)
         if timed_out or isinstance(error, PeerUnreachable):
-            self._declare_dead(record.handle.peer, error)
+            self._peers.declare_dead(record.handle.peer, error)
         self._finish(record, TransferState.FAILED, error)
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _require_pool(self) -> KVPool:
-        if self.pool is None:
-            raise RuntimeError(f"{self.name} backend: register(pool) first")
-        return self.pool
-
     def _links(self, peer: PeerId) -> list[tuple[HeadSlice | None, Peer]]:
         """The usable engine connections a write to `peer` goes through, with the heads each
         carries (None: whole pages); raises PeerUnreachable if one of them is not usable."""
-        with self._lock:
-            route = self._routes.get(peer)
-        links: list[tuple[HeadSlice | None, PeerId]] = [(None, peer)] if route is None else list(route.links)
-        return [(cut, self._usable_peer(link)) for cut, link in links]
+        return [(cut, self._usable_peer(link)) for cut, link in self._peers.links(peer)]
 
     def _usable_peer(self, peer: PeerId) -> Peer:
         self._require_pool()
         with self._lock:
             if self._closed:
                 raise TransferAborted(f"{self.name} backend is closed")
-            target = self._peers.get(peer)
-            if target is None:
-                raise PeerUnreachable(f"unknown peer {peer!r}; connect() first")
-            if target.dead:
-                raise PeerUnreachable(f"peer {peer} ({target.endpoint.host}) is dead: {target.dead}")
-        return target
+            return self._peers.usable(peer)
 
     def _record(self, handle: TransferHandle) -> Transfer:
         record = handle.record
         if not isinstance(record, Transfer) or record.owner != id(self):
             raise KeyError(f"transfer {handle.transfer_id} was not made by a write() of this backend")
         return record
-
-    def _declare_dead(self, peer_id: PeerId, error: TransferError) -> None:
-        """Stop using this connection: later writes to it fail at once, and the next connect() to
-        the same endpoint makes a fresh one. Why a fresh one: an engine that saw its peer vanish
-        (a network cut, a frozen process) may keep the connection marked broken after the peer is
-        back (NIXL answers every later request with NIXL_ERR_REMOTE_DISCONNECT), so reusing it
-        would fail every request of that (prefill, decode) pair for good."""
-        with self._lock:
-            peer = self._peers.get(peer_id)
-            if peer is not None and not peer.dead:
-                peer.dead = str(error)
-                log.warning("%s: %s (%s) declared dead, next use reconnects: %s", self.name, peer_id,
-                            peer.endpoint.host, error)
 
 
 def _check_pages(side: str, pages: list[int], num_pages: int) -> None:

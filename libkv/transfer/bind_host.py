@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import threading
+from _ctypes import CFuncPtr
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,10 +48,10 @@ _patching = threading.Lock()
 
 @dataclass(frozen=True)
 class _Libc:
-    bind: ctypes._CFuncPtr
-    errno_location: ctypes._CFuncPtr
-    mprotect: ctypes._CFuncPtr
-    dlinfo: ctypes._CFuncPtr
+    bind: CFuncPtr
+    errno_location: CFuncPtr
+    mprotect: CFuncPtr
+    dlinfo: CFuncPtr
 
 
 @functools.cache
@@ -108,7 +109,7 @@ def _load_base(path: str) -> int:
     """Where the already-loaded library at `path` is mapped (its link map's l_addr)."""
     handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
     link_map = ctypes.c_void_p()
-    if _libc().dlinfo(handle, _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0:
+    if _libc().dlinfo(handle, _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0 or link_map.value is None:
         raise OSError(f"dlinfo failed for {path}")
     return ctypes.c_size_t.from_address(link_map.value).value  # l_addr is the first field
 
@@ -185,6 +186,8 @@ def bind_wildcard_to(host: str, libraries: list[str]) -> Iterator[BindPatch]:
         yield patch
         return
     replacement = ctypes.cast(_rewriting_bind(resolve(host)), ctypes.c_void_p).value
+    if replacement is None:  # a CFUNCTYPE object always has an address; this says so to the checker
+        raise OSError("no address for the replacement bind function")
     originals: list[tuple[int, int]] = []  # (slot address, what it held)
     with _patching:
         try:

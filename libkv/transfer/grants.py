@@ -137,7 +137,8 @@ class GrantTable:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         table_nbytes = num_pages * TAG_NBYTES
-        self.memory = torch.zeros(table_nbytes + READ_SLOTS * READ_SLOT_ENTRIES * TAG_NBYTES, dtype=torch.uint8)
+        read_slots_nbytes = READ_SLOTS * READ_SLOT_ENTRIES * TAG_NBYTES
+        self.memory = torch.zeros(table_nbytes + read_slots_nbytes, dtype=torch.uint8)
         flat = self.memory.numpy()
         self.entries = flat[:table_nbytes].reshape(num_pages, TAG_NBYTES)
         self._slots = flat[table_nbytes:].reshape(READ_SLOTS, READ_SLOT_ENTRIES, TAG_NBYTES)
@@ -181,7 +182,8 @@ class GrantTable:
             raise ValueError(f"expect({key!r}): the key is already expected with another grant; "
                              "release_expectation() first")
         new = sorted(set(pages))
-        taken = [p for p, owner in zip(new, self.owners(new), strict=True) if owner.any() and owner.tobytes() != tag]
+        taken = [p for p, owner in zip(new, self.owners(new), strict=True)
+                 if owner.any() and owner.tobytes() != tag]
         if taken:
             holders = sorted({k for k, held in self._expected.items() if taken[0] in held})
             raise ValueError(f"expect({key!r}): page {taken[0]} (and {len(taken) - 1} more) already "

@@ -82,7 +82,7 @@ def slice_regions(cut: HeadSlice, src_pages: list[int], dst_pages: list[int], sr
     blocks = src_layout.num_layers * 2 * src_layout.page_size
     src_stride, dst_stride = src_layout.num_kv_heads * unit, dst_layout.num_kv_heads * unit
     nbytes = cut.num_heads * unit
-    regions = []
+    regions: list[ByteRun] = []
     for src_page, dst_page in zip(src_pages, dst_pages, strict=True):
         src = src_page * src_layout.page_nbytes + cut.src_head * unit
         dst = dst_page * dst_layout.page_nbytes + cut.dst_head * unit

@@ -37,7 +37,8 @@ class Transfer:
     A write to a peer of another TP size goes to several remote ranks: its record then only
     groups `parts`, one record per engine connection, each written through the hooks."""
 
-    handle: TransferHandle | None  # set right after the handle is made (they refer to each other)
+    # Set by EngineBackend.write right after the record is made: the two refer to each other.
+    handle: TransferHandle = field(init=False)
     runs: list[PageRun] | list[ByteRun]
     deadline: float
     owner: int = 0  # id() of the backend that made it
@@ -95,7 +96,7 @@ class EngineHooks(ABC):
         """None if every page's entry on the peer equals `tag`, else the refusal. The default
         reads the entries through the engine (libkv.transfer.grants.GrantReader) with the read hooks
         below, which one-sided backends implement."""
-        reader = GrantReader(self.grants, lambda reads: self._engine_read_grants(peer, reads),
+        reader = GrantReader(self._require_grants(), lambda reads: self._engine_read_grants(peer, reads),
                              self._engine_read_progress, self._engine_read_release, self.timeout_s)
         try:
             return reader.verify(pages, tag)
@@ -134,5 +135,17 @@ class EngineHooks(ABC):
         a piece of a page for a peer of another TP size, carries its own)."""
         if isinstance(run, ByteRun):
             return run.src, run.dst, run.nbytes
-        page_nbytes = self.pool.layout.page_nbytes
+        page_nbytes = self._require_pool().layout.page_nbytes
         return run.src_page * page_nbytes, run.dst_page * page_nbytes, run.length * page_nbytes
+
+    def _require_pool(self) -> KVPool:
+        if self.pool is None:
+            raise RuntimeError(f"{self.name} backend: register(pool) first")
+        return self.pool
+
+    def _require_grants(self) -> GrantTable:
+        """The receiver's grant table, made by register() (and registered with the engine by
+        _engine_register, which runs after it)."""
+        if self.grants is None:
+            raise RuntimeError(f"{self.name} backend: register(pool) first")
+        return self.grants

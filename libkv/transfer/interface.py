@@ -34,8 +34,8 @@ receives itself: data for an unknown or released key lands in scratch memory, ne
 
 Tensor parallelism: a worker of TP size N splits its KV heads over N rank processes (an MLA
 model's ranks each hold the whole latent instead), and its endpoint lists its ranks' endpoints
-(TransferEndpoint.of_ranks). Any backend connects to an
-endpoint of any TP size; libkv.transfer.base says how one rank writes to a peer's ranks, and
+(TransferEndpoint.of_ranks). Any backend connects to an endpoint of any TP size;
+libkv.transfer.peers says how one rank writes to a peer's ranks, and
 libkv.transfer.tensor_parallel is the backend of a worker with several ranks.
 
 Thread safety: write, poll, wait, wait_blocking and abort may be called from any thread (the
@@ -139,7 +139,8 @@ class TransferEndpoint:
             body: object = {"pp_size": pp_size, "ranks": [rank.to_json() for rank in ranks]}
         else:
             body = [rank.to_json() for rank in ranks]
-        return cls(first.backend, layout, first.host, first.num_pages, _RANKS_BLOB + json.dumps(body).encode())
+        return cls(first.backend, layout, first.host, first.num_pages,
+                   _RANKS_BLOB + json.dumps(body).encode())
 
     def ranks(self) -> list[TransferEndpoint]:
         """The endpoints of each rank of the worker behind this endpoint (itself at TP 1), in world
@@ -147,7 +148,8 @@ class TransferEndpoint:
         body = self._ranks_body()
         if body is None:
             return [self]
-        return [TransferEndpoint.from_json(text) for text in (body["ranks"] if isinstance(body, dict) else body)]
+        texts = body["ranks"] if isinstance(body, dict) else body
+        return [TransferEndpoint.from_json(text) for text in texts]
 
     def pp_size(self) -> int:
         """The pipeline stages of the worker behind this endpoint (1 without pipeline parallelism)."""

@@ -104,7 +104,8 @@ class MooncakeBackend(EngineBackend):
         super().__init__(timeout_s=timeout_s, host=host)
         if not 1 <= max_queued_per_peer <= _MAX_QUEUED_LIMIT:
             # Mooncake itself would log a warning and silently fall back to its default of 1024.
-            raise ValueError(f"max_queued_per_peer must be in 1..{_MAX_QUEUED_LIMIT}, got {max_queued_per_peer}")
+            raise ValueError(f"max_queued_per_peer must be in 1..{_MAX_QUEUED_LIMIT}, "
+                             f"got {max_queued_per_peer}")
         self.protocol = protocol or ("rdma" if ib_device else "tcp")
         self.ib_device = ib_device
         self.max_queued_per_peer = max_queued_per_peer
@@ -117,7 +118,7 @@ class MooncakeBackend(EngineBackend):
         engine = self._initialized_engine()
         if engine.register_memory(pool.data_ptr(), pool.nbytes) != 0:
             raise RuntimeError(f"Mooncake could not register the KV pool ({pool.nbytes} bytes)")
-        grants = self.grants.memory
+        grants = self._require_grants().memory
         if engine.register_memory(grants.data_ptr(), grants.numel()) != 0:
             raise RuntimeError(f"Mooncake could not register the grant table ({grants.numel()} bytes)")
         self._engine = engine
@@ -128,7 +129,8 @@ class MooncakeBackend(EngineBackend):
         handshake daemon, the TCP transport) by probing for a free one and binding it afterwards:
         another process can take the port in between (workers starting together do), and then
         initialize fails. A fresh engine probes again, so a few attempts make that race harmless."""
-        call = f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, {self.protocol!r}, {self.ib_device!r})"
+        call = (f"Mooncake TransferEngine.initialize({self.host!r}, P2PHANDSHAKE, {self.protocol!r}, "
+                f"{self.ib_device!r})")
         for attempt in range(1, _INITIALIZE_ATTEMPTS + 1):
             engine = self._engine_cls()
             with bind_wildcard_to(self.host, _engine_libraries()) as patch:
@@ -145,12 +147,13 @@ class MooncakeBackend(EngineBackend):
     def _engine_blob(self) -> bytes:
         pool = self._require_pool()
         return json.dumps({"session": self._session, "base": pool.data_ptr(), "nbytes": pool.nbytes,
-                           "grants": self.grants.address()}).encode()
+                           "grants": self._require_grants().address()}).encode()
 
     def _engine_connect(self, endpoint: TransferEndpoint) -> Any:
         try:
             raw = json.loads(endpoint.blob)
-            peer = _MooncakePeer(str(raw["session"]), int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]))
+            peer = _MooncakePeer(str(raw["session"]), int(raw["base"]), int(raw["nbytes"]),
+                                 int(raw["grants"]))
         except (ValueError, KeyError) as exc:
             raise PeerUnreachable(f"bad mooncake endpoint from {endpoint.host}: {exc}") from exc
         # The handshake (segment descriptor exchange) happens on the first write; a probe
@@ -166,7 +169,8 @@ class MooncakeBackend(EngineBackend):
         write = _MooncakeWrite()
         for run in record.runs:
             src, dst, nbytes = self._run_bytes(run)
-            batch = self._engine.transfer_submit_write(state.session, base + src, state.base_addr + dst, nbytes)
+            batch = self._engine.transfer_submit_write(state.session, base + src, state.base_addr + dst,
+                                                       nbytes)
             if batch < 0 or batch in _MC_BAD_BATCH:
                 write.failed += 1
                 break
@@ -226,7 +230,7 @@ class MooncakeBackend(EngineBackend):
         return TransferState.FAILED if op.failed else TransferState.DONE
 
     def _engine_close(self) -> None:
-        if self._engine is not None and self.pool is not None:
+        if self._engine is not None and self.pool is not None and self.grants is not None:
             for address in (self.pool.data_ptr(), self.grants.address()):
                 try:
                     self._engine.unregister_memory(address)

@@ -2,8 +2,9 @@
 
 Endpoint blob: the agent's metadata (NIXL's own serialization) plus the pool's base address and
 size, as JSON; a pool in GPU memory adds its NIXL memory type (VRAM) and GPU, which every write's
-descriptors name on both sides (not yet run on a GPU: `make test-gpu` has the test). connect() loads the peer's metadata into the local agent (add_remote_agent);
-a write is one NIXL transfer request whose descriptor list has one entry per page run.
+descriptors name on both sides (not yet run on a GPU: `make test-gpu` has the test). connect()
+loads the peer's metadata into the local agent (add_remote_agent); a write is one NIXL transfer
+request whose descriptor list has one entry per page run.
 
 Grants: the grant table (libkv.transfer.grants) is registered with the agent next to the pool, so
 the agent metadata in the blob covers it, and its address travels in the blob; verify_grant is
@@ -103,8 +104,9 @@ class NixlBackend(EngineBackend):
 
     def _engine_register(self, pool: KVPool) -> None:
         bind_ucx_to(self.host)  # before the agent: UCX reads its settings once, at context creation
-        config = self._nixl.nixl_agent_config(enable_prog_thread=self.progress_thread, enable_listen_thread=False,
-                                              backends=[self.nixl_backend], num_threads=self.num_threads)
+        config = self._nixl.nixl_agent_config(enable_prog_thread=self.progress_thread,
+                                              enable_listen_thread=False, backends=[self.nixl_backend],
+                                              num_threads=self.num_threads)
         self._agent = self._nixl.nixl_agent(self.agent_name, config)
         if self.nixl_backend not in self._agent.backends:
             raise EngineUnavailable(f"NIXL plugin {self.nixl_backend!r} is not available; "
@@ -112,7 +114,7 @@ class NixlBackend(EngineBackend):
         self._reg_descs = self._agent.register_memory(pool.as_bytes())
         if self._reg_descs is None:
             raise RuntimeError("NIXL refused to register the KV pool")
-        self._grant_descs = self._agent.register_memory(self.grants.memory)
+        self._grant_descs = self._agent.register_memory(self._require_grants().memory)
         if self._grant_descs is None:
             raise RuntimeError("NIXL refused to register the grant table")
         if not self.progress_thread:
@@ -134,7 +136,7 @@ class NixlBackend(EngineBackend):
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
         blob = {"agent": self.agent_name, "metadata": b64encode(metadata).decode(),
-                "base": pool.data_ptr(), "nbytes": pool.nbytes, "grants": self.grants.address()}
+                "base": pool.data_ptr(), "nbytes": pool.nbytes, "grants": self._require_grants().address()}
         mem, dev = _memory_of(self._require_pool().device)
         if mem != "DRAM":  # only then: a host pool's blob reads as it always did
             blob.update(mem=mem, dev=dev)
@@ -151,8 +153,8 @@ class NixlBackend(EngineBackend):
             raise PeerUnreachable(f"bad nixl endpoint from {endpoint.host}: {exc}") from exc
         except Exception as exc:
             raise PeerUnreachable(f"nixl could not load agent metadata of {endpoint.host}: {exc}") from exc
-        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]), str(raw.get("mem", "DRAM")),
-                         int(raw.get("dev", 0)))
+        return _NixlPeer(name, int(raw["base"]), int(raw["nbytes"]), int(raw["grants"]),
+                         str(raw.get("mem", "DRAM")), int(raw.get("dev", 0)))
 
     def _engine_disconnect(self, peer: Peer) -> None:
         state: _NixlPeer = peer.engine
@@ -220,7 +222,8 @@ class NixlBackend(EngineBackend):
     def _engine_read_grants(self, peer: Peer, reads: list[tuple[int, int, int]]) -> Any:
         state: _NixlPeer = peer.engine
         local = [(address, count * TAG_NBYTES, 0) for address, _first, count in reads]
-        remote = [(state.grants_addr + first * TAG_NBYTES, count * TAG_NBYTES, 0) for _a, first, count in reads]
+        remote = [(state.grants_addr + first * TAG_NBYTES, count * TAG_NBYTES, 0)
+                  for _a, first, count in reads]
         with self._agent_lock:
             xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
                                                self._agent.get_xfer_descs(remote, "DRAM"), state.agent_name)

@@ -2,12 +2,12 @@
 
 A TP worker's KV pool is split by KV head over its ranks' processes (MLA: each rank holds the whole
 latent), and each rank registers its own pool with its own transfer engine: an EngineBackend that
-knows its rank (libkv.transfer.base), connects to a peer of any TP size and writes its own heads
-(MLA: whole pages, to the peer ranks it is the writer of) straight into the peer's ranks' pages.
-Nothing is gathered through one process. This backend only fans each call out over the LOCAL
-ranks: rank 0's backend in this process, the followers' over the RankChannel each one answers
-on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker uses its engine's
-backend alone: that one pairs with TP-N peers by itself.
+knows its rank (libkv.transfer.base), connects to a peer of any TP size (libkv.transfer.peers) and
+writes its own heads (MLA: whole pages, to the peer ranks it is the writer of) straight into the
+peer's ranks' pages. Nothing is gathered through one process. This backend only fans each call out
+over the LOCAL ranks: rank 0's backend in this process, the followers' over the RankChannel each
+one answers on (libkv.rank_channel; engine.tp serves a `RankTransfer` there). A TP-1 worker uses
+its engine's backend alone: that one pairs with TP-N peers by itself.
 
 Endpoint: the whole model's KV layout, with every rank's endpoint in the blob
 (TransferEndpoint.of_ranks). Checksums: rank 0's pool is a libkv.landing.TPKVPool, whose page
@@ -145,7 +145,8 @@ class TensorParallelBackend(TransferBackend):
     def __init__(self, local: EngineBackend, followers: Sequence[RankChannel], options: dict,
                  pp_size: int = 1) -> None:
         if not followers:
-            raise ValueError("a tensor-parallel backend needs follower ranks; at TP 1 use the engine's backend")
+            raise ValueError("a tensor-parallel backend needs follower ranks; "
+                             "at TP 1 use the engine's backend")
         self._setup(local, local.name, type(local), followers, options, pp_size)
         self.timeout_s = local.timeout_s
 
@@ -187,10 +188,11 @@ class TensorParallelBackend(TransferBackend):
                 [rank.call("create_backend", self.name, self._options) for rank in self._ranks])
             return
         self.local.register(pool, tp_rank=0, tp_size=self.size, pp_size=self.pp_size)
-        self._ranks = [InProcessRank(RankTransfer(pool, 0, self.size, self.pp_size, self.local)), *self.followers]
-        self._endpoint = TransferEndpoint.of_ranks(
-            [self.local.endpoint(), *(f.call("create_backend", self.name, self._options) for f in self.followers)],
-            self.pp_size)
+        rank_zero = InProcessRank(RankTransfer(pool, 0, self.size, self.pp_size, self.local))
+        self._ranks = [rank_zero, *self.followers]
+        endpoints = [self.local.endpoint(),
+                     *(f.call("create_backend", self.name, self._options) for f in self.followers)]
+        self._endpoint = TransferEndpoint.of_ranks(endpoints, self.pp_size)
 
     def endpoint(self) -> TransferEndpoint:
         if self._endpoint is None:
@@ -237,8 +239,8 @@ class TensorParallelBackend(TransferBackend):
         sent = [0] * self.size
         try:
             for rank, rank_peer in enumerate(self._peer(peer).links):
-                transfer_id, sent[rank] = self._call(rank, "write", rank_peer, list(src_pages), list(dst_pages),
-                                                     key, grant)
+                transfer_id, sent[rank] = self._call(rank, "write", rank_peer, list(src_pages),
+                                                     list(dst_pages), key, grant)
                 write.parts.append((rank, transfer_id))
         except Exception:  # nothing of a write that could not be issued whole may go on
             self._abort_parts(write)

@@ -33,7 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from libkv.pool import KVPool
+from libkv.pool import KVPool, PageRun
 from libkv.transfer import ucx_wire as wire
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
@@ -84,7 +84,17 @@ class UcxBackend(EngineBackend):
 
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the backend's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self._started_loop()).result(timeout)
+
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("ucx backend: register(pool) first (it starts the loop)")
+        return self._loop
+
+    def _started_receiver(self) -> UcxReceiver:
+        if self._receiver is None:
+            raise RuntimeError("ucx backend: register(pool) first (it starts the receiver)")
+        return self._receiver
 
     def _engine_register(self, pool: KVPool) -> None:
         global _instance_alive
@@ -99,14 +109,15 @@ class UcxBackend(EngineBackend):
                 _instance_alive = False
             raise
         self._pool_bytes = pool.as_bytes().numpy()
-        self._receiver = UcxReceiver(self._ucxx, self._np, self._pool_bytes, pool.layout.page_nbytes, self.grants,
-                                     self._lock, self.timeout_s, self.error_handling)
+        receiver = UcxReceiver(self._ucxx, self._np, self._pool_bytes, pool.layout.page_nbytes,
+                               self._require_grants(), self._lock, self.timeout_s, self.error_handling)
+        self._receiver = receiver
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-ucx", daemon=True)
         self._thread.start()
-        self._address = self._run(self._start(), timeout=60)
+        self._address = self._run(self._start(receiver), timeout=60)
 
-    async def _start(self) -> bytes:
+    async def _start(self, receiver: UcxReceiver) -> bytes:
         # Python futures: a notifier thread completes requests. Without them every awaited
         # request is polled from the loop with sleep(0), which spins a core even when idle
         # (73% CPU measured here, versus 1.5%, and lower bandwidth under contention).
@@ -114,7 +125,7 @@ class UcxBackend(EngineBackend):
             self._ucxx.init(progress_mode="thread", enable_python_future=True)
         self._ucxx.continuous_ucx_progress(event_loop=asyncio.get_running_loop())
         address = bytes(self._ucxx.get_worker_address())
-        self._control_task = asyncio.ensure_future(self._receiver.serve_control())
+        self._control_task = asyncio.ensure_future(receiver.serve_control())
         return address
 
     def _engine_blob(self) -> bytes:
@@ -142,18 +153,20 @@ class UcxBackend(EngineBackend):
         ep = await self._ucxx.create_endpoint_from_worker_address(
             ucx_address, endpoint_error_handling=self.error_handling)
         mine = bytearray(self._address)
-        await ep.send(bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine))), tag=wire.CTRL_TAG, force_tag=True)
+        hello = bytearray(wire.CTRL.pack(wire.HELLO, self.uid, 0, len(mine)))
+        await ep.send(hello, tag=wire.CTRL_TAG, force_tag=True)
         await ep.send(mine, tag=wire.addr_tag(self.uid), force_tag=True)
         return ep
 
     def _engine_write(self, peer: Peer, record: Transfer) -> Any:
         state: _UcxPeer = peer.engine
-        runs = [self._run_bytes(run) for run in record.runs]
+        pages = _whole_pages(record)
+        runs = [self._run_bytes(run) for run in pages]
         header = json.dumps({"key": record.handle.key, "grant": record.grant.hex(),
-                             "runs": [[run.dst_page, run.length] for run in record.runs]}).encode()
+                             "runs": [[run.dst_page, run.length] for run in pages]}).encode()
         write = _UcxWrite(future=Future())
         write.future = asyncio.run_coroutine_threadsafe(
-            self._send(state.endpoint, write, record.handle.transfer_id, header, runs), self._loop)
+            self._send(state.endpoint, write, record.handle.transfer_id, header, runs), self._started_loop())
         write.future.add_done_callback(lambda _: record.wakeup.set())
         return write
 
@@ -300,7 +313,7 @@ class UcxBackend(EngineBackend):
     # ---- receiver (libkv.transfer.ucx_receiver) ---------------------------------------------
 
     def _engine_release(self, key: str, pages: frozenset[int]) -> None:
-        self._receiver.release(key)  # type: ignore[union-attr]
+        self._started_receiver().release(key)
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -312,7 +325,7 @@ class UcxBackend(EngineBackend):
         async def shutdown() -> None:
             if self._control_task is not None:
                 self._control_task.cancel()
-            await self._receiver.close()  # type: ignore[union-attr]
+            await self._started_receiver().close()
 
         try:
             self._run(shutdown(), timeout=10)
@@ -325,3 +338,12 @@ class UcxBackend(EngineBackend):
         with _instance_lock:
             _instance_alive = False
 
+
+
+def _whole_pages(record: Transfer) -> list[PageRun]:
+    """A write's runs, whole pages: ucx's protocol moves nothing else (`writes_regions` is False,
+    so connect() never routes a peer of another TP size here)."""
+    pages = [run for run in record.runs if isinstance(run, PageRun)]
+    if len(pages) != len(record.runs):
+        raise TypeError("ucx moves whole pages only, got byte regions")
+    return pages

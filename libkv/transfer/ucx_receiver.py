@@ -178,7 +178,10 @@ class UcxReceiver:
         kind, aborted, _ = wire.END.unpack(end)
         if kind != wire.END_KIND:
             log.warning("ucx: transfer %d from %x ended without END", transfer_id, sender)
-        status = wire.ACK_ABORTED if aborted else (wire.ACK_OK if in_pool == len(targets) else wire.ACK_REJECTED)
+        if aborted:
+            status = wire.ACK_ABORTED
+        else:
+            status = wire.ACK_OK if in_pool == len(targets) else wire.ACK_REJECTED
         await self._ack(sender, transfer_id, status, refused, first_refused)
 
     async def _receive_run(self, key: str, target: Any, scratch: Any, tag: int) -> None:

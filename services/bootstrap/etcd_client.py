@@ -109,7 +109,8 @@ class EtcdClient:
                 last_error = exc
                 continue
             if index != self._current:
-                log.warning("etcd member %s unreachable; using %s", self.address, self._members[index].address)
+                log.warning("etcd member %s unreachable; using %s", self.address,
+                            self._members[index].address)
                 self._current = index
             return response
         assert last_error is not None

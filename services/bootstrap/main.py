@@ -65,7 +65,8 @@ def follow_store_health(store: RegistryStore, server: GrpcServer) -> None:
     updates: set[asyncio.Task] = set()  # referenced until done
 
     def on_change(healthy: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (health_pb2.HealthCheckResponse.SERVING if healthy
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *server.service_names):
             task = asyncio.get_running_loop().create_task(server.health.set(name, status))
             updates.add(task)
@@ -82,7 +83,8 @@ async def serve(config: BootstrapConfig) -> None:
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     metrics = None
     try:
-        metrics = start_metrics_server(registry_metrics(registry), config.server.metrics_port, config.server.host)
+        metrics = start_metrics_server(registry_metrics(registry), config.server.metrics_port,
+                                       config.server.host)
         server = await start_grpc_server(
             [ServiceBinding(service_name(bootstrap_pb2, "Bootstrap"), BootstrapServicer(registry),
                             bootstrap_pb2_grpc.add_BootstrapServicer_to_server)],

@@ -48,7 +48,8 @@ class RegistryCollector(Collector):
         yield CounterMetricFamily(metric_name("bootstrap_watchers_dropped"),
                                   "Watch streams dropped for falling behind.", value=stats.watchers_dropped)
         yield GaugeMetricFamily(metric_name("bootstrap_store_up"),
-                                "1 while the registry's view of its store is current (etcd: its watch is up).",
+                                "1 while the registry's view of its store is current "
+                                "(etcd: its watch is up).",
                                 value=1 if self._registry.healthy else 0)
 
 

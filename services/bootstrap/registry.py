@@ -81,7 +81,8 @@ def layout_differences(new: common_pb2.KVLayout, registered: common_pb2.KVLayout
 def describe_layout(layout: common_pb2.KVLayout) -> str:
     if layout.kv_lora_rank:  # an MLA latent layout (libkv.layout.KVLayout.describe says the same)
         return (f"layers={layout.num_layers} mla kv_lora_rank={layout.kv_lora_rank} "
-                f"qk_rope_head_dim={layout.qk_rope_head_dim} page_size={layout.page_size} dtype={layout.dtype}")
+                f"qk_rope_head_dim={layout.qk_rope_head_dim} page_size={layout.page_size} "
+                f"dtype={layout.dtype}")
     return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
             f"page_size={layout.page_size} dtype={layout.dtype}")
 
@@ -250,7 +251,8 @@ class Registry:
         log.info("worker %s left: %s (grpc=%s)", entry.info.worker_id, reason, entry.info.grpc_address)
         self._publish(LEFT, entry.info, reason)
 
-    def _publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+    def _publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo,
+                 reason: str = "") -> None:
         self._watchers.publish(event_type, info, reason)
 
 
@@ -279,7 +281,8 @@ def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
     if worker.HasField("transfer_endpoint"):
         if not endpoint.backend:
             problems.append("transfer_endpoint.backend is empty")
-        if endpoint.HasField("layout") and worker.HasField("kv_layout") and endpoint.layout != worker.kv_layout:
+        if (endpoint.HasField("layout") and worker.HasField("kv_layout")
+                and endpoint.layout != worker.kv_layout):
             problems.append("transfer_endpoint.layout differs from kv_layout: "
                             + "; ".join(layout_differences(endpoint.layout, worker.kv_layout)))
     elif worker.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
@@ -288,7 +291,8 @@ def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:
         raise InvalidWorker("invalid worker registration: " + "; ".join(problems))
 
 
-def check_consistent(worker: bootstrap_pb2.WorkerInfo, registered: Iterable[bootstrap_pb2.WorkerInfo]) -> None:
+def check_consistent(worker: bootstrap_pb2.WorkerInfo,
+                     registered: Iterable[bootstrap_pb2.WorkerInfo]) -> None:
     """Workers of one model must agree on KV layout and transfer backend, or P/D pairs of them
     would fail at their first handshake; refuse the newcomer (RegistrationRefused) with both
     values named. `registered`: the other workers (any model). Encoders (EPD) agree among

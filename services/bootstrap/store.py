@@ -24,8 +24,11 @@ class RegistryStore(Protocol):
     """What the servicer and the metrics collector use. `start()` before serving, `close()` after
     (it ends every open watch)."""
 
-    stats: RegistryStats
-    ttl_s: float
+    @property
+    def stats(self) -> RegistryStats: ...
+
+    @property
+    def ttl_s(self) -> float: ...
 
     async def start(self) -> None: ...
 
@@ -80,7 +83,8 @@ class MemoryStore:
     async def register(self, worker: bootstrap_pb2.WorkerInfo) -> tuple[str, bootstrap_pb2.Lease]:
         return self.registry.register(worker)
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None) -> bootstrap_pb2.Lease:
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
+                        ) -> bootstrap_pb2.Lease:
         return self.registry.heartbeat(lease_id, load)
 
     async def deregister(self, lease_id: str) -> str:

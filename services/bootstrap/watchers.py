@@ -22,13 +22,13 @@ UPDATED = bootstrap_pb2.WORKER_EVENT_TYPE_UPDATED
 LEFT = bootstrap_pb2.WORKER_EVENT_TYPE_LEFT
 SYNCED = bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
 
-ROLE_NAMES = {
+ROLE_NAMES: dict[int, str] = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
     common_pb2.WORKER_ROLE_COLOCATED: "colocated",
 }
 # EPD's encoders (services/encoder/) are no KV worker: counted by role only once one registered.
-_OTHER_ROLES = {common_pb2.WORKER_ROLE_ENCODER: "encoder"}
+_OTHER_ROLES: dict[int, str] = {common_pb2.WORKER_ROLE_ENCODER: "encoder"}
 
 
 def role_name(role: int) -> str:
@@ -143,7 +143,8 @@ class Watchers:
             watcher.close()
         return watcher
 
-    def publish(self, event_type: int, info: bootstrap_pb2.WorkerInfo, reason: str = "") -> None:
+    def publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo,
+                reason: str = "") -> None:
         event = bootstrap_pb2.WorkerEvent(type=event_type, worker=info, reason=reason)
         for watcher in list(self._open):
             if watcher.matches(info) and not watcher._push(event):

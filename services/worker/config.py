@@ -18,13 +18,13 @@ from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.tp.pipeline import check_pp_size
 from engine.tp.shard import check_tp_size
+from libkv.transfer import BACKEND_NAMES as BACKENDS
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.common.server_config import ServerConfig
 from services.worker.epd_config import EpdConfig
 
 MODES = ("prefill", "decode", "null")
-BACKENDS = ("mooncake", "nixl", "ucx", "fake")
 # EngineConfig settings `pdserve launch-server` has no flag for (they keep the engine's defaults).
 _ENGINE_ONLY = ("max_total_tokens", "cpu_kv_cap_gib", "cpu_kernels", "hicache_local_host")
 

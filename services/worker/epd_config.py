@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ENCODER_BACKENDS = ("mooncake", "nixl")
+from libkv.transfer import ONE_SIDED_BACKENDS as ENCODER_BACKENDS
 
 
 def _help(text: str) -> dict:

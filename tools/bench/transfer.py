@@ -1,7 +1,7 @@
 """`pdserve bench transfer`: KV page-run bandwidth of each backend between two processes,
 against a plain memcpy of the same bytes measured in the same run.
 
-For each backend a sender and a receiver process (libkv.transfer.peer_worker) hold a page-major
+For each backend a sender and a receiver process (tools.transfer_peer.worker) hold a page-major
 pool of the small preset (12 layers x K/V x 16 tokens x 4 kv heads x 64 dims, fp32: 384 KiB
 per page). Transfers of about 1, 16 and 256 MiB move in runs of `--run-pages` pages with a
 one-page gap between runs on both sides, so each run is one engine write. Also timed: the KV of
@@ -35,7 +35,7 @@ import torch
 
 from libkv.layout import KVLayout
 from libkv.transfer import REAL_BACKENDS
-from libkv.transfer.peer_client import PeerError, PeerProcess
+from tools.transfer_peer.client import PeerError, PeerProcess
 
 SMALL_PRESET = KVLayout(num_layers=12, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32")
 PROMPT_TOKENS = 2048

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libkv.transfer import BACKEND_NAMES as BACKENDS
 from pdserve import envs
 
-BACKENDS = ("mooncake", "nixl", "ucx", "fake")
 REGISTRY_STORES = ("memory", "etcd")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 

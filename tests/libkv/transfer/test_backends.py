@@ -1,7 +1,7 @@
 """Real engines between two processes on 127.0.0.1: exact bytes, abort, a killed peer, refusal,
 grants (which pages a sender may write), and where the engines listen.
 
-Every engine runs in a child process (libkv.transfer.peer_worker), never in pytest itself: NIXL
+Every engine runs in a child process (tools.transfer_peer.worker), never in pytest itself: NIXL
 and UCX crash at interpreter exit, and a killed receiver must be a real process.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from libkv.transfer import REAL_BACKENDS, grant_tag
-from libkv.transfer.peer_client import PeerError, PeerProcess
+from tools.transfer_peer.client import PeerError, PeerProcess
 
 pytestmark = pytest.mark.e2e
 

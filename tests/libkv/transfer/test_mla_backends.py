@@ -3,7 +3,7 @@
 prefill rank j % p, and what decode's landing check computes equals what prefill sent.
 
 Each worker's ranks live in its one process, each rank with its own engine
-(libkv.transfer.peer_worker, `tp_size`), and each rank's pool is filled with different bytes, so
+(tools.transfer_peer.worker, `tp_size`), and each rank's pool is filled with different bytes, so
 the hashes show which rank wrote which.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from libkv.layout import KVLayout
 from libkv.transfer.head_map import latent_receivers
-from libkv.transfer.peer_client import PeerProcess
+from tools.transfer_peer.client import PeerProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Drives peer worker processes (libkv.transfer.peer_worker) over pipes, for tests and benchmarks."""
+"""Drives transfer peer processes (tools.transfer_peer.worker) over pipes, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import IO
 
-from libkv.transfer.peer_worker import REPLY_PREFIX
+from tools.transfer_peer.worker import REPLY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,26 +32,28 @@ class PeerProcess:
         python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=python_path, UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1")
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "libkv.transfer.peer_worker"], cwd=REPO_ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.transfer_peer.worker"], cwd=REPO_ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.stdin, self.stdout = _pipe(self.proc.stdin), _pipe(self.proc.stdout)
+        self.stderr = _pipe(self.proc.stderr)
         self.replies: queue.Queue[dict] = queue.Queue()
         self.stderr_tail: list[str] = []
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stdout:
             if line.startswith(REPLY_PREFIX):
                 self.replies.put(json.loads(line[len(REPLY_PREFIX):]))
 
     def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
+        for line in self.stderr:
             self.stderr_tail = (self.stderr_tail + [line.rstrip()])[-40:]
 
     def send(self, op: str, **args) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.stdin.flush()
 
     def reply(self, timeout: float = 60.0, *, check: bool = True) -> dict:
         try:
@@ -81,8 +84,15 @@ class PeerProcess:
                 pass
         if self.proc.poll() is None:
             self.kill()
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for stream in (self.stdin, self.stdout, self.stderr):
             try:
                 stream.close()
             except OSError:
                 pass
+
+
+def _pipe(stream: IO[str] | None) -> IO[str]:
+    """One of the child's pipes (Popen makes each one asked for with PIPE)."""
+    if stream is None:
+        raise RuntimeError("the peer process was started without one of its pipes")
+    return stream
