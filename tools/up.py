@@ -34,14 +34,13 @@ import urllib.request
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.transfer_backends import BACKEND_NAMES
 from tools import mooncake_master
 from tools.launch import NotReady, ProcessGroup, Service
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
-# libkv.transfer.BACKEND_NAMES, spelled out: `pdserve up` imports no libkv, which would pull torch into
-# a launcher that needs none (tests/services/gateway/test_no_torch.py). The two are kept equal by
-# tests/libkv/transfer/test_backend_names.py.
-BACKENDS = ("mooncake", "nixl", "ucx", "fake")
+# From pdserve, not libkv: `pdserve up` pulls no torch (tests/services/gateway/test_no_torch.py).
+BACKENDS = BACKEND_NAMES
 HICACHE_BACKENDS = ("mooncake",)
 
 

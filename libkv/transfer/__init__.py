@@ -23,22 +23,15 @@ from libkv.transfer.errors import (
 from libkv.transfer.grants import grant_tag
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
 from libkv.transfer.process_exit import exit_process
+from pdserve.transfer_backends import BACKEND_NAMES, ONE_SIDED_BACKENDS, REAL_BACKENDS
 
-# name -> (module, class). Real engines first; `fake` moves nothing. The one list of backend
-# names: the flags that pick a backend take their choices from the tuples below.
+# name (pdserve/transfer_backends.py declares the names) -> (module, class).
 BACKENDS: dict[str, tuple[str, str]] = {
     "mooncake": ("libkv.transfer.mooncake", "MooncakeBackend"),
     "nixl": ("libkv.transfer.nixl", "NixlBackend"),
     "ucx": ("libkv.transfer.ucx", "UcxBackend"),
     "fake": ("libkv.transfer.fake", "FakeBackend"),
 }
-BACKEND_NAMES = tuple(BACKENDS)  # every backend a worker may run (--disaggregation-transfer-backend)
-REAL_BACKENDS = tuple(name for name in BACKENDS if name != "fake")  # the engines that move bytes
-# The real engines whose writes land without the receiver taking part (`one_sided` on the class):
-# the receiver learns that bytes arrived only from the control plane and the landing checksums.
-# EPD's encoders write image embeddings over these only (--encoder-transfer-backend): the worker
-# poisons its pages and waits until they hash to the encoder's checksums (services/worker/encoders.py).
-ONE_SIDED_BACKENDS = ("mooncake", "nixl")
 
 
 def backend_class(name: str) -> type[EngineBackend]:
