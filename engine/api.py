@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from engine.request import EngineRequest
     from engine.step_clock import StepClock
     from engine.tp.ranks import FollowerRanks
-    from libkv.landing import RankGroupPool
+    from libkv.landing import LandingPool
     from libkv.layout import KVLayout
     from libkv.pool import KVPool
     from libkv.store import StoreTier
@@ -98,7 +98,7 @@ class EngineAPI(Protocol):
 
     def pages_freed(self) -> AbstractContextManager[asyncio.Event]: ...
 
-    def pool_for(self, room: str) -> KVPool | RankGroupPool: ...
+    def pool_for(self, room: str) -> LandingPool: ...
 
     def release(self, room: str) -> bool: ...
 

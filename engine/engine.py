@@ -164,7 +164,7 @@ class Engine:
         if not request.images:
             return None
         config = self.model_config
-        if not config.is_multimodal:
+        if not config.is_multimodal or config.image_token_id is None:
             raise ValueError(f"images sent to a text-only model ({config.architecture})")
         state = MultimodalState.build(request.prompt_ids, request.images, config.image_token_id,
                                       tower_merge_size(config), self.pages.page_size,
@@ -230,8 +230,11 @@ class Engine:
         as the scheduler salts them; None when the prefix cache is off."""
         if self.pages.cache is None:
             return None
-        salts = page_salts(prompt_ids, images, self.model_config.image_token_id, tower_merge_size(self.model_config),
-                           self.pages.page_size) if images else ()
+        image_token_id = self.model_config.image_token_id
+        if not images or image_token_id is None:  # a text-only model's images are refused by `check`
+            return page_hashes(prompt_ids, self.pages.page_size)
+        salts = page_salts(prompt_ids, images, image_token_id, tower_merge_size(self.model_config),
+                           self.pages.page_size)
         return page_hashes(prompt_ids, self.pages.page_size, salts=salts)
 
     def pool_for(self, room: str):

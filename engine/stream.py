@@ -10,7 +10,7 @@ string it found. A prefill-only request has no text and builds none of this but 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 
 from engine.outputs import TokenOutput
@@ -52,7 +52,7 @@ class OutputStream:
         self.text = text
         self.done = False
 
-    async def batches(self, on_stop_string: Callable[[], None]) -> AsyncIterator[list[TokenOutput]]:
+    async def batches(self, on_stop_string: Callable[[], None]) -> AsyncGenerator[list[TokenOutput], None]:
         while not self.done:
             batch = []
             item = await self._outputs.get()

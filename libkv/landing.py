@@ -134,7 +134,12 @@ class RankGroupPool(SplitPages):
         return [rank.call(method, *args) for rank in self.ranks[:ranks]]
 
 
-def checksums_in_parts(pool: KVPool, page_ids: list[int], peer_tp_size: int) -> list[int]:
+# Whatever holds a room's pages as decode checks them: a pool in this process (a TP worker's rank-0
+# TPKVPool among them), or a DP attention group's ranks seen from rank 0 (RankGroupPool).
+LandingPool = KVPool | SplitPages
+
+
+def checksums_in_parts(pool: LandingPool, page_ids: list[int], peer_tp_size: int) -> list[int]:
     """Page checksums as agreed with a peer of TP `peer_tp_size` (see the module doc): the pool's own
     when the sizes are equal, else over max(sizes) KV-head parts. `pool` is the worker's: rank 0's
     TPKVPool on a TP worker. For MLA this is the receiver's value (the sender's: `sent_checksums`)."""
@@ -164,11 +169,11 @@ def sent_checksums(pool: KVPool, page_ids: list[int], receiver_tp_size: int) -> 
     return combine_checksums([per_rank[latent_writer(rank, size)] for rank in range(receiver_tp_size)])
 
 
-def _tp_size(pool: KVPool) -> int:
+def _tp_size(pool: LandingPool) -> int:
     return pool.tp_size if isinstance(pool, SplitPages) else 1
 
 
-async def wait_landed(pool: KVPool, pages: Sequence[int], sent: Sequence[int],
+async def wait_landed(pool: LandingPool, pages: Sequence[int], sent: Sequence[int],
                       timeout_s: float = LANDING_TIMEOUT_S, sender_tp_size: int = 1) -> list[int]:
     """Wait until every page in `pages` hashes to its checksum in `sent`; return the pages that
     still differ after `timeout_s` (empty: everything landed). `sender_tp_size`: the prefill's

@@ -103,7 +103,7 @@ async def serve(runtime: WorkerRuntime, hooks: WorkerHooks = WorkerHooks()) -> N
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
     runtime.engine.start()
     try:
-        runtime.start_metrics()
+        metrics_server = runtime.start_metrics()
         binding = _binding(runtime, hooks)
         kv_events = KvEventsServicer(runtime.engine)
         server = await start_grpc_server(
@@ -115,7 +115,7 @@ async def serve(runtime: WorkerRuntime, hooks: WorkerHooks = WorkerHooks()) -> N
         layout = runtime.engine.kv_layout
         # The pool's device names the GPU the worker ended up on (--device auto, --base-gpu-id).
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens on %s, "
-                 "transfer backend %s, %s", config.role, server.address, runtime.metrics_server.port,
+                 "transfer backend %s, %s", config.role, server.address, metrics_server.port,
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
                  runtime.engine.pool.device,
                  config.disaggregation_transfer_backend if runtime.backend else "none",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -146,7 +146,7 @@ class Dispatcher:
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
                        sampling: common_pb2.SamplingParams,
-                       images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
+                       images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
         if self.synced is not None and not self.synced.is_set():
             try:
                 await asyncio.wait_for(self.synced.wait(), self.settings.sync_wait_s)
@@ -182,7 +182,7 @@ class Dispatcher:
                 raise
             except _MidStream as failure:
                 exclude.add(failure.worker.key)
-                params = continuation_sampling(sampling, len(delivered.token_ids))
+                rest = continuation_sampling(sampling, len(delivered.token_ids))
                 if migrations >= self.settings.migration_limit:
                     if migrations:
                         failure.error.message += f" (after {migrations} migrations)"
@@ -193,10 +193,11 @@ class Dispatcher:
                 log.warning("room %s: migrating off %s with %d tokens carried (migration %d of at most %d): %s",
                             room, failure.worker.address, len(delivered.token_ids), migrations,
                             self.settings.migration_limit, lost)
-                if params is None:  # every token was generated, only the finish was lost
+                if rest is None:  # every token was generated, only the finish was lost
                     yield GenerationChunk(tokens=(), finish_reason="length", prompt_tokens=len(prompt_token_ids),
                                           completion_tokens=len(delivered.token_ids))
                     return
+                params = rest
                 carried = len(delivered.token_ids)
                 prompt = [*prompt_token_ids, *delivered.token_ids]
                 attempt_room = f"{room}.m{migrations}"
@@ -205,7 +206,7 @@ class Dispatcher:
 
     async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
                         sampling: common_pb2.SamplingParams, exclude: set[str],
-                        images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
+                        images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
         """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -245,7 +246,7 @@ class Dispatcher:
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
                        sampling: common_pb2.SamplingParams,
-                       images: Sequence[bytes] = ()) -> AsyncIterator[GenerationChunk]:
+                       images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                                              images=list(images))
@@ -308,8 +309,8 @@ class Dispatcher:
                              (504, "timeout")) from None
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
-            blamed_prefill = route.prefill is not None and failed_peer(exc.trailing_metadata()) == route.prefill.address
-            target = route.prefill if blamed_prefill else route.decode
+            blamed = failed_peer(exc.trailing_metadata())
+            target = route.prefill if route.prefill is not None and blamed == route.prefill.address else route.decode
             if code not in _NOT_A_HEALTH_SIGNAL and (code in _RETRYABLE or code == grpc.StatusCode.UNKNOWN):
                 blame = [target]
             if delivered:

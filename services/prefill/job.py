@@ -80,11 +80,13 @@ class PrefillJobs:
                   embed: Embed, arrival: float) -> PrefillDone:
         """Handshake, run and write the room's prompt (see the module docstring). Raises Refused when
         it cannot be done; its pages are free again by then (a cancellation: also re-raised)."""
-        writes = room.writes = RoomWrites(room.id, self.backend, self.transfer_queues, list(request.dst_page_ids),
-                                          grant=request.grant, want_checksums=request.page_checksums,
-                                          skip_pages=max(request.skip_pages, 0))
+        writes = None
         try:
-            writes.peer = await self._connect(request)  # refuses another layout or backend
+            peer = await self._connect(request)  # refuses another layout or backend
+            writes = room.writes = RoomWrites(room.id, self.backend, self.transfer_queues, peer,
+                                              list(request.dst_page_ids), grant=request.grant,
+                                              want_checksums=request.page_checksums,
+                                              skip_pages=max(request.skip_pages, 0))
             # after the handshake: with another page size the page count says nothing
             check_destination(request, len(parsed.prompt_ids), self.engine.pages.page_size)
             await self._check_grant(writes, request)
@@ -105,6 +107,7 @@ class PrefillJobs:
             await self._cleanup(room, writes, aborted=True)
             raise
         await self._cleanup(room, writes, aborted=False)
+        assert writes is not None  # the try above made it
         elapsed = time.perf_counter() - (writes.first_write_at or arrival)
         self.metrics.prompt_tokens.inc(first.prompt_tokens)
         self.metrics.ttft.observe(time.perf_counter() - arrival)
@@ -172,7 +175,7 @@ class PrefillJobs:
                 raise Refused(grpc.StatusCode.UNAVAILABLE,
                               f"room {writes.room}: cannot check decode's reservation: {exc}") from None
 
-    async def _cleanup(self, room: PrefillRoom, writes: RoomWrites, *, aborted: bool) -> None:
+    async def _cleanup(self, room: PrefillRoom, writes: RoomWrites | None, *, aborted: bool) -> None:
         """Free the room's pages, after stopping its writes (waiting until none can land) if aborted.
 
         On abort the engine stops the request between steps, so a forward pass still using the
@@ -186,11 +189,12 @@ class PrefillJobs:
         room.closing = True
         await finish_despite_cancel(self._stop_and_free(room, writes, aborted))
 
-    async def _stop_and_free(self, room: PrefillRoom, writes: RoomWrites, aborted: bool) -> None:
+    async def _stop_and_free(self, room: PrefillRoom, writes: RoomWrites | None, aborted: bool) -> None:
         try:
             if aborted:
                 try:
-                    await asyncio.to_thread(writes.abort_all)
+                    if writes is not None:  # None: refused in the handshake, before any write
+                        await asyncio.to_thread(writes.abort_all)
                 finally:  # the engine holds the pages until told: never leave them held
                     self.engine.abort(room.id)
             else:

@@ -61,11 +61,11 @@ class RoomWrites:
     room: str
     backend: TransferBackend
     queues: TransferQueues
+    peer: PeerId  # decode's transfer endpoint, connected (the handshake)
     dst_page_ids: list[int]
     grant: bytes = b""
     want_checksums: bool = False
     checksums: list[int] = field(default_factory=list)  # in dst_page_ids order, filled by the writes
-    peer: PeerId | None = None  # set once the handshake with decode's endpoint is done
     writes: list[Future[TransferHandle]] = field(default_factory=list)
     skip_pages: int = 0
     pages_pushed: int = 0  # pages written (issued), after the skipped ones

@@ -35,7 +35,7 @@ class _Subscription:
         self._loop = loop
         self._max_pending = max_pending
         self._lock = threading.Lock()
-        self._events: deque[tuple[str, int, list[int]]] = deque()  # (kind, medium, page hashes)
+        self._events: deque[tuple[str, worker_pb2.KvMedium, list[int]]] = deque()  # (kind, medium, page hashes)
         self._pending = 0
         self.overflowed = False
         self.closed = False
@@ -47,7 +47,7 @@ class _Subscription:
     def store_listener(self, kind: str, hashes: list[int]) -> None:  # the store tier's listener
         self.add(kind, STORE, hashes)
 
-    def add(self, kind: str, medium: int, hashes: list[int]) -> None:
+    def add(self, kind: str, medium: worker_pb2.KvMedium, hashes: list[int]) -> None:
         with self._lock:
             if self.overflowed or self.closed:
                 return
@@ -62,7 +62,7 @@ class _Subscription:
             except RuntimeError:
                 pass  # the loop is closed: the worker is shutting down
 
-    def take(self) -> list[tuple[str, int, list[int]]]:
+    def take(self) -> list[tuple[str, worker_pb2.KvMedium, list[int]]]:
         with self._lock:
             events = list(self._events)
             self._events.clear()

@@ -15,7 +15,7 @@ from services.common.model_info import ModelInfoError, read_model_info
 from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.rooms import R, RoomTable
 from services.worker.runtime import WorkerRuntime
-from services.worker.wire import Refused
+from services.worker.wire import Refused, abort_with
 
 
 @functools.cache
@@ -42,9 +42,9 @@ class RoleServicer(Generic[R]):
         try:
             return _cached_model_info(self.config.engine.model_path, self.model_name)
         except ModelInfoError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await abort_with(context, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"cannot read the model's tokenizer files: {exc}")
+            await abort_with(context, Refused(grpc.StatusCode.INTERNAL, f"cannot read the model's tokenizer files: {exc}"))
 
     async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service

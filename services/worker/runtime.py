@@ -7,14 +7,17 @@ pool (prefill and decode only), the metrics endpoint, the room table and the reg
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, replace
 
 from engine.api import EngineAPI
 from engine.dp_engine import DPEngine, load_engine
+from engine.engine import Engine
 from engine.outputs import EngineStats
 from engine.step_clock import KINDS as STEP_KINDS
+from engine.step_clock import StepClock
 from libkv.embedding_pool import EmbeddingPool
 from libkv.layout import KVLayout
 from libkv.transfer import TransferBackend, create_backend
@@ -66,9 +69,12 @@ def _transfer_backend(config: WorkerConfig, engine: EngineAPI) -> TransferBacken
     options = backend_options(config, name)
     if isinstance(engine, DPEngine):
         size = config.engine.topology().attn_tp_size
+        if engine.tp_followers is None:
+            raise ValueError("DP attention runs over tensor-parallel ranks: the engine has none")
         controls = engine.tp_followers.controls
         groups: list[TransferBackend] = []
         for g, pool in enumerate(engine.group_pools):
+            group: TransferBackend
             if g > 0:
                 group = TensorParallelBackend.over_ranks(name, controls[g * size - 1:(g + 1) * size - 1], options)
             elif size > 1:
@@ -78,9 +84,9 @@ def _transfer_backend(config: WorkerConfig, engine: EngineAPI) -> TransferBacken
             group.register(pool)
             groups.append(group)
         return DPGroupsBackend(groups, engine.group_of)
-    backend = create_backend(name, **options)
-    if engine.tp_followers is not None:
-        backend = TensorParallelBackend(backend, engine.tp_followers.controls, options, config.engine.pp_size)
+    rank0 = create_backend(name, **options)
+    backend: TransferBackend = rank0 if engine.tp_followers is None else \
+        TensorParallelBackend(rank0, engine.tp_followers.controls, options, config.engine.pp_size)
     backend.register(engine.pool)
     return backend
 
@@ -94,6 +100,38 @@ def _encoder_client(config: WorkerConfig, engine: EngineAPI) -> EncoderClient:
     backend.register(pool)
     return EncoderClient(config.epd, model_name=config.model_name, pool=pool, backend=backend,
                          security=config.security)
+
+
+def _rank_bytes(backend: TransferBackend, rank: int) -> int:
+    return backend.rank_bytes()[rank]
+
+
+def _add_step_metrics(metrics: WorkerMetrics, clock: StepClock) -> None:
+    """The serving-cost account's engine side (engine/step_clock.py, `pdserve bench serving-vs-vllm`)."""
+    for kind in STEP_KINDS:
+        metrics.counter_from("engine_step_seconds_total", "Seconds the engine thread spent in steps, by kind "
+                             "(decode rows only, mixed with prompt chunks, prompt chunks only)",
+                             functools.partial(clock.seconds.__getitem__, kind), kind=kind)
+        metrics.counter_from("engine_steps_total", "Engine steps, by kind (see engine_step_seconds_total)",
+                             functools.partial(clock.steps.__getitem__, kind), kind=kind)
+    metrics.counter_from("engine_decode_tokens_total", "Tokens decoded by the engine's steps (decode rows)",
+                         lambda: clock.decode_tokens)
+    metrics.counter_from("engine_decode_token_seconds_total", "Each decode row's step seconds, summed: over "
+                         "engine_decode_tokens_total, the mean step a decoded token waited for",
+                         lambda: clock.decode_token_seconds)
+
+
+def _add_dp_metrics(metrics: WorkerMetrics, engine: DPEngine) -> None:
+    for g, member in enumerate(engine.members):
+        metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "
+                             "(prefilled ones on decode by their reservation)",
+                             functools.partial(engine.placed.__getitem__, g), dp_rank=str(g))
+        metrics.gauge("dp_rank_kv_pages_used", "KV pages in use on each DP attention group",
+                      functools.partial(_used_pages, member), dp_rank=str(g))
+
+
+def _used_pages(member: Engine) -> int:
+    return member.pages.used_pages
 
 
 @dataclass
@@ -151,36 +189,23 @@ class WorkerRuntime:
             metrics.expert_load(engine.expert_load)
         if engine.hicache is not None:
             metrics.store_tier(engine.hicache)
-        clock = engine.step_clock  # a DP attention engine's members step jointly: none
-        for kind in STEP_KINDS if clock is not None else ():
-            # The serving-cost account's engine side (engine/step_clock.py, `pdserve bench serving-vs-vllm`).
-            metrics.counter_from("engine_step_seconds_total", "Seconds the engine thread spent in steps, by kind (decode "
-                                 "rows only, mixed with prompt chunks, prompt chunks only)",
-                                 lambda kind=kind: clock.seconds[kind], kind=kind)
-            metrics.counter_from("engine_steps_total", "Engine steps, by kind (see engine_step_seconds_total)",
-                                 lambda kind=kind: clock.steps[kind], kind=kind)
-        if clock is not None:
-            metrics.counter_from("engine_decode_tokens_total", "Tokens decoded by the engine's steps (decode rows)",
-                                 lambda: clock.decode_tokens)
-            metrics.counter_from("engine_decode_token_seconds_total", "Each decode row's step seconds, summed: over "
-                                 "engine_decode_tokens_total, the mean step a decoded token waited for",
-                                 lambda: clock.decode_token_seconds)
+        if engine.step_clock is not None:  # a DP attention engine's members step jointly: none
+            _add_step_metrics(metrics, engine.step_clock)
         if isinstance(engine, DPEngine):  # where the requests went, and what each group holds
-            for g, member in enumerate(engine.members):
-                metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "
-                                     "(prefilled ones on decode by their reservation)",
-                                     lambda g=g: engine.placed[g], dp_rank=str(g))
-                metrics.gauge("dp_rank_kv_pages_used", "KV pages in use on each DP attention group",
-                              lambda member=member: member.pages.used_pages, dp_rank=str(g))
+            _add_dp_metrics(metrics, engine)
         if self.encoders is not None:
             add_embedding_metrics(metrics, self.encoders.cache, self.encoders.pages)
         if self.backend is not None:
-            for rank in range(len(self.backend.rank_bytes())):
+            backend = self.backend
+            for rank in range(len(backend.rank_bytes())):
                 metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
-                              lambda rank=rank: self.backend.rank_bytes()[rank], rank=str(rank))
+                              functools.partial(_rank_bytes, backend, rank), rank=str(rank))
         for stage in self.rooms.stages:
             metrics.gauge("queue_requests", "Requests in each PD queue",
-                          lambda name=stage.value: self.queue_counts()[name], queue=stage.value)
+                          functools.partial(self._queue_count, stage.value), queue=stage.value)
+
+    def _queue_count(self, queue: str) -> int:
+        return self.queue_counts()[queue]
 
     def queue_counts(self, stats: EngineStats | None = None) -> dict[str, int]:
         """Requests in each of the role's PD queues (by queue label): the room table's stages, but a
@@ -201,9 +226,10 @@ class WorkerRuntime:
             waiting=counts["waiting"], running=stats.running, retracted=stats.retracted,
             free_pages=stats.total_pages - stats.used_pages, total_pages=stats.total_pages)
 
-    def start_metrics(self) -> None:
+    def start_metrics(self) -> MetricsServer:
         self.metrics_server = start_metrics_server(self.metrics.registry, self.config.server.metrics_port,
                                                    self.config.server.host)
+        return self.metrics_server
 
     def model_layout(self) -> KVLayout:
         """The KV page of the whole model (all KV heads), whatever the TP size: what the registry

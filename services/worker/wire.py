@@ -23,6 +23,7 @@ import grpc
 
 from engine.api import EngineAPI
 from engine.multimodal.decode import prepare as prepare_images
+from engine.multimodal.inputs import ImageInput
 from engine.outputs import TokenOutput
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
@@ -80,7 +81,7 @@ def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
     prompt = list(prompt_token_ids)
     if not prompt:
         raise BadRequest("prompt_token_ids is empty: a prompt needs at least one token")
-    decoded = ()
+    decoded: tuple[ImageInput, ...] = ()
     if images:
         try:
             prompt, decoded = prepare_images(engine.config.model_path, model, prompt, images)

@@ -50,8 +50,8 @@ async def test_mla_bytes_pushed_count_each_latent_page_once_per_decode_rank(monk
     try:
         dst = [4, 5, 6]
         receiver.expect("room-1", dst, GRANT)
-        writes = RoomWrites("room-1", sender, queues, dst, grant=GRANT, want_checksums=True)
-        writes.peer = sender.connect(receiver.endpoint())
+        writes = RoomWrites("room-1", sender, queues, sender.connect(receiver.endpoint()), dst, grant=GRANT,
+                            want_checksums=True)
         writes.push([0, 1], num_tokens=4)  # after a chunk, then the rest
         writes.push([0, 1, 2], num_tokens=5)
         await writes.wait_all()

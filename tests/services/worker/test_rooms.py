@@ -14,7 +14,8 @@ from services.worker.rooms import QUEUES, Room, RoomInUse, RoomTable, Stage, fin
 
 def issued(room: PrefillRoom, checksums: list[int]) -> PrefillRoom:
     """`room` as if its writes had issued pages with these checksums."""
-    room.writes = RoomWrites(room.id, backend=None, queues=None, dst_page_ids=[], checksums=list(checksums))
+    room.writes = RoomWrites(room.id, backend=None, queues=None, peer=None, dst_page_ids=[],
+                             checksums=list(checksums))
     return room
 
 
