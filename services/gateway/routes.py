@@ -312,8 +312,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
     loader = image_loader(request)
     images = [await loader.load(sources, multimodal=state.model_files.multimodal, param="image_data",
                                 plain_base64=True) for sources in image_sources]
-    prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,
-                                           param=prompt_param)
+    prompts = await guards.encoder.prompts(body.prompt(), param=prompt_param)
     for prompt_ids in prompts:
         check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param=prompt_param,
                      max_tokens_param="sampling_params.max_new_tokens")
