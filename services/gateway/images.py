@@ -91,10 +91,10 @@ class ImageLoader:
         parts = [self._classify(index, source, plain_base64) for index, source in enumerate(sources)]
         inline = [p for p in parts if isinstance(p, _Inline)]
         total = 0
-        for part in inline:
-            size = _decoded_size(part.payload)
+        for inline_part in inline:
+            size = _decoded_size(inline_part.payload)
             if size > limits.max_image_bytes:
-                raise payload_too_large(f"image {part.index}: {size} bytes; at most {limits.max_image_bytes} "
+                raise payload_too_large(f"image {inline_part.index}: {size} bytes; at most {limits.max_image_bytes} "
                                         "per image (--max-image-bytes)")
             total += size
         if total > limits.max_request_image_bytes:

@@ -127,8 +127,11 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
 
 async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.socket, state: GatewayState,
                  workers: Sequence[StaticWorker]) -> None:
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=config.graceful_shutdown, loop="none"))
+    # uvicorn's stub says timeout_graceful_shutdown is an int; it is asyncio.wait_for's timeout: a float is fine
+    uvicorn_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=config.graceful_shutdown,  # type: ignore[arg-type]
+                                    loop="none")
+    server = _Server(uvicorn_config)
     server_task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not server_task.done():
         await asyncio.sleep(0.02)

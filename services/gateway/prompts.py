@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -43,6 +43,9 @@ from tokenizers import Tokenizer
 from services.common.model_info import context_length
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs is Python 3.13's
 
 T = TypeVar("T")
 
@@ -289,11 +292,11 @@ class PromptEncoder:
         """The prompts of a /v1/completions (or /generate) body as token id lists."""
         if isinstance(prompt, str):
             return await self._encode([prompt], add_special_tokens=True, param=param)
-        if all(isinstance(item, str) for item in prompt):
-            return await self._encode(prompt, add_special_tokens=True, param=param)  # type: ignore[arg-type]
-        if isinstance(prompt[0], int):  # validation left only all-int or all-list id prompts
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        if _all_texts(prompt):
+            return await self._encode(prompt, add_special_tokens=True, param=param)
+        if _flat_ids(prompt):
+            return [prompt]
+        return list(prompt)
 
     async def _encode(self, texts: Sequence[str], *, add_special_tokens: bool, param: str) -> list[list[int]]:
         context = self.model_files.context_length
@@ -309,6 +312,15 @@ class PromptEncoder:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _all_texts(prompt: list[str] | list[int] | list[list[int]]) -> TypeIs[list[str]]:
+    return all(isinstance(item, str) for item in prompt)
+
+
+def _flat_ids(prompt: list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    # validation left only all-int or all-list id prompts: the first item says which
+    return isinstance(prompt[0], int)
 
 
 def context_exceeded(context: int, prompt_tokens: int | str, param: str) -> GatewayError:
