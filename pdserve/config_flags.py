@@ -86,7 +86,7 @@ def _add_arguments(parser: argparse.ArgumentParser, config_cls: type, defaults: 
     for f, hint, default in _flag_fields(config_cls, defaults):
         if f.name in omit:
             continue
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             _add_arguments(parser, hint, _sub_defaults(f, default), tuple(f.metadata.get("omit", ())), dests)
             continue
         if f.name in dests:
@@ -118,7 +118,7 @@ def _from_args(config_cls: type[C], args: argparse.Namespace, defaults: dict[str
         if f.name in omit:
             if f.name in defaults:  # this command's default for a field it has no flag for
                 values[f.name] = defaults[f.name]
-        elif dataclasses.is_dataclass(hint):
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
             values[f.name] = _from_args(hint, args, _sub_defaults(f, default), tuple(f.metadata.get("omit", ())))
         elif hint == tuple[str, ...]:
             values[f.name] = tuple(getattr(args, f.name) or ())

@@ -230,13 +230,13 @@ class RegistryClient:
 
     # -- gateway side --------------------------------------------------------------------------
 
-    async def list(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
+    async def list(self, role: common_pb2.WorkerRole = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
                    *, wait_for_ready: bool = False) -> list[bootstrap_pb2.WorkerInfo]:
         response = await self._unary("List", bootstrap_pb2.ListRequest(role=role, model=model),
                                      timeout_s=self.rpc_timeout_s, wait_for_ready=wait_for_ready)
         return list(response.workers)
 
-    async def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "", *,
+    async def watch(self, role: common_pb2.WorkerRole = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "", *,
                     reconnect: bool = True, min_backoff_s: float = 0.2, max_backoff_s: float = 5.0
                     ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
         """Worker events matching (role, model): the current workers as JOINED, one SYNCED, then

@@ -26,7 +26,6 @@ import grpc
 
 from engine.models.vision import VisionTower
 from engine.multimodal.decode import MAX_IMAGES, decode_image, processor_config
-from engine.multimodal.image_processor import preprocess
 from libkv.embedding_pool import EmbeddingPages, EmbeddingPool, PagesExhausted
 from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, GrantRefused, PeerUnreachable, TransferBackend, TransferError
@@ -111,7 +110,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def _run_tower(self, blobs: list[bytes], expected_rows: list[int]):
         config = processor_config(self.model_path)
-        images = [preprocess(decode_image(blob, i), config) for i, blob in enumerate(blobs)]
+        images = [config.preprocess(decode_image(blob, i)) for i, blob in enumerate(blobs)]
         rows = [image.num_tokens(self.tower.merge_size) for image in images]
         if rows != expected_rows:
             raise ValueError(f"the images make {rows} embedding rows, the caller expects {expected_rows}")
