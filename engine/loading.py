@@ -83,6 +83,8 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, devic
 
     check_pp_size(config.topology(), model_config.num_layers)
     config = prepare_config(config, model_config)  # refuses a layout the model cannot split, before any rank starts
+    if config.num_threads is None:
+        raise RuntimeError("prepare_config leaves num_threads set")
     torch.set_num_threads(config.num_threads)
     group, followers = start_tensor_parallel(config, device)
     try:
@@ -111,17 +113,18 @@ def _page_manager(config: EngineConfig, pool: KVPool) -> PageManager:
 
 def _in_short_lived_thread(function: Callable[[], T]) -> T:
     """Run `function` in a new thread, wait for it, return its result or raise its exception."""
-    outcome: dict[str, object] = {}
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            outcome["value"] = function()
+            values.append(function())
         except BaseException as exc:  # re-raised in the caller
-            outcome["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=run, name="pdserve-engine-load")
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome["value"]  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return values[0]

@@ -57,6 +57,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decode], including the token being decoded
     extends: list[ExtendSpan]
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decode_page_table, decode_seq_lens), for a step with decode rows (the runner sets both then)."""
+        if self.decode_page_table is None or self.decode_seq_lens is None:
+            raise ValueError(f"decode attention over a step without its decode tables ({self.num_decode} decode rows)")
+        return self.decode_page_table, self.decode_seq_lens
+
 
 # decode_op(q, buffer, layer, page_table, seq_lens, scale): kernels.ops.paged_decode_attention's contract.
 DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -64,7 +70,8 @@ DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor
 
 def decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, meta: AttentionMetadata,
                      scale: float, decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
-    return decode_op(q, buffer, layer, meta.decode_page_table, meta.decode_seq_lens, scale)
+    page_table, seq_lens = meta.decode_tables()
+    return decode_op(q, buffer, layer, page_table, seq_lens, scale)
 
 
 def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Tensor | None:

@@ -271,13 +271,14 @@ def _rope(raw: dict) -> RopeConfig:
     factor = float(factor)
     attention_factor = 1.0
     if rope_type == "yarn":
-        attention_factor = params.get("attention_factor")
+        given_factor = params.get("attention_factor")
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if attention_factor is None:
-            if mscale and mscale_all_dim:
-                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-            else:
-                attention_factor = yarn_mscale(factor)
+        if given_factor is not None:
+            attention_factor = given_factor
+        elif mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

@@ -147,8 +147,10 @@ class MLAAttention:
         tokens = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
+        elif self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None:
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, _LATENT_NORM_EPS))
         else:
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, _LATENT_NORM_EPS))  # type: ignore[misc]
+            raise ValueError("an MLA layer needs q_proj, or q_a_proj, q_a_layernorm and q_b_proj")
         q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
                                                                     dim=-1)
         latent, k_pe = self.kv_a_proj(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
@@ -166,10 +168,11 @@ class MLAAttention:
         """The batch's attention [T, H, v_head_dim] in the model dtype, sequence by sequence: the
         reference (and the path off CPU) of the C++ kernel kernels.cpu_kernels.mla_attention."""
         out = torch.empty(*q_nope.shape[:2], self.mla.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
-        decode_lens = meta.decode_seq_lens.tolist() if meta.num_decode else []  # type: ignore[union-attr]
-        for b, length in enumerate(decode_lens):
-            keys = gather_latent(buffer, layer, meta.decode_page_table[b], length)  # type: ignore[index]
-            out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
+        if meta.num_decode:
+            page_table, seq_lens = meta.decode_tables()
+            for b, length in enumerate(seq_lens.tolist()):
+                keys = gather_latent(buffer, layer, page_table[b], length)
+                out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
         for span in meta.extends:
             span_rows = slice(span.start, span.start + span.length)
             if span.prefix_len == 0:

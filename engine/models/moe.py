@@ -84,6 +84,8 @@ class Router:
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if cfg.topk_method == NOAUX_TC:
+            if self.correction_bias is None:  # __init__ refuses this
+                raise ValueError("noaux_tc routing needs e_score_correction_bias")
             choice = scores + self.correction_bias
             groups = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups).topk(2, dim=-1)[0].sum(-1)
             choice = choice.masked_fill(~self._group_mask(groups), float("-inf"))
@@ -198,7 +200,7 @@ class MoEBlock:
         elif self.stacked is not None:
             out = cpu_kernels.moe_experts(x.contiguous(), ids, weights, *self.stacked)
         else:
-            out = routed_experts_torch(x, ids, weights, self.experts, counts)
+            out = routed_experts_torch(x, ids, weights, self._expert_linears(), counts)
         if self.shared is not None:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
@@ -212,7 +214,13 @@ class MoEBlock:
             # output (x 1.0 rounds to itself), what the torch path below gives.
             ids = torch.repeat_interleave(torch.arange(len(counts)), counts).unsqueeze(1)
             return cpu_kernels.moe_experts(rows.contiguous(), ids, torch.ones(ids.shape), *self.stacked)
-        return run_grouped_experts(self.experts, rows, counts)
+        return run_grouped_experts(self._expert_linears(), rows, counts)
+
+    def _expert_linears(self) -> list[tuple[Linear, Linear]]:
+        """The per-expert Linears (set whenever `stacked` is not: __init__ checks exactly one is)."""
+        if self.experts is None:
+            raise ValueError("MoEBlock needs either per-expert Linears or stacked expert weights")
+        return self.experts
 
 
 def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

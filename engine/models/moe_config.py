@@ -95,16 +95,20 @@ def _deepseek(raw: dict, v3: bool) -> MoEConfig:
     top_k = raw.get("num_experts_per_tok", 8 if v3 else None)
     if top_k is None:
         raise ValueError("DeepseekV2 config.json lacks num_experts_per_tok")
-    groups = (raw.get("n_group", 8 if v3 else None), raw.get("topk_group", 4 if v3 else None))
-    if method != GREEDY and None in groups:
-        raise ValueError(f"topk_method {method!r} needs n_group and topk_group; got {groups[0]!r}, {groups[1]!r}")
+    num_groups = topk_groups = 1  # greedy routing looks at no groups
+    if method != GREEDY:
+        n_group, topk_group = raw.get("n_group", 8 if v3 else None), raw.get("topk_group", 4 if v3 else None)
+        if n_group is None or topk_group is None:
+            raise ValueError(f"topk_method {method!r} needs n_group and topk_group; got {n_group!r}, "
+                             f"{topk_group!r}")
+        num_groups, topk_groups = n_group, topk_group
     first_dense = raw.get("first_k_dense_replace", 3 if v3 else 0)
     intermediate = raw.get("moe_intermediate_size", 2048 if v3 else 1407)
     return _checked(MoEConfig(
         num_experts=num_experts, top_k=top_k, intermediate_size=intermediate,
         sparse_layers=tuple(range(first_dense, raw["num_hidden_layers"])),
         scoring=scoring, topk_method=method,
-        num_groups=groups[0] if method != GREEDY else 1, topk_groups=groups[1] if method != GREEDY else 1,
+        num_groups=num_groups, topk_groups=topk_groups,
         normalize=v3 and bool(raw.get("norm_topk_prob", True)),  # V2's router never renormalises
         scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
         shared_intermediate_size=intermediate * raw.get("n_shared_experts", 1 if v3 else 2),

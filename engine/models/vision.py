@@ -12,13 +12,16 @@ and the merger that turns each 2x2 window of patches into one decoder-width toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.models.config import ModelConfig
 from engine.models.weights import CheckpointReader
 from engine.multimodal.inputs import ImageInput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel  # imported where used: it is slow to import
 
 # transformers 5 saves the tower as model.visual.*, older Qwen2-VL checkpoints as visual.*
 _PREFIXES = ("model.visual.", "visual.")
@@ -44,7 +47,13 @@ def tower_merge_size(config: ModelConfig) -> int:
     tower but must expand and hash image prompts exactly as the tower's worker does."""
     if config.architecture == "LlavaForConditionalGeneration":
         return 1  # one token per CLIP patch (engine.models.vision_clip)
-    return int(config.vision_config.get("spatial_merge_size", 2))
+    return int(_vision_config(config).get("spatial_merge_size", 2))
+
+
+def _vision_config(config: ModelConfig) -> dict:
+    if config.vision_config is None:
+        raise ValueError(f"{config.architecture} is not a vision-language model (no vision_config)")
+    return config.vision_config
 
 
 def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str, torch.Tensor]:
@@ -65,7 +74,7 @@ def load_module(module: torch.nn.Module, state: dict[str, torch.Tensor], what: s
         raise ValueError(f"{what} weights do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
-def _qwen_classes(architecture: str) -> tuple[type, type]:
+def _qwen_classes(architecture: str) -> tuple[type[PreTrainedConfig], type[PreTrainedModel]]:
     if architecture == "Qwen3VLForConditionalGeneration":
         from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -97,7 +106,7 @@ class VisionTower:
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionTower:
         config_class, module_class = _qwen_classes(config.architecture)
-        vision_config = config_class(**config.vision_config)  # type: ignore[arg-type]
+        vision_config = config_class(**_vision_config(config))
         state = tower_state(model_dir, _PREFIXES, "vision tower")
         # Built for real (not on `meta`): its rotary inverse frequencies are buffers the checkpoint
         # does not hold, computed by the module's own constructor.

@@ -45,7 +45,7 @@ class CheckpointReader:
         self._stored_as = {"model." + name.removeprefix(_LANGUAGE_MODEL): name
                            for name in self._file_of if name.startswith(_LANGUAGE_MODEL)}
         self._file_of.update({alias: self._file_of[name] for alias, name in self._stored_as.items()})
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def names(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -59,7 +59,7 @@ class CheckpointReader:
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(self._stored_as.get(name, name))  # type: ignore[attr-defined]
+        return self._handles[path].get_tensor(self._stored_as.get(name, name))
 
     def close(self) -> None:
         self._handles.clear()

@@ -57,6 +57,8 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     attn_shard = TPShard(topology.attn_tp_rank(group.rank), topology.attn_tp_size) if dp_attention else None
     expert_parallel = None
     if topology.ep_size > 1:
+        if model_config.moe is None:  # check_tp_size refuses it before any rank starts
+            raise ValueError(f"--ep-size {topology.ep_size} needs a mixture-of-experts model")
         expert_parallel = ExpertParallel.for_rank(group, model_config.moe.num_experts)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),

@@ -56,7 +56,7 @@ def _left_cleanly(followers: FollowerRanks, grace_s: float = 3.0) -> bool:
 def run_node(config: EngineConfig, host: str) -> int:
     """Run node `config.node_rank`'s ranks until one exits, node 0 is lost or a signal comes."""
     topology = config.topology()
-    init_host, port = parse_init_addr(config.dist_init_addr)  # type: ignore[arg-type]
+    init_host, port = parse_init_addr(config.dist_init_addr)
     try:
         if is_loopback(host) and not is_loopback(init_host):
             raise RendezvousError(f"node {topology.node_rank}: --host {host} is a loopback address, which node 0's "
@@ -75,7 +75,7 @@ def run_node(config: EngineConfig, host: str) -> int:
     ranks = list(topology.node_ranks())
     followers = FollowerRanks.start(config, ranks, (init_host, port), control, authkey, transfer_host=host)
     done = threading.Event()
-    outcome: dict[str, object] = {}
+    outcome: dict[str, tuple[int, str]] = {}  # "result": (exit code, why)
 
     def finish(code: int, why: str) -> None:
         outcome.setdefault("result", (code, why))
@@ -93,10 +93,10 @@ def run_node(config: EngineConfig, host: str) -> int:
             rank, code = exited
             # Code 0: rank 0 closed the group (its worker shut down); anything else is a failure.
             finish(0, "rank 0 closed the group") if code == 0 else finish(1, f"tp rank {rank} exited with code {code}")
-    code, why = outcome["result"]  # type: ignore[misc]
+    code, why = outcome["result"]
     if code and _left_cleanly(followers):  # node 0 shut down first, then its store went away
         code, why = 0, "rank 0 closed the group"
     heartbeat.stop()
     (log.info if code == 0 else log.error)("node %d: %s; stopping its ranks", topology.node_rank, why)
     followers.kill()
-    return code  # type: ignore[return-value]
+    return code

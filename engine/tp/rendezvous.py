@@ -50,7 +50,9 @@ class RendezvousError(RuntimeError):
     """This node cannot join (or host) the rank group; the message names the address and the node."""
 
 
-def parse_init_addr(value: str) -> tuple[str, int]:
+def parse_init_addr(value: str | None) -> tuple[str, int]:
+    if value is None:  # EngineConfig refuses --nnodes above 1 without it
+        raise ValueError("--dist-init-addr HOST:PORT is needed across nodes")
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--dist-init-addr must be HOST:PORT, got {value!r}")
