@@ -116,9 +116,11 @@ class StepProfiler:
         name = f"{'-'.join(sorted(self.kinds))}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.trace.json"
         path = self.directory / name
         try:
-            profiler.stop()  # type: ignore[union-attr]
+            if profiler is None:  # _finish runs only after _start set one
+                raise RuntimeError("no profiler is running")
+            profiler.stop()
             self.directory.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(path))  # type: ignore[union-attr]
+            profiler.export_chrome_trace(str(path))
         except Exception as exc:
             self._turn_off(f"could not write the profile to {path}: {exc!r}")
             return

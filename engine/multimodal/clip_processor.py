@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class ClipProcessorConfig:
         model = json.loads((Path(model_dir) / "config.json").read_text())
         path = Path(model_dir) / "preprocessor_config.json"
         side = int(model.get("vision_config", {}).get("image_size", cls.shortest_edge))
-        raw = json.loads(path.read_text()) if path.exists() else {
+        raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
             "size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
         for flag in ("do_resize", "do_center_crop", "do_rescale", "do_normalize"):
             if raw.get(flag, True) is not True:

@@ -82,8 +82,8 @@ def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ImageInput:
     patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
     height, width = smart_resize(image.height, image.width, patch * merge, config.min_pixels, config.max_pixels)
     resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    pixels = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
-    pixels = (pixels - np.asarray(config.image_mean, np.float32)) / np.asarray(config.image_std, np.float32)
+    scaled = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
+    pixels = (scaled - np.asarray(config.image_mean, np.float32)) / np.asarray(config.image_std, np.float32)
     frames = np.repeat(pixels.transpose(2, 0, 1)[None], temporal, axis=0)  # [T, C, H, W]
     return ImageInput.from_pixels(torch.from_numpy(patchify(frames, patch, merge, temporal)),
                                   (frames.shape[0] // temporal, height // patch, width // patch))

@@ -54,8 +54,10 @@ class MultimodalState:
 
     def embedding_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(offsets within the chunk start..end-1, embeddings) of the image tokens in it."""
+        if self.embeddings is None:
+            raise ValueError("embedding_rows of images whose embeddings are not computed yet")
         mask = (self.pad_positions >= start) & (self.pad_positions < end)
-        return self.pad_positions[mask] - start, self.embeddings[mask]  # type: ignore[index]
+        return self.pad_positions[mask] - start, self.embeddings[mask]
 
 
 def page_salts(prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
