@@ -90,9 +90,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"room {room}: the caller did not grant these embedding pages: {exc}")
         except (PeerUnreachable, TransferError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room}: cannot check the caller's grant: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"room {room}: cannot check the caller's grant: {exc}")
         try:
-            embeddings = await asyncio.to_thread(self._run_tower, list(request.images), list(request.image_rows))
+            embeddings = await asyncio.to_thread(self._run_tower, list(request.images),
+                                                 list(request.image_rows))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {room}: {exc}")
         try:
@@ -126,7 +128,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Stage, checksum and write; on cancellation or timeout abort the write before returning."""
         self.pool.put(src_pages, embeddings)
         sums = self.backend.page_checksums_for(peer, src_pages, key=room)
-        handle = await asyncio.to_thread(self.backend.write, peer, src_pages, dst_pages, key=room, grant=grant)
+        handle = await asyncio.to_thread(self.backend.write, peer, src_pages, dst_pages, key=room,
+                                         grant=grant)
         try:
             await asyncio.wait_for(self.backend.wait(handle), timeout=self.transfer_timeout_s)
         except BaseException:

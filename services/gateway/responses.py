@@ -224,7 +224,8 @@ def chat_logprobs(tokens: Sequence[GeneratedToken], model_files: ModelFiles, top
         for token_id, logprob in token.top_logprobs[:top_n]:
             alternative = model_files.token_text(token_id)
             top.append(TopLogprob(token=alternative.text, logprob=logprob, bytes=alternative.bytes))
-        content.append(ChatTokenLogprob(token=shown.text, logprob=token.logprob if token.logprob is not None else 0.0,
+        content.append(ChatTokenLogprob(token=shown.text,
+                                        logprob=token.logprob if token.logprob is not None else 0.0,
                                         bytes=shown.bytes, top_logprobs=top))
     return ChatLogprobs(content=content)
 
