@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput (engine.scheduler) into input tensors, runs the decoder, returns logits."""
+"""ModelRunner: turns a SchedulerOutput (engine.scheduler) into input tensors, runs the decoder,
+returns logits."""
 
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ class ModelRunner:
         if axes == 1:
             stacked = stacked[0]
         image_embeds = (torch.cat(rows).to(self.device), torch.cat(embeds)) if rows else None
-        return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta, self.pool.buffer,
-                                  None if logit_rows is None else self._tensor(logit_rows), image_embeds)
+        return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta,
+                                  self.pool.buffer, None if logit_rows is None else self._tensor(logit_rows),
+                                  image_embeds)
 
     def _image_rows(self, state: MultimodalState, chunk: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
         if state.embeddings is None:

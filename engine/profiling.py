@@ -126,8 +126,8 @@ class StepProfiler:
             return
         finally:
             _ONE_PER_PROCESS.release()
-        log.info("profile of %d steps written to %s: open it at %s (Open trace file)", self._seen, path.resolve(),
-                 PERFETTO_URL)
+        log.info("profile of %d steps written to %s: open it at %s (Open trace file)", self._seen,
+                 path.resolve(), PERFETTO_URL)
 
     def _turn_off(self, why: str) -> None:
         log.warning("%s; profiling is off for the rest of this process", why)

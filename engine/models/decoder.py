@@ -84,7 +84,8 @@ class DecoderModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.scale = config.head_dim ** -0.5  # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
+        # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
+        self.scale = config.head_dim ** -0.5
         # GQA layers rotate whole heads; MLA layers only their qk_rope_head_dim part, by the table
         # their MLARope holds.
         self.rotary = None if config.mla is not None or config.mrope_section else RotaryTable(
@@ -271,8 +272,9 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
         layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe, ep=expert_parallel)
     else:
         mlp, width = p + "mlp.", config.intermediate_size
-        layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),
-                                          weights.rows(weights.get(mlp + "up_proj.weight", (width, hidden)))]),
+        gate = weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden)))
+        up = weights.rows(weights.get(mlp + "up_proj.weight", (width, hidden)))
+        layer.gate_up = Linear(torch.cat([gate, up]),
                                _cat_biases(weights, [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
         layer.down = Linear(weights.columns(weights.get(mlp + "down_proj.weight", (hidden, width))),
                             weights.row_bias(weights.maybe(mlp + "down_proj.bias")))
@@ -281,7 +283,8 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
 
 def _load_gqa(weights: ShardedReader, config: ModelConfig, attn: str, layer: LayerWeights) -> None:
     hidden, head_dim = config.hidden_size, config.head_dim
-    rows = {"q": config.num_heads * head_dim, "k": config.num_kv_heads * head_dim, "v": config.num_kv_heads * head_dim}
+    rows = {"q": config.num_heads * head_dim, "k": config.num_kv_heads * head_dim,
+            "v": config.num_kv_heads * head_dim}
     layer.qkv = Linear(torch.cat([weights.rows(weights.get(attn + f"{x}_proj.weight", (rows[x], hidden)))
                                   for x in "qkv"]),
                        _cat_biases(weights, [attn + f"{x}_proj.bias" for x in "qkv"]))

@@ -81,7 +81,8 @@ class TorchLayerOps:
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
                            k_norm: torch.Tensor | None, eps: float, shape: HeadShape, buffer: torch.Tensor,
-                           layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           layer: int, slots: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] from fused projections; K/V stored in the pool. The q/k
         norms come both or neither (the loader refuses one without the other)."""
         cos, sin = rotary
@@ -103,7 +104,8 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     def paged_decode_attention(self, q: torch.Tensor, buffer: torch.Tensor, layer: int,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
         return ops.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
 
     def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
@@ -141,7 +143,8 @@ class CpuKernelLayerOps(TorchLayerOps):
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
                            k_norm: torch.Tensor | None, eps: float, shape: HeadShape, buffer: torch.Tensor,
-                           layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           layer: int, slots: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         positions, cos, sin = rotary
         q, k = cpu_kernels.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, buffer, layer,
                                               slots, shape.num_heads, shape.num_kv_heads)
@@ -152,7 +155,8 @@ class CpuKernelLayerOps(TorchLayerOps):
         return cpu_kernels.silu_and_mul(gate_up)
 
     def paged_decode_attention(self, q: torch.Tensor, buffer: torch.Tensor, layer: int,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
 
     def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
@@ -166,7 +170,8 @@ class CpuKernelLayerOps(TorchLayerOps):
         spans = meta.extends
         return cpu_kernels.mla_attention(
             q_nope, q_pe, buffer, layer, mla.k_up, mla.v_up_t, mla.scale,
-            meta.decode_page_table if meta.num_decode else None, meta.decode_seq_lens if meta.num_decode else None,
+            meta.decode_page_table if meta.num_decode else None,
+            meta.decode_seq_lens if meta.num_decode else None,
             [s.page_ids for s in spans], [s.start for s in spans], [s.length for s in spans],
             [s.prefix_len for s in spans])
 

@@ -53,7 +53,8 @@ from engine.models.weights import ShardedReader
 
 # q_a_layernorm and kv_a_layernorm are built with transformers' default eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-# attend(mla_attention, q_nope, q_pe, rows, buffer, layer, meta) -> [T, H, v_head_dim]: attend_torch's contract.
+# attend(mla_attention, q_nope, q_pe, rows, buffer, layer, meta) -> [T, H, v_head_dim]: attend_torch's
+# contract.
 MLAAttendOp = Callable[["MLAAttention", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
                         AttentionMetadata], torch.Tensor]
 _ROTATIONS = {"complex": apply_rotary_complex, "interleave": apply_rotary_interleaved, "half": apply_rotary}
@@ -105,8 +106,10 @@ class MLAAttention:
         self.o_proj = o_proj
 
     @classmethod
-    def load(cls, weights: ShardedReader, attn_prefix: str, config, rope: MLARope | None = None) -> MLAAttention:
-        """`rope` is shared by the model's layers (DecoderModel builds one); None builds one for this layer."""
+    def load(cls, weights: ShardedReader, attn_prefix: str, config,
+             rope: MLARope | None = None) -> MLAAttention:
+        """`rope` is shared by the model's layers (DecoderModel builds one); None builds one for this
+        layer."""
         mla: MLAConfig = config.mla
         hidden, heads = config.hidden_size, config.num_heads
         local_heads = heads // weights.tp_size
@@ -151,8 +154,8 @@ class MLAAttention:
             q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, _LATENT_NORM_EPS))
         else:
             raise ValueError("an MLA layer needs q_proj, or q_a_proj, q_a_layernorm and q_b_proj")
-        q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
-                                                                    dim=-1)
+        q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, _LATENT_NORM_EPS)
         q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(1), positions, max_position)
@@ -179,7 +182,8 @@ class MLAAttention:
                 keys = rows[span_rows]  # exactly what was just stored: skip the round trip via pages
             else:
                 keys = gather_latent(buffer, layer, span.page_ids, span.prefix_len + span.length)
-            out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len, span.mask)
+            out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len,
+                                          span.mask)
         return out
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, prefix_len: int,
@@ -192,8 +196,8 @@ class MLAAttention:
         """
         length, rank = q_nope.shape[0], self.mla.kv_lora_rank
         # The query in latent space, per head: [H, L, kv_lora_rank + rope], fp32.
-        query = torch.cat([torch.bmm(q_nope.transpose(0, 1).float(), self.k_up), q_pe.transpose(0, 1).float()],
-                          dim=-1)
+        query = torch.cat([torch.bmm(q_nope.transpose(0, 1).float(), self.k_up),
+                           q_pe.transpose(0, 1).float()], dim=-1)
         if length > 1 and prefix_len and mask is None:
             mask = extend_mask(prefix_len, length, query.device)
         keys = keys.float()[None, None]

@@ -53,7 +53,8 @@ class MoEConfig:
         if architecture == "Qwen3MoeForCausalLM":
             return _qwen3_moe(raw)
         if architecture == "MixtralForCausalLM":
-            return _checked(cls(num_experts=raw.get("num_local_experts", 8), top_k=raw.get("num_experts_per_tok", 2),
+            return _checked(cls(num_experts=raw.get("num_local_experts", 8),
+                                top_k=raw.get("num_experts_per_tok", 2),
                                 intermediate_size=raw["intermediate_size"],
                                 sparse_layers=tuple(range(raw["num_hidden_layers"])), normalize=True))
         if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
@@ -82,7 +83,8 @@ def _deepseek(raw: dict, v3: bool) -> MoEConfig:
     arch = "DeepseekV3" if v3 else "DeepseekV2"
     expected_scoring, methods = (SIGMOID, (NOAUX_TC,)) if v3 else (SOFTMAX, (GREEDY, GROUP_LIMITED_GREEDY))
     if scoring != expected_scoring:
-        raise ValueError(f"unsupported scoring_func {scoring!r} for {arch}; implemented: {expected_scoring!r}")
+        raise ValueError(f"unsupported scoring_func {scoring!r} for {arch}; implemented: "
+                         f"{expected_scoring!r}")
     if method not in methods:
         raise ValueError(f"unsupported topk_method {method!r} for {arch}; implemented: "
                          f"{', '.join(repr(m) for m in methods)}")
@@ -120,13 +122,14 @@ def _checked(moe: MoEConfig) -> MoEConfig:
         raise ValueError(f"unsupported num_experts_per_tok {moe.top_k!r} with {moe.num_experts} experts")
     if moe.grouped:
         if moe.num_groups < 1 or moe.num_experts % moe.num_groups:
-            raise ValueError(f"unsupported n_group {moe.num_groups!r}: must divide the {moe.num_experts} experts")
+            raise ValueError(f"unsupported n_group {moe.num_groups!r}: must divide the "
+                             f"{moe.num_experts} experts")
         if not 1 <= moe.topk_groups <= moe.num_groups:
             raise ValueError(f"unsupported topk_group {moe.topk_groups!r} with n_group {moe.num_groups}")
         per_group = moe.num_experts // moe.num_groups
         if moe.topk_method == NOAUX_TC and per_group < 2:
-            raise ValueError(f"unsupported n_group {moe.num_groups!r}: noaux_tc scores a group by its two best "
-                             f"experts, so each group needs at least 2 of the {moe.num_experts} experts")
+            raise ValueError(f"unsupported n_group {moe.num_groups!r}: noaux_tc scores a group by its two "
+                             f"best experts, so each group needs at least 2 of the {moe.num_experts} experts")
         if moe.top_k > moe.topk_groups * per_group:
             raise ValueError(f"unsupported num_experts_per_tok {moe.top_k!r}: topk_group {moe.topk_groups} "
                              f"groups hold only {moe.topk_groups * per_group} experts")

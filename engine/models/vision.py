@@ -63,7 +63,8 @@ def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str,
         prefix = next((p for p in prefixes if any(n.startswith(p) for n in reader.names())), None)
         if prefix is None:
             raise ValueError(f"{model_dir}: a checkpoint without {what} weights ({' or '.join(prefixes)}*)")
-        return {name.removeprefix(prefix): reader.get(name) for name in list(reader.names()) if name.startswith(prefix)}
+        return {name.removeprefix(prefix): reader.get(name) for name in list(reader.names())
+                if name.startswith(prefix)}
     finally:
         reader.close()
 
@@ -71,7 +72,8 @@ def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str,
 def load_module(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{what} weights do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise ValueError(f"{what} weights do not match its config: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}")
 
 
 def _qwen_classes(architecture: str) -> tuple[type[PreTrainedConfig], type[PreTrainedModel]]:
@@ -104,7 +106,8 @@ class VisionTower:
         self.device = next(module.parameters()).device
 
     @classmethod
-    def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionTower:
+    def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
+             device: torch.device) -> VisionTower:
         config_class, module_class = _qwen_classes(config.architecture)
         vision_config = config_class(**_vision_config(config))
         state = tower_state(model_dir, _PREFIXES, "vision tower")
@@ -121,6 +124,7 @@ class VisionTower:
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.long, device=self.device)
         out = self.module(pixels, grid_thw=grid)
         deepstack = getattr(out, "deepstack_features", None)
-        if deepstack:  # Qwen3-VL: each row [embedding, layer 0's deepstack feature, ...] (the decoder splits it)
+        # Qwen3-VL: each row [embedding, layer 0's deepstack feature, ...] (the decoder splits it)
+        if deepstack:
             return torch.cat([out.pooler_output, *deepstack], dim=-1)
         return getattr(out, "pooler_output", out)

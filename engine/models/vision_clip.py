@@ -59,13 +59,14 @@ class ClipTower:
         if not isinstance(config.vision_feature_layer, int):
             raise ValueError("LLaVA with several vision_feature_layer values is not supported")
         if config.vision_feature_select_strategy not in STRATEGIES:
-            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
-                             f"supported; implemented: {', '.join(STRATEGIES)}")
+            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is "
+                             f"not supported; implemented: {', '.join(STRATEGIES)}")
         tower = CLIPVisionModel._from_config(vision_config, dtype=dtype)
         # CLIPVisionModel's own names start at vision_model.*, as the checkpoint's under its prefix
         load_module(tower, tower_state(model_dir, _TOWER, "vision tower"), "vision tower")
         projector = LlavaMultiModalProjector(config).to(dtype)
-        load_module(projector, tower_state(model_dir, _PROJECTOR, "multimodal projector"), "multimodal projector")
+        load_module(projector, tower_state(model_dir, _PROJECTOR, "multimodal projector"),
+                    "multimodal projector")
         return cls(tower.to(device).eval(), projector.to(device).eval(), config.vision_feature_layer,
                    config.vision_feature_select_strategy, vision_config.patch_size)
 

@@ -72,7 +72,8 @@ class ShardedReader:
     decoder, engine.models.moe, engine.models.mla) read through this so they share one TP rule.
     """
 
-    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype, shard=None) -> None:
+    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype,
+                 shard=None) -> None:
         self.reader = reader
         self.device = device
         self.dtype = dtype
@@ -82,14 +83,15 @@ class ShardedReader:
     def __contains__(self, name: str) -> bool:
         return name in self.reader
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor (before any TP slicing), in `dtype` (default: the model's); `shape` is what
         config.json implies, checked here so that a misshapen checkpoint is refused at load naming
         the tensor, not later."""
         tensor = self.reader.get(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-                                  f"implies {tuple(shape)}")
+            raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
+                                  f"config.json implies {tuple(shape)}")
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def maybe(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:

@@ -71,7 +71,8 @@ class ClipProcessorConfig:
             raise ValueError(f"unsupported resample {resample}; implemented: {sorted(_RESAMPLE)}")
         return cls(shortest_edge=int(size["shortest_edge"]), crop_height=int(crop["height"]),
                    crop_width=int(crop["width"]), patch_size=patch, resample=resample,
-                   image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
+                   image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
+                   image_std=tuple(raw.get("image_std", CLIP_STD)))
 
     def preprocess(self, image: Image.Image) -> ImageInput:
         return preprocess_clip(image, self)
@@ -115,5 +116,5 @@ def preprocess_clip(image: Image.Image, config: ClipProcessorConfig) -> ImageInp
     channels, crop_h, crop_w = pixels.shape
     grid_h, grid_w = crop_h // patch, crop_w // patch
     patches = pixels.reshape(channels, grid_h, patch, grid_w, patch).transpose(1, 3, 0, 2, 4)
-    return ImageInput.from_pixels(torch.from_numpy(np.ascontiguousarray(patches.reshape(grid_h * grid_w, -1))),
-                                  (1, grid_h, grid_w))
+    rows = np.ascontiguousarray(patches.reshape(grid_h * grid_w, -1))
+    return ImageInput.from_pixels(torch.from_numpy(rows), (1, grid_h, grid_w))

@@ -49,7 +49,8 @@ def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS
         raise ValueError(f"image {index} has too many pixels (at most {max_pixels})") from None
     width, height = image.size
     if width * height > max_pixels:
-        raise ValueError(f"image {index} has {width}x{height} = {width * height} pixels; at most {max_pixels}")
+        raise ValueError(f"image {index} has {width}x{height} = {width * height} pixels; at most "
+                         f"{max_pixels}")
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:

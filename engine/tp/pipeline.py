@@ -79,7 +79,8 @@ class PipelineStage:
                 return self._receive((num_logit_rows, self.vocab_size), torch.float32, self.last_stage_driver)
             return None
         logits = model.final_logits(hidden, logit_rows)
-        if logits is None:  # only DP attention leaves a rank without logits, and EngineConfig refuses it with PP
+        # only DP attention leaves a rank without logits, and EngineConfig refuses it with PP
+        if logits is None:
             raise RuntimeError("the last pipeline stage computed no logits")
         if self.tp_rank == 0 and self.rank != 0:
             self._send(logits, 0)

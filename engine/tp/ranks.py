@@ -59,11 +59,13 @@ class FollowerRanks:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         procs = []
         for rank in ranks:
-            spec = json.dumps({"config": asdict(config), "rank": rank, "store": list(store), "parent": os.getpid(),
-                               "control": [*control, authkey.hex()], "transfer_host": transfer_host})
+            spec = json.dumps({"config": asdict(config), "rank": rank, "store": list(store),
+                               "parent": os.getpid(), "control": [*control, authkey.hex()],
+                               "transfer_host": transfer_host})
             # The spec goes through a pipe, not argv: it carries the control socket's key, and any
             # local user can read a process's argv.
-            proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env, stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env,
+                                    stdin=subprocess.PIPE)
             if proc.stdin is None:  # stdin=PIPE gives one
                 raise RuntimeError("a follower rank started without its stdin pipe")
             proc.stdin.write(spec.encode())
@@ -89,7 +91,10 @@ class FollowerRanks:
         def run() -> None:
             while not self._stopping.wait(0.2):
                 exited = self.exited()
-                why = f"tp rank {exited[0]} exited with code {exited[1]}" if exited else (self._lost[0] if self._lost else None)
+                if exited:
+                    why: str | None = f"tp rank {exited[0]} exited with code {exited[1]}"
+                else:
+                    why = self._lost[0] if self._lost else None
                 if why is not None and not self._stopping.is_set():
                     on_exit(why)
                     return

@@ -131,9 +131,9 @@ def use_interface_of(host: str) -> None:
 
 def warn_if_exposed(host: str) -> None:
     if not is_loopback(host):
-        log.warning("the rank group at --dist-init-addr %s is not authenticated (torch.distributed's store and "
-                    "group are not): anyone who can reach that address can join it or read the steps' token "
-                    "ids. Keep it on the cluster's private network.", host)
+        log.warning("the rank group at --dist-init-addr %s is not authenticated (torch.distributed's store "
+                    "and group are not): anyone who can reach that address can join it or read the steps' "
+                    "token ids. Keep it on the cluster's private network.", host)
 
 
 class HeartbeatWatch:

@@ -58,7 +58,8 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[T
     followers = FollowerRanks.start(config, list(topology.node_ranks(0))[1:], (host, port), control.address,
                                     control.authkey)
     try:
-        group = _while_followers_run(followers, lambda: TPGroup(0, topology, store, device, config.dist_timeout),
+        group = _while_followers_run(followers,
+                                     lambda: TPGroup(0, topology, store, device, config.dist_timeout),
                                      _join_what(topology, config))
         controls = _while_followers_run(followers, lambda: control.accept(topology.world_size - 1),
                                         "connect its control channel")
