@@ -54,5 +54,7 @@ def follow(group: TPGroup, runner: ModelRunner) -> None:
             if batch is None:
                 log.info("rank 0 closed the group after %d steps", steps)
                 return
+            # unpickled, so typed object: a SchedulerOutput, or under DP attention a DPStep (whose
+            # runner is a DPRankRunner: engine.tp.load)
             runner.step(batch)  # type: ignore[arg-type]
             steps += 1
