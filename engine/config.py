@@ -36,40 +36,47 @@ class EngineConfig:
     page_size: int = field(default=16, metadata=_help("tokens per KV page"))
     num_pages: int | None = field(default=None, metadata=_help(
         "KV pages; unset = sized from free memory (--mem-fraction-static)"))
-    max_total_tokens: int | None = field(default=None, metadata=_help("KV capacity in tokens (instead of --num-pages)"))
+    max_total_tokens: int | None = field(default=None, metadata=_help(
+        "KV capacity in tokens (instead of --num-pages)"))
     mem_fraction_static: float = field(default=0.8, metadata=_help(
-        "fraction of the memory free after loading the weights given to the KV pool when --num-pages is unset"))
+        "fraction of the memory free after loading the weights given to the KV pool when --num-pages is "
+        "unset"))
     cpu_kv_cap_gib: float = field(default=2.0, metadata=_help(
         "upper bound of the CPU KV pool when sized from free memory"))
-    max_running_requests: int = field(default=64, metadata=_help("most requests in the running (decode) batch"))
+    max_running_requests: int = field(default=64, metadata=_help(
+        "most requests in the running (decode) batch"))
     chunked_prefill_size: int = field(default=512, metadata=_help(
         "prompt tokens per forward pass (a longer prompt spans several steps)"))
-    num_threads: int | None = field(default=None, metadata=_help("torch CPU threads; unset = torch's default"))
+    num_threads: int | None = field(default=None, metadata=_help(
+        "torch CPU threads; unset = torch's default"))
     cpu_kernels: str = field(default="auto", metadata=_help(
-        "fused C++ CPU kernels (engine.models.layer_ops) built by `make setup`: auto (if built), on (required) "
-        "or off"))
+        "fused C++ CPU kernels (engine.models.layer_ops) built by `make setup`: auto (if built), on "
+        "(required) or off"))
     tp_size: int = field(default=1, metadata={"flags": ("--tp-size", "--tp"), "help": (
-        "tensor-parallel ranks, one process each: rank 0 (this process: scheduler, and a worker's gRPC) starts "
-        "tp_size - 1 more, each holding 1/tp_size of the attention heads, KV heads and MLP columns (must divide "
-        "them); 1 = no collectives at all")})
+        "tensor-parallel ranks, one process each: rank 0 (this process: scheduler, and a worker's gRPC) "
+        "starts tp_size - 1 more, each holding 1/tp_size of the attention heads, KV heads and MLP columns "
+        "(must divide them); 1 = no collectives at all")})
     pp_size: int = field(default=1, metadata={"flags": ("--pp-size", "--pipeline-parallel-size"), "help": (
         "pipeline stages: the layers split into pp_size consecutive blocks, each on its own tp_size ranks "
         "(tp_size * pp_size ranks in all), activations passed stage to stage")})
     dp_size: int = field(default=1, metadata={"flags": ("--dp-size", "--data-parallel-size"), "help": (
-        "with --enable-dp-attention: attention data-parallel groups inside the tp_size ranks, each with its own "
-        "requests, batch and KV pool (must divide --tp-size); the MLP/MoE layers still span all tp_size ranks")})
+        "with --enable-dp-attention: attention data-parallel groups inside the tp_size ranks, each with its "
+        "own requests, batch and KV pool (must divide --tp-size); the MLP/MoE layers still span all tp_size "
+        "ranks")})
     enable_dp_attention: bool = field(default=False, metadata=_help(
         "data-parallel attention over --dp-size groups (SGLang's flag); --dp-size > 1 requires it"))
-    ep_size: int = field(default=1, metadata={"flags": ("--ep-size", "--ep", "--expert-parallel-size"), "help": (
-        "expert parallelism: experts split into ep_size blocks over the tp_size ranks (must divide --tp-size), "
-        "tokens dispatched to their experts' ranks and combined with an all-to-all")})
+    ep_size: int = field(default=1, metadata={
+        "flags": ("--ep-size", "--ep", "--expert-parallel-size"),
+        "help": ("expert parallelism: experts split into ep_size blocks over the tp_size ranks (must divide "
+                 "--tp-size), tokens dispatched to their experts' ranks and combined with an all-to-all")})
     moe_a2a_backend: str = field(default="none", metadata=_help(
         "none | deepep | mooncake: the all-to-all library of expert parallelism (deepep and mooncake set "
-        "--ep-size to --tp-size, as SGLang); where the library or its hardware is missing, torch.distributed's "
-        "all-to-all runs instead and the worker says so at start (identical output, only speed differs)"))
+        "--ep-size to --tp-size, as SGLang); where the library or its hardware is missing, "
+        "torch.distributed's all-to-all runs instead and the worker says so at start (identical output, only "
+        "speed differs)"))
     elastic_ep_backend: str = field(default="none", metadata=_help(
-        "none | mooncake: accepted so the seeds' command lines run; an EP rank that dies takes its worker down "
-        "(see docs/parallelism.md, Expert parallelism)"))
+        "none | mooncake: accepted so the seeds' command lines run; an EP rank that dies takes its worker "
+        "down (see docs/parallelism.md, Expert parallelism)"))
     mooncake_ib_device: str | None = field(default=None, metadata=_help(
         "RDMA device(s) of Mooncake's expert-parallel all-to-all (used where that backend runs)"))
     nnodes: int = field(default=1, metadata=_help(
@@ -82,9 +89,9 @@ class EngineConfig:
     dist_timeout: float = field(default=300.0, metadata=_help(
         "seconds to wait for every node's ranks to join, and for one collective"))
     trust_remote_code: bool = field(default=False, metadata=_help(
-        "accepted so that SGLang command lines run unchanged, and ignored: pdserve never executes code from a "
-        "checkpoint folder (it reads config.json, *.safetensors and the tokenizer files as data, and refuses "
-        "an architecture it does not implement, naming the supported ones)"))
+        "accepted so that SGLang command lines run unchanged, and ignored: pdserve never executes code from "
+        "a checkpoint folder (it reads config.json, *.safetensors and the tokenizer files as data, and "
+        "refuses an architecture it does not implement, naming the supported ones)"))
     disable_radix_cache: bool = field(default=False, metadata=_help(
         "turn the prefix cache off (SGLang's flag name): every prompt is computed in full, a decode worker "
         "reuses none of its cached pages, and no KV events are published"))
@@ -136,18 +143,20 @@ class EngineConfig:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
         if self.moe_a2a_backend not in ("none", "deepep", "mooncake"):
-            raise ValueError(f"--moe-a2a-backend must be none, deepep or mooncake, got {self.moe_a2a_backend!r}")
+            raise ValueError("--moe-a2a-backend must be none, deepep or mooncake, got "
+                             f"{self.moe_a2a_backend!r}")
         if self.elastic_ep_backend not in ("none", "mooncake"):
-            raise ValueError(f"--elastic-ep-backend must be none or mooncake, got {self.elastic_ep_backend!r}")
+            raise ValueError("--elastic-ep-backend must be none or mooncake, got "
+                             f"{self.elastic_ep_backend!r}")
         if self.dp_size > 1 and not self.enable_dp_attention:
-            raise ValueError(f"--dp-size {self.dp_size} needs --enable-dp-attention (whole-model data parallelism "
-                             "is more workers behind the gateway: start --dp-size of them)")
+            raise ValueError(f"--dp-size {self.dp_size} needs --enable-dp-attention (whole-model data "
+                             "parallelism is more workers behind the gateway: start --dp-size of them)")
         if self.enable_dp_attention and self.pp_size > 1:
             raise ValueError("--enable-dp-attention with --pp-size > 1 is not supported: DP attention groups "
                              "split one stage's ranks")
         if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, where "
-                             "the other nodes' ranks join)")
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, "
+                             "where the other nodes' ranks join)")
         if self.enable_hierarchical_cache:
             self._check_hicache()
         self.topology()  # raises TopologyError naming what does not fit
@@ -156,18 +165,22 @@ class EngineConfig:
 
     def _check_hicache(self) -> None:
         if self.hicache_storage_backend != "mooncake":
-            raise ValueError(f"--hicache-storage-backend must be mooncake, got {self.hicache_storage_backend!r}")
+            raise ValueError("--hicache-storage-backend must be mooncake, got "
+                             f"{self.hicache_storage_backend!r}")
         if not self.hicache_mooncake_master:
-            raise ValueError("--enable-hierarchical-cache needs the Mooncake Store master: --hicache-mooncake-master "
-                             "HOST:PORT (or PDSERVE_HICACHE_MOONCAKE_MASTER, MOONCAKE_MASTER)")
+            raise ValueError("--enable-hierarchical-cache needs the Mooncake Store master: "
+                             "--hicache-mooncake-master HOST:PORT (or PDSERVE_HICACHE_MOONCAKE_MASTER, "
+                             "MOONCAKE_MASTER)")
         if self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the prefix cache: drop --disable-radix-cache")
         if self.tp_size > 1 or self.pp_size > 1 or self.enable_dp_attention or self.nnodes > 1:
-            raise ValueError("--enable-hierarchical-cache runs with one rank for now (--tp-size 1, --pp-size 1, "
-                             "no --enable-dp-attention): each rank's pages would need a store entry of their own")
-        if self.hicache_timeout <= 0 or self.hicache_write_queue_pages < 1 or self.hicache_mooncake_segment_mb < 1:
-            raise ValueError("--hicache-timeout, --hicache-write-queue-pages and --hicache-mooncake-segment-mb "
-                             "must be positive")
+            raise ValueError("--enable-hierarchical-cache runs with one rank for now (--tp-size 1, --pp-size "
+                             "1, no --enable-dp-attention): each rank's pages would need a store entry of "
+                             "their own")
+        if (self.hicache_timeout <= 0 or self.hicache_write_queue_pages < 1
+                or self.hicache_mooncake_segment_mb < 1):
+            raise ValueError("--hicache-timeout, --hicache-write-queue-pages and "
+                             "--hicache-mooncake-segment-mb must be positive")
 
     def topology(self) -> Topology:
         """The rank layout these flags ask for. `--moe-a2a-backend deepep|mooncake` implies expert

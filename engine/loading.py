@@ -54,7 +54,8 @@ def load(config: EngineConfig) -> LoadedModel:
                          "nccl" if device.type == "cuda" else "gloo")
     if config.world_size > 1:
         if model_config.is_multimodal:
-            raise ValueError(f"{model_config.architecture} is served on one rank only so far (tp/pp/dp size 1)")
+            raise ValueError(f"{model_config.architecture} is served on one rank only so far "
+                             "(tp/pp/dp size 1)")
         return _load_tensor_parallel(config, model_config, device)
 
     def load_tensors() -> tuple[DecoderModel, KVPool]:
@@ -74,7 +75,8 @@ def load(config: EngineConfig) -> LoadedModel:
                        ModelRunner(model, pool))
 
 
-def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> LoadedModel:
+def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
+                          device: torch.device) -> LoadedModel:
     """Rank 0 of `config.world_size` (tp_size * pp_size): start the follower ranks, load this rank's
     shard (its stage's layers), drive the group."""
     from engine.tp.load import load_rank
@@ -82,7 +84,10 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, devic
     from engine.tp.setup import prepare_config, start_tensor_parallel
 
     check_pp_size(config.topology(), model_config.num_layers)
-    config = prepare_config(config, model_config)  # refuses a layout the model cannot split, before any rank starts
+    # refuses a layout the model cannot split, before any rank starts
+    config = prepare_config(config, model_config)
+    if config.num_threads is None:
+        raise RuntimeError("prepare_config leaves num_threads set")
     torch.set_num_threads(config.num_threads)
     group, followers = start_tensor_parallel(config, device)
     try:
@@ -93,8 +98,8 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig, devic
         raise
     # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
     # ids and start positions), so a page cached here holds its K/V head slice on every rank.
-    return LoadedModel(config, model_config, parts.model, tokenizer, parts.pool, _page_manager(config, parts.pool),
-                       DriverRunner(parts.runner, group), followers)
+    return LoadedModel(config, model_config, parts.model, tokenizer, parts.pool,
+                       _page_manager(config, parts.pool), DriverRunner(parts.runner, group), followers)
 
 
 def _tokenizer(config: EngineConfig):
@@ -111,17 +116,18 @@ def _page_manager(config: EngineConfig, pool: KVPool) -> PageManager:
 
 def _in_short_lived_thread(function: Callable[[], T]) -> T:
     """Run `function` in a new thread, wait for it, return its result or raise its exception."""
-    outcome: dict[str, object] = {}
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            outcome["value"] = function()
+            values.append(function())
         except BaseException as exc:  # re-raised in the caller
-            outcome["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=run, name="pdserve-engine-load")
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome["value"]  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return values[0]

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput (engine.scheduler) into input tensors, runs the decoder, returns logits."""
+"""ModelRunner: turns a SchedulerOutput (engine.scheduler) into input tensors, runs the decoder,
+returns logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from engine.models.attention import AttentionMetadata, ExtendSpan
 from engine.models.decoder import DecoderModel
-from engine.multimodal.state import text_positions
+from engine.multimodal.state import MultimodalState, text_positions
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
@@ -20,7 +21,9 @@ class ModelRunner:
     """Runs one step of the model over the KV pool; knows nothing about requests or sampling.
 
     With a `stage` (pipeline parallelism) the model is one stage's layers and the stage passes the
-    residual stream on (engine.tp.pipeline); forward then returns None on ranks that get no logits.
+    residual stream on (engine.tp.pipeline). Every rank runs `step`, which returns None on ranks that
+    get no logits (a pipeline stage, or under DP attention a rank other than 0); the engine, on rank
+    0, runs `forward`, which always has them.
     """
 
     def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None) -> None:
@@ -30,7 +33,7 @@ class ModelRunner:
         self.device = pool.device
         self.page_size = pool.layout.page_size
 
-    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _slots(self, chunk: ScheduledChunk) -> list[int]:
@@ -38,9 +41,17 @@ class ModelRunner:
         pages = chunk.page_ids
         return [pages[pos // size] * size + pos % size for pos in range(chunk.start_pos, chunk.end_pos)]
 
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits [len(batch.sampled_chunks()), vocab], rows in that order: rank 0's `step`."""
+        logits = self.step(batch)
+        if logits is None:
+            raise RuntimeError("this rank gets no logits (a pipeline stage or a DP attention rank other "
+                               "than 0): it runs step(), not forward()")
+        return logits
+
     @torch.inference_mode()
-    def forward(self, batch: SchedulerOutput) -> torch.Tensor:  # None only on pipeline stages (see class doc)
-        """fp32 logits [len(batch.sampled_chunks()), vocab], rows in that order."""
+    def step(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """This rank's part of the step: `forward`'s logits, or None on a rank that gets none."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -78,11 +89,11 @@ class ModelRunner:
         args = (self._tensor(input_ids), self._tensor(positions), max(positions), meta, self.pool.buffer,
                 None if every_row else self._tensor(logit_rows))
         if self.stage is not None:
-            return self.stage.run(self.model, *args, len(logit_rows))  # type: ignore[return-value]
+            return self.stage.run(self.model, *args, len(logit_rows))
         return self.model.forward(*args)
 
     def _forward_multimodal(self, batch: SchedulerOutput, input_ids: list[int], meta: AttentionMetadata,
-                            logit_rows: list[int] | None) -> torch.Tensor:
+                            logit_rows: list[int] | None) -> torch.Tensor | None:
         """A VL model's step: positions per token (M-RoPE's 3-D ones, or plain), and the image
         tokens' embeddings from the vision tower (run once per request, at its first prefill chunk
         holding image tokens)."""
@@ -102,11 +113,15 @@ class ModelRunner:
         if axes == 1:
             stacked = stacked[0]
         image_embeds = (torch.cat(rows).to(self.device), torch.cat(embeds)) if rows else None
-        return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta, self.pool.buffer,
-                                  None if logit_rows is None else self._tensor(logit_rows), image_embeds)
+        return self.model.forward(self._tensor(input_ids), stacked, int(stacked.max()), meta,
+                                  self.pool.buffer, None if logit_rows is None else self._tensor(logit_rows),
+                                  image_embeds)
 
-    def _image_rows(self, state, chunk: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
+    def _image_rows(self, state: MultimodalState, chunk: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
         if state.embeddings is None:
+            if self.model.vision is None:
+                raise ValueError("an image request without its embeddings on a model loaded without its "
+                                 "vision tower (--language-only)")
             state.embeddings = self.model.vision.encode(state.images)
         return state.embedding_rows(chunk.start_pos, chunk.end_pos)
 

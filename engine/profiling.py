@@ -116,16 +116,18 @@ class StepProfiler:
         name = f"{'-'.join(sorted(self.kinds))}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.trace.json"
         path = self.directory / name
         try:
-            profiler.stop()  # type: ignore[union-attr]
+            if profiler is None:  # _finish runs only after _start set one
+                raise RuntimeError("no profiler is running")
+            profiler.stop()
             self.directory.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(path))  # type: ignore[union-attr]
+            profiler.export_chrome_trace(str(path))
         except Exception as exc:
             self._turn_off(f"could not write the profile to {path}: {exc!r}")
             return
         finally:
             _ONE_PER_PROCESS.release()
-        log.info("profile of %d steps written to %s: open it at %s (Open trace file)", self._seen, path.resolve(),
-                 PERFETTO_URL)
+        log.info("profile of %d steps written to %s: open it at %s (Open trace file)", self._seen,
+                 path.resolve(), PERFETTO_URL)
 
     def _turn_off(self, why: str) -> None:
         log.warning("%s; profiling is off for the rest of this process", why)

@@ -15,30 +15,35 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("tools.models.tiny_model", "write the built-in random-weight HF checkpoint"),
     "generate": ("tools.models.generate", "stream a generation from a local checkpoint in-process"),
-    "launch-server": ("services.launch_server", "start a prefill, decode or colocated worker, or an EPD encoder (--encoder-only)"),
+    "launch-server": ("services.launch_server",
+                      "start a prefill, decode or colocated worker, or an EPD encoder (--encoder-only)"),
     "bootstrap": ("services.bootstrap.main", "start the bootstrap registry"),
     "launch-router": ("services.gateway.main", "start the OpenAI-compatible gateway"),
     "up": ("tools.up", "start registry, prefill, decode and gateway as local processes"),
     "bench engine": ("tools.bench.engine", "decode throughput of the engine against HF transformers"),
     "bench transfer": ("tools.bench.transfer", "KV page transfer bandwidth against memcpy"),
-    "bench kv-bytes": ("tools.bench.kv_bytes", "KV bytes prefill ships per prompt token, model against model"),
-    "bench parallel": ("tools.bench.parallel", "decode tokens/s and collective bytes per step, rank layout against layout"),
+    "bench kv-bytes": ("tools.bench.kv_bytes",
+                       "KV bytes prefill ships per prompt token, model against model"),
+    "bench parallel": ("tools.bench.parallel",
+                       "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
-    "bench epd": ("tools.bench.epd", "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),
+    "bench epd": ("tools.bench.epd",
+                  "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),
     "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),
     "bench serving": ("tools.bench.serving.main", "load an OpenAI-compatible server: TTFT, ITL, goodput"),
     "bench pd-vs-colocated": ("tools.bench.serving.pd_vs_colocated",
                               "PD against colocated on the prefill-interruption workload, swept over rate"),
     "bench serving-vs-vllm": ("tools.bench.serving.vs_peer",
-                              "pdserve colocated and PD against vLLM's CPU server on vllm bench serve's load (random "
-                              "prompts to the chat endpoint, a warm-up pass of other prompts first), with TPOT "
-                              "against the engine's step"),
+                              "pdserve colocated and PD against vLLM's CPU server on vllm bench serve's load "
+                              "(random prompts to the chat endpoint, a warm-up pass of other prompts first), "
+                              "with TPOT against the engine's step"),
     "bench request-path": ("tools.bench.request_path",
                            "the files one streaming PD chat request passes through, per process"),
     "bench grpc-messages": ("tools.bench.grpc_messages",
                             "gRPC messages per request, PD against colocated, on one load"),
     "bench prefix-cache": ("tools.bench.serving.prefix_cache",
-                           "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, cache off/on"),
+                           "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, "
+                           "cache off/on"),
 }
 
 

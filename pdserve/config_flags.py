@@ -55,7 +55,8 @@ def field_default(f: dataclasses.Field) -> Any:
     return _REQUIRED
 
 
-def _flag_fields(config_cls: type, defaults: dict[str, Any]) -> typing.Iterator[tuple[dataclasses.Field, Any, Any]]:
+def _flag_fields(config_cls: type,
+                 defaults: dict[str, Any]) -> typing.Iterator[tuple[dataclasses.Field, Any, Any]]:
     """(field, type hint, default) of every field of `config_cls` a caller can set."""
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
@@ -86,11 +87,12 @@ def _add_arguments(parser: argparse.ArgumentParser, config_cls: type, defaults: 
     for f, hint, default in _flag_fields(config_cls, defaults):
         if f.name in omit:
             continue
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             _add_arguments(parser, hint, _sub_defaults(f, default), tuple(f.metadata.get("omit", ())), dests)
             continue
         if f.name in dests:
-            raise TypeError(f"two config fields are named {f.name!r}: their flags would share one destination")
+            raise TypeError(f"two config fields are named {f.name!r}: their flags would share one "
+                            "destination")
         dests.add(f.name)
         flags = tuple(f.metadata.get("flags", ("--" + f.name.replace("_", "-"),)))
         help_ = f.metadata.get("help", "")
@@ -118,8 +120,9 @@ def _from_args(config_cls: type[C], args: argparse.Namespace, defaults: dict[str
         if f.name in omit:
             if f.name in defaults:  # this command's default for a field it has no flag for
                 values[f.name] = defaults[f.name]
-        elif dataclasses.is_dataclass(hint):
-            values[f.name] = _from_args(hint, args, _sub_defaults(f, default), tuple(f.metadata.get("omit", ())))
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            values[f.name] = _from_args(hint, args, _sub_defaults(f, default),
+                                        tuple(f.metadata.get("omit", ())))
         elif hint == tuple[str, ...]:
             values[f.name] = tuple(getattr(args, f.name) or ())
         else:

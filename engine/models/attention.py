@@ -57,6 +57,13 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decode], including the token being decoded
     extends: list[ExtendSpan]
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decode_page_table, decode_seq_lens), for a step with decode rows (the runner sets both then)."""
+        if self.decode_page_table is None or self.decode_seq_lens is None:
+            raise ValueError("decode attention over a step without its decode tables "
+                             f"({self.num_decode} decode rows)")
+        return self.decode_page_table, self.decode_seq_lens
+
 
 # decode_op(q, buffer, layer, page_table, seq_lens, scale): kernels.ops.paged_decode_attention's contract.
 DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -64,7 +71,8 @@ DecodeOp = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor
 
 def decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, meta: AttentionMetadata,
                      scale: float, decode_op: DecodeOp = ops.paged_decode_attention) -> torch.Tensor:
-    return decode_op(q, buffer, layer, meta.decode_page_table, meta.decode_seq_lens, scale)
+    page_table, seq_lens = meta.decode_tables()
+    return decode_op(q, buffer, layer, page_table, seq_lens, scale)
 
 
 def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -76,8 +84,8 @@ def extend_mask(prefix_len: int, length: int, device: torch.device) -> torch.Ten
     return keys[None, :] <= queries[:, None]
 
 
-def extend_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor, layer: int,
-                           span: ExtendSpan, scale: float) -> torch.Tensor:
+def extend_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
+                           layer: int, span: ExtendSpan, scale: float) -> torch.Tensor:
     """One span's attention by torch SDPA over its K/V gathered from the pages: q [L, Hq, D], the
     span's own k/v [L, Hkv, D] -> [L, Hq, D]. The reference the C++ kernel is tested against."""
     if span.prefix_len == 0:
@@ -94,7 +102,8 @@ def extend_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bu
 
 
 # extend_op(q, k, v, buffer, layer, span, scale): extend_attention_torch's contract, rows of one span.
-ExtendOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, ExtendSpan, float], torch.Tensor]
+ExtendOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, ExtendSpan, float],
+                    torch.Tensor]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,

@@ -43,7 +43,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration",
                 "llava": "LlavaForConditionalGeneration"}
 _MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                         "Qwen3VLForConditionalGeneration")
@@ -145,7 +146,8 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
         if raw.get("quantization_config"):
             method = raw["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"quantized checkpoints ({method}) are not supported; use a bf16/fp32 checkpoint")
+            raise ValueError(f"quantized checkpoints ({method}) are not supported; use a bf16/fp32 "
+                             "checkpoint")
         if raw.get("use_sliding_window", False):
             raise ValueError("sliding-window attention is not implemented (use_sliding_window is true)")
         num_heads = raw["num_attention_heads"]
@@ -158,7 +160,8 @@ class ModelConfig:
         rope = _rope(raw)
         if rope.rope_type == "yarn" and mla is None:
             # Implemented (and tested against transformers) for DeepSeek checkpoints only so far.
-            raise ValueError(f"unsupported rope type 'yarn' for {arch}; implemented there: default, linear, llama3")
+            raise ValueError(f"unsupported rope type 'yarn' for {arch}; implemented there: default, linear, "
+                             "llama3")
         if mla is not None:
             # After kv_b_proj every query head has a key and value of its own (what config.json's
             # num_key_value_heads says), and a head's q.k is qk_nope + qk_rope wide; the pool stores
@@ -200,7 +203,8 @@ def _decoder_arch(arch: str, top: dict) -> str:
     text_type = (top.get("text_config") or {}).get("model_type", "llama")
     decoder = _MODEL_TYPES.get(text_type)
     if decoder is None or decoder not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported; implemented: llama, qwen2, qwen3")
+        raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported; implemented: llama, qwen2, "
+                         "qwen3")
     return decoder
 
 
@@ -271,13 +275,14 @@ def _rope(raw: dict) -> RopeConfig:
     factor = float(factor)
     attention_factor = 1.0
     if rope_type == "yarn":
-        attention_factor = params.get("attention_factor")
+        given_factor = params.get("attention_factor")
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if attention_factor is None:
-            if mscale and mscale_all_dim:
-                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-            else:
-                attention_factor = yarn_mscale(factor)
+        if given_factor is not None:
+            attention_factor = given_factor
+        elif mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

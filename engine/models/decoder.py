@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.config import ModelConfig
-from engine.models.layer_ops import HeadShape, TorchLayerOps
+from engine.models.layer_ops import HeadShape, Rotary, TorchLayerOps
 from engine.models.linear import Linear
 from engine.models.mla import MLAAttention, MLARope
 from engine.models.moe import MoEBlock
@@ -29,6 +30,10 @@ from engine.models.rope import RotaryTable
 from engine.models.weights import CheckpointReader, ShardedReader
 from engine.tp.expert_parallel import ExpertParallel
 from engine.tp.shard import TPShard
+
+if TYPE_CHECKING:
+    from engine.models.vision import Tower
+    from engine.tp.dp_attention import DPAttentionComm
 
 
 @dataclass
@@ -72,14 +77,15 @@ class DecoderModel:
         self.ops = layer_ops or TorchLayerOps()
         self.heads = HeadShape(config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim)
         self.all_reduce = all_reduce
-        self.dp = None  # engine.tp.dp_attention.DPAttentionComm under DP attention
+        self.dp: DPAttentionComm | None = None  # set by engine.tp.load under DP attention
         self.dtype = dtype
         self.device = device
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.scale = config.head_dim ** -0.5  # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
+        # GQA's; an MLA layer has its own (engine.models.rope.mla_softmax_scale)
+        self.scale = config.head_dim ** -0.5
         # GQA layers rotate whole heads; MLA layers only their qk_rope_head_dim part, by the table
         # their MLARope holds.
         self.rotary = None if config.mla is not None or config.mrope_section else RotaryTable(
@@ -89,7 +95,7 @@ class DecoderModel:
         # RoPE and a tower (engine.models.vision_clip).
         self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device,
                                config.mrope_interleaved) if config.mrope_section else None
-        self.vision = None
+        self.vision: Tower | None = None
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
@@ -118,8 +124,11 @@ class DecoderModel:
         embed = table if first else None
         lm_head = final_norm = None
         if last:
+            head = get("lm_head.weight", vocab) if untied_head else table
+            if head is None:  # read above: the last stage reads the table when its head is tied
+                raise ValueError("the last stage has neither lm_head.weight nor a tied embedding table")
             # packing copies: the embedding table itself stays plain
-            lm_head = Linear(get("lm_head.weight", vocab) if untied_head else table)
+            lm_head = Linear(head)
             final_norm = get("model.norm.weight", (config.hidden_size,))
         weights.reader.close()
         return cls(config, dtype, device, embed, layer_weights, final_norm, lm_head, layer_ops,
@@ -128,8 +137,9 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_buffer: torch.Tensor,
                 logit_rows: torch.Tensor | None,
-                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Run T flattened tokens, store their K/V, return logits [R, vocab] (fp32) for `logit_rows`.
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Run T flattened tokens, store their K/V, return logits [R, vocab] (fp32) for `logit_rows`
+        (None on a DP attention rank other than rank 0: see `final_logits`).
 
         `logit_rows` None means every row (the pure-decode case, where each row is sampled).
         A VL model takes `positions` [3, T] and `image_embeds` (rows, embeddings): the rows whose
@@ -149,6 +159,7 @@ class DecoderModel:
         """
         ops, eps = self.ops, self.config.rms_norm_eps
         num_tokens = tokens.shape[0]
+        rotary: Rotary | None
         if self.mrotary is not None:
             rotary = ops.rotary_rows(*self.mrotary.cos_sin(positions))
         else:
@@ -167,6 +178,8 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             if layer.mla is not None:
                 attn_out = layer.mla(x, positions, max_position, kv_buffer, index, meta, ops.mla_attention)
+            elif layer.qkv is None or layer.o_proj is None or rotary is None:
+                raise ValueError(f"layer {index} has neither MLA nor GQA weights and a rotary table")
             else:
                 q, k, v = ops.qk_norm_rope_store(layer.qkv(x), rotary, layer.q_norm, layer.k_norm, eps,
                                                  self.heads, kv_buffer, index, meta.slots)
@@ -191,16 +204,17 @@ class DecoderModel:
                 hidden.add_(mlp)
         return hidden
 
-    def final_logits(self, hidden: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def final_logits(self, hidden: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor | None:
         """fp32 logits [R, vocab] of the residual stream's `logit_rows` (None: every row); the last
-        stage's (the one holding the final norm and LM head)."""
+        stage's (the one holding the final norm and LM head). Under DP attention only rank 0 gets
+        them (every group's rows); other ranks get None."""
         if self.final_norm is None:
             raise RuntimeError("final_logits on a pipeline stage without the LM head (not the last stage)")
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
         normed = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         if self.dp is not None:
-            return self._dp_logits(normed)
+            return self._dp_logits(self.dp, normed)
         return self.logits(normed)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -209,30 +223,35 @@ class DecoderModel:
         rows = self.dp.gather(x) if self.dp is not None else x
         if layer.moe is not None:
             out = layer.moe(rows)
-        else:
+        elif layer.gate_up is not None and layer.down is not None:
             out = layer.down(self.ops.silu_and_mul(layer.gate_up(rows)))
+        else:
+            raise ValueError("a layer has neither routed experts nor a dense MLP")
         if self.all_reduce is not None:
             self.all_reduce(out)
         return self.dp.mine(out) if self.dp is not None else out
 
-    def _dp_logits(self, normed: torch.Tensor) -> torch.Tensor | None:
+    def _dp_logits(self, dp: DPAttentionComm, normed: torch.Tensor) -> torch.Tensor | None:
         """DP attention: rank 0 gets every group's rows to sample and returns their logits (rows in
         group order); other ranks return None."""
-        rows = self.dp.gather(normed, self.dp.shape.sampled)
-        return self.logits(rows) if self.dp.is_driver else None
+        rows = dp.gather(normed, dp.shape.sampled)
+        return self.logits(rows) if dp.is_driver else None
 
     def idle_forward(self) -> torch.Tensor | None:
         """DP attention, a step in which this rank's group has no tokens: join every layer's MLP
         for the other groups' rows, and the final gather."""
-        hidden = self.config.hidden_size
-        empty = self.dp.empty(hidden, self.dtype)
+        if self.dp is None:
+            raise RuntimeError("idle_forward runs under DP attention only (engine.tp.dp_attention)")
+        empty = self.dp.empty(self.config.hidden_size, self.dtype)
         for layer in self.layers:
             self._mlp(layer, empty)
-        return self._dp_logits(empty)
+        return self._dp_logits(self.dp, empty)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [R, vocab] for final-normed hidden states [R, hidden]."""
-        return self.lm_head(hidden).float()  # type: ignore[misc]
+        if self.lm_head is None:
+            raise RuntimeError("logits on a pipeline stage without the LM head (not the last stage)")
+        return self.lm_head(hidden).float()
 
 
 def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: MLARope | None = None,
@@ -253,8 +272,9 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
         layer.moe = MoEBlock.load(weights, p, config, fused=fused_moe, ep=expert_parallel)
     else:
         mlp, width = p + "mlp.", config.intermediate_size
-        layer.gate_up = Linear(torch.cat([weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden))),
-                                          weights.rows(weights.get(mlp + "up_proj.weight", (width, hidden)))]),
+        gate = weights.rows(weights.get(mlp + "gate_proj.weight", (width, hidden)))
+        up = weights.rows(weights.get(mlp + "up_proj.weight", (width, hidden)))
+        layer.gate_up = Linear(torch.cat([gate, up]),
                                _cat_biases(weights, [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
         layer.down = Linear(weights.columns(weights.get(mlp + "down_proj.weight", (hidden, width))),
                             weights.row_bias(weights.maybe(mlp + "down_proj.bias")))
@@ -263,7 +283,8 @@ def _load_layer(weights: ShardedReader, config: ModelConfig, i: int, mla_rope: M
 
 def _load_gqa(weights: ShardedReader, config: ModelConfig, attn: str, layer: LayerWeights) -> None:
     hidden, head_dim = config.hidden_size, config.head_dim
-    rows = {"q": config.num_heads * head_dim, "k": config.num_kv_heads * head_dim, "v": config.num_kv_heads * head_dim}
+    rows = {"q": config.num_heads * head_dim, "k": config.num_kv_heads * head_dim,
+            "v": config.num_kv_heads * head_dim}
     layer.qkv = Linear(torch.cat([weights.rows(weights.get(attn + f"{x}_proj.weight", (rows[x], hidden)))
                                   for x in "qkv"]),
                        _cat_biases(weights, [attn + f"{x}_proj.bias" for x in "qkv"]))
@@ -276,9 +297,9 @@ def _load_gqa(weights: ShardedReader, config: ModelConfig, attn: str, layer: Lay
 
 def _cat_biases(weights: ShardedReader, names: list[str]) -> torch.Tensor | None:
     """The column-parallel biases of a fused projection: all or none of `names` must exist."""
-    parts = [weights.maybe(n) for n in names]
-    if all(p is None for p in parts):
+    parts = [bias for bias in (weights.maybe(n) for n in names) if bias is not None]
+    if not parts:
         return None
-    if any(p is None for p in parts):
+    if len(parts) < len(names):
         raise ValueError(f"checkpoint has only some of the biases {names}")
-    return torch.cat([weights.rows(p) for p in parts])  # type: ignore[arg-type]
+    return torch.cat([weights.rows(p) for p in parts])

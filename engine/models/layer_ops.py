@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,14 @@ from engine.models.attention import AttentionMetadata, ExtendSpan, extend_attent
 from engine.models.rope import RotaryTable, apply_rotary
 from kernels import cpu_ext, cpu_kernels, ops
 
+if TYPE_CHECKING:
+    from engine.models.mla import MLAAttention  # which imports this module's rms_norm
+
 log = logging.getLogger(__name__)
+
+# Per-forward rotary inputs, in the form of the ops that made them (`rotary`, `rotary_rows`) and
+# read them (`qk_norm_rope_store`): TorchLayerOps' (cos, sin), CpuKernelLayerOps' (positions, cos, sin).
+Rotary = tuple[torch.Tensor, ...]
 
 CPU_KERNEL_MODES = ("auto", "on", "off")
 
@@ -54,11 +62,11 @@ class TorchLayerOps:
     # expert's weights stacked for the fused C++ op kernels.cpu_kernels.moe_experts.
     fused_moe_experts = False
 
-    def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
+    def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> Rotary:
         """Per-forward rotary inputs, passed to every layer's `qk_norm_rope_store`."""
         return table.lookup(positions, max_position)
 
-    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> object:
+    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
         """Per-forward rotary inputs from each token's own cos/sin [T, head_dim] (M-RoPE)."""
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
@@ -71,17 +79,19 @@ class TorchLayerOps:
         residual.add_(x)
         return rms_norm(residual, weight, eps)
 
-    def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: object, q_norm: torch.Tensor | None,
+    def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
                            k_norm: torch.Tensor | None, eps: float, shape: HeadShape, buffer: torch.Tensor,
-                           layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D] from fused projections; K/V stored in the pool."""
-        cos, sin = rotary  # type: ignore[misc]
+                           layer: int, slots: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] from fused projections; K/V stored in the pool. The q/k
+        norms come both or neither (the loader refuses one without the other)."""
+        cos, sin = rotary
         tokens = qkv.shape[0]
         q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         q = q.view(tokens, shape.num_heads, shape.head_dim)
         k = k.view(tokens, shape.num_kv_heads, shape.head_dim)
         v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
-        if q_norm is not None:
+        if q_norm is not None and k_norm is not None:
             q = rms_norm(q, q_norm, eps)
             k = rms_norm(k, k_norm, eps)
         q = apply_rotary(q, cos, sin)
@@ -94,17 +104,18 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     def paged_decode_attention(self, q: torch.Tensor, buffer: torch.Tensor, layer: int,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
         return ops.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
 
     def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
                          layer: int, span: ExtendSpan, scale: float) -> torch.Tensor:
         return extend_attention_torch(q, k, v, buffer, layer, span, scale)
 
-    def mla_attention(self, mla: object, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+    def mla_attention(self, mla: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                       buffer: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-        """An MLA layer's (engine.models.mla.MLAAttention) absorbed attention [T, H, v_head_dim]."""
-        return mla.attend_torch(q_nope, q_pe, rows, buffer, layer, meta)  # type: ignore[attr-defined]
+        """An MLA layer's absorbed attention [T, H, v_head_dim]."""
+        return mla.attend_torch(q_nope, q_pe, rows, buffer, layer, meta)
 
 
 # Head dims the C++ extend kernel is compiled for (others keep torch SDPA).
@@ -116,10 +127,10 @@ class CpuKernelLayerOps(TorchLayerOps):
 
     fused_moe_experts = True
 
-    def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> object:
+    def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> Rotary:
         return positions, *table.tables(max_position)
 
-    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> object:
+    def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
         # the kernel gathers cos/sin rows by position: token i reads row i
         return torch.arange(cos.shape[0], device=cos.device), cos, sin
 
@@ -130,10 +141,11 @@ class CpuKernelLayerOps(TorchLayerOps):
                      eps: float) -> torch.Tensor:
         return cpu_kernels.add_rms_norm(residual, x, weight, eps)
 
-    def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: object, q_norm: torch.Tensor | None,
+    def qk_norm_rope_store(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
                            k_norm: torch.Tensor | None, eps: float, shape: HeadShape, buffer: torch.Tensor,
-                           layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        positions, cos, sin = rotary  # type: ignore[misc]
+                           layer: int, slots: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        positions, cos, sin = rotary
         q, k = cpu_kernels.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, buffer, layer,
                                               slots, shape.num_heads, shape.num_kv_heads)
         v = qkv[:, shape.q_size + shape.kv_size:].view(qkv.shape[0], shape.num_kv_heads, shape.head_dim)
@@ -143,7 +155,8 @@ class CpuKernelLayerOps(TorchLayerOps):
         return cpu_kernels.silu_and_mul(gate_up)
 
     def paged_decode_attention(self, q: torch.Tensor, buffer: torch.Tensor, layer: int,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode_attention(q, buffer, layer, page_table, seq_lens, scale)
 
     def extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer: torch.Tensor,
@@ -152,12 +165,13 @@ class CpuKernelLayerOps(TorchLayerOps):
             return extend_attention_torch(q, k, v, buffer, layer, span, scale)
         return cpu_kernels.extend_attention(q, buffer, layer, span.page_ids, span.prefix_len, scale)
 
-    def mla_attention(self, mla: object, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+    def mla_attention(self, mla: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                       buffer: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         spans = meta.extends
         return cpu_kernels.mla_attention(
-            q_nope, q_pe, buffer, layer, mla.k_up, mla.v_up_t, mla.scale,  # type: ignore[attr-defined]
-            meta.decode_page_table if meta.num_decode else None, meta.decode_seq_lens if meta.num_decode else None,
+            q_nope, q_pe, buffer, layer, mla.k_up, mla.v_up_t, mla.scale,
+            meta.decode_page_table if meta.num_decode else None,
+            meta.decode_seq_lens if meta.num_decode else None,
             [s.page_ids for s in spans], [s.start for s in spans], [s.length for s in spans],
             [s.prefix_len for s in spans])
 

@@ -53,7 +53,8 @@ from engine.models.weights import ShardedReader
 
 # q_a_layernorm and kv_a_layernorm are built with transformers' default eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-# attend(mla_attention, q_nope, q_pe, rows, buffer, layer, meta) -> [T, H, v_head_dim]: attend_torch's contract.
+# attend(mla_attention, q_nope, q_pe, rows, buffer, layer, meta) -> [T, H, v_head_dim]: attend_torch's
+# contract.
 MLAAttendOp = Callable[["MLAAttention", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
                         AttentionMetadata], torch.Tensor]
 _ROTATIONS = {"complex": apply_rotary_complex, "interleave": apply_rotary_interleaved, "half": apply_rotary}
@@ -105,8 +106,10 @@ class MLAAttention:
         self.o_proj = o_proj
 
     @classmethod
-    def load(cls, weights: ShardedReader, attn_prefix: str, config, rope: MLARope | None = None) -> MLAAttention:
-        """`rope` is shared by the model's layers (DecoderModel builds one); None builds one for this layer."""
+    def load(cls, weights: ShardedReader, attn_prefix: str, config,
+             rope: MLARope | None = None) -> MLAAttention:
+        """`rope` is shared by the model's layers (DecoderModel builds one); None builds one for this
+        layer."""
         mla: MLAConfig = config.mla
         hidden, heads = config.hidden_size, config.num_heads
         local_heads = heads // weights.tp_size
@@ -147,10 +150,12 @@ class MLAAttention:
         tokens = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
+        elif self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None:
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, _LATENT_NORM_EPS))
         else:
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, _LATENT_NORM_EPS))  # type: ignore[misc]
-        q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
-                                                                    dim=-1)
+            raise ValueError("an MLA layer needs q_proj, or q_a_proj, q_a_layernorm and q_b_proj")
+        q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, _LATENT_NORM_EPS)
         q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(1), positions, max_position)
@@ -166,17 +171,19 @@ class MLAAttention:
         """The batch's attention [T, H, v_head_dim] in the model dtype, sequence by sequence: the
         reference (and the path off CPU) of the C++ kernel kernels.cpu_kernels.mla_attention."""
         out = torch.empty(*q_nope.shape[:2], self.mla.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
-        decode_lens = meta.decode_seq_lens.tolist() if meta.num_decode else []  # type: ignore[union-attr]
-        for b, length in enumerate(decode_lens):
-            keys = gather_latent(buffer, layer, meta.decode_page_table[b], length)  # type: ignore[index]
-            out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
+        if meta.num_decode:
+            page_table, seq_lens = meta.decode_tables()
+            for b, length in enumerate(seq_lens.tolist()):
+                keys = gather_latent(buffer, layer, page_table[b], length)
+                out[b:b + 1] = self._attend(q_nope[b:b + 1], q_pe[b:b + 1], keys, length - 1)
         for span in meta.extends:
             span_rows = slice(span.start, span.start + span.length)
             if span.prefix_len == 0:
                 keys = rows[span_rows]  # exactly what was just stored: skip the round trip via pages
             else:
                 keys = gather_latent(buffer, layer, span.page_ids, span.prefix_len + span.length)
-            out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len, span.mask)
+            out[span_rows] = self._attend(q_nope[span_rows], q_pe[span_rows], keys, span.prefix_len,
+                                          span.mask)
         return out
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, prefix_len: int,
@@ -189,8 +196,8 @@ class MLAAttention:
         """
         length, rank = q_nope.shape[0], self.mla.kv_lora_rank
         # The query in latent space, per head: [H, L, kv_lora_rank + rope], fp32.
-        query = torch.cat([torch.bmm(q_nope.transpose(0, 1).float(), self.k_up), q_pe.transpose(0, 1).float()],
-                          dim=-1)
+        query = torch.cat([torch.bmm(q_nope.transpose(0, 1).float(), self.k_up),
+                           q_pe.transpose(0, 1).float()], dim=-1)
         if length > 1 and prefix_len and mask is None:
             mask = extend_mask(prefix_len, length, query.device)
         keys = keys.float()[None, None]

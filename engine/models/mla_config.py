@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults, for keys a config.json leaves out.
 _DEFAULTS = {
-    "DeepseekV2ForCausalLM": dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                                  v_head_dim=128),
-    "DeepseekV3ForCausalLM": dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                                  v_head_dim=128),
+    "DeepseekV2ForCausalLM": dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=128, v_head_dim=128),
+    "DeepseekV3ForCausalLM": dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=128, v_head_dim=128),
 }
 
 # How the rope half of q and k is rotated (all three rotate the same angles; they differ in which
@@ -55,7 +55,8 @@ class MLAConfig:
             interleave = raw.get("rope_interleave")
             rope_style = "half" if interleave is not None and not interleave else "interleave"
         q_lora_rank = values.pop("q_lora_rank")
-        config = cls(**{k: int(v) for k, v in values.items()}, q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        config = cls(**{k: int(v) for k, v in values.items()},
+                     q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
                      rope_style=rope_style, attention_bias=bool(raw.get("attention_bias", False)))
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             if getattr(config, name) <= 0:

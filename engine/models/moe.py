@@ -66,7 +66,8 @@ class Router:
     """Top-k expert choice for each token: `__call__(x [T, hidden])` -> (ids [T, k] int64,
     weights [T, k]); fp32 weights, or the model dtype where transformers casts them (Qwen3-MoE)."""
 
-    def __init__(self, config: MoEConfig, weight: torch.Tensor, correction_bias: torch.Tensor | None = None) -> None:
+    def __init__(self, config: MoEConfig, weight: torch.Tensor,
+                 correction_bias: torch.Tensor | None = None) -> None:
         self.config = config
         # DeepSeek multiplies in fp32; Qwen3-MoE and Mixtral in the model dtype (then softmax in fp32).
         # A prepacked Linear rather than F.linear: MKL's sums for one row differ from those for
@@ -84,8 +85,11 @@ class Router:
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if cfg.topk_method == NOAUX_TC:
+            if self.correction_bias is None:  # __init__ refuses this
+                raise ValueError("noaux_tc routing needs e_score_correction_bias")
             choice = scores + self.correction_bias
-            groups = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups).topk(2, dim=-1)[0].sum(-1)
+            per_group = cfg.num_experts // cfg.num_groups
+            groups = choice.view(-1, cfg.num_groups, per_group).topk(2, dim=-1)[0].sum(-1)
             choice = choice.masked_fill(~self._group_mask(groups), float("-inf"))
             ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
@@ -132,7 +136,8 @@ class MoEBlock:
 
     def __init__(self, config: MoEConfig, router: Router, experts: list[tuple[Linear, Linear]] | None,
                  shared: tuple[Linear, Linear] | None = None,
-                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None, ep: ExpertParallel | None = None) -> None:
+                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ep: ExpertParallel | None = None) -> None:
         self.config = config
         self.router = router
         self.experts = experts  # per expert: gate_up [2 * I / tp, hidden], down [hidden, I / tp]
@@ -162,7 +167,8 @@ class MoEBlock:
             experts = ep.local_experts
             expert_weights = ShardedReader(weights.reader, weights.device, weights.dtype, ep.expert_shard)
         if mlp + "experts.gate_up_proj" in weights:
-            gate_up, down = _fused_experts(expert_weights, mlp + "experts.", moe.num_experts, hidden, width, experts)
+            gate_up, down = _fused_experts(expert_weights, mlp + "experts.", moe.num_experts, hidden,
+                                           width, experts)
         else:
             names = ("gate_proj", "up_proj", "down_proj")
             if config.architecture == "MixtralForCausalLM":
@@ -198,7 +204,7 @@ class MoEBlock:
         elif self.stacked is not None:
             out = cpu_kernels.moe_experts(x.contiguous(), ids, weights, *self.stacked)
         else:
-            out = routed_experts_torch(x, ids, weights, self.experts, counts)
+            out = routed_experts_torch(x, ids, weights, self._expert_linears(), counts)
         if self.shared is not None:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
@@ -212,7 +218,13 @@ class MoEBlock:
             # output (x 1.0 rounds to itself), what the torch path below gives.
             ids = torch.repeat_interleave(torch.arange(len(counts)), counts).unsqueeze(1)
             return cpu_kernels.moe_experts(rows.contiguous(), ids, torch.ones(ids.shape), *self.stacked)
-        return run_grouped_experts(self.experts, rows, counts)
+        return run_grouped_experts(self._expert_linears(), rows, counts)
+
+    def _expert_linears(self) -> list[tuple[Linear, Linear]]:
+        """The per-expert Linears (set whenever `stacked` is not: __init__ checks exactly one is)."""
+        if self.experts is None:
+            raise ValueError("MoEBlock needs either per-expert Linears or stacked expert weights")
+        return self.experts
 
 
 def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -266,8 +278,9 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _swiglu_weights(weights: ShardedReader, prefix: str, names: tuple[str, str, str], hidden: int,
                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One published-layout SwiGLU MLP's gate_up [2 * I / tp, hidden] and down [hidden, I / tp]."""
+    shapes = ((width, hidden), (width, hidden), (hidden, width))
     gate, up, down = (weights.get(prefix + f"{n}.weight", shape)
-                      for n, shape in zip(names, ((width, hidden), (width, hidden), (hidden, width)), strict=True))
+                      for n, shape in zip(names, shapes, strict=True))
     return torch.cat([weights.rows(gate), weights.rows(up)]), weights.columns(down).contiguous()
 
 

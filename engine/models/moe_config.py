@@ -53,7 +53,8 @@ class MoEConfig:
         if architecture == "Qwen3MoeForCausalLM":
             return _qwen3_moe(raw)
         if architecture == "MixtralForCausalLM":
-            return _checked(cls(num_experts=raw.get("num_local_experts", 8), top_k=raw.get("num_experts_per_tok", 2),
+            return _checked(cls(num_experts=raw.get("num_local_experts", 8),
+                                top_k=raw.get("num_experts_per_tok", 2),
                                 intermediate_size=raw["intermediate_size"],
                                 sparse_layers=tuple(range(raw["num_hidden_layers"])), normalize=True))
         if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
@@ -82,7 +83,8 @@ def _deepseek(raw: dict, v3: bool) -> MoEConfig:
     arch = "DeepseekV3" if v3 else "DeepseekV2"
     expected_scoring, methods = (SIGMOID, (NOAUX_TC,)) if v3 else (SOFTMAX, (GREEDY, GROUP_LIMITED_GREEDY))
     if scoring != expected_scoring:
-        raise ValueError(f"unsupported scoring_func {scoring!r} for {arch}; implemented: {expected_scoring!r}")
+        raise ValueError(f"unsupported scoring_func {scoring!r} for {arch}; implemented: "
+                         f"{expected_scoring!r}")
     if method not in methods:
         raise ValueError(f"unsupported topk_method {method!r} for {arch}; implemented: "
                          f"{', '.join(repr(m) for m in methods)}")
@@ -95,16 +97,20 @@ def _deepseek(raw: dict, v3: bool) -> MoEConfig:
     top_k = raw.get("num_experts_per_tok", 8 if v3 else None)
     if top_k is None:
         raise ValueError("DeepseekV2 config.json lacks num_experts_per_tok")
-    groups = (raw.get("n_group", 8 if v3 else None), raw.get("topk_group", 4 if v3 else None))
-    if method != GREEDY and None in groups:
-        raise ValueError(f"topk_method {method!r} needs n_group and topk_group; got {groups[0]!r}, {groups[1]!r}")
+    num_groups = topk_groups = 1  # greedy routing looks at no groups
+    if method != GREEDY:
+        n_group, topk_group = raw.get("n_group", 8 if v3 else None), raw.get("topk_group", 4 if v3 else None)
+        if n_group is None or topk_group is None:
+            raise ValueError(f"topk_method {method!r} needs n_group and topk_group; got {n_group!r}, "
+                             f"{topk_group!r}")
+        num_groups, topk_groups = n_group, topk_group
     first_dense = raw.get("first_k_dense_replace", 3 if v3 else 0)
     intermediate = raw.get("moe_intermediate_size", 2048 if v3 else 1407)
     return _checked(MoEConfig(
         num_experts=num_experts, top_k=top_k, intermediate_size=intermediate,
         sparse_layers=tuple(range(first_dense, raw["num_hidden_layers"])),
         scoring=scoring, topk_method=method,
-        num_groups=groups[0] if method != GREEDY else 1, topk_groups=groups[1] if method != GREEDY else 1,
+        num_groups=num_groups, topk_groups=topk_groups,
         normalize=v3 and bool(raw.get("norm_topk_prob", True)),  # V2's router never renormalises
         scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
         shared_intermediate_size=intermediate * raw.get("n_shared_experts", 1 if v3 else 2),
@@ -116,13 +122,14 @@ def _checked(moe: MoEConfig) -> MoEConfig:
         raise ValueError(f"unsupported num_experts_per_tok {moe.top_k!r} with {moe.num_experts} experts")
     if moe.grouped:
         if moe.num_groups < 1 or moe.num_experts % moe.num_groups:
-            raise ValueError(f"unsupported n_group {moe.num_groups!r}: must divide the {moe.num_experts} experts")
+            raise ValueError(f"unsupported n_group {moe.num_groups!r}: must divide the "
+                             f"{moe.num_experts} experts")
         if not 1 <= moe.topk_groups <= moe.num_groups:
             raise ValueError(f"unsupported topk_group {moe.topk_groups!r} with n_group {moe.num_groups}")
         per_group = moe.num_experts // moe.num_groups
         if moe.topk_method == NOAUX_TC and per_group < 2:
-            raise ValueError(f"unsupported n_group {moe.num_groups!r}: noaux_tc scores a group by its two best "
-                             f"experts, so each group needs at least 2 of the {moe.num_experts} experts")
+            raise ValueError(f"unsupported n_group {moe.num_groups!r}: noaux_tc scores a group by its two "
+                             f"best experts, so each group needs at least 2 of the {moe.num_experts} experts")
         if moe.top_k > moe.topk_groups * per_group:
             raise ValueError(f"unsupported num_experts_per_tok {moe.top_k!r}: topk_group {moe.topk_groups} "
                              f"groups hold only {moe.topk_groups * per_group} experts")

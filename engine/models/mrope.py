@@ -61,7 +61,8 @@ class MRotary:
     def __init__(self, rope: RopeConfig, head_dim: int, mrope_section: Sequence[int], dtype: torch.dtype,
                  device: torch.device, interleaved: bool = False) -> None:
         if sum(mrope_section) * 2 != head_dim:
-            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = "
+                             f"{head_dim // 2}")
         self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
         # which of the three positions rotates each frequency
         if interleaved:
@@ -76,7 +77,8 @@ class MRotary:
         chosen = positions.index_select(0, self.axis)  # [head_dim / 2, T]
         freqs = chosen.t().to(torch.float32) * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_factor).to(self.dtype), (emb.sin() * self.attention_factor).to(self.dtype)
+        return ((emb.cos() * self.attention_factor).to(self.dtype),
+                (emb.sin() * self.attention_factor).to(self.dtype))
 
 
 def interleaved_axes(mrope_section: Sequence[int], num_freqs: int) -> torch.Tensor:

@@ -12,13 +12,16 @@ and the merger that turns each 2x2 window of patches into one decoder-width toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.models.config import ModelConfig
 from engine.models.weights import CheckpointReader
 from engine.multimodal.inputs import ImageInput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel  # imported where used: it is slow to import
 
 # transformers 5 saves the tower as model.visual.*, older Qwen2-VL checkpoints as visual.*
 _PREFIXES = ("model.visual.", "visual.")
@@ -44,7 +47,13 @@ def tower_merge_size(config: ModelConfig) -> int:
     tower but must expand and hash image prompts exactly as the tower's worker does."""
     if config.architecture == "LlavaForConditionalGeneration":
         return 1  # one token per CLIP patch (engine.models.vision_clip)
-    return int(config.vision_config.get("spatial_merge_size", 2))
+    return int(_vision_config(config).get("spatial_merge_size", 2))
+
+
+def _vision_config(config: ModelConfig) -> dict:
+    if config.vision_config is None:
+        raise ValueError(f"{config.architecture} is not a vision-language model (no vision_config)")
+    return config.vision_config
 
 
 def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str, torch.Tensor]:
@@ -54,7 +63,8 @@ def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str,
         prefix = next((p for p in prefixes if any(n.startswith(p) for n in reader.names())), None)
         if prefix is None:
             raise ValueError(f"{model_dir}: a checkpoint without {what} weights ({' or '.join(prefixes)}*)")
-        return {name.removeprefix(prefix): reader.get(name) for name in list(reader.names()) if name.startswith(prefix)}
+        return {name.removeprefix(prefix): reader.get(name) for name in list(reader.names())
+                if name.startswith(prefix)}
     finally:
         reader.close()
 
@@ -62,10 +72,11 @@ def tower_state(model_dir: str, prefixes: Sequence[str], what: str) -> dict[str,
 def load_module(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{what} weights do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise ValueError(f"{what} weights do not match its config: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}")
 
 
-def _qwen_classes(architecture: str) -> tuple[type, type]:
+def _qwen_classes(architecture: str) -> tuple[type[PreTrainedConfig], type[PreTrainedModel]]:
     if architecture == "Qwen3VLForConditionalGeneration":
         from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -95,9 +106,10 @@ class VisionTower:
         self.device = next(module.parameters()).device
 
     @classmethod
-    def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionTower:
+    def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
+             device: torch.device) -> VisionTower:
         config_class, module_class = _qwen_classes(config.architecture)
-        vision_config = config_class(**config.vision_config)  # type: ignore[arg-type]
+        vision_config = config_class(**_vision_config(config))
         state = tower_state(model_dir, _PREFIXES, "vision tower")
         # Built for real (not on `meta`): its rotary inverse frequencies are buffers the checkpoint
         # does not hold, computed by the module's own constructor.
@@ -112,6 +124,7 @@ class VisionTower:
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.long, device=self.device)
         out = self.module(pixels, grid_thw=grid)
         deepstack = getattr(out, "deepstack_features", None)
-        if deepstack:  # Qwen3-VL: each row [embedding, layer 0's deepstack feature, ...] (the decoder splits it)
+        # Qwen3-VL: each row [embedding, layer 0's deepstack feature, ...] (the decoder splits it)
+        if deepstack:
             return torch.cat([out.pooler_output, *deepstack], dim=-1)
         return getattr(out, "pooler_output", out)

@@ -44,26 +44,31 @@ class ClipTower:
 
     @classmethod
     def load(cls, model_dir: str, dtype: torch.dtype, device: torch.device) -> ClipTower:
-        from transformers import CLIPVisionModel, LlavaConfig
+        from transformers import CLIPVisionModel, LlavaConfig, PreTrainedConfig
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         config = LlavaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
-        if config.vision_config.model_type != "clip_vision_model":
-            raise ValueError(f"LLaVA with a {config.vision_config.model_type!r} vision tower is not supported; "
+        # LlavaConfig builds its vision_config (a dict or None given) into a config object
+        vision_config = config.vision_config
+        if not isinstance(vision_config, PreTrainedConfig):
+            raise ValueError(f"LlavaConfig left vision_config a {type(vision_config).__name__}")
+        if vision_config.model_type != "clip_vision_model":
+            raise ValueError(f"LLaVA with a {vision_config.model_type!r} vision tower is not supported; "
                              "implemented: clip_vision_model")
         if not isinstance(config.vision_feature_layer, int):
             raise ValueError("LLaVA with several vision_feature_layer values is not supported")
         if config.vision_feature_select_strategy not in STRATEGIES:
-            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
-                             f"supported; implemented: {', '.join(STRATEGIES)}")
-        tower = CLIPVisionModel._from_config(config.vision_config, dtype=dtype)
+            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is "
+                             f"not supported; implemented: {', '.join(STRATEGIES)}")
+        tower = CLIPVisionModel._from_config(vision_config, dtype=dtype)
         # CLIPVisionModel's own names start at vision_model.*, as the checkpoint's under its prefix
         load_module(tower, tower_state(model_dir, _TOWER, "vision tower"), "vision tower")
         projector = LlavaMultiModalProjector(config).to(dtype)
-        load_module(projector, tower_state(model_dir, _PROJECTOR, "multimodal projector"), "multimodal projector")
+        load_module(projector, tower_state(model_dir, _PROJECTOR, "multimodal projector"),
+                    "multimodal projector")
         return cls(tower.to(device).eval(), projector.to(device).eval(), config.vision_feature_layer,
-                   config.vision_feature_select_strategy, config.vision_config.patch_size)
+                   config.vision_feature_select_strategy, vision_config.patch_size)
 
     @torch.inference_mode()
     def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:

@@ -45,7 +45,7 @@ class CheckpointReader:
         self._stored_as = {"model." + name.removeprefix(_LANGUAGE_MODEL): name
                            for name in self._file_of if name.startswith(_LANGUAGE_MODEL)}
         self._file_of.update({alias: self._file_of[name] for alias, name in self._stored_as.items()})
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def names(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -59,7 +59,7 @@ class CheckpointReader:
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(self._stored_as.get(name, name))  # type: ignore[attr-defined]
+        return self._handles[path].get_tensor(self._stored_as.get(name, name))
 
     def close(self) -> None:
         self._handles.clear()
@@ -72,7 +72,8 @@ class ShardedReader:
     decoder, engine.models.moe, engine.models.mla) read through this so they share one TP rule.
     """
 
-    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype, shard=None) -> None:
+    def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype,
+                 shard=None) -> None:
         self.reader = reader
         self.device = device
         self.dtype = dtype
@@ -82,14 +83,15 @@ class ShardedReader:
     def __contains__(self, name: str) -> bool:
         return name in self.reader
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor (before any TP slicing), in `dtype` (default: the model's); `shape` is what
         config.json implies, checked here so that a misshapen checkpoint is refused at load naming
         the tensor, not later."""
         tensor = self.reader.get(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-                                  f"implies {tuple(shape)}")
+            raise MisshapenTensor(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
+                                  f"config.json implies {tuple(shape)}")
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def maybe(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:

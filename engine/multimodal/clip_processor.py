@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class ClipProcessorConfig:
         model = json.loads((Path(model_dir) / "config.json").read_text())
         path = Path(model_dir) / "preprocessor_config.json"
         side = int(model.get("vision_config", {}).get("image_size", cls.shortest_edge))
-        raw = json.loads(path.read_text()) if path.exists() else {
+        raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
             "size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
         for flag in ("do_resize", "do_center_crop", "do_rescale", "do_normalize"):
             if raw.get(flag, True) is not True:
@@ -70,7 +71,8 @@ class ClipProcessorConfig:
             raise ValueError(f"unsupported resample {resample}; implemented: {sorted(_RESAMPLE)}")
         return cls(shortest_edge=int(size["shortest_edge"]), crop_height=int(crop["height"]),
                    crop_width=int(crop["width"]), patch_size=patch, resample=resample,
-                   image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
+                   image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
+                   image_std=tuple(raw.get("image_std", CLIP_STD)))
 
     def preprocess(self, image: Image.Image) -> ImageInput:
         return preprocess_clip(image, self)
@@ -114,5 +116,5 @@ def preprocess_clip(image: Image.Image, config: ClipProcessorConfig) -> ImageInp
     channels, crop_h, crop_w = pixels.shape
     grid_h, grid_w = crop_h // patch, crop_w // patch
     patches = pixels.reshape(channels, grid_h, patch, grid_w, patch).transpose(1, 3, 0, 2, 4)
-    return ImageInput.from_pixels(torch.from_numpy(np.ascontiguousarray(patches.reshape(grid_h * grid_w, -1))),
-                                  (1, grid_h, grid_w))
+    rows = np.ascontiguousarray(patches.reshape(grid_h * grid_w, -1))
+    return ImageInput.from_pixels(torch.from_numpy(rows), (1, grid_h, grid_w))

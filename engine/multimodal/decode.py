@@ -49,7 +49,8 @@ def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS
         raise ValueError(f"image {index} has too many pixels (at most {max_pixels})") from None
     width, height = image.size
     if width * height > max_pixels:
-        raise ValueError(f"image {index} has {width}x{height} = {width * height} pixels; at most {max_pixels}")
+        raise ValueError(f"image {index} has {width}x{height} = {width * height} pixels; at most "
+                         f"{max_pixels}")
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:
@@ -61,10 +62,10 @@ def prepare(model_dir: str, model: ModelConfig, prompt_ids: Sequence[int],
             blobs: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt with each image placeholder expanded to its image's tokens, and the images
     preprocessed; ValueError for a text-only model or any image refused."""
-    if not model.is_multimodal:
+    if not model.is_multimodal or model.image_token_id is None:
         raise ValueError(f"images sent to a text-only model ({model.architecture})")
     if len(blobs) > MAX_IMAGES:
         raise ValueError(f"{len(blobs)} images in one request; at most {MAX_IMAGES}")
     config = processor_config(model_dir)
     images = tuple(config.preprocess(decode_image(blob, i)) for i, blob in enumerate(blobs))
-    return expand_image_tokens(prompt_ids, images, model.image_token_id, config.merge_size), images  # type: ignore[arg-type]
+    return expand_image_tokens(prompt_ids, images, model.image_token_id, config.merge_size), images

@@ -80,10 +80,11 @@ def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ImageInput:
     """One image's pixel_values [grid_t * grid_h * grid_w, C * T * P * P] (fp32) and grid_thw."""
     image = image.convert("RGB")
     patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
-    height, width = smart_resize(image.height, image.width, patch * merge, config.min_pixels, config.max_pixels)
+    height, width = smart_resize(image.height, image.width, patch * merge, config.min_pixels,
+                                 config.max_pixels)
     resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    pixels = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
-    pixels = (pixels - np.asarray(config.image_mean, np.float32)) / np.asarray(config.image_std, np.float32)
+    scaled = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
+    pixels = (scaled - np.asarray(config.image_mean, np.float32)) / np.asarray(config.image_std, np.float32)
     frames = np.repeat(pixels.transpose(2, 0, 1)[None], temporal, axis=0)  # [T, C, H, W]
     return ImageInput.from_pixels(torch.from_numpy(patchify(frames, patch, merge, temporal)),
                                   (frames.shape[0] // temporal, height // patch, width // patch))
@@ -94,6 +95,7 @@ def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> np.nd
     the vision tower's order: each merge x merge window's patches consecutive."""
     frames_n, channels, height, width = frames.shape
     grid_t, grid_h, grid_w = frames_n // temporal, height // patch, width // patch
-    x = frames.reshape(grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    x = frames.reshape(grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge,
+                       patch)
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return np.ascontiguousarray(x.reshape(grid_t * grid_h * grid_w, channels * temporal * patch * patch))

@@ -21,13 +21,13 @@ class ImageInput:
     @classmethod
     def from_pixels(cls, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> ImageInput:
         pixel_values = pixel_values.to(torch.float32).contiguous()
-        grid_thw = tuple(int(g) for g in grid_thw)
+        grid_thw = (int(grid_thw[0]), int(grid_thw[1]), int(grid_thw[2]))
         if pixel_values.dim() != 2 or pixel_values.shape[0] != grid_thw[0] * grid_thw[1] * grid_thw[2]:
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match grid_thw {grid_thw}")
         hasher = hashlib.blake2b(digest_size=8)
         hasher.update(repr(grid_thw).encode())
         hasher.update(pixel_values.numpy().tobytes())
-        return cls(pixel_values, grid_thw, int.from_bytes(hasher.digest(), "little"))  # type: ignore[arg-type]
+        return cls(pixel_values, grid_thw, int.from_bytes(hasher.digest(), "little"))
 
     def num_tokens(self, merge_size: int) -> int:
         """The image-pad tokens it takes in the prompt (one per merge x merge window of patches)."""

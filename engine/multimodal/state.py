@@ -32,15 +32,18 @@ class MultimodalState:
         """ValueError when the prompt's image-pad tokens do not match the images' token counts."""
         pads = _pad_positions(prompt_ids, image_token_id)
         if mrope:
-            positions, delta = mrope_positions(prompt_ids, [i.grid_thw for i in images], image_token_id, merge_size)
+            positions, delta = mrope_positions(prompt_ids, [i.grid_thw for i in images], image_token_id,
+                                               merge_size)
         else:
             # plain positions: the image tokens only need to be as many as the images take, in
             # order (as transformers' masked_scatter fills them)
             needed = sum(i.num_tokens(merge_size) for i in images)
             if needed != pads.numel():
-                raise ValueError(f"{len(images)} images need {needed} image-pad tokens; the prompt has {pads.numel()}")
+                raise ValueError(f"{len(images)} images need {needed} image-pad tokens; the prompt has "
+                                 f"{pads.numel()}")
             positions, delta = torch.arange(len(prompt_ids))[None], 0
-        return cls(tuple(images), positions, delta, pads, _salts(pads, images, merge_size, page_size, len(prompt_ids)))
+        return cls(tuple(images), positions, delta, pads,
+                   _salts(pads, images, merge_size, page_size, len(prompt_ids)))
 
     def position_rows(self, start: int, end: int) -> torch.Tensor:
         """Positions [3, end - start] of sequence indices start..end-1 (generated tokens past the
@@ -54,8 +57,10 @@ class MultimodalState:
 
     def embedding_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(offsets within the chunk start..end-1, embeddings) of the image tokens in it."""
+        if self.embeddings is None:
+            raise ValueError("embedding_rows of images whose embeddings are not computed yet")
         mask = (self.pad_positions >= start) & (self.pad_positions < end)
-        return self.pad_positions[mask] - start, self.embeddings[mask]  # type: ignore[index]
+        return self.pad_positions[mask] - start, self.embeddings[mask]
 
 
 def page_salts(prompt_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,

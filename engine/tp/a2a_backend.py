@@ -58,10 +58,12 @@ def resolve(requested: str, collective_backend: str) -> A2ABackend:
     try:
         importlib.import_module(module)
     except Exception as exc:  # ImportError, or a library that fails to initialise without its hardware
-        why = f"{needs}; `import {module}` failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = f"{needs}; `import {module}` failed: {failure}"
     else:
         why = f"`{module}` imports, but pdserve has no dispatch path for it yet"
-    return A2ABackend(requested, TORCH, f"--moe-a2a-backend {requested}: {why}; using {TORCH} all_to_all over "
+    return A2ABackend(requested, TORCH,
+                      f"--moe-a2a-backend {requested}: {why}; using {TORCH} all_to_all over "
                       f"{collective_backend} instead: identical output, only speed differs")
 
 

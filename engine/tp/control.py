@@ -30,11 +30,11 @@ class ControlListener:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.authkey = secrets.token_bytes(16)
         self._listener = Listener((host, 0), authkey=self.authkey)
-        self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
+        self.address: tuple[str, int] = self._listener.address
 
     def accept(self, num_followers: int) -> dict[int, RankControl]:
         """Wait for every follower's connection (each says its rank first)."""
-        controls = {}
+        controls: dict[int, RankControl] = {}
         while len(controls) < num_followers:
             conn = self._listener.accept()
             rank = conn.recv()
@@ -63,7 +63,7 @@ class RankControl:
             return value
         if isinstance(value, BaseException):
             raise value
-        type_name, message, detail = value  # type: ignore[misc]
+        type_name, message, detail = value
         raise RankCallFailed(f"tp rank {self.rank}: {message}", type_name, detail)
 
     def close(self) -> None:

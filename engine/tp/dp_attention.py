@@ -22,9 +22,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -113,13 +117,13 @@ class DPRankRunner:
     MLP collectives when its group is idle). Returns, on rank 0, every group's logits in group
     order (rows per group: `DPStep.shape().sampled`); None elsewhere."""
 
-    def __init__(self, runner, comm: DPAttentionComm) -> None:
-        self.runner = runner  # engine.model_runner.ModelRunner
+    def __init__(self, runner: ModelRunner, comm: DPAttentionComm) -> None:
+        self.runner = runner
         self.comm = comm
 
-    def forward(self, step: DPStep) -> torch.Tensor | None:
-        self.comm.set_step(step.shape())
-        mine = step.batches[self.comm.dp_rank]
+    def step(self, plan: DPStep) -> torch.Tensor | None:
+        self.comm.set_step(plan.shape())
+        mine = plan.batches[self.comm.dp_rank]
         if mine is None or mine.is_empty:
             return self.runner.model.idle_forward()
-        return self.runner.forward(mine)
+        return self.runner.step(mine)

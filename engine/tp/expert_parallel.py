@@ -78,7 +78,8 @@ class ExpertParallel:
 
     def token_slice(self, num_tokens: int) -> slice:
         """This EP rank's contiguous share of `num_tokens` replicated rows (may be empty)."""
-        return slice(num_tokens * self.ep_rank // self.ep_size, num_tokens * (self.ep_rank + 1) // self.ep_size)
+        return slice(num_tokens * self.ep_rank // self.ep_size,
+                     num_tokens * (self.ep_rank + 1) // self.ep_size)
 
     def replicated(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    run_experts: RunExperts) -> torch.Tensor:
@@ -113,7 +114,8 @@ class ExpertParallel:
         weighted = (returned * weights.reshape(-1, 1)[order]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows_of_pairs, weighted)
 
-    def _run_local(self, received: torch.Tensor, by_source: torch.Tensor, run_experts: RunExperts) -> torch.Tensor:
+    def _run_local(self, received: torch.Tensor, by_source: torch.Tensor,
+                   run_experts: RunExperts) -> torch.Tensor:
         """Run the local experts on rows arriving source by source, each source's grouped by local
         expert; regroup so that each expert runs once on all its rows, then restore arrival order."""
         local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep_size)
@@ -129,6 +131,7 @@ class ExpertParallel:
         leave and reach this rank (not the part it sends itself)."""
         dist.all_to_all_single(output, input.contiguous(), output_split, input_split, group=self.group)
         row_bytes = math.prod(input.shape[1:]) * input.element_size()
-        kept = (input_split[self.ep_rank] if input_split is not None else input.shape[0] // self.ep_size) * row_bytes
+        kept_rows = input_split[self.ep_rank] if input_split is not None else input.shape[0] // self.ep_size
+        kept = kept_rows * row_bytes
         self.sent_bytes += input.numel() * input.element_size() - kept
         self.received_bytes += output.numel() * output.element_size() - kept

@@ -1,4 +1,5 @@
-"""A follower rank's process: `python -m engine.tp.follower`, its spec (JSON) on stdin (started by engine.tp.ranks).
+"""A follower rank's process: `python -m engine.tp.follower`, its spec (JSON) on stdin (started by
+engine.tp.ranks).
 
 The spec is JSON: the engine config, this rank, rank 0's rendezvous port and rank 0's pid. The
 follower loads its shard of the weights, makes its KV pool the size rank 0 chose (same page ids

@@ -82,7 +82,8 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over this rank's TP group, in place. Half-precision partial sums are added in
-        fp32 and rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each add)."""
+        fp32 and rounded once, as the unsplit matmul's fp32 accumulator would (bf16 sums round at each
+        add)."""
         self.traffic["all_reduce"] += tensor.numel() * 4
         if tensor.dtype == torch.float32:
             dist.all_reduce(tensor, group=self.tp_group)

@@ -57,26 +57,37 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     attn_shard = TPShard(topology.attn_tp_rank(group.rank), topology.attn_tp_size) if dp_attention else None
     expert_parallel = None
     if topology.ep_size > 1:
+        if model_config.moe is None:  # check_tp_size refuses it before any rank starts
+            raise ValueError(f"--ep-size {topology.ep_size} needs a mixture-of-experts model")
         expert_parallel = ExpertParallel.for_rank(group, model_config.moe.num_experts)
     model = DecoderModel.load(config.model_path, model_config, dtype, device,
                               select_layer_ops(config.cpu_kernels, device),
                               shard=TPShard(group.tp_rank, group.tp_size),
                               # a stage of one rank has nothing to sum
-                              all_reduce=group.all_reduce if group.tp_size > 1 else None, attn_shard=attn_shard, expert_parallel=expert_parallel, layers=layers)
+                              all_reduce=group.all_reduce if group.tp_size > 1 else None,
+                              attn_shard=attn_shard, expert_parallel=expert_parallel, layers=layers)
     # Rank 0 sizes the pool for its own stage; a stage with fewer layers could hold more pages,
     # but every rank must have the same page ids.
     num_pages = group.broadcast(kv_pages(config, layout, device) if group.rank == 0 else None)
+    if not isinstance(num_pages, int):
+        raise RuntimeError(f"rank 0 sent {num_pages!r} as the pool's page count")
     if controls is not None and dp_attention:
         # Rank 0's pool is its DP group's (the first attn_tp_size ranks); the other groups' pools
         # are views over their ranks (engine.dp_engine)
         controls = controls[:topology.attn_tp_size - 1] or None
     if controls is not None:
+        # TPKVPool takes a list[RankChannel], and a list of RankControls is not one (list is invariant):
+        # libkv's signature should take a Sequence
         pool: KVPool = TPKVPool(layout, num_pages, device, controls)  # type: ignore[arg-type]
     else:
-        pool = KVPool(layout, num_pages, device)  # type: ignore[arg-type]
+        pool = KVPool(layout, num_pages, device)
     if dp_attention:  # (not with pipeline stages: EngineConfig refuses the two together)
-        model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device, group.traffic)
-        return RankParts(model, pool, DPRankRunner(ModelRunner(model, pool), model.dp))  # type: ignore[arg-type]
+        model.dp = DPAttentionComm(group.rank, topology, group.tp_group, group.attn_group, device,
+                                   group.traffic)
+        # RankParts.runner is a ModelRunner to its callers; under DP attention it is this DPRankRunner,
+        # which runs the DPSteps rank 0 broadcasts (engine.dp_engine)
+        dp_runner = DPRankRunner(ModelRunner(model, pool), model.dp)
+        return RankParts(model, pool, dp_runner)  # type: ignore[arg-type]
     stage = None
     if topology.pp_size > 1:
         stage = PipelineStage(group, model_config.hidden_size, model_config.vocab_size, dtype, device)

@@ -56,18 +56,21 @@ def _left_cleanly(followers: FollowerRanks, grace_s: float = 3.0) -> bool:
 def run_node(config: EngineConfig, host: str) -> int:
     """Run node `config.node_rank`'s ranks until one exits, node 0 is lost or a signal comes."""
     topology = config.topology()
-    init_host, port = parse_init_addr(config.dist_init_addr)  # type: ignore[arg-type]
+    init_host, port = parse_init_addr(config.dist_init_addr)
     try:
         if is_loopback(host) and not is_loopback(init_host):
-            raise RendezvousError(f"node {topology.node_rank}: --host {host} is a loopback address, which node 0's "
-                                  "ranks cannot reach: pass this node's address (as in the seeds' commands)")
+            raise RendezvousError(f"node {topology.node_rank}: --host {host} is a loopback address, which "
+                                  "node 0's ranks cannot reach: pass this node's address (as in the seeds' "
+                                  "commands)")
         use_interface_of(host)  # this node's ranks (our children) talk over it
-        store = open_store(init_host, port, topology.world_size, False, config.dist_timeout, topology.node_rank)
+        store = open_store(init_host, port, topology.world_size, False, config.dist_timeout,
+                           topology.node_rank)
         check_topology(store, topology, model_identity(config.model_path))
         control, authkey = lookup_control(store)
         # The heartbeat gets its own connection with a short timeout: a frozen node 0 must not hold
         # this node for --dist-timeout.
-        beat_store = open_store(init_host, port, topology.world_size, False, NODE_LOST_AFTER_S, topology.node_rank)
+        beat_store = open_store(init_host, port, topology.world_size, False, NODE_LOST_AFTER_S,
+                                topology.node_rank)
     except (RendezvousError, TopologyError) as exc:
         log.error("%s", exc)
         return 2
@@ -75,7 +78,7 @@ def run_node(config: EngineConfig, host: str) -> int:
     ranks = list(topology.node_ranks())
     followers = FollowerRanks.start(config, ranks, (init_host, port), control, authkey, transfer_host=host)
     done = threading.Event()
-    outcome: dict[str, object] = {}
+    outcome: dict[str, tuple[int, str]] = {}  # "result": (exit code, why)
 
     def finish(code: int, why: str) -> None:
         outcome.setdefault("result", (code, why))
@@ -85,18 +88,22 @@ def run_node(config: EngineConfig, host: str) -> int:
                                lambda why: finish(1, f"node 0 is lost: {why}"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: finish(0, f"got {signal.Signals(received).name}"))
-    log.info("node %d of %d: ranks %d..%d of %s started, joining --dist-init-addr %s:%d, transfer engines on %s",
-             topology.node_rank, topology.nnodes, ranks[0], ranks[-1], topology.describe(), init_host, port, host)
+    log.info("node %d of %d: ranks %d..%d of %s started, joining --dist-init-addr %s:%d, transfer engines "
+             "on %s", topology.node_rank, topology.nnodes, ranks[0], ranks[-1], topology.describe(),
+             init_host, port, host)
     while not done.wait(0.2):
         exited = followers.exited()
         if exited is not None:
             rank, code = exited
             # Code 0: rank 0 closed the group (its worker shut down); anything else is a failure.
-            finish(0, "rank 0 closed the group") if code == 0 else finish(1, f"tp rank {rank} exited with code {code}")
-    code, why = outcome["result"]  # type: ignore[misc]
+            if code == 0:
+                finish(0, "rank 0 closed the group")
+            else:
+                finish(1, f"tp rank {rank} exited with code {code}")
+    code, why = outcome["result"]
     if code and _left_cleanly(followers):  # node 0 shut down first, then its store went away
         code, why = 0, "rank 0 closed the group"
     heartbeat.stop()
     (log.info if code == 0 else log.error)("node %d: %s; stopping its ranks", topology.node_rank, why)
     followers.kill()
-    return code  # type: ignore[return-value]
+    return code

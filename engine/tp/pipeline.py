@@ -68,17 +68,20 @@ class PipelineStage:
         their own logits, elsewhere None."""
         self.steps += 1
         self.step_bytes = 0
-        if self.is_first:
+        if self.prev_rank is None:  # the first stage
             tokens = input_ids
         else:
             tokens = self._receive((input_ids.shape[0], self.hidden_size), self.dtype, self.prev_rank)
         hidden = model.forward_layers(tokens, positions, max_position, meta, kv_buffer)
-        if not self.is_last:
+        if self.next_rank is not None:  # not the last stage
             self._send(hidden, self.next_rank)
             if self.rank == 0:
                 return self._receive((num_logit_rows, self.vocab_size), torch.float32, self.last_stage_driver)
             return None
         logits = model.final_logits(hidden, logit_rows)
+        # only DP attention leaves a rank without logits, and EngineConfig refuses it with PP
+        if logits is None:
+            raise RuntimeError("the last pipeline stage computed no logits")
         if self.tp_rank == 0 and self.rank != 0:
             self._send(logits, 0)
         return logits

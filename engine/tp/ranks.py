@@ -20,9 +20,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.tp.control import RankControl
+
+if TYPE_CHECKING:
+    from engine.tp.rendezvous import HeartbeatWatch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ class FollowerRanks:
         self.controls: list[RankControl] = []  # every follower's, world ranks 1..N-1 in order; set by rank 0
         self._stopping = threading.Event()
         self._lost: list[str] = []  # why a rank on another node is gone (engine.tp.rendezvous.HeartbeatWatch)
-        self.heartbeat = None  # rank 0 across nodes: its engine.tp.rendezvous.HeartbeatWatch
+        self.heartbeat: HeartbeatWatch | None = None  # rank 0's, set by engine.tp.setup
 
     @classmethod
     def start(cls, config: EngineConfig, ranks: list[int], store: tuple[str, int], control: tuple[str, int],
@@ -55,11 +59,15 @@ class FollowerRanks:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         procs = []
         for rank in ranks:
-            spec = json.dumps({"config": asdict(config), "rank": rank, "store": list(store), "parent": os.getpid(),
-                               "control": [*control, authkey.hex()], "transfer_host": transfer_host})
+            spec = json.dumps({"config": asdict(config), "rank": rank, "store": list(store),
+                               "parent": os.getpid(), "control": [*control, authkey.hex()],
+                               "transfer_host": transfer_host})
             # The spec goes through a pipe, not argv: it carries the control socket's key, and any
             # local user can read a process's argv.
-            proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env, stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "engine.tp.follower"], env=env,
+                                    stdin=subprocess.PIPE)
+            if proc.stdin is None:  # stdin=PIPE gives one
+                raise RuntimeError("a follower rank started without its stdin pipe")
             proc.stdin.write(spec.encode())
             proc.stdin.close()
             procs.append(proc)
@@ -83,7 +91,10 @@ class FollowerRanks:
         def run() -> None:
             while not self._stopping.wait(0.2):
                 exited = self.exited()
-                why = f"tp rank {exited[0]} exited with code {exited[1]}" if exited else (self._lost or [None])[0]
+                if exited:
+                    why: str | None = f"tp rank {exited[0]} exited with code {exited[1]}"
+                else:
+                    why = self._lost[0] if self._lost else None
                 if why is not None and not self._stopping.is_set():
                     on_exit(why)
                     return

@@ -50,7 +50,9 @@ class RendezvousError(RuntimeError):
     """This node cannot join (or host) the rank group; the message names the address and the node."""
 
 
-def parse_init_addr(value: str) -> tuple[str, int]:
+def parse_init_addr(value: str | None) -> tuple[str, int]:
+    if value is None:  # EngineConfig refuses --nnodes above 1 without it
+        raise ValueError("--dist-init-addr HOST:PORT is needed across nodes")
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--dist-init-addr must be HOST:PORT, got {value!r}")
@@ -129,9 +131,9 @@ def use_interface_of(host: str) -> None:
 
 def warn_if_exposed(host: str) -> None:
     if not is_loopback(host):
-        log.warning("the rank group at --dist-init-addr %s is not authenticated (torch.distributed's store and "
-                    "group are not): anyone who can reach that address can join it or read the steps' token "
-                    "ids. Keep it on the cluster's private network.", host)
+        log.warning("the rank group at --dist-init-addr %s is not authenticated (torch.distributed's store "
+                    "and group are not): anyone who can reach that address can join it or read the steps' "
+                    "token ids. Keep it on the cluster's private network.", host)
 
 
 class HeartbeatWatch:

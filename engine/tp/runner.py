@@ -28,8 +28,13 @@ class DriverRunner:
         self.group = group
 
     def forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        """The step's logits (rank 0 always gets them: from the last pipeline stage, or under DP
+        attention every group's; a DPStep takes the place of `batch` then)."""
         self.group.broadcast(batch)
-        return self.runner.forward(batch)
+        logits = self.runner.step(batch)
+        if logits is None:
+            raise RuntimeError("rank 0's step returned no logits")
+        return logits
 
     def close(self) -> None:
         """Tell the followers to leave their loop (after the engine thread has stopped) and leave the
@@ -49,5 +54,7 @@ def follow(group: TPGroup, runner: ModelRunner) -> None:
             if batch is None:
                 log.info("rank 0 closed the group after %d steps", steps)
                 return
-            runner.forward(batch)  # type: ignore[arg-type]
+            # unpickled, so typed object: a SchedulerOutput, or under DP attention a DPStep (whose
+            # runner is a DPRankRunner: engine.tp.load)
+            runner.step(batch)  # type: ignore[arg-type]
             steps += 1

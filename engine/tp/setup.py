@@ -45,7 +45,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[T
         torch.cuda.set_device(device)  # NCCL binds rank 0's communicator to the current device
     topology = config.topology()
     if topology.nnodes > 1:
-        host, port = parse_init_addr(config.dist_init_addr)  # type: ignore[arg-type]
+        host, port = parse_init_addr(config.dist_init_addr)
         warn_if_exposed(host)
         use_interface_of(host)  # node 0's ranks (and their children, which inherit it) talk over it
     else:
@@ -58,7 +58,8 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> tuple[T
     followers = FollowerRanks.start(config, list(topology.node_ranks(0))[1:], (host, port), control.address,
                                     control.authkey)
     try:
-        group = _while_followers_run(followers, lambda: TPGroup(0, topology, store, device, config.dist_timeout),
+        group = _while_followers_run(followers,
+                                     lambda: TPGroup(0, topology, store, device, config.dist_timeout),
                                      _join_what(topology, config))
         controls = _while_followers_run(followers, lambda: control.accept(topology.world_size - 1),
                                         "connect its control channel")
@@ -84,13 +85,14 @@ def _join_what(topology: Topology, config: EngineConfig) -> str:
 
 def _while_followers_run(followers: FollowerRanks, function: Callable[[], T], what: str) -> T:
     """`function()` in a thread, failing fast if a follower exits while it waits for them."""
-    outcome: dict[str, object] = {}
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            outcome["value"] = function()
+            values.append(function())
         except BaseException as exc:  # re-raised below
-            outcome["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=run, name="pdserve-tp-rendezvous", daemon=True)
     thread.start()
@@ -99,9 +101,9 @@ def _while_followers_run(followers: FollowerRanks, function: Callable[[], T], wh
         exited = followers.exited()
         if exited is not None and thread.is_alive():
             raise RuntimeError(f"tp rank {exited[0]} exited with code {exited[1]} before it could {what}")
-    if "error" in outcome:
-        raise RuntimeError(f"tp ranks could not {what}: {outcome['error']}")
-    return outcome["value"]  # type: ignore[return-value]
+    if errors:
+        raise RuntimeError(f"tp ranks could not {what}: {errors[0]}")
+    return values[0]
 
 
 def prepare_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:

@@ -43,15 +43,18 @@ def check_tp_size(tp_size: int, model_config, ep_size: int = 1, attn_tp_size: in
     try:
         check_divisible(attn, model_config.num_heads, kv_heads, model_config.intermediate_size * attn)
         if model_config.intermediate_size % tp_size:
-            raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width {model_config.intermediate_size}")
+            raise UnshardableModel(f"tp size {tp_size} does not divide the MLP width "
+                                   f"{model_config.intermediate_size}")
     except UnshardableModel as exc:
         if attn != tp_size:
-            raise UnshardableModel(f"--tp-size {tp_size} in {tp_size // attn} DP attention groups: {exc}") from None
+            raise UnshardableModel(f"--tp-size {tp_size} in {tp_size // attn} DP attention groups: "
+                                   f"{exc}") from None
         raise UnshardableModel(f"--tp-size {tp_size}: {exc}") from None
     moe = model_config.moe
     if ep_size > 1 and moe is None:
-        raise UnshardableModel(f"--ep-size {ep_size}: {model_config.architecture} has no routed experts to split "
-                               "(expert parallelism, also implied by --moe-a2a-backend, is for MoE models)")
+        raise UnshardableModel(f"--ep-size {ep_size}: {model_config.architecture} has no routed experts to "
+                               "split (expert parallelism, also implied by --moe-a2a-backend, is for MoE "
+                               "models)")
     if moe is None:
         return
     if moe.num_experts % ep_size:
@@ -62,8 +65,8 @@ def check_tp_size(tp_size: int, model_config, ep_size: int = 1, attn_tp_size: in
         if ep_size == 1:
             raise UnshardableModel(f"--tp-size {tp_size}: tp size {tp_size} does not divide the expert width "
                                    f"{moe.intermediate_size}")
-        raise UnshardableModel(f"--tp-size {tp_size} / --ep-size {ep_size}: the {moe_tp_size} ranks sharing each "
-                               f"expert block do not divide the expert width {moe.intermediate_size}")
+        raise UnshardableModel(f"--tp-size {tp_size} / --ep-size {ep_size}: the {moe_tp_size} ranks sharing "
+                               f"each expert block do not divide the expert width {moe.intermediate_size}")
 
 
 @dataclass(frozen=True)

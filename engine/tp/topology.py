@@ -35,12 +35,15 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
-                raise TopologyError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise TopologyError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                    f"{getattr(self, name)}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise TopologyError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+            raise TopologyError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} (--nnodes "
+                                f"{self.nnodes})")
         if self.world_size % self.nnodes:
             raise TopologyError(f"--nnodes {self.nnodes} does not divide the {self.world_size} ranks "
-                                f"(--tp-size {self.tp_size} x --pp-size {self.pp_size}): every node runs as many ranks")
+                                f"(--tp-size {self.tp_size} x --pp-size {self.pp_size}): every node runs as "
+                                "many ranks")
         if self.tp_size % self.dp_size:
             raise TopologyError(f"--dp-size {self.dp_size} does not divide --tp-size {self.tp_size} "
                                 "(each DP attention group takes tp_size / dp_size ranks)")

@@ -22,4 +22,5 @@ def open_channel(address: str, security: GrpcSecurity, *,
     credentials = security.channel_credentials()
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=list(merged.items()), interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=list(merged.items()), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=list(merged.items()),
+                                   interceptors=interceptors)

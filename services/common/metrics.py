@@ -73,7 +73,8 @@ def _metrics_app(registry: CollectorRegistry) -> Callable:
     return app
 
 
-def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+def start_metrics_server(registry: CollectorRegistry, port: int = 0,
+                         host: str = "127.0.0.1") -> MetricsServer:
     """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port."""
     server_class = _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
     httpd = make_server(host, port, _metrics_app(registry), server_class, handler_class=_QuietHandler)

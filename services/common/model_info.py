@@ -85,7 +85,8 @@ def write_model_files(info: worker_pb2.ModelInfo, folder: Path) -> None:
     files = {file.name: file.content for file in info.files}
     unknown = sorted(set(files) - set(GATEWAY_FILES))
     if unknown or len(files) != len(info.files):
-        raise ModelInfoError(f"model info names unexpected or repeated files: {unknown or [f.name for f in info.files]}")
+        raise ModelInfoError("model info names unexpected or repeated files: "
+                             f"{unknown or [f.name for f in info.files]}")
     if "tokenizer.json" not in files:
         raise ModelInfoError("model info has no tokenizer.json")
     if files_digest(files) != info.files_sha256:

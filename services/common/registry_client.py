@@ -97,7 +97,8 @@ class RegistryClient:
         """Call `method` on the current registry; on a failover code, on each other one in turn."""
         for attempt in range(len(self.addresses)):
             try:
-                return await getattr(self._stub, method)(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+                return await getattr(self._stub, method)(request, timeout=timeout_s,
+                                                         wait_for_ready=wait_for_ready)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _FAILOVER_CODES or attempt == len(self.addresses) - 1:
                     raise
@@ -112,7 +113,8 @@ class RegistryClient:
 
     # -- worker side -----------------------------------------------------------------------------
 
-    async def register(self, worker: bootstrap_pb2.WorkerInfo, *, wait_s: float = 30.0) -> bootstrap_pb2.Lease:
+    async def register(self, worker: bootstrap_pb2.WorkerInfo, *,
+                       wait_s: float = 30.0) -> bootstrap_pb2.Lease:
         """Register `worker` (its worker_id is ignored) and return the lease. Waits up to `wait_s`
         for the registry to become reachable. Raises grpc.aio.AioRpcError: INVALID_ARGUMENT or
         FAILED_PRECONDITION (layout/backend mismatch) are the worker's to fix; not retried."""
@@ -145,7 +147,8 @@ class RegistryClient:
         while True:
             left_s = deadline - asyncio.get_running_loop().time()
             try:
-                return await self._unary("Register", request, timeout_s=max(min(left_s, self.rpc_timeout_s), 0.01))
+                return await self._unary("Register", request,
+                                         timeout_s=max(min(left_s, self.rpc_timeout_s), 0.01))
             except grpc.aio.AioRpcError as exc:
                 if not wait_for_ready or exc.code() not in _FAILOVER_CODES or left_s <= 0.5:
                     raise
@@ -230,14 +233,15 @@ class RegistryClient:
 
     # -- gateway side --------------------------------------------------------------------------
 
-    async def list(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
+    async def list(self, role: common_pb2.WorkerRole = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "",
                    *, wait_for_ready: bool = False) -> list[bootstrap_pb2.WorkerInfo]:
         response = await self._unary("List", bootstrap_pb2.ListRequest(role=role, model=model),
                                      timeout_s=self.rpc_timeout_s, wait_for_ready=wait_for_ready)
         return list(response.workers)
 
-    async def watch(self, role: int = common_pb2.WORKER_ROLE_UNSPECIFIED, model: str = "", *,
-                    reconnect: bool = True, min_backoff_s: float = 0.2, max_backoff_s: float = 5.0
+    async def watch(self, role: common_pb2.WorkerRole = common_pb2.WORKER_ROLE_UNSPECIFIED,
+                    model: str = "", *, reconnect: bool = True, min_backoff_s: float = 0.2,
+                    max_backoff_s: float = 5.0
                     ) -> AsyncIterator[bootstrap_pb2.WorkerEvent]:
         """Worker events matching (role, model): the current workers as JOINED, one SYNCED, then
         changes. With `reconnect`, a broken stream is re-opened (with backoff) and its fresh

@@ -60,7 +60,8 @@ class GrpcSecurity:
             try:
                 secret = Path(self.cluster_secret_file).read_text().strip()
             except OSError as exc:
-                raise ValueError(f"--cluster-secret-file: cannot read {self.cluster_secret_file!r}: {exc}") from None
+                raise ValueError(f"--cluster-secret-file: cannot read {self.cluster_secret_file!r}: "
+                                 f"{exc}") from None
             if not secret:
                 raise ValueError(f"--cluster-secret-file {self.cluster_secret_file!r} is empty")
         object.__setattr__(self, "secret", secret.encode())
@@ -117,7 +118,8 @@ class GrpcSecurity:
         if not self.secret:
             return []
         metadata = ((METADATA_KEY, f"Bearer {self.secret.decode()}"),)
-        return [_UnaryUnary(metadata), _UnaryStream(metadata), _StreamUnary(metadata), _StreamStream(metadata)]
+        return [_UnaryUnary(metadata), _UnaryStream(metadata), _StreamUnary(metadata),
+                _StreamStream(metadata)]
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:
@@ -162,7 +164,8 @@ class RequireSecret(grpc.aio.ServerInterceptor):
         now = time.monotonic()
         if now - self._last_log >= 1.0:
             self._last_log = now
-            log.warning("refused %s without the cluster secret (%d refused so far)", details.method, self._refused)
+            log.warning("refused %s without the cluster secret (%d refused so far)", details.method,
+                        self._refused)
         return _refusing(handler, details.method)
 
 

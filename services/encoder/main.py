@@ -40,8 +40,10 @@ def build_servicer(config: WorkerConfig) -> EncoderServicer:
         torch.set_num_threads(config.engine.num_threads)
     model_config = ModelConfig.from_dir(config.engine.model_path)
     dtype = resolve_dtype(config.engine.dtype, model_config)
-    tower = VisionTower.load(config.engine.model_path, model_config, dtype, torch.device(config.engine.device))
-    pool = EmbeddingPool(model_config.hidden_size, str(dtype).removeprefix("torch."), config.epd.embedding_pages)
+    tower = VisionTower.load(config.engine.model_path, model_config, dtype,
+                             torch.device(config.engine.device))
+    pool = EmbeddingPool(model_config.hidden_size, str(dtype).removeprefix("torch."),
+                         config.epd.embedding_pages)
     name = config.epd.encoder_transfer_backend
     backend = create_backend(name, **backend_options(config, name))
     backend.register(pool)
@@ -70,7 +72,8 @@ def run(config: WorkerConfig) -> int:
 
 async def serve(config: WorkerConfig, servicer: EncoderServicer) -> None:
     shutdown = ShutdownSignals()
-    metrics_server = start_metrics_server(servicer.metrics.registry, config.server.metrics_port, config.server.host)
+    metrics_server = start_metrics_server(servicer.metrics.registry, config.server.metrics_port,
+                                          config.server.host)
     servicer.metrics.gauge("encoder_staging_pages_used", "Staging embedding pages in use",
                            lambda: servicer.pages.used)
     registry = None
@@ -87,10 +90,10 @@ async def serve(config: WorkerConfig, servicer: EncoderServicer) -> None:
                 metrics_address=metrics_server.address,
                 transfer_endpoint=endpoint_to_proto(servicer.backend.endpoint())))
             registry.start_heartbeat()
-        log.info("encoder listening on %s (metrics :%d), model %s, vision tower only, %d staging embedding pages "
-                 "of %d rows, transfer backend %s, %s", server.address, metrics_server.port, config.model_name,
-                 servicer.pool.num_pages, servicer.pool.rows_per_page, config.epd.encoder_transfer_backend,
-                 config.security.describe())
+        log.info("encoder listening on %s (metrics :%d), model %s, vision tower only, %d staging embedding "
+                 "pages of %d rows, transfer backend %s, %s", server.address, metrics_server.port,
+                 config.model_name, servicer.pool.num_pages, servicer.pool.rows_per_page,
+                 config.epd.encoder_transfer_backend, config.security.describe())
         config.security.warn_if_open(config.server.host, "this encoder")
         received = await shutdown.wait()
         log.info("encoder got %s: shutting down", received.name)

@@ -22,8 +22,10 @@ class EncoderMetrics:
 
         self.images = counter("encoder_images_total", "Images encoded")
         self.encode_seconds = counter("encoder_encode_seconds_total", "Seconds the vision tower ran")
-        self.bytes_sent = counter("encoder_embedding_bytes_total", "Embedding bytes written into callers' memory")
-        self.refused = counter("encoder_refused_total", "Encode calls refused (bad input, grant, layout, no pages)")
+        self.bytes_sent = counter("encoder_embedding_bytes_total",
+                                  "Embedding bytes written into callers' memory")
+        self.refused = counter("encoder_refused_total",
+                               "Encode calls refused (bad input, grant, layout, no pages)")
         self._labels = labels
 
     def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:

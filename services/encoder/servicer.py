@@ -26,7 +26,6 @@ import grpc
 
 from engine.models.vision import VisionTower
 from engine.multimodal.decode import MAX_IMAGES, decode_image, processor_config
-from engine.multimodal.image_processor import preprocess
 from libkv.embedding_pool import EmbeddingPages, EmbeddingPool, PagesExhausted
 from libkv.layout import LayoutMismatch
 from libkv.transfer import BackendMismatch, GrantRefused, PeerUnreachable, TransferBackend, TransferError
@@ -91,9 +90,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"room {room}: the caller did not grant these embedding pages: {exc}")
         except (PeerUnreachable, TransferError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room}: cannot check the caller's grant: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"room {room}: cannot check the caller's grant: {exc}")
         try:
-            embeddings = await asyncio.to_thread(self._run_tower, list(request.images), list(request.image_rows))
+            embeddings = await asyncio.to_thread(self._run_tower, list(request.images),
+                                                 list(request.image_rows))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {room}: {exc}")
         try:
@@ -111,7 +112,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def _run_tower(self, blobs: list[bytes], expected_rows: list[int]):
         config = processor_config(self.model_path)
-        images = [preprocess(decode_image(blob, i), config) for i, blob in enumerate(blobs)]
+        images = [config.preprocess(decode_image(blob, i)) for i, blob in enumerate(blobs)]
         rows = [image.num_tokens(self.tower.merge_size) for image in images]
         if rows != expected_rows:
             raise ValueError(f"the images make {rows} embedding rows, the caller expects {expected_rows}")
@@ -127,7 +128,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Stage, checksum and write; on cancellation or timeout abort the write before returning."""
         self.pool.put(src_pages, embeddings)
         sums = self.backend.page_checksums_for(peer, src_pages, key=room)
-        handle = await asyncio.to_thread(self.backend.write, peer, src_pages, dst_pages, key=room, grant=grant)
+        handle = await asyncio.to_thread(self.backend.write, peer, src_pages, dst_pages, key=room,
+                                         grant=grant)
         try:
             await asyncio.wait_for(self.backend.wait(handle), timeout=self.transfer_timeout_s)
         except BaseException:

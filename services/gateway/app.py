@@ -47,8 +47,8 @@ def make_guards(state: GatewayState) -> RequestGuards:
                         queue_timeout_s=config.queue_timeout, retry_after_s=config.retry_after),
         on_shed=lambda model, reason: state.metrics.shed.labels(model=model, reason=reason).inc())
     state.metrics.watch_admission(admission)
-    return RequestGuards(encoder=PromptEncoder(state.model_files, config.tokenizer_threads), admission=admission,
-                         max_generations=config.max_generations_per_request)
+    return RequestGuards(encoder=PromptEncoder(state.model_files, config.tokenizer_threads),
+                         admission=admission, max_generations=config.max_generations_per_request)
 
 
 def create_app(state: GatewayState) -> FastAPI:
@@ -93,12 +93,14 @@ def create_app(state: GatewayState) -> FastAPI:
     config = state.config
     app.add_middleware(AdmissionScope)
     if config.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key, metrics_require_api_key=config.metrics_require_api_key)
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key,
+                           metrics_require_api_key=config.metrics_require_api_key)
     # a vision-language model's requests carry images as base64: room for them over the text limit
     image_room = images.limits.body_bytes() if state.model_files.multimodal else 0
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes + image_room,
                        read_timeout_s=config.body_read_timeout,
-                       flags="--max-request-body-bytes" + (" + --max-request-image-bytes as base64" if image_room else ""))
+                       flags="--max-request-body-bytes"
+                       + (" + --max-request-image-bytes as base64" if image_room else ""))
     app.add_middleware(InternalErrors)
     app.add_middleware(RequestCounter, metrics=state.metrics)
     install_openapi(app, state, guards)

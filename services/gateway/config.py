@@ -61,12 +61,14 @@ class GatewayConfig:
         "accepted for compatibility with the seeds' router; PD routing is on whenever prefill and "
         "decode workers are known"))
     policy: str = field(default="cache_aware", metadata=_help(f"routing policy: {' | '.join(POLICIES)}"))
-    prefill_policy: str | None = field(default=None, metadata=_help("policy for prefill workers; default --policy"))
+    prefill_policy: str | None = field(default=None, metadata=_help(
+        "policy for prefill workers; default --policy"))
     decode_policy: str | None = field(default=None, metadata=_help(
         "policy for decode and colocated workers; default --policy"))
     max_attempts: int = field(default=3, metadata=_help(
         "tries per request on retryable failures before any token reached the client"))
-    retry_backoff: float = field(default=0.05, metadata=_help("seconds before the first retry; doubles each time"))
+    retry_backoff: float = field(default=0.05, metadata=_help(
+        "seconds before the first retry; doubles each time"))
     first_token_timeout: float = field(default=300.0, metadata=_help(
         "seconds to wait for a request's first token before trying another pair"))
     migration_limit: int = field(default_factory=envs.MIGRATION_LIMIT.get, metadata=_help(
@@ -110,22 +112,26 @@ class GatewayConfig:
         "admission control, per model: requests that may wait for a slot; beyond that 429"))
     queue_timeout: float = field(default=60.0, metadata=_help(
         "admission control: seconds a request may wait for a slot before it is refused with 429"))
-    retry_after: int = field(default=1, metadata=_help("seconds a 429 answer asks the client to wait (Retry-After)"))
+    retry_after: int = field(default=1, metadata=_help(
+        "seconds a 429 answer asks the client to wait (Retry-After)"))
     # -- images (services/gateway/images.py; vLLM's flag names where it has one)
     allowed_media_domains: str = field(default="", metadata=_help(
         "hosts whose http(s) image URLs the gateway fetches (exact host names, several as separate values or "
-        "comma-separated; each redirect's host must be one too); none: remote image URLs are refused with 400"))
+        "comma-separated; each redirect's host must be one too); none: remote image URLs are "
+        "refused with 400"))
     media_fetch_timeout: float = field(default=10.0, metadata=_help(
-        "seconds all of one request's remote image fetches may take together; a slower one is refused with 400"))
+        "seconds all of one request's remote image fetches may take together; a slower one is "
+        "refused with 400"))
     limit_mm_per_prompt: str = field(default='{"image": 16}', metadata=_help(
-        'images per request, as vLLM\'s JSON {"image": N} or N; more is refused with 400 (the worker takes 16 '
-        "at most)"))
+        'images per request, as vLLM\'s JSON {"image": N} or N; more is refused with 400 (the worker '
+        "takes 16 at most)"))
     max_image_bytes: int = field(default=20 << 20, metadata=_help(
-        "largest image (its encoded bytes, after base64 decoding or fetching); a larger one is refused with 413"))
+        "largest image (its encoded bytes, after base64 decoding or fetching); a larger one is "
+        "refused with 413"))
     max_request_image_bytes: int = field(default=32 << 20, metadata=_help(
         "most image bytes in one request, all images together; more is refused with 413. A vision-language "
-        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body holds "
-        "the event loop: about 0.5 s for the 45 MB this default allows)"))
+        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body "
+        "holds the event loop: about 0.5 s for the 45 MB this default allows)"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
@@ -164,9 +170,10 @@ class GatewayConfig:
             if not number > 0:
                 raise ValueError(f"{flag} must be > 0, got {number}")
         if self.max_request_image_bytes > MAX_MESSAGE_BYTES - MESSAGE_ROOM_BYTES:
-            raise ValueError(f"--max-request-image-bytes must be at most {MAX_MESSAGE_BYTES - MESSAGE_ROOM_BYTES} "
-                             f"(a request's images travel to the workers in one gRPC message of at most "
-                             f"{MAX_MESSAGE_BYTES} bytes), got {self.max_request_image_bytes}")
+            raise ValueError("--max-request-image-bytes must be at most "
+                             f"{MAX_MESSAGE_BYTES - MESSAGE_ROOM_BYTES} (a request's images travel to the "
+                             f"workers in one gRPC message of at most {MAX_MESSAGE_BYTES} bytes), got "
+                             f"{self.max_request_image_bytes}")
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # ValueError saying what is wrong
         parse_domains(self.allowed_media_domains)
         if self.queue_size < 0 or self.retry_after < 0:
@@ -202,7 +209,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a prefill worker's address (http://H:P, grpc://H:P or H:P); the optional "
                              "bootstrap port of the seeds' router is accepted and ignored (decode reaches "
                              "prefill at its gRPC address)")
-    parser.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker's address")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode worker's address")
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="a colocated worker's address (it runs both phases)")
 

@@ -134,8 +134,8 @@ class RegistryDiscovery:
             # a worker the gateway does not route to yet (or a new process at a known address):
             # it joins once its model info matches
             self.check.submit(address, role, info.worker_id, lambda: self.pool.add(
-                address, role, info.model, worker_id=info.worker_id, reported=ReportedLoad.from_proto(info.load),
-                local_prefill=info.local_prefill))
+                address, role, info.model, worker_id=info.worker_id,
+                reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill))
             return
         if event.type in (_JOINED, _UPDATED):
             pending = self._pending_removal.pop(address, None)
@@ -171,9 +171,11 @@ class RegistryDiscovery:
         def remove() -> None:
             self._pending_removal.pop(worker.address, None)
             if self.pool.get(worker.address) is worker:
-                self.pool.remove(worker.address, reason=f"not back in the registry within {self.rejoin_grace_s:g}s")
+                self.pool.remove(worker.address,
+                                 reason=f"not back in the registry within {self.rejoin_grace_s:g}s")
 
-        self._pending_removal[worker.address] = asyncio.get_running_loop().call_later(self.rejoin_grace_s, remove)
+        loop = asyncio.get_running_loop()
+        self._pending_removal[worker.address] = loop.call_later(self.rejoin_grace_s, remove)
 
     async def close(self) -> None:
         if self.check is not None:
@@ -220,7 +222,8 @@ class HealthProber:
             serving = False
         if serving:
             if worker.reachable:
-                log.info("worker %s %s passed its health probe: back in rotation", worker.role, worker.address)
+                log.info("worker %s %s passed its health probe: back in rotation", worker.role,
+                         worker.address)
             worker.reachable = True
             worker.breaker.record_success()
         else:

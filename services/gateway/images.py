@@ -91,15 +91,16 @@ class ImageLoader:
         parts = [self._classify(index, source, plain_base64) for index, source in enumerate(sources)]
         inline = [p for p in parts if isinstance(p, _Inline)]
         total = 0
-        for part in inline:
-            size = _decoded_size(part.payload)
+        for inline_part in inline:
+            size = _decoded_size(inline_part.payload)
             if size > limits.max_image_bytes:
-                raise payload_too_large(f"image {part.index}: {size} bytes; at most {limits.max_image_bytes} "
-                                        "per image (--max-image-bytes)")
+                raise payload_too_large(f"image {inline_part.index}: {size} bytes; at most "
+                                        f"{limits.max_image_bytes} per image (--max-image-bytes)")
             total += size
         if total > limits.max_request_image_bytes:
             raise payload_too_large(f"the request's images are {total} bytes; at most "
-                                    f"{limits.max_request_image_bytes} per request (--max-request-image-bytes)")
+                                    f"{limits.max_request_image_bytes} per request "
+                                    "(--max-request-image-bytes)")
         if sum(len(p.payload) for p in inline) <= INLINE_BYTES:
             blobs = _decode(inline)
         else:
@@ -114,7 +115,8 @@ class ImageLoader:
                 reason = (f"at most {limits.max_request_image_bytes} bytes of images per request "
                           "(--max-request-image-bytes)" if request_binds else
                           f"at most {limits.max_image_bytes} per image (--max-image-bytes)")
-                blob = await self.fetcher.fetch(part.url, f"image {part.index}", min(room, limits.max_image_bytes),
+                blob = await self.fetcher.fetch(part.url, f"image {part.index}",
+                                                min(room, limits.max_image_bytes),
                                                 reason, deadline)
                 images[part.index] = blob
                 total += len(blob)
@@ -147,8 +149,8 @@ def _decode(parts: Sequence[_Inline]) -> list[bytes]:
             blobs.append(base64.b64decode("".join(part.payload.split()), validate=True))
         except (binascii.Error, ValueError):
             if part.bare and part.payload.startswith(("/", "~")):
-                raise bad_request(f"image {part.index}: expected a data: URL, an http(s) URL or base64, got a "
-                                  "file path or other text (local files are not read)") from None
+                raise bad_request(f"image {part.index}: expected a data: URL, an http(s) URL or base64, got "
+                                  "a file path or other text (local files are not read)") from None
             raise bad_request(f"image {part.index}: the data is not valid base64") from None
     return blobs
 

@@ -2,8 +2,9 @@
 
 One task per worker in the pool subscribes on the worker's channel and applies the snapshot and
 the deltas to `worker.kv_cache` (a KvCacheView): pages in the worker's own pool and, from a worker
-with the store tier, pages in the cluster-wide store (the event's medium). When the stream breaks the view is dropped (it
-may have missed events) and the task subscribes again after a pause; a worker that does not serve
+with the store tier, pages in the cluster-wide store (the event's medium). When the stream breaks
+the view is dropped (it may have missed events) and the task subscribes again after a pause; a
+worker that does not serve
 KvEvents (UNIMPLEMENTED) is left unknown. Workers joining and leaving are picked up by comparing
 the pool with the tasks every `reconcile_s`.
 """
@@ -84,7 +85,8 @@ class KvEventSubscriptions:
             except grpc.aio.AioRpcError as exc:
                 worker.kv_cache.forget()
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("worker %s publishes no KV events: cache_aware guesses its cache", worker.address)
+                    log.info("worker %s publishes no KV events: cache_aware guesses its cache",
+                             worker.address)
                     return
                 log.debug("KV events of %s: %s %s", worker.address, exc.code().name, exc.details())
             except asyncio.CancelledError:

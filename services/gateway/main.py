@@ -108,7 +108,8 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
             await asyncio.wait({learning, signal_task}, return_when=asyncio.FIRST_COMPLETED)
             if not learning.done():  # a signal while waiting for the workers
                 learning.cancel()
-                log.info("gateway got %s while waiting for its workers' model: exiting", signal_task.result().name)
+                log.info("gateway got %s while waiting for its workers' model: exiting",
+                         signal_task.result().name)
                 return
             model = learning.result()
             state = build_state(config, (), model_files=ModelFiles(folder), model_name=model.name,
@@ -127,14 +128,20 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
 
 async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.socket, state: GatewayState,
                  workers: Sequence[StaticWorker]) -> None:
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=config.graceful_shutdown, loop="none"))
+    # uvicorn annotates timeout_graceful_shutdown as an int; it is asyncio.wait_for's timeout, where a
+    # float is fine
+    uvicorn_config = uvicorn.Config(
+        create_app(state), log_level="warning", access_log=False, lifespan="on",
+        timeout_graceful_shutdown=config.graceful_shutdown,  # type: ignore[arg-type]
+        loop="none")
+    server = _Server(uvicorn_config)
     server_task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not server_task.done():
         await asyncio.sleep(0.02)
     if server.started:
         host, port = sock.getsockname()[:2]
-        sources = [f"{len(workers)} static worker(s)"] + ([f"registry {config.bootstrap}"] if config.bootstrap else [])
+        sources = [f"{len(workers)} static worker(s)"]
+        sources += [f"registry {config.bootstrap}"] if config.bootstrap else []
         # same shape as the other services' ready line; /metrics is on the HTTP port itself
         log.info("gateway listening on %s:%d (metrics :%d), http://%s:%d, model %s, %s, policy prefill=%s "
                  "decode=%s", host, port, port, host, port, state.model_name, ", ".join(sources),

@@ -42,10 +42,12 @@ class MediaFetcher:
         except (httpx.InvalidURL, ValueError) as exc:
             raise bad_request(f"{where}: not a valid URL ({exc})", param=None) from None
         if parsed.scheme not in SCHEMES:
-            raise bad_request(f"{where}: only http and https image URLs are fetched, not {parsed.scheme or '?'}:")
+            raise bad_request(f"{where}: only http and https image URLs are fetched, not "
+                              f"{parsed.scheme or '?'}:")
         if not self.limits.allowed_domains:
-            raise bad_request(f"{where}: remote image URLs are not allowed on this server (it fetches none: the "
-                              "operator may allow domains with --allowed-media-domains); send a data: URL")
+            raise bad_request(f"{where}: remote image URLs are not allowed on this server (it fetches none: "
+                              "the operator may allow domains with --allowed-media-domains); send a data: "
+                              "URL")
         if not parsed.host or not self.limits.domain_allowed(parsed.host):
             raise bad_request(f"{where}: the domain {parsed.host or '?'} is not in --allowed-media-domains")
         return parsed
@@ -58,10 +60,11 @@ class MediaFetcher:
             async with asyncio.timeout(max(0.0, left_s)):
                 return await self._follow(self.check_url(url, where), where, max_bytes, too_large)
         except TimeoutError:
-            raise bad_request(f"{where}: {_shown(url)} was not fetched within {self.limits.fetch_timeout_s:g}s "
-                              "(--media-fetch-timeout)") from None
+            raise bad_request(f"{where}: {_shown(url)} was not fetched within "
+                              f"{self.limits.fetch_timeout_s:g}s (--media-fetch-timeout)") from None
         except httpx.HTTPError as exc:
-            raise bad_request(f"{where}: fetching {_shown(url)} failed: {type(exc).__name__}: {exc}") from None
+            raise bad_request(f"{where}: fetching {_shown(url)} failed: {type(exc).__name__}: "
+                              f"{exc}") from None
 
     async def _follow(self, url: httpx.URL, where: str, max_bytes: int, too_large: str) -> bytes:
         for _ in range(self.limits.max_redirects + 1):

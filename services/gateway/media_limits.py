@@ -32,7 +32,8 @@ class MediaLimits:
     def of(cls, config) -> MediaLimits:
         """From a GatewayConfig (its flags were checked by GatewayConfig.__post_init__)."""
         return cls(max_images=parse_limit_mm_per_prompt(config.limit_mm_per_prompt),
-                   max_image_bytes=config.max_image_bytes, max_request_image_bytes=config.max_request_image_bytes,
+                   max_image_bytes=config.max_image_bytes,
+                   max_request_image_bytes=config.max_request_image_bytes,
                    allowed_domains=parse_domains(config.allowed_media_domains),
                    fetch_timeout_s=config.media_fetch_timeout)
 
@@ -79,6 +80,7 @@ def parse_domains(text: str) -> tuple[str, ...]:
             continue
         host = item.lower().rstrip(".").removeprefix("[").removesuffix("]")  # [::1] as URLs write it
         if not _HOST.match(host):
-            raise ValueError(f"--allowed-media-domains takes host names (e.g. images.example.com), got {item!r}")
+            raise ValueError("--allowed-media-domains takes host names (e.g. images.example.com), got "
+                             f"{item!r}")
         hosts.append(host)
     return tuple(dict.fromkeys(hosts))

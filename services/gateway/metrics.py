@@ -100,7 +100,8 @@ class GatewayMetrics:
         self.e2e = Histogram(metric_name("gateway_e2e_request_latency_seconds"),
                              "Arrival at the gateway to the last token handed to the client",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.retries = Counter(metric_name("gateway_retries"), "Attempts retried on another worker, by reason",
+        self.retries = Counter(metric_name("gateway_retries"),
+                               "Attempts retried on another worker, by reason",
                                ["reason"], registry=self.registry)
         self.routed = Counter(metric_name("gateway_worker_requests"),
                               "Attempts routed to each worker (a retried request counts once per attempt)",

@@ -97,7 +97,8 @@ class RequestCounter(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        endpoint = path if path in _ENDPOINTS else (
+            "/v1/models" if path.startswith("/v1/models/") else "other")
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -132,7 +133,8 @@ class InternalErrors(HttpMiddleware):
 # -- request bodies -----------------------------------------------------------------------------
 
 def _too_large(limit: int, flags: str) -> HTTPException:
-    return HTTPException(413, f"request body is larger than the limit of {limit} bytes ({flags})", headers=_CLOSE)
+    return HTTPException(413, f"request body is larger than the limit of {limit} bytes ({flags})",
+                         headers=_CLOSE)
 
 
 def _too_slow(timeout_s: float) -> HTTPException:
@@ -286,7 +288,8 @@ class AdmissionQueue:
             return Ticket(self, slots)
         if len(self._waiters) >= self.limits.max_waiting:
             raise self._shed("queue_full", f"the server is at capacity for model {self.model!r} "
-                                           f"({self.limits.max_waiting} requests already waiting); retry later")
+                                           f"({self.limits.max_waiting} requests already waiting); retry "
+                                           "later")
         entry = (slots, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
         try:
@@ -366,9 +369,11 @@ class RequestGuards:
         that asks for more than one per prompt if any (n, best_of), else the prompts' field."""
         total = prompts * per_prompt
         if total > self.max_generations:
-            raise bad_request(f"this request asks for {total} generations ({prompts} prompt(s) x {per_prompt}); "
-                              f"the limit is {self.max_generations} per request (--max-generations-per-request)",
-                              param=count_param if per_prompt > 1 else prompt_param, code="too_many_generations")
+            raise bad_request(f"this request asks for {total} generations ({prompts} prompt(s) x "
+                              f"{per_prompt}); the limit is {self.max_generations} per request "
+                              "(--max-generations-per-request)",
+                              param=count_param if per_prompt > 1 else prompt_param,
+                              code="too_many_generations")
         return total
 
     async def admit(self, request: Request, model: str, slots: int) -> bool:

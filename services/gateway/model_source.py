@@ -68,7 +68,8 @@ async def fetch_model_info(address: str, role: str, security: GrpcSecurity,
     channel = open_channel(address, security, options=[("grpc.max_receive_message_length",
                                                         MAX_MODEL_INFO_MESSAGE_BYTES)])
     try:
-        stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.WorkerStub(channel)
+        stub = (worker_pb2_grpc.PrefillStub(channel) if role == "prefill"
+                else worker_pb2_grpc.WorkerStub(channel))
         return await stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout_s)
     finally:
         await channel.close()
@@ -149,7 +150,8 @@ class StaticWorkerCheck:
     async def _run(self) -> None:
         while self.pending:
             results = await asyncio.gather(*(self._check(worker) for worker in self.pending))
-            self.pending = [worker for worker, settled in zip(self.pending, results, strict=True) if not settled]
+            self.pending = [worker for worker, settled in zip(self.pending, results, strict=True)
+                            if not settled]
             if self.pending:
                 await asyncio.sleep(_RETRY_S)
 
@@ -191,8 +193,8 @@ class RegistryWorkerCheck:
         task = asyncio.get_running_loop().create_task(self._check(address, role, worker_id, admit),
                                                       name=f"model-check {address}")
         self._pending[address] = task
-        task.add_done_callback(lambda done: self._pending.pop(address, None) if self._pending.get(address) is done
-                               else None)
+        task.add_done_callback(lambda done: self._pending.pop(address, None)
+                               if self._pending.get(address) is done else None)
 
     async def _check(self, address: str, role: str, worker_id: str, admit: Callable[[], object]) -> None:
         for _ in range(self.attempts):

@@ -85,7 +85,8 @@ def _exact_integer_bounds(schema: Any) -> None:
             for key in ("minimum", "maximum"):
                 value = schema.get(key)
                 if isinstance(value, float):
-                    schema[key] = INT64_MAX if value >= 2.0**63 else INT64_MIN if value <= -(2.0**63) else int(value)
+                    schema[key] = (INT64_MAX if value >= 2.0**63 else INT64_MIN if value <= -(2.0**63)
+                                   else int(value))
         for item in schema.values():
             _exact_integer_bounds(item)
 
@@ -182,7 +183,8 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
                    {"properties": {"stream": {"const": False}}},
                    {"properties": {"text": {"type": ["string", "null"]},
                                    "input_ids": {"anyOf": [{"type": "null"},
-                                                           {"type": "array", "items": {"type": "integer"}}]}}}]},
+                                                           {"type": "array",
+                                                            "items": {"type": "integer"}}]}}}]},
     ]
     sampling = schemas["NativeSamplingParams"]["properties"]
     _set_in_members(sampling["max_new_tokens"], "maximum", max_new)

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -43,6 +43,9 @@ from tokenizers import Tokenizer
 from services.common.model_info import context_length
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs is Python 3.13's
 
 T = TypeVar("T")
 
@@ -59,7 +62,8 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _strftime_now(format_: str) -> str:
@@ -110,7 +114,8 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise ChatTemplateError(f"chat template failed on the messages: {type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(f"chat template failed on the messages: {type(exc).__name__}: "
+                                    f"{exc}") from exc
 
 
 # -- model files --------------------------------------------------------------------------------
@@ -121,7 +126,8 @@ _NORMAL_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 _NORMAL_FORM_SHRINK = 4
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                        "mask_token")
 
 
 def _token_text(value: Any) -> str | None:
@@ -222,8 +228,8 @@ class ModelFiles:
     def encode_many(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
         """Token ids of each text. `encode_batch` releases the GIL while it works (plain `encode`
         holds it: 5 s for 8 MB of text, with every other thread of the process stopped)."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts),
-                                                                         add_special_tokens=add_special_tokens)]
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the number of tokens `text` encodes to, without tokenizing it (0 when
@@ -275,8 +281,8 @@ class PromptEncoder:
         messages = [message.template_dict() for message in body.messages]
 
         def render() -> str:
-            return template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                                   extra=body.chat_template_kwargs)
+            return template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                   tools=body.tools, extra=body.chat_template_kwargs)
 
         size = sum(len(str(message.get("content", ""))) for message in messages) + len(str(body.tools or ""))
         try:
@@ -285,15 +291,16 @@ class PromptEncoder:
             raise bad_request(str(exc), param="messages") from None
         return (await self._encode([text], add_special_tokens=False, param="messages"))[0]
 
-    async def prompts(self, prompt: str | list[str] | list[int] | list[list[int]], param: str) -> list[list[int]]:
+    async def prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                      param: str) -> list[list[int]]:
         """The prompts of a /v1/completions (or /generate) body as token id lists."""
         if isinstance(prompt, str):
             return await self._encode([prompt], add_special_tokens=True, param=param)
-        if all(isinstance(item, str) for item in prompt):
-            return await self._encode(prompt, add_special_tokens=True, param=param)  # type: ignore[arg-type]
-        if isinstance(prompt[0], int):  # validation left only all-int or all-list id prompts
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        if _all_texts(prompt):
+            return await self._encode(prompt, add_special_tokens=True, param=param)
+        if _flat_ids(prompt):
+            return [prompt]
+        return list(prompt)
 
     async def _encode(self, texts: Sequence[str], *, add_special_tokens: bool, param: str) -> list[list[int]]:
         context = self.model_files.context_length
@@ -305,10 +312,20 @@ class PromptEncoder:
         size = sum(len(text) for text in texts)
         if size <= INLINE_CHARS:
             return [self.model_files.encode(text, add_special_tokens=add_special_tokens) for text in texts]
-        return await self._run(lambda: self.model_files.encode_many(texts, add_special_tokens=add_special_tokens), size)
+        return await self._run(
+            lambda: self.model_files.encode_many(texts, add_special_tokens=add_special_tokens), size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _all_texts(prompt: list[str] | list[int] | list[list[int]]) -> TypeIs[list[str]]:
+    return all(isinstance(item, str) for item in prompt)
+
+
+def _flat_ids(prompt: list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    # validation left only all-int or all-list id prompts: the first item says which
+    return isinstance(prompt[0], int)
 
 
 def context_exceeded(context: int, prompt_tokens: int | str, param: str) -> GatewayError:
@@ -343,8 +360,8 @@ def check_max_tokens(max_new_tokens: int | None, model_files: ModelFiles, param:
     one token of the context), before anything is tokenized."""
     context = model_files.context_length
     if max_new_tokens is not None and context is not None and max_new_tokens >= context:
-        raise bad_request(f"{param} is {max_new_tokens}, but this model's maximum context length is {context} "
-                          f"tokens, prompt included", param=param, code="context_length_exceeded")
+        raise bad_request(f"{param} is {max_new_tokens}, but this model's maximum context length is "
+                          f"{context} tokens, prompt included", param=param, code="context_length_exceeded")
 
 
 def check_token_ids(token_ids: Sequence[int], model_files: ModelFiles, param: str) -> None:

@@ -27,9 +27,11 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 
 from protos.v1 import common_pb2
 
@@ -80,10 +82,11 @@ def _json_integer(value: Any) -> Any:
     return value
 
 
-def integer(ge: int, le: int, description: str | None = None) -> Any:
-    """An int field type in [ge, le] that takes JSON's 921.0 as 921. (The bounds go before the
-    validator so that they stay `minimum`/`maximum` in the JSON schema.)"""
-    return Annotated[int, Field(ge=ge, le=le, description=description), BeforeValidator(_json_integer)]
+# An int field is written `Annotated[int, Field(ge=..., le=...), AS_INT]`: in [ge, le], and JSON's
+# 921.0 taken as 921. (The bounds go before the validator so that they stay `minimum`/`maximum` in
+# the JSON schema.) Spelled out at each field rather than built by a function, so that type
+# checkers see an int.
+AS_INT = BeforeValidator(_json_integer)
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
@@ -100,12 +103,10 @@ def _json_integers(value: Any) -> Any:
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-def token_id_list(min_length: int = 0, max_length: int | None = None) -> Any:
-    return Annotated[list[TokenId], Field(min_length=min_length, max_length=max_length),
-                     BeforeValidator(_json_integers)]
-
-
-TokenIds = token_id_list(min_length=1)
+# A list of token ids (its length bounds go before the validator, as for ints): `_json_integers`
+# takes JSON's 921.0 as 921 for the whole list at once.
+AS_INTS = BeforeValidator(_json_integers)
+TokenIds = Annotated[list[TokenId], Field(min_length=1), AS_INTS]
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -139,10 +140,10 @@ IdsPrompt = Annotated[Annotated[TokenIds, Tag("form:ids")] | Annotated[IdLists, 
                       Discriminator(_prompt_kind, custom_error_type="prompt_form", custom_error_message=(
                           "Input should be a non-empty list of token ids or list of lists of token ids"))]
 StopList = Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)]
-StopTokenIds = token_id_list(max_length=MAX_STOP_TOKEN_IDS)
-Seed = integer(INT64_MIN, INT64_MAX)
-TopK = integer(-1, INT32_MAX, "-1 or 0: off")
-MaxTokens = integer(1, INT32_MAX)
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS), AS_INTS]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), AS_INT]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 or 0: off"), AS_INT]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX), AS_INT]
 
 
 def _only_zero(name: str, value: float) -> float:
@@ -153,7 +154,7 @@ def _only_zero(name: str, value: float) -> float:
 
 
 # The schema says "only this value"; the validator says why in words.
-_ONLY_ZERO = {"minimum": 0, "maximum": 0}
+_ONLY_ZERO: JsonDict = {"minimum": 0, "maximum": 0}
 
 
 class _Body(BaseModel):
@@ -210,11 +211,11 @@ class ChatMessage(BaseModel):
         it has images, the parts as a list of {"type": "text", "text"} and {"type": "image"} (as
         transformers' processors pass them; the image data travels separately)."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list) and any(part.type == "image_url" for part in self.content):
-            message["content"] = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
-                                  for part in self.content]
+        if isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content):
+            message["content"] = [{"type": "image"} if isinstance(part, ImagePart)
+                                  else {"type": "text", "text": part.text} for part in self.content]
         elif isinstance(self.content, list):
-            message["content"] = "\n".join(part.text or "" for part in self.content)
+            message["content"] = "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         elif self.content is None:
             message["content"] = ""
         return message
@@ -228,9 +229,9 @@ class SamplingFields(_Body):
     a base listed after it: pydantic orders fields from the base-most class of the MRO on, so each
     body keeps its own field order (the order of its OpenAPI properties and of its errors)."""
 
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: TopK | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: Seed | None = None
     stop: NonEmptyText | StopList | None = None
     stop_token_ids: StopTokenIds | None = None
@@ -272,23 +273,25 @@ class _OpenAIHead(_Body):
     """The OpenAI bodies' fields that come before the shared sampling ones (see SamplingFields)."""
 
     model: Text
-    n: integer(1, MAX_N) = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), AS_INT] = 1
     max_tokens: MaxTokens | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(default=None, ge=0, le=2)
 
 
 class _OpenAISampling(SamplingFields, _OpenAIHead):
     """Sampling and streaming fields shared by chat and text completions."""
 
-    presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
-    frequency_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
+    presence_penalty: float = Field(default=0.0, json_schema_extra=_ONLY_ZERO)
+    frequency_penalty: float = Field(default=0.0, json_schema_extra=_ONLY_ZERO)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalties(cls, value: float, info) -> float:
+    def _no_penalties(cls, value: float, info: ValidationInfo) -> float:
+        if info.field_name is None:  # pydantic names the field in a field validator's info
+            raise TypeError("_no_penalties runs as a field validator only")
         return _only_zero(info.field_name, value)
 
     @property
@@ -302,8 +305,9 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: integer(0, MAX_TOP_LOGPROBS, "alternatives per token; they are returned when `logprobs` "
-                          "is true (without it this is ignored)") | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "alternatives per token; they are returned when `logprobs` is true (without it this is "
+        "ignored)")), AS_INT] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
     tools: list[JsonObject] | None = None
@@ -326,11 +330,12 @@ class CompletionRequest(_OpenAISampling):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of ids."""
 
     prompt: Prompt
-    logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    suffix: Text | None = Field(None, json_schema_extra={"maxLength": 0})
-    best_of: integer(1, MAX_N, "samples generated per prompt; the `n` with the highest mean token logprob "
-                              "are returned (a value below `n` counts as `n`)") | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), AS_INT] | None = None
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
+    suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    best_of: Annotated[int, Field(ge=1, le=MAX_N, description=(
+        "samples generated per prompt; the `n` with the highest mean token logprob are returned (a "
+        "value below `n` counts as `n`)")), AS_INT] | None = None
 
     @field_validator("echo")
     @classmethod
@@ -371,14 +376,15 @@ class CompletionRequest(_OpenAISampling):
 class _NativeHead(_Body):
     """The native sampling_params' fields that come before the shared ones (see SamplingFields)."""
 
-    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX)
     max_new_tokens: MaxTokens | None = None
 
 
 class NativeSamplingParams(SamplingFields, _NativeHead):
     """`sampling_params` of the native /generate body (SGLang's names)."""
 
-    n: integer(1, 1) = 1  # SGLang takes n here; one sample per prompt is supported
+    # SGLang takes n here; one sample per prompt is supported
+    n: Annotated[int, Field(ge=1, le=1), AS_INT] = 1
 
 
 # A client's own request id: shown back in meta_info.id and in logs, so keep it printable.
@@ -394,7 +400,7 @@ class NativeGenerateRequest(_Body):
     stream: bool = False
     rid: RequestId | None = None
     return_logprob: bool = False
-    top_logprobs_num: integer(0, MAX_TOP_LOGPROBS) = 0
+    top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), AS_INT] = 0
     model: Text | None = None
     # SGLang's: one prompt's image (a string) or images (a list); for a batch, a list with one
     # entry per prompt (null, a string or a list). Each: a data: URL, base64, or an allowed http(s) URL.
@@ -415,9 +421,10 @@ class NativeGenerateRequest(_Body):
         if isinstance(data, str):
             data = [data]
         if not self.batched:
-            if any(not isinstance(item, str) for item in data):
+            images = [item for item in data if isinstance(item, str)]
+            if len(images) != len(data):
                 raise ValueError("image_data for one prompt is a string or a list of strings")
-            return [list(data)]  # type: ignore[arg-type]
+            return [images]
         if len(data) != self.prompt_count():
             raise ValueError(f"image_data for a batch has one entry per prompt: {len(data)} entries for "
                              f"{self.prompt_count()} prompts")
@@ -431,8 +438,15 @@ class NativeGenerateRequest(_Body):
 
     @property
     def batched(self) -> bool:
-        return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+        ids = self.input_ids
+        return isinstance(self.text, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
+
+    def prompt(self) -> str | list[str] | list[int] | list[list[int]]:
+        """`text` or `input_ids`, whichever the body gives."""
+        prompt = self.text if self.text is not None else self.input_ids
+        if prompt is None:  # _one_prompt_kind refused such a body
+            raise ValueError("give exactly one of text or input_ids")
+        return prompt
 
     def prompt_count(self) -> int:
-        prompt = self.text if self.text is not None else self.input_ids
-        return len(prompt) if self.batched else 1  # type: ignore[arg-type]
+        return len(self.prompt()) if self.batched else 1

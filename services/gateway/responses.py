@@ -30,7 +30,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -224,7 +224,8 @@ def chat_logprobs(tokens: Sequence[GeneratedToken], model_files: ModelFiles, top
         for token_id, logprob in token.top_logprobs[:top_n]:
             alternative = model_files.token_text(token_id)
             top.append(TopLogprob(token=alternative.text, logprob=logprob, bytes=alternative.bytes))
-        content.append(ChatTokenLogprob(token=shown.text, logprob=token.logprob if token.logprob is not None else 0.0,
+        content.append(ChatTokenLogprob(token=shown.text,
+                                        logprob=token.logprob if token.logprob is not None else 0.0,
                                         bytes=shown.bytes, top_logprobs=top))
     return ChatLogprobs(content=content)
 
@@ -284,7 +285,7 @@ _FINISHED = object()
 
 
 async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
-                         timers: Sequence[RequestTimer]) -> AsyncIterator[tuple[int, GenerationChunk]]:
+                         timers: Sequence[RequestTimer]) -> AsyncGenerator[tuple[int, GenerationChunk], None]:
     """(job index, chunk) from all jobs as they arrive. The first failing job's exception is
     raised (the others are cancelled). Each job's timer sees its tokens."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -420,9 +421,9 @@ async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequen
             pending = [] if isinstance(first_item, _Ended) else [first_item]
             async for position, chunk in _chain(pending, stream):
                 results[position].add(chunk)
-                line = token_event(position, chunk, results[position])
-                if line is not None:
-                    yield line
+                token_line = token_event(position, chunk, results[position])
+                if token_line is not None:
+                    yield token_line
             if usage_event is not None:
                 yield usage_event(results)
         except GatewayError as exc:

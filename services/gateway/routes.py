@@ -79,7 +79,8 @@ def served_model(state: GatewayState, requested: str | None) -> str:
                             f"`{state.model_name}`).", param="model", code="model_not_found")
 
 
-def check_limits(state: GatewayState, sampling: SamplingFields, prefix: str = "", **budgets: int | None) -> None:
+def check_limits(state: GatewayState, sampling: SamplingFields, prefix: str = "",
+                 **budgets: int | None) -> None:
     """400 for stop token ids outside the vocabulary or a token budget (`budgets`, by field name)
     no prompt leaves room for: what is refused before the request waits for admission. `prefix`
     locates the fields in the body."""
@@ -107,7 +108,8 @@ async def list_models(request: Request) -> ModelList:
 async def get_model(model_id: str, request: Request) -> ModelCard:
     state = gateway_state(request)
     served_model(state, model_id)
-    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.model_files.context_length)
+    return ModelCard(id=state.model_name, created=state.created,
+                     max_model_len=state.model_files.context_length)
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -123,8 +125,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     images = await image_loader(request).load(image_urls(body), multimodal=state.model_files.multimodal,
                                               param="messages")
     prompt_ids = await guards.encoder.chat(body)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
-                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+                 max_tokens_param=max_tokens_param)
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
     jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images))
@@ -147,22 +150,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         def token_event(position: int, item: GenerationChunk, _: ChoiceResult) -> str | None:
             if not item.text and item.finish_reason is None and not (body.logprobs and item.tokens):
                 return None  # a token whose text the detokenizer holds back: nothing to show yet
-            return chunk([ChatChunkChoice(index=jobs[position].index,
-                                          delta=ChatDelta(content=item.text or None) if item.text else ChatDelta(),
+            delta = ChatDelta(content=item.text or None) if item.text else ChatDelta()
+            return chunk([ChatChunkChoice(index=jobs[position].index, delta=delta,
                                           logprobs=logprobs_of(item.tokens) if item.tokens else None,
                                           finish_reason=item.finish_reason)])
 
-        return await stream_response(request, state.dispatcher, jobs, timers, token_event, first_events=first_events,
-                                     usage_event=_usage_event(chunk, lambda results: _chat_prompt_tokens(prompt_ids, results),
-                                                              body.include_usage))
+        usage_event = _usage_event(chunk, lambda results: _chat_prompt_tokens(prompt_ids, results),
+                                   body.include_usage)
+        return await stream_response(request, state.dispatcher, jobs, timers, token_event,
+                                     first_events=first_events, usage_event=usage_event)
 
     results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    choices = [ChatChoice(index=r.index, message=ChatMessageOut(content=r.text), logprobs=logprobs_of(r.tokens),
-                          finish_reason=r.finish_reason) for r in results]
+    choices = [ChatChoice(index=r.index, message=ChatMessageOut(content=r.text),
+                          logprobs=logprobs_of(r.tokens), finish_reason=r.finish_reason)
+               for r in results]
     return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
-                          usage=_usage([_chat_prompt_tokens(prompt_ids, results)], [r.completion_tokens for r in results]))
+                          usage=_usage([_chat_prompt_tokens(prompt_ids, results)],
+                                       [r.completion_tokens for r in results]))
 
 
 def _chat_prompt_tokens(prompt_ids: Sequence[int], results: Sequence[ChoiceResult]) -> int:
@@ -177,7 +183,8 @@ def _usage_event(chunk, prompt_tokens: Callable[[list[ChoiceResult]], int], want
     of all of them; None when it did not."""
     if not wanted:
         return None
-    return lambda results: chunk([], Usage.of(prompt_tokens(results), sum(r.completion_tokens for r in results)))
+    return lambda results: chunk([], Usage.of(prompt_tokens(results),
+                                              sum(r.completion_tokens for r in results)))
 
 
 # -- text completions ---------------------------------------------------------------------------
@@ -198,7 +205,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     top_n = body.logprobs or 0
     want_logprobs = body.logprobs is not None
     request_id = new_request_id("cmpl")
-    jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids, body.sampling(j))
+    jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids,
+                      body.sampling(j))
             for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
@@ -224,7 +232,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
         sent_text = [0] * len(jobs)  # text offset per choice, for logprobs.text_offset
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return event(Completion(id=request_id, created=created, model=model, choices=choices, usage=usage))
+            return event(Completion(id=request_id, created=created, model=model, choices=choices,
+                                    usage=usage))
 
         def token_event(position: int, item: GenerationChunk, _: ChoiceResult) -> str | None:
             if not item.text and item.finish_reason is None and not (want_logprobs and item.tokens):
@@ -235,7 +244,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
                                            finish_reason=item.finish_reason)])
 
         return await stream_response(request, state.dispatcher, jobs, timers, token_event,
-                                     usage_event=_usage_event(chunk, lambda _: sum(prompt_lengths), body.include_usage))
+                                     usage_event=_usage_event(chunk, lambda _: sum(prompt_lengths),
+                                                              body.include_usage))
 
     results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
@@ -285,7 +295,8 @@ def _finish_reason(result: ChoiceResult) -> dict | None:
 
 def _native_response(result: ChoiceResult, room: str, prompt_tokens: int,
                      return_logprob: bool) -> NativeGenerateResponse:
-    logprobs = ([[token.logprob, token.token_id, None] for token in result.tokens] if return_logprob else None)
+    logprobs = ([[token.logprob, token.token_id, None] for token in result.tokens]
+                if return_logprob else None)
     return NativeGenerateResponse(
         text=result.text, output_ids=[token.token_id for token in result.tokens],
         meta_info=NativeMetaInfo(id=room, prompt_tokens=result.prompt_tokens or prompt_tokens,
@@ -302,7 +313,8 @@ async def generate(body: NativeGenerateRequest, request: Request):
     if body.stream and body.batched:
         raise bad_request("stream is supported for one prompt at a time", param="stream")
     prompt_param = "text" if body.text is not None else "input_ids"
-    generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param, count_param=prompt_param)
+    generations = guards.check_fanout(body.prompt_count(), 1, prompt_param=prompt_param,
+                                      count_param=prompt_param)
     try:
         image_sources = body.images_per_prompt()
     except ValueError as exc:
@@ -312,8 +324,7 @@ async def generate(body: NativeGenerateRequest, request: Request):
     loader = image_loader(request)
     images = [await loader.load(sources, multimodal=state.model_files.multimodal, param="image_data",
                                 plain_base64=True) for sources in image_sources]
-    prompts = await guards.encoder.prompts(body.text if body.text is not None else body.input_ids,
-                                           param=prompt_param)
+    prompts = await guards.encoder.prompts(body.prompt(), param=prompt_param)
     for prompt_ids in prompts:
         check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param=prompt_param,
                      max_tokens_param="sampling_params.max_new_tokens")
@@ -321,8 +332,9 @@ async def generate(body: NativeGenerateRequest, request: Request):
     # The room is always the gateway's own unique id: a client's rid could collide with another
     # request's room on the workers (by accident or on purpose); it is only shown back.
     request_id = new_request_id("gen")
-    jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids, sampling,
-                      tuple(images[i])) for i, prompt_ids in enumerate(prompts)]
+    jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids,
+                      sampling, tuple(images[i]))
+            for i, prompt_ids in enumerate(prompts)]
     shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
                  for job in jobs]
     timers = [RequestTimer(state.metrics) for _ in jobs]

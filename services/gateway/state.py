@@ -77,7 +77,8 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
     pool = WorkerPool(lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown),
                       security=config.security)
     add_static_workers(pool, static_workers, model_name)
-    router = Router(pool, make_policy(config.prefill_policy_name, config), make_policy(config.decode_policy_name, config))
+    router = Router(pool, make_policy(config.prefill_policy_name, config),
+                    make_policy(config.decode_policy_name, config))
     metrics = GatewayMetrics(pool)
     metrics.start_at_zero(model_name)
     discovery = RegistryDiscovery(pool, config.bootstrap, model_name, security=config.security,

@@ -141,7 +141,8 @@ class ReportedLoad:
     def from_proto(cls, load: common_pb2.WorkerLoad) -> ReportedLoad:
         queued = (load.bootstrap + load.waiting + load.inflight + load.prealloc + load.transfer
                   + load.retracted)
-        return cls(queued=queued, running=load.running, free_pages=load.free_pages, total_pages=load.total_pages)
+        return cls(queued=queued, running=load.running, free_pages=load.free_pages,
+                   total_pages=load.total_pages)
 
     @property
     def active(self) -> int:
@@ -265,7 +266,8 @@ class WorkerPool:
         return sorted({w.model for w in self._workers.values()})
 
     def add(self, address: str, role: str, model: str, *, worker_id: str = "", static: bool = False,
-            reported: ReportedLoad | None = None, local_prefill: bool = False, page_size: int = 0) -> WorkerHandle:
+            reported: ReportedLoad | None = None, local_prefill: bool = False,
+            page_size: int = 0) -> WorkerHandle:
         """Add a worker, or update the one at `address`. A different role or worker id at the same
         address is a new process there: its handle (breaker, channel) is replaced."""
         existing = self._workers.get(address)
@@ -281,8 +283,8 @@ class WorkerPool:
         if existing is not None:
             self.remove(address, reason="replaced")
         handle = WorkerHandle(address=address, role=role, model=model, worker_id=worker_id, static=static,
-                              local_prefill=local_prefill, reported=reported or ReportedLoad(), breaker=self._breaker_factory(),
-                              security=self._security, page_size=page_size)
+                              local_prefill=local_prefill, reported=reported or ReportedLoad(),
+                              breaker=self._breaker_factory(), security=self._security, page_size=page_size)
         self._workers[address] = handle
         log.info("worker joined: %s %s (model %s%s)", role, address, model,
                  f", id {worker_id}" if worker_id else ", static")
@@ -359,12 +361,14 @@ class Router:
         if self.decode_policy is not self.prefill_policy:
             self.decode_policy.forget(worker)
 
-    def candidates(self, model: str, exclude: Iterable[str] = ()) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    def candidates(self, model: str,
+                   exclude: Iterable[str] = ()) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
         """(prefill candidates, decode-or-colocated candidates) available for `model` now."""
         excluded = set(exclude)
         usable = [w for w in self.pool.routable(model) if w.key not in excluded and w.breaker.available()]
         prefills = [w for w in usable if w.role == PREFILL]
-        decodes = [w for w in usable if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
+        decodes = [w for w in usable
+                   if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
         return prefills, decodes
 
     def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Route:
@@ -393,5 +397,6 @@ class Router:
             return f"model {model!r} has no healthy prefill worker for its decode workers"
         tried = set(exclude)
         if tried:
-            return f"every worker for model {model!r} failed this request or is unhealthy (tried {len(tried)})"
+            return (f"every worker for model {model!r} failed this request or is unhealthy (tried "
+                    f"{len(tried)})")
         return f"every worker for model {model!r} is unhealthy (circuit open)"

@@ -37,13 +37,15 @@ def wide_mlp_ckpt(tmp_path_factory):
 
 async def run(engine, prompt, room):
     # Exact values, no tolerance: the point is bit-identity.
-    return [(o.token_id, o.logprob, tuple(o.top_logprobs)) async for o in generate(engine, prompt, GREEDY, room)]
+    return [(o.token_id, o.logprob, tuple(o.top_logprobs))
+            async for o in generate(engine, prompt, GREEDY, room)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_alone_equals_in_a_batch(wide_mlp_ckpt, dtype):
     target, *others = random_prompts([300, 1, 40, 517, 90, 3], seed=5)
-    engine = start_engine(wide_mlp_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2, chunked_prefill_size=2048, num_pages=512,
+    engine = start_engine(wide_mlp_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2,
+                          chunked_prefill_size=2048, num_pages=512,
                           disable_radix_cache=True)  # a cache hit would change how the prompt is computed
     try:
         alone = await run(engine, target, "alone")
@@ -63,7 +65,8 @@ async def test_whole_prompt_equals_chunked_prompt(wide_mlp_ckpt, dtype):
     prompt = random_prompts([300], seed=6)[0]
     outputs = []
     for chunk in (2048, 64, 100):
-        engine = start_engine(wide_mlp_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2, chunked_prefill_size=chunk,
+        engine = start_engine(wide_mlp_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2,
+                              chunked_prefill_size=chunk,
                               num_pages=512, disable_radix_cache=True)
         try:
             outputs.append(await run(engine, prompt, f"chunk{chunk}"))

@@ -3,8 +3,9 @@ KV pool and prefix cache, attention over their own tokens and the MLP over every
 
 Greedy tokens equal HF transformers' (and logprobs agree) for a dense model and for DeepSeek (MLA +
 routed experts, with and without expert parallelism) with TP 2 split into 2 groups of one rank, and
-for a model with 4 KV heads as TP 4 in 2 groups of 2 ranks (attention TP inside each group); requests are spread over the groups, a
-repeated prompt lands on the group that caches it, and every page is free afterwards.
+for a model with 4 KV heads as TP 4 in 2 groups of 2 ranks (attention TP inside each group);
+requests are spread over the groups, a repeated prompt lands on the group that caches it, and every
+page is free afterwards.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def kv4_ckpt(tmp_path_factory):
 
 def start(model_dir, tp_size: int, dp_size: int, ep_size: int = 1) -> DPEngine:
     engine = load_engine(EngineConfig(model_path=str(model_dir), num_pages=128, chunked_prefill_size=64,
-                                      tp_size=tp_size, dp_size=dp_size, enable_dp_attention=True, ep_size=ep_size,
+                                      tp_size=tp_size, dp_size=dp_size, enable_dp_attention=True,
+                                      ep_size=ep_size,
                                       num_threads=1))
     assert isinstance(engine, DPEngine) and len(engine.members) == dp_size
     engine.start()

@@ -41,7 +41,8 @@ from tools.models.tiny_model import write_tiny_model
 MODELS = {
     "qwen3_moe": dict(preset="tiny-moe", seed=0),
     # test_moe's Mixtral with 2 KV heads, so that TP 2 splits them.
-    "mixtral": dict(preset="tiny-moe", seed=1, arch="mixtral", **{**MIXTRAL_OVERRIDES, "num_key_value_heads": 2}),
+    "mixtral": dict(preset="tiny-moe", seed=1, arch="mixtral",
+                    **{**MIXTRAL_OVERRIDES, "num_key_value_heads": 2}),
     "deepseek_v3": dict(preset="tiny-deepseek", seed=0),
 }
 
@@ -127,7 +128,8 @@ def _local_tokens_rank(rank: int, port: int) -> None:
     try:
         num_experts, hidden, width, top_k = 6, 32, 24, 2
         generator = torch.Generator().manual_seed(0)
-        weights = [(torch.randn(2 * width, hidden, generator=generator), torch.randn(hidden, width, generator=generator))
+        weights = [(torch.randn(2 * width, hidden, generator=generator),
+                    torch.randn(hidden, width, generator=generator))
                    for _ in range(num_experts)]
         experts = [(Linear(g), Linear(d)) for g, d in weights]
         ep = ExpertParallel(rank, 2, num_experts, None, TPShard(0, 1))
@@ -136,13 +138,16 @@ def _local_tokens_rank(rank: int, port: int) -> None:
         for step, tokens in enumerate([(5, 3), (1, 0), (0, 4), (9, 9)]):
             count = tokens[rank]
             x = torch.randn(count, hidden, generator=torch.Generator().manual_seed(10 * step + rank))
-            scores = torch.rand(count, num_experts, generator=torch.Generator().manual_seed(100 * step + rank))
+            scores = torch.rand(count, num_experts,
+                                generator=torch.Generator().manual_seed(100 * step + rank))
             route_weights, ids = scores.topk(top_k, dim=-1)
-            got = ep.local(x, ids, route_weights, lambda rows, counts: run_grouped_experts(mine, rows, counts))
+            got = ep.local(x, ids, route_weights,
+                           lambda rows, counts: run_grouped_experts(mine, rows, counts))
             if count == 0:
                 assert got.shape == (0, hidden)
                 continue
-            expected = routed_experts_torch(x, ids, route_weights, experts, torch.bincount(ids.view(-1), minlength=6))
+            expected = routed_experts_torch(x, ids, route_weights, experts,
+                                            torch.bincount(ids.view(-1), minlength=6))
             assert torch.equal(got, expected), f"rank {rank} step {step}"
     finally:
         dist.destroy_process_group()
@@ -169,7 +174,8 @@ def test_ep_size_that_does_not_divide_the_experts_is_refused(tmp_path):
     with pytest.raises(UnshardableModel, match="--ep-size 2 does not divide the model's 7 experts"):
         Engine.load(EngineConfig(model_path=str(bad), num_pages=16, tp_size=2, moe_a2a_backend="deepep"))
     wide = _with_config(ckpt, tmp_path / "wide", num_key_value_heads=4, moe_intermediate_size=255)
-    with pytest.raises(UnshardableModel, match="--tp-size 4 / --ep-size 2: the 2 ranks sharing each expert block "
+    with pytest.raises(UnshardableModel,
+                       match="--tp-size 4 / --ep-size 2: the 2 ranks sharing each expert block "
                                                "do not divide the expert width 255"):
         check_tp_size(4, ModelConfig.from_dir(wide), 2)
     check_tp_size(4, ModelConfig.from_dir(wide), 4)  # one rank per expert block: whole experts, no split
@@ -196,13 +202,15 @@ def test_a2a_backends_fall_back_to_torch_distributed_naming_why():
 async def test_a2a_backend_warns_once_at_start_and_serves(caplog, prompts, tmp_path):
     ckpt = write_tiny_model(tmp_path / "moe", **MODELS["qwen3_moe"])
     with caplog.at_level(logging.WARNING, logger="engine.tp.a2a_backend"):
-        got, load = await run(ckpt, prompts[:3], tp_size=2, moe_a2a_backend="deepep", elastic_ep_backend="mooncake")
+        got, load = await run(ckpt, prompts[:3], tp_size=2, moe_a2a_backend="deepep",
+                              elastic_ep_backend="mooncake")
     warnings = [r.getMessage() for r in caplog.records if r.name == "engine.tp.a2a_backend"]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("--moe-a2a-backend deepep: DeepEP needs NVIDIA GPUs")
-    assert "using torch.distributed all_to_all over gloo instead: identical output, only speed differs" in warnings[0]
-    assert warnings[1].startswith("--elastic-ep-backend mooncake: not run; an expert-parallel rank that dies takes "
-                                  "its worker down")
+    assert ("using torch.distributed all_to_all over gloo instead: identical output, only speed differs"
+            in warnings[0])
+    assert warnings[1].startswith("--elastic-ep-backend mooncake: not run; an expert-parallel rank that dies "
+                                  "takes its worker down")
     assert len(load.tokens_per_ep_rank) == 2  # deepep implied EP over both TP ranks
     assert [t for t, _ in got] == [t for t, _ in hf_reference(ckpt, prompts[:3])]
 

@@ -58,7 +58,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2": ("deepseek_v2", dict(
         q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=32,
         rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 32,
-                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}, max_position_embeddings=1024)),
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        max_position_embeddings=1024)),
 }
 
 
@@ -71,7 +72,8 @@ def deepseek_config(model_type: str, **overrides: Any) -> dict[str, Any]:
         "architectures": [_ARCHS[model_type][0]], "model_type": model_type,
         "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers,
         "num_attention_heads": 4, "num_key_value_heads": overrides.get("num_attention_heads", 4),
-        "first_k_dense_replace": layers, "moe_intermediate_size": 64, "n_routed_experts": 4, "n_shared_experts": 1,
+        "first_k_dense_replace": layers, "moe_intermediate_size": 64, "n_routed_experts": 4,
+        "n_shared_experts": 1,
         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
         "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
@@ -148,7 +150,8 @@ def built(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             model_type, overrides = CASES[name]
-            model_dir = write_tiny_deepseek(tmp_path_factory.mktemp("mla") / name, model_type, seed=3, **overrides)
+            model_dir = write_tiny_deepseek(tmp_path_factory.mktemp("mla") / name, model_type, seed=3,
+                                            **overrides)
             prompts = random_prompts(LENGTHS, seed=9)
             cache[name] = model_dir, prompts, hf_reference(model_dir, prompts)
         return cache[name]
@@ -189,7 +192,8 @@ async def test_prefix_cache_hits_match_hf(built):
     base = random_prompts([53], seed=21)[0]
     tails = random_prompts([7] * 6, seed=22)
     # Prefixes around the 16-token page boundaries, then the base again (fully cached).
-    prompts = [base] + [base[:n] + tail for n, tail in zip([1, 15, 16, 17, 32, 48], tails, strict=True)] + [base]
+    prompts = ([base] + [base[:n] + tail for n, tail in zip([1, 15, 16, 17, 32, 48], tails, strict=True)]
+               + [base])
     expected = hf_reference(model_dir, prompts, new_tokens=8)
     engine = start_engine(model_dir, chunked_prefill_size=32, num_pages=64, page_size=16)
     try:
@@ -222,10 +226,13 @@ def test_config_reads_deepseek_shapes_and_yarn():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     # DeepSeek-V3's own rope_scaling, on a small head.
-    raw = deepseek_config("deepseek_v3", q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    raw = deepseek_config("deepseek_v3", q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+                          qk_rope_head_dim=16,
                           v_head_dim=48, max_position_embeddings=163840,
-                          rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+                          rope_scaling={"type": "yarn", "factor": 40,
+                                        "original_max_position_embeddings": 4096,
+                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                        "mscale_all_dim": 1.0})
     config = ModelConfig.from_dict(raw)
     assert config.mla is not None and config.mla.q_lora_rank == 96 and config.mla.rope_style == "interleave"
     assert (config.num_kv_heads, config.head_dim) == (4, 48)
@@ -240,7 +247,8 @@ def test_config_reads_deepseek_shapes_and_yarn():
     check_tp_size(2, config)
     with pytest.raises(UnshardableModel, match="does not divide the model's 4 attention heads"):
         check_tp_size(3, config)
-    assert ModelConfig.from_dict(deepseek_config("deepseek_v3", rope_interleave=False)).mla.rope_style == "half"
+    config = ModelConfig.from_dict(deepseek_config("deepseek_v3", rope_interleave=False))
+    assert config.mla.rope_style == "half"
 
 
 async def test_bf16_logprobs_match_hf_teacher_forced(built):
@@ -304,7 +312,7 @@ async def test_alone_equals_in_a_batch_and_pd_equals_colocated(built, dtype):
         reservation = decode.reserve_prompt("pd", target)
         written: list[int] = []
         first = await prefill_first_token(engine, target, greedy, "pd",
-                                          lambda page_ids, num_tokens: written.__setitem__(slice(None), page_ids))
+                                          lambda page_ids, _: written.__setitem__(slice(None), page_ids))
         ops.scatter_pages(decode.pool.buffer, reservation.tail, ops.gather_pages(engine.pool.buffer, written))
         assert engine.release("pd")
         assert await run(decode, target, "pd", first_token=first) == alone

@@ -44,7 +44,8 @@ def test_config_old_and_new_rope_formats(tmp_path):
     with pytest.raises(ValueError, match="unsupported model"):
         ModelConfig.from_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope type"):
-        ModelConfig.from_dict({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+        ModelConfig.from_dict({**BASE, "model_type": "llama",
+                               "rope_scaling": {"rope_type": "yarn", "factor": 2}})
 
 
 @pytest.mark.parametrize("rope_scaling", [

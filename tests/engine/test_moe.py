@@ -2,10 +2,11 @@
 
 Checkpoints: the tiny-moe preset (Qwen3-MoE, 8 experts, top-2 renormalised, one dense layer),
 a Mixtral written from it with other dims (4 experts of width 192, head_dim 32, one KV head,
-untied), and the tiny-deepseek preset as DeepSeek V3 and V2. Prompts of 1..150 tokens run together with chunks of 32, so steps mix decodes and extends
-with a prefix. Also: the fused expert layout gives what the published one gives, bit for bit; the
-prefix cache hits and changes nothing; TP 2 equals HF; bad checkpoints are refused at load naming
-the tensor or field; the expert-load counters add up.
+untied), and the tiny-deepseek preset as DeepSeek V3 and V2. Prompts of 1..150 tokens run together
+with chunks of 32, so steps mix decodes and extends with a prefix. Also: the fused expert layout
+gives what the published one gives, bit for bit; the prefix cache hits and changes nothing; TP 2
+equals HF; bad checkpoints are refused at load naming the tensor or field; the expert-load counters
+add up.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def moe_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixtral_ckpt(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "mixtral", preset="tiny-moe", seed=1, arch="mixtral",
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "mixtral", preset="tiny-moe", seed=1,
+                            arch="mixtral",
                             **MIXTRAL_OVERRIDES)
 
 
@@ -93,7 +95,8 @@ async def test_fused_layout_loads_the_same_weights(request, arch, prompts, tmp_p
     # (Mixtral's too are `mlp.experts.gate_up_proj`, not `block_sparse_moe`).
     published_ckpt = request.getfixturevalue("moe_ckpt" if arch == "qwen3_moe" else "mixtral_ckpt")
     overrides = {} if arch == "qwen3_moe" else dict(seed=1, arch="mixtral", **MIXTRAL_OVERRIDES)
-    fused = write_tiny_model(tmp_path / "fused", preset="tiny-moe", **{"seed": 0, **overrides}, fused_experts=True)
+    fused = write_tiny_model(tmp_path / "fused", preset="tiny-moe", **{"seed": 0, **overrides},
+                             fused_experts=True)
     assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(fused / "model.safetensors"))
     published, _ = await run(published_ckpt, prompts)
     got, _ = await run(fused, prompts)
@@ -111,7 +114,8 @@ async def test_prefix_cache_hits_change_nothing(moe_ckpt):
     finally:
         engine.shutdown()
     assert stats.prefix_hit_tokens >= 32 + 64
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(moe_ckpt, prompts), strict=True):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(moe_ckpt, prompts),
+                                                              strict=True):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < LOGPROB_TOLERANCE
 
@@ -179,7 +183,8 @@ async def test_alone_equals_in_a_batch(moe_ckpt, dtype):
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=2)
 
     async def one(engine, prompt, room):
-        return [(o.token_id, o.logprob, tuple(o.top_logprobs)) async for o in generate(engine, prompt, greedy, room)]
+        return [(o.token_id, o.logprob, tuple(o.top_logprobs))
+                async for o in generate(engine, prompt, greedy, room)]
 
     target, *others = random_prompts([200, 1, 40, 333, 90, 3], seed=5)
     engine = start_engine(moe_ckpt, dtype=dtype, cpu_kernels="on", num_threads=2, chunked_prefill_size=2048,
@@ -212,7 +217,8 @@ async def test_bf16_is_as_close_to_fp32_as_hf_bf16(moe_ckpt, prompts):
         for dtype, model in models.items():
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-            chosen[dtype] = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+            reference = torch.log_softmax(logits, dim=-1)
+            chosen[dtype] = reference.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         engine_error.append((torch.tensor(logprobs) - chosen[torch.float32]).abs())
         hf_error.append((chosen[torch.bfloat16] - chosen[torch.float32]).abs())
     engine_error, hf_error = torch.cat(engine_error), torch.cat(hf_error)

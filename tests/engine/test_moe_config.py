@@ -35,20 +35,24 @@ def test_mixtral_routes_every_layer_normalised():
 def test_deepseek_v3_and_v2():
     raw = model_config(PRESETS["tiny-deepseek"])
     v3 = MoEConfig.from_dict(raw, "DeepseekV3ForCausalLM")
-    assert (v3.num_experts, v3.top_k, v3.sparse_layers, v3.num_groups, v3.topk_groups) == (8, 2, (1, 2, 3), 4, 2)
+    assert ((v3.num_experts, v3.top_k, v3.sparse_layers, v3.num_groups, v3.topk_groups)
+            == (8, 2, (1, 2, 3), 4, 2))
     assert (v3.scoring, v3.topk_method, v3.normalize, v3.scaling_factor) == ("sigmoid", "noaux_tc", True, 2.5)
     assert v3.shared_intermediate_size == 256 and v3.router_fp32
     v2 = MoEConfig.from_dict(model_config(PRESETS["tiny-deepseek"], "deepseek_v2", scoring_func="softmax",
                                           topk_method="group_limited_greedy"), "DeepseekV2ForCausalLM")
-    assert (v2.scoring, v2.topk_method, v2.num_groups, v2.normalize) == ("softmax", "group_limited_greedy", 4, False)
-    greedy = MoEConfig.from_dict({**raw, "scoring_func": "softmax", "topk_method": "greedy"}, "DeepseekV2ForCausalLM")
+    assert ((v2.scoring, v2.topk_method, v2.num_groups, v2.normalize)
+            == ("softmax", "group_limited_greedy", 4, False))
+    greedy = MoEConfig.from_dict({**raw, "scoring_func": "softmax", "topk_method": "greedy"},
+                                 "DeepseekV2ForCausalLM")
     assert (greedy.num_groups, greedy.topk_groups) == (1, 1)
 
 
 @pytest.mark.parametrize(("arch", "change", "message"), [
     ("DeepseekV3ForCausalLM", {"topk_method": "greedy"}, "topk_method 'greedy'"),
     ("DeepseekV3ForCausalLM", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
-    ("DeepseekV2ForCausalLM", {"scoring_func": "softmax", "topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ("DeepseekV2ForCausalLM", {"scoring_func": "softmax", "topk_method": "noaux_tc"},
+     "topk_method 'noaux_tc'"),
     ("DeepseekV2ForCausalLM", {"scoring_func": "sigmoid", "topk_method": "greedy"}, "scoring_func 'sigmoid'"),
     ("DeepseekV3ForCausalLM", {"moe_layer_freq": 2}, "moe_layer_freq 2"),
     ("DeepseekV3ForCausalLM", {"n_group": 3}, "n_group 3"),

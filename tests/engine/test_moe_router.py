@@ -2,8 +2,9 @@
 
 Routers (Qwen3-MoE, Mixtral, DeepSeek V2 greedy and group-limited, DeepSeek V3 noaux_tc) must
 choose the same experts with the same weights for random inputs; the DeepSeek V3 MoE block (routed
-plus shared experts) must give DeepseekV3MoE's (and DeepseekV2Moe's) output from either checkpoint layout, and its two
-tensor-parallel halves must sum to it. MoEConfig is built from each HF config's `to_dict()`.
+plus shared experts) must give DeepseekV3MoE's (and DeepseekV2Moe's) output from either checkpoint
+layout, and its two tensor-parallel halves must sum to it. MoEConfig is built from each HF config's
+`to_dict()`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from tools.models.tiny_model import published_layout
 
 HIDDEN = 64
 DEEPSEEK = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8,
-                num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1)
+                num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+                first_k_dense_replace=1)
 
 
 def _random_(module: torch.nn.Module, seed: int) -> None:
@@ -64,11 +66,13 @@ def _same_routing(hf_router, arch: str, hf_config, dtype=torch.float32) -> None:
     same = (packed_ids == hf_ids).all(dim=-1)
     assert same.float().mean() > 0.99
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(packed_weights.gather(1, packed_order)[same], hf_weights.gather(1, hf_order)[same],
+    torch.testing.assert_close(packed_weights.gather(1, packed_order)[same],
+                               hf_weights.gather(1, hf_order)[same],
                                rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize(("dtype", "norm"),
+                         [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
 def test_qwen3_moe_router(dtype, norm):
     config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm)
     _same_routing(Qwen3MoeTopKRouter(config), "Qwen3MoeForCausalLM", config, dtype)
@@ -139,5 +143,6 @@ def test_deepseek_v3_correction_bias_stays_fp32_in_bf16(tmp_path):
     moe = MoEConfig.from_dict(config.to_dict(), "DeepseekV3ForCausalLM")
     block = _block(tensors, tmp_path / "bf16", moe, dtype=torch.bfloat16)
     bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
-    assert block.router.correction_bias.dtype == torch.float32 and torch.equal(block.router.correction_bias, bias)
+    assert block.router.correction_bias.dtype == torch.float32
+    assert torch.equal(block.router.correction_bias, bias)
     assert block(torch.randn(5, HIDDEN).bfloat16()).dtype == torch.bfloat16

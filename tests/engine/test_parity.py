@@ -26,17 +26,20 @@ NEW_TOKENS = 20
 LOGPROB_TOLERANCE = 1e-3
 
 
-def hf_reference(model_dir, prompts: list[list[int]], device: str = "cpu") -> list[tuple[list[int], list[float]]]:
+def hf_reference(model_dir, prompts: list[list[int]],
+                 device: str = "cpu") -> list[tuple[list[int], list[float]]]:
     """HF's greedy tokens and logprobs in fp32 on `device` (tests/gpu runs it on CUDA)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
     results = []
     with torch.inference_mode():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS, do_sample=False,
+            out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             tokens = out.sequences[0, len(prompt):].tolist()
-            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                        for step, t in zip(out.logits, tokens, strict=True)]
             results.append((tokens, logprobs))
     return results
 

@@ -28,7 +28,8 @@ FP32 = 4
 
 @pytest.fixture(scope="module", params=PRESETS)
 def case(request, tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("ckpt") / request.param, preset=request.param, seed=0)
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("ckpt") / request.param,
+                                 preset=request.param, seed=0)
     prompts = random_prompts(LENGTHS, seed=5)
     return request.param, model_dir, prompts, hf_reference(model_dir, prompts)
 
@@ -63,7 +64,8 @@ async def test_prefix_cache_hits_under_pp(case):
     finally:
         engine.shutdown()
     assert stats.prefix_hit_tokens >= 64 + 144, name  # 4 pages of the second prompt, 9 of the third
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(model_dir, prompts), strict=True):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, hf_reference(model_dir, prompts),
+                                                              strict=True):
         assert tokens == ref_tokens, name
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-3, name
 

@@ -61,7 +61,8 @@ async def test_profile_decode_records_decode_steps_only(qwen3_ckpt, tmp_path):
     engine = start_engine(qwen3_ckpt, chunked_prefill_size=CHUNK, profile_decode=True, profile_steps=3,
                           profile_dir=str(tmp_path))
     await run_requests(engine, random_prompts([40], seed=2))
-    assert step_labels(tmp_path) == ["decode step 1: batch 1", "decode step 2: batch 1", "decode step 3: batch 1"]
+    assert step_labels(tmp_path) == ["decode step 1: batch 1", "decode step 2: batch 1",
+                                     "decode step 3: batch 1"]
     assert next(tmp_path.iterdir()).name.startswith("decode-")
 
 
@@ -115,7 +116,8 @@ def test_environment_knobs_set_the_flags_defaults(monkeypatch, tmp_path):
 
 def test_one_engine_per_process_is_profiled(tmp_path):
     # DP attention's member engines share a process, and torch has one profiler per process.
-    first, second = (profiling.StepProfiler(frozenset({"decode"}), 1, str(tmp_path / name), torch.device("cpu"))
+    first, second = (profiling.StepProfiler(frozenset({"decode"}), 1, str(tmp_path / name),
+                                            torch.device("cpu"))
                      for name in ("first", "second"))
     batch = SchedulerOutput(decodes=[ScheduledChunk("a", [5], 3, [0], sample=True)])
 

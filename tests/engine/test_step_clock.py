@@ -39,7 +39,8 @@ async def test_every_step_is_timed_under_its_kind(qwen3_ckpt):
         assert all(clock.seconds[kind] > 0 for kind in clock.steps if clock.steps[kind])
         # every decoded token counted once, with the seconds of the step that made it
         decoded = clock.decode_tokens
-        assert decoded == sum(n - 1 for n in (alone, 24, 24))  # each request's first token came from its prefill
+        # each request's first token came from its prefill
+        assert decoded == sum(n - 1 for n in (alone, 24, 24))
         assert 0 < clock.decode_token_seconds <= decoded * max(clock.seconds.values())
     finally:
         engine.shutdown()

@@ -12,7 +12,8 @@ from pdserve.config_flags import add_config_arguments, config_from_args
 
 def test_the_seeds_layouts() -> None:
     # Two nodes of 8 GPUs: --tp-size 16 --dp-size 8 --enable-dp-attention --moe-a2a-backend deepep
-    seeds = EngineConfig(model_path="m", tp_size=16, dp_size=8, enable_dp_attention=True, moe_a2a_backend="deepep",
+    seeds = EngineConfig(model_path="m", tp_size=16, dp_size=8, enable_dp_attention=True,
+                         moe_a2a_backend="deepep",
                          nnodes=2, node_rank=1, dist_init_addr="192.168.1.10:5000").topology()
     assert (seeds.world_size, seeds.ranks_per_node, list(seeds.node_ranks())) == (16, 8, list(range(8, 16)))
     assert (seeds.attn_tp_size, seeds.attn_dp_rank(11), seeds.attn_tp_rank(11)) == (2, 5, 1)
@@ -31,10 +32,12 @@ def test_ep_blocks_and_moe_tp() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tp_size=2, nnodes=3, dist_init_addr="h:1"), "--nnodes 3 does not divide the 2 ranks (--tp-size 2 x --pp-size 1)"),
+    (dict(tp_size=2, nnodes=3, dist_init_addr="h:1"),
+     "--nnodes 3 does not divide the 2 ranks (--tp-size 2 x --pp-size 1)"),
     (dict(tp_size=4, dp_size=3, enable_dp_attention=True), "--dp-size 3 does not divide --tp-size 4"),
     (dict(tp_size=4, ep_size=3), "--ep-size 3 does not divide --tp-size 4"),
-    (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank 2 is outside 0..1 (--nnodes 2)"),
+    (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"),
+     "--node-rank 2 is outside 0..1 (--nnodes 2)"),
     (dict(tp_size=2, dp_size=2), "--dp-size 2 needs --enable-dp-attention"),
     (dict(tp_size=2, nnodes=2), "--nnodes 2 needs --dist-init-addr HOST:PORT"),
     (dict(moe_a2a_backend="nccl"), "--moe-a2a-backend must be none, deepep or mooncake"),

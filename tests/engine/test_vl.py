@@ -73,7 +73,8 @@ def hf_generate(model, prompt: list[int], images) -> tuple[list[int], list[float
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **kwargs)
     tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
 
 
@@ -117,7 +118,8 @@ def test_greedy_matches_transformers(vl_ckpt, hf_model, cases, cpu_kernels):
     try:
         for name, (prompt, images) in cases.items():
             assert sum(t == PAD for t in prompt) == sum(i.num_tokens(2) for i in images), name
-            assert_matches(engine_generate(engine, prompt, images, name), hf_generate(hf_model, prompt, images))
+            assert_matches(engine_generate(engine, prompt, images, name),
+                           hf_generate(hf_model, prompt, images))
     finally:
         engine.shutdown()
 
@@ -269,7 +271,8 @@ def test_decode_refusals_and_expansion(vl_ckpt):
         prepare(str(vl_ckpt), model, [1] + [PAD] * 17, [png] * 17)
     with pytest.raises(ValueError, match="text-only model"):
         prepare(str(vl_ckpt), ModelConfig.from_dict(json.loads((vl_ckpt / "config.json").read_text())
-                                                    | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+                                                    | {"architectures": ["Qwen2ForCausalLM"],
+                                                       "model_type": "qwen2"}
                                                     ), [1, PAD], [png])
 
 

@@ -1,7 +1,8 @@
 """Qwen2.5-VL (tiny-qwen25-vl), Qwen3-VL (tiny-qwen3-vl) and LLaVA (tiny-llava) served colocated:
 fp32 greedy tokens equal to transformers' Qwen2_5_VLForConditionalGeneration /
-Qwen3VLForConditionalGeneration / LlavaForConditionalGeneration generate given the same pixel values, logprobs within 1e-3, for text + 1 image, text + 2 images of different
-sizes and an image alone, with the C++ kernels and with torch ops; LLaVA's plain positions and
+Qwen3VLForConditionalGeneration / LlavaForConditionalGeneration generate given the same pixel
+values, logprobs within 1e-3, for text + 1 image, text + 2 images of different sizes and an image
+alone, with the C++ kernels and with torch ops; LLaVA's plain positions and
 its images' page salts; its CLIP preprocessing against transformers' CLIPImageProcessorPil."""
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Family:
 
 FAMILIES = {
     # 100x100 resized to 112x112: 8x8 patches of 14, 4x4 tokens
-    "qwen2.5-vl": Family("tiny-qwen25-vl", "Qwen2_5_VLForConditionalGeneration", VISION_TOKEN_IDS[IMAGE_PAD], 2, 16),
+    "qwen2.5-vl": Family("tiny-qwen25-vl", "Qwen2_5_VLForConditionalGeneration",
+                         VISION_TOKEN_IDS[IMAGE_PAD], 2, 16),
     # 100x100 resized to 96x96: 6x6 patches of 16, 3x3 tokens
     "qwen3-vl": Family("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration", VISION_TOKEN_IDS[IMAGE_PAD], 2, 9),
     "llava": Family("tiny-llava", "LlavaForConditionalGeneration", IMAGE_TOKEN_ID, 1, IMAGE_TOKENS),
@@ -100,7 +102,8 @@ def hf_generate(family: Family, model, prompt: list[int], images) -> tuple[list[
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **kwargs)
     tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
 
 
@@ -113,9 +116,11 @@ def cases(family, ckpt, tokenizer):
     two = [config.preprocess(random_image(60, 200, 2)), config.preprocess(random_image(100, 100, 3))]
     return {
         "text+1 image": (chat_prompt(family, tokenizer, ["Look at", "IMAGE", "what is it?"], one), one),
-        "text+2 images": (chat_prompt(family, tokenizer, ["compare", "IMAGE", "with", "IMAGE", "please"], two), two),
+        "text+2 images": (chat_prompt(family, tokenizer,
+                                      ["compare", "IMAGE", "with", "IMAGE", "please"], two), two),
         "image alone": (chat_prompt(family, tokenizer, ["IMAGE"], one), one),
-        "text only": (chat_prompt(family, tokenizer, ["The quick brown fox jumps over the lazy dog."], []), []),
+        "text only": (chat_prompt(family, tokenizer,
+                                  ["The quick brown fox jumps over the lazy dog."], []), []),
     }
 
 
@@ -136,7 +141,8 @@ def test_greedy_matches_transformers(family, ckpt, hf_model, cases, cpu_kernels)
 
 def test_prefix_cache_per_image(family, ckpt, hf_model, tokenizer):
     config = processor_config(str(ckpt))
-    first, second = [config.preprocess(random_image(100, 100, 6))], [config.preprocess(random_image(100, 100, 7))]
+    first = [config.preprocess(random_image(100, 100, 6))]
+    second = [config.preprocess(random_image(100, 100, 7))]
     parts = ["describe", "IMAGE", "in detail"]
     prompt = chat_prompt(family, tokenizer, parts, first)
     engine = start_engine(ckpt, page_size=PAGE)
@@ -145,7 +151,8 @@ def test_prefix_cache_per_image(family, ckpt, hf_model, tokenizer):
         assert_matches(engine_generate(engine, prompt, first, "a"), expected_first)
         hits = engine.stats().prefix_hit_tokens
         # same text, another image: only the text pages before the image may be shared
-        assert_matches(engine_generate(engine, prompt, second, "b"), hf_generate(family, hf_model, prompt, second))
+        assert_matches(engine_generate(engine, prompt, second, "b"),
+                       hf_generate(family, hf_model, prompt, second))
         assert engine.stats().prefix_hit_tokens - hits == prompt.index(family.image_token_id) // PAGE * PAGE
         hits = engine.stats().prefix_hit_tokens
         # the first image again: every full page but the last token's comes from the cache
@@ -156,8 +163,8 @@ def test_prefix_cache_per_image(family, ckpt, hf_model, tokenizer):
 
 
 def test_llava_plain_positions_and_salts():
-    images = [ClipProcessorConfig(shortest_edge=28, crop_height=28, crop_width=28).preprocess(random_image(40, 30, s))
-              for s in (1, 2)]
+    clip = ClipProcessorConfig(shortest_edge=28, crop_height=28, crop_width=28)
+    images = [clip.preprocess(random_image(40, 30, s)) for s in (1, 2)]
     assert images[0].grid_thw == (1, 2, 2) and images[0].num_tokens(1) == 4
     pad = 9
     # two images back to back: their tokens in order, as transformers' masked_scatter fills them
@@ -179,7 +186,8 @@ def test_llava_plain_positions_and_salts():
         MultimodalState.build(prompt[:14] + prompt[15:], images, pad, 1, PAGE, mrope=False)
 
 
-@pytest.mark.parametrize(("width", "height"), [(130, 90), (60, 200), (56, 56), (1000, 700), (10, 10), (3, 500)])
+@pytest.mark.parametrize(("width", "height"),
+                         [(130, 90), (60, 200), (56, 56), (1000, 700), (10, 10), (3, 500)])
 def test_clip_preprocess_matches_transformers(width, height, tmp_path):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -199,7 +207,8 @@ def test_clip_resize_and_crop_rules():
     pixels = np.arange(2 * 3 * 5).reshape(2, 3, 5)
     assert center_crop(pixels, 2, 2).tolist() == pixels[:, 0:2, 1:3].tolist()
     padded = center_crop(pixels, 5, 5)  # smaller than the crop: zero-padded around it, as transformers
-    assert padded.shape == (2, 5, 5) and padded[:, 1:4, :].tolist() == pixels.tolist() and padded[:, 0].sum() == 0
+    assert padded.shape == (2, 5, 5)
+    assert padded[:, 1:4, :].tolist() == pixels.tolist() and padded[:, 0].sum() == 0
 
 
 def test_checkpoints_are_deterministic_and_small(family, ckpt, tokenizer, tmp_path):

@@ -9,7 +9,8 @@ from services.gateway.policies.power_of_two import PowerOfTwoPolicy
 from services.gateway.policies.random_pick import RandomPolicy
 from services.gateway.policies.round_robin import RoundRobinPolicy
 
-__all__ = ["Policy", "make_policy", "CacheAwarePolicy", "PowerOfTwoPolicy", "RandomPolicy", "RoundRobinPolicy"]
+__all__ = ["Policy", "make_policy", "CacheAwarePolicy", "PowerOfTwoPolicy", "RandomPolicy",
+           "RoundRobinPolicy"]
 
 
 def make_policy(name: str, config: GatewayConfig | None = None) -> Policy:

@@ -41,7 +41,8 @@ class CacheAwarePolicy(Policy):
                  balance_rel_threshold: float = 1.5, max_tree_tokens: int = 200_000,
                  store_weight: float = 0.5) -> None:
         if not 0.0 <= store_weight < 1.0:
-            raise ValueError(f"store_weight must be in [0, 1): a store hit counts below a local one, got {store_weight}")
+            raise ValueError("store_weight must be in [0, 1): a store hit counts below a local one, got "
+                             f"{store_weight}")
         self.cache_threshold = cache_threshold
         self.store_weight = store_weight
         self.balance_abs_threshold = balance_abs_threshold

@@ -39,7 +39,8 @@ def test_text_format_even_when_openmetrics_is_asked_for() -> None:
     server = start_metrics_server(registry)
     try:
         request = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers={
-            "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+            "Accept": "application/openmetrics-text;version=1.0.0,"
+                      "application/openmetrics-text;version=0.0.1;q=0.75,"
                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"})
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.headers["Content-Type"].startswith("text/plain")

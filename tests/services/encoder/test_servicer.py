@@ -34,7 +34,8 @@ def vl_dir(tmp_path_factory):
 
 def png(size: int, seed: int) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "PNG")
     return buffer.getvalue()
 
 
@@ -45,7 +46,8 @@ async def encoder(vl_dir):
     backend = create_backend("fake")
     backend.register(pool)
     servicer = EncoderServicer(model_name="tiny-vl", model_path=str(vl_dir), pool=pool, backend=backend,
-                               tower=VisionTower.load(str(vl_dir), config, torch.float32, torch.device("cpu")),
+                               tower=VisionTower.load(str(vl_dir), config, torch.float32,
+                                                      torch.device("cpu")),
                                metrics=EncoderMetrics("tiny-vl"), transfer_timeout_s=10)
     server = await start_grpc_server([ServiceBinding(service_name(encoder_pb2, "Encoder"), servicer,
                                                      encoder_pb2_grpc.add_EncoderServicer_to_server)],
@@ -91,7 +93,8 @@ async def test_bad_calls_are_refused_with_a_message(encoder, fields, code, messa
 async def test_another_embedding_layout_is_refused_naming_both(encoder):
     servicer, stub, endpoint = encoder
     other = EmbeddingPool(64, "float32", 8)
-    foreign = TransferEndpoint(endpoint.backend, other.layout, endpoint.host, endpoint.num_pages, endpoint.blob)
+    foreign = TransferEndpoint(endpoint.backend, other.layout, endpoint.host, endpoint.num_pages,
+                               endpoint.blob)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Encode(call(foreign))
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

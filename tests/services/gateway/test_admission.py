@@ -10,7 +10,8 @@ from services.gateway.errors import GatewayError
 from services.gateway.middleware import AdmissionLimits, AdmissionQueue
 
 
-def make_queue(max_running: int = 4, max_waiting: int = 2, timeout_s: float = 60.0) -> tuple[AdmissionQueue, list]:
+def make_queue(max_running: int = 4, max_waiting: int = 2,
+               timeout_s: float = 60.0) -> tuple[AdmissionQueue, list]:
     shed: list[tuple[str, str]] = []
     limits = AdmissionLimits(max_running=max_running, max_waiting=max_waiting, queue_timeout_s=timeout_s,
                              retry_after_s=3)

@@ -20,7 +20,8 @@ PROMPT = list(range(1000, 1064)) + [5] * 6  # 4 full pages of 16, then 6 tokens
 HASHES = page_hashes(PROMPT, PAGE)
 
 
-def on_store(worker: WorkerHandle, local: list[int] = (), in_store: list[int] = (), store: str = STORE) -> WorkerHandle:
+def on_store(worker: WorkerHandle, local: list[int] = (), in_store: list[int] = (),
+             store: str = STORE) -> WorkerHandle:
     """`worker` publishing `local` pages in its own pool and `in_store` in the store `store`."""
     view = worker.kv_cache
     view.page_size, view.store, view.synced = PAGE, store, True
@@ -31,7 +32,8 @@ def on_store(worker: WorkerHandle, local: list[int] = (), in_store: list[int] = 
 
 def test_a_prefix_only_in_the_store_attracts_no_routing():
     a, b = workers(0, 0)
-    on_store(a, local=page_hashes(list(range(5000, 5064)), PAGE), in_store=HASHES)  # a wrote it; a caches more
+    # a wrote it; a caches more
+    on_store(a, local=page_hashes(list(range(5000, 5064)), PAGE), in_store=HASHES)
     on_store(b)
     policy = CacheAwarePolicy(cache_threshold=0.4)
     # Both can fetch all 4 pages: the same score (32 tokens' worth >= 0.4 x 70), so load and then the

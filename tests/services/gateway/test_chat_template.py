@@ -30,7 +30,8 @@ RICH_TEMPLATE = """{{ bos_token }}
 {% if loop.first and ns.system %}[SYS {{ ns.system | tojson }}]
 {% endif %}
     <{{ message['role'] }}>
-    {% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_token }}
+    {% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}
+    {{- eos_token }}
     {% else %}{{ message['content'] }}
     {% endif %}
 {%- endfor %}
@@ -52,9 +53,11 @@ def test_tiny_checkpoint_template_matches_transformers(tiny_model: Path, hf_toke
     files = ModelFiles(tiny_model)
     assert files.chat_template is not None
     ours = files.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
     assert ours == theirs
-    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True,
+                                           add_generation_prompt=add_generation_prompt)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert files.encode(ours, add_special_tokens=False) == list(ids)
 

@@ -77,6 +77,7 @@ def test_acquire_in_closed_state_changes_nothing(clock: Clock) -> None:
 
 
 def test_gauge_values_and_bad_threshold() -> None:
-    assert [s.gauge_value for s in (BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN)] == [0, 1, 2]
+    states = (BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN)
+    assert [s.gauge_value for s in states] == [0, 1, 2]
     with pytest.raises(ValueError, match="failure_threshold"):
         CircuitBreaker(failure_threshold=0)

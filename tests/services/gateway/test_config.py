@@ -46,9 +46,11 @@ def test_seed_router_command_line(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([
-        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--prefill", "http://127.0.0.1:30001",
+        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--prefill",
+        "http://127.0.0.1:30001",
         "--decode", "http://127.0.0.1:30002", "--worker", "127.0.0.1:30003", "--policy", "cache_aware",
-        "--decode-policy", "round_robin", "--host", "0.0.0.0", "--port", "8000", "--model-path", str(tmp_path)])
+        "--decode-policy", "round_robin", "--host", "0.0.0.0", "--port", "8000", "--model-path",
+        str(tmp_path)])
     assert static_workers_from_args(args) == (
         StaticWorker("prefill", "127.0.0.1:30000"), StaticWorker("prefill", "127.0.0.1:30001"),
         StaticWorker("decode", "127.0.0.1:30002"), StaticWorker("colocated", "127.0.0.1:30003"))
@@ -62,7 +64,8 @@ def test_seed_router_command_needs_no_model_path() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([
-        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--decode", "http://127.0.0.1:30001",
+        "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998", "--decode",
+        "http://127.0.0.1:30001",
         "--policy", "round_robin", "--host", "0.0.0.0", "--port", "8000"])
     config = config_from_args(GatewayConfig, args)
     assert config.model_path == "" and config.served_model_name is None
@@ -84,8 +87,8 @@ def test_bad_flags(tmp_path: Path) -> None:
         GatewayConfig(model_path=str(tmp_path), policy="fastest")
 
 
-def test_api_key_comes_from_the_flag_or_the_environment_and_never_shows(tiny_model: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_key_comes_from_the_flag_or_the_environment_and_never_shows(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.config_flags import config_from_args
     from services.gateway.config import with_env_api_key
 

@@ -29,8 +29,8 @@ async def client(tiny_model: Path) -> AsyncIterator[httpx.AsyncClient]:
     state.pool.close()
 
 
-def assert_error(response: httpx.Response, status: int, *, param: str | None = "any", code: str | None = "any",
-                 contains: str = "") -> dict:
+def assert_error(response: httpx.Response, status: int, *, param: str | None = "any",
+                 code: str | None = "any", contains: str = "") -> dict:
     assert response.status_code == status, response.text
     body = response.json()
     assert set(body) == {"error"} or (status == 503 and "error" in body)
@@ -82,7 +82,8 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/v1/completions", {**TEXT, "prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
     ("/v1/completions", {**TEXT, "prompt": {"text": "x"}}, "prompt", ""),
     ("/generate", {"text": "hi", "input_ids": [1, 2]}, None, "exactly one of text or input_ids"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens", ""),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+     "sampling_params.max_new_tokens", ""),
     ("/generate", {"text": ["a", "b"], "stream": True}, "stream", "one prompt at a time"),
 ])
 async def test_invalid_requests_are_400(client: httpx.AsyncClient, path: str, body: dict, param: str | None,
@@ -115,11 +116,13 @@ async def test_prompt_longer_than_context_names_both_lengths(client: httpx.Async
     error = assert_error(await client.post("/v1/completions", json={**TEXT, "prompt": long_prompt}), 400,
                          code="context_length_exceeded", param="prompt")
     assert "4096" in error["message"] and "5000" in error["message"]
-    error = assert_error(await client.post("/v1/completions", json={**TEXT, "prompt": [5] * 4000, "max_tokens": 200}),
+    error = assert_error(await client.post("/v1/completions",
+                                           json={**TEXT, "prompt": [5] * 4000, "max_tokens": 200}),
                          400, code="context_length_exceeded", param="max_tokens")
-    assert "4096" in error["message"] and "4200" in error["message"] and "4000 in the prompt" in error["message"]
+    assert all(part in error["message"] for part in ("4096", "4200", "4000 in the prompt"))
     chat = {**CHAT, "messages": [{"role": "user", "content": "hello " * 5000}]}
-    error = assert_error(await client.post("/v1/chat/completions", json=chat), 400, code="context_length_exceeded")
+    error = assert_error(await client.post("/v1/chat/completions", json=chat), 400,
+                         code="context_length_exceeded")
     assert "4096" in error["message"]
 
 
@@ -127,7 +130,8 @@ async def test_valid_requests_without_workers_are_503(client: httpx.AsyncClient)
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {**TEXT, "n": 2}),
                        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}),  # ignored without logprobs
                        ("/v1/completions", {**TEXT, "n": 2.0, "best_of": 1, "max_tokens": 4000}),
-                       ("/v1/chat/completions", {**CHAT, "stream": True}), ("/generate", {"input_ids": [1, 2]})):
+                       ("/v1/chat/completions", {**CHAT, "stream": True}),
+                       ("/generate", {"input_ids": [1, 2]})):
         assert_error(await client.post(path, json=body), 503, code="no_healthy_workers", contains="tiny")
     assert_error(await client.get("/health"), 503)
 

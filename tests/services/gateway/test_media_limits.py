@@ -30,7 +30,8 @@ def test_limit_mm_per_prompt_forms(text, count):
 
 @pytest.mark.parametrize(("text", "message"), [
     ('{"video": 1}', "images only, not video"), ('{"image": -1}', "whole number >= 0"),
-    ('{"image": 1.5}', "whole number"), ('{"image": true}', "whole number"), ("[3]", "takes"), ("{}", "takes"),
+    ('{"image": 1.5}', "whole number"), ('{"image": true}', "whole number"), ("[3]", "takes"),
+    ("{}", "takes"),
     ("image=3", "takes"),
 ])
 def test_limit_mm_per_prompt_refuses(text, message):
@@ -57,7 +58,8 @@ def test_flags_take_vllm_forms():
     assert limits.allowed_domains == ("a.com", "b.com")
     assert limits.max_images == 3 and limits.fetch_timeout_s == 2.5
     assert limits.domain_allowed("A.com") and not limits.domain_allowed("x.a.com")
-    assert MediaLimits.of(config_of("--allowed-media-domains", "a.com,b.com")).allowed_domains == ("a.com", "b.com")
+    limits = MediaLimits.of(config_of("--allowed-media-domains", "a.com,b.com"))
+    assert limits.allowed_domains == ("a.com", "b.com")
     assert MediaLimits.of(config_of()).allowed_domains == ()
 
 
@@ -93,7 +95,8 @@ def refused(sources, limits=MediaLimits(), **kwargs) -> GatewayError:
 
 
 def test_inline_images_decode_in_order():
-    assert load([f"data:image/png;base64,{b64(b'one')}", f"data:image/jpeg;base64,{b64(b'two')}"]) == [b"one", b"two"]
+    assert load([f"data:image/png;base64,{b64(b'one')}",
+                 f"data:image/jpeg;base64,{b64(b'two')}"]) == [b"one", b"two"]
     assert load([b64(b"/9j/ three"), f"data:image/webp;base64,{b64(b'four')}"], plain_base64=True) == [
         b"/9j/ three", b"four"]
     assert load([]) == []
@@ -102,7 +105,8 @@ def test_inline_images_decode_in_order():
 def test_limits_answer_400_and_413():
     url = f"data:image/png;base64,{b64(b'x' * 100)}"
     error = refused([url] * 3, MediaLimits(max_images=2))
-    assert (error.status, error.param) == (400, "messages") and "at most 2 (--limit-mm-per-prompt)" in error.message
+    assert (error.status, error.param) == (400, "messages")
+    assert "at most 2 (--limit-mm-per-prompt)" in error.message
     error = refused([url], MediaLimits(max_image_bytes=99))
     assert error.status == 413 and "--max-image-bytes" in error.message
     error = refused([url, url], MediaLimits(max_image_bytes=100, max_request_image_bytes=150))

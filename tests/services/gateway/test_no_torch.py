@@ -20,8 +20,10 @@ def test_gateway_app_does_not_import_torch(tiny_model: Path) -> None:
         "from services.gateway.app import create_app\n"
         "from services.gateway.state import build_state\n"
         f"create_app(build_state(GatewayConfig(model_path={str(tiny_model)!r})))\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'libkv'))\n"
+        "loaded = sorted(m for m in sys.modules\n"
+        "                if m.split('.')[0] in ('torch', 'transformers', 'engine', 'libkv'))\n"
         "assert not loaded, loaded\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr

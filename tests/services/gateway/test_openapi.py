@@ -72,11 +72,13 @@ def test_images_are_documented_for_a_vision_language_model_only(document: dict, 
     assert "image_data" not in document["components"]["schemas"]["NativeGenerateRequest"]["properties"]
     assert "ImageURL" not in document["components"]["schemas"]
     vl_model = write_tiny_model(tmp_path / "tiny-vl", preset="tiny-vl", seed=0)
-    vl = create_app(build_state(GatewayConfig(model_path=str(vl_model), allowed_media_domains="a.com,b.example"))
+    vl = create_app(build_state(GatewayConfig(model_path=str(vl_model),
+                                              allowed_media_domains="a.com,b.example"))
                     ).openapi()["components"]["schemas"]
     assert "image_data" in vl["NativeGenerateRequest"]["properties"]
     url = jsonschema_rs.validator_for(vl["ImageURL"]["properties"]["url"])
-    for good in ("data:image/png;base64,AAAA", "https://a.com/cat.png", "http://b.example:8080/x", "https://a.com"):
+    for good in ("data:image/png;base64,AAAA", "https://a.com/cat.png", "http://b.example:8080/x",
+                 "https://a.com"):
         assert url.is_valid(good), good
     for bad in ("https://a.com.evil/x", "https://evil.com/a.com", "ftp://a.com/x", "data:text/plain;base64,"):
         assert not url.is_valid(bad), bad

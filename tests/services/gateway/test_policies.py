@@ -210,7 +210,8 @@ def test_kv_event_batches_apply_snapshot_then_deltas() -> None:
         worker_pb2.KvEvent(kind=stored, page_hashes=[1, 2, 3])]))
     assert a.kv_cache.synced and a.kv_cache.hashes == {1, 2, 3} and a.kv_cache.page_size == 16
     apply_batch(a, worker_pb2.KvEventBatch(events=[
-        worker_pb2.KvEvent(kind=removed, page_hashes=[2]), worker_pb2.KvEvent(kind=stored, page_hashes=[2, 4]),
+        worker_pb2.KvEvent(kind=removed, page_hashes=[2]),
+        worker_pb2.KvEvent(kind=stored, page_hashes=[2, 4]),
         worker_pb2.KvEvent(kind=removed, page_hashes=[1])]))
     assert a.kv_cache.hashes == {2, 3, 4}  # in order: 2 removed, then stored again
     a.kv_cache.forget()
