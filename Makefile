@@ -32,7 +32,7 @@ unit: setup
 e2e: setup
 	$(PY) -m pytest -q -m e2e tests
 
-test: setup lint check-protos
+test: setup lint typecheck check-protos
 	$(PY) -m pytest -q -ra --durations=15 tests
 
 # On a machine with NVIDIA GPUs: its own venv (.venv-gpu, CUDA wheels), then the GPU suite (tests/gpu)

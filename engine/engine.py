@@ -131,7 +131,7 @@ class Engine:
     def _stop_followers(self) -> None:
         followers, self.tp_followers = self.tp_followers, None
         try:
-            self.runner.close()  # type: ignore[union-attr]
+            self.runner.close()
         except RuntimeError as exc:  # the group is broken (a rank died): nothing to tell
             log.warning("tp group already broken at shutdown: %s", exc)
             followers.kill()  # type: ignore[union-attr]

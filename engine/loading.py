@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -19,12 +19,24 @@ from engine.models.decoder import DecoderModel
 from engine.models.layer_ops import select_layer_ops
 from engine.models.vision import load_vision_tower
 from engine.page_manager import PageManager
+from engine.scheduler import SchedulerOutput
 from engine.tp import a2a_backend
 from engine.tp.ranks import FollowerRanks
 from engine.tp.runner import DriverRunner
 from libkv.pool import KVPool
+from pdserve.text import Decoder
 
 T = TypeVar("T")
+
+
+class StepRunner(Protocol):
+    """What runs a step's forward pass for an Engine: the model on this rank alone (ModelRunner),
+    every rank of a group driven from rank 0 (engine.tp.runner.DriverRunner), or a DP attention
+    member's share of a joint step (engine.dp_engine)."""
+
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -34,10 +46,10 @@ class LoadedModel:
     config: EngineConfig
     model_config: ModelConfig
     model: DecoderModel
-    tokenizer: object
+    tokenizer: Decoder
     pool: KVPool
     pages: PageManager
-    runner: ModelRunner | DriverRunner
+    runner: StepRunner
     followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
 
 

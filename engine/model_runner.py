@@ -49,6 +49,9 @@ class ModelRunner:
                                "than 0): it runs step(), not forward()")
         return logits
 
+    def close(self) -> None:
+        """Nothing to release: one rank, no group (DriverRunner closes a group's)."""
+
     @torch.inference_mode()
     def step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """This rank's part of the step: `forward`'s logits, or None on a rank that gets none."""

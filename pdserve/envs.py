@@ -28,8 +28,8 @@ class EnvVar(Generic[T]):
         kind = type(self.default)
         try:
             if kind is bool:
-                return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
-            return kind(raw)  # type: ignore[return-value]
+                return raw.strip().lower() in ("1", "true", "yes", "on")
+            return kind(raw)
         except ValueError as exc:
             raise ValueError(f"{self.name}={raw!r} is not a valid {kind.__name__}") from exc
 

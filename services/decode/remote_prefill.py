@@ -82,7 +82,7 @@ class PreallocQueue:
         timeout = PreallocTimeout(f"no KV pages for {len(prompt_ids)} tokens within {timeout_s:.0f}s")
         try:
             await asyncio.wait_for(self._turn.acquire(), timeout=timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11 on
             raise timeout from None
         try:
             hashes = self.engine.prompt_hashes(prompt_ids, images)  # once, not at every try
@@ -97,7 +97,7 @@ class PreallocQueue:
                         raise timeout
                     try:
                         await asyncio.wait_for(freed.wait(), timeout=left)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:
                         raise timeout from None
         finally:
             self._turn.release()

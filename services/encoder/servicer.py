@@ -103,7 +103,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}")
         try:
             sums, nbytes = await self._write(peer, room, request.grant, src_pages, dst_pages, embeddings)
-        except (TransferError, TimeoutError) as exc:
+        except (TransferError, asyncio.TimeoutError) as exc:  # TimeoutError itself only from 3.11 on
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room}: embedding transfer failed: {exc}")
         finally:
             self.pages.free(src_pages)

@@ -99,7 +99,7 @@ class PrefillJobs:
             self.metrics.failure("grant")
             await self._cleanup(room, writes, aborted=True)
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"room {room.id}: decode refused the KV write: {exc}") from None
-        except (TransferError, TimeoutError) as exc:
+        except (TransferError, asyncio.TimeoutError) as exc:  # TimeoutError itself only from Python 3.11 on
             self.metrics.failure("transfer")
             await self._cleanup(room, writes, aborted=True)
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"room {room.id}: KV transfer to decode failed: {exc}") from None
