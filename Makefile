@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: setup run test test-gpu lint typecheck protos check-protos unit e2e docker docker-smoke
+.PHONY: setup run test test-all test-gpu lint typecheck protos check-protos unit e2e docker docker-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -34,6 +34,11 @@ e2e: setup
 
 test: setup lint typecheck check-protos
 	$(PY) -m pytest -q -ra --durations=15 tests
+
+# Everything `make test` runs, and the long tests it leaves out (tests/conftest.py): the whole chaos
+# table and its soak, the full schemathesis fuzz, the compose build from cold.
+test-all: setup lint typecheck check-protos
+	$(PY) -m pytest -q -ra --durations=25 --long tests
 
 # On a machine with NVIDIA GPUs: its own venv (.venv-gpu, CUDA wheels), then the GPU suite (tests/gpu)
 # and the CUDA bench, with a summary table. Not part of `test`, and independent of `setup`.

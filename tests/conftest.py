@@ -1,0 +1,25 @@
+"""The `long` tests: what `make test` leaves to `make test-all` (pytest --long).
+
+A test marked `long` is a longer version of a check `make test` already makes in short (the whole
+chaos table, a longer fuzz) or one whose cost is mostly a cold start (the compose build on a fresh
+machine); `make test-all` runs them with everything else. Without --long they are skipped, saying
+where they run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the tests marked long (make test-all)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: runs in `make test-all` (pytest --long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
