@@ -25,7 +25,11 @@ import pytest
 
 from tests.e2e.cluster import Cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
+# `make test-all`: on a fresh machine the build is mostly the cold start (the Docker engine's packages,
+# a debootstrap base, the wheels: 430 s of a 44-minute `make test`). `make test` checks the files
+# statically (tests/docker/test_docker_files.py: the Dockerfile, and the compose file with
+# docker-compose config).
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(2400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello from docker! Tell me about the river."
