@@ -47,7 +47,8 @@ def requirements(role: str, pyproject: Path) -> list[str]:
 def main() -> None:
     if len(sys.argv) not in (2, 3):
         raise SystemExit("usage: requirements.py light|worker|no-deps [PYPROJECT]")
-    pyproject = Path(sys.argv[2]) if len(sys.argv) == 3 else Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = (Path(sys.argv[2]) if len(sys.argv) == 3
+                 else Path(__file__).resolve().parent.parent / "pyproject.toml")
     print("\n".join(requirements(sys.argv[1], pyproject)))
 
 

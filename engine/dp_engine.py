@@ -10,9 +10,9 @@ the MLP collectives.
 
 Placement: a new request goes to the group whose prefix cache holds the longest run of its
 prompt's leading pages, ties (and no hit anywhere) to the least loaded (live requests placed
-there, then used pages), and ties of those in turn (round robin). The worker's KV events cover every group's cache (a page hash is
-"stored" while any group holds it), so the gateway's cache-aware routing picks the worker and
-the worker the group.
+there, then used pages), and ties of those in turn (round robin). The worker's KV events cover
+every group's cache (a page hash is "stored" while any group holds it), so the gateway's
+cache-aware routing picks the worker and the worker the group.
 
 PD: a decode worker reserves a room's pages on a group (`reserve_prompt`, placed the same way) and
 the prefilled request then runs there; `group_of(room)` and `pool_for(room)` tell the KV transfer
@@ -198,12 +198,16 @@ class DPEngine:
         loaded = load(config)
         dp_size = config.topology().dp_size
         stepper = DPStepper(loaded.runner, dp_size)
-        members = [Engine(replace(loaded, pages=loaded.pages if g == 0 else _page_manager(loaded.config, loaded.pool),
-                                  runner=_MemberRunner(stepper, g), followers=loaded.followers if g == 0 else None))
+        members = [Engine(replace(loaded,
+                                  pages=(loaded.pages if g == 0
+                                         else _page_manager(loaded.config, loaded.pool)),
+                                  runner=_MemberRunner(stepper, g),
+                                  followers=loaded.followers if g == 0 else None))
                    for g in range(dp_size)]
         for g, member in enumerate(members):
             stepper.has_work[g] = member.scheduler.has_work
-        return cls(members, _group_pools(loaded.pool, loaded.followers, config.topology().attn_tp_size, dp_size))
+        return cls(members,
+                   _group_pools(loaded.pool, loaded.followers, config.topology().attn_tp_size, dp_size))
 
     @property
     def tp_followers(self) -> FollowerRanks | None:
@@ -346,7 +350,8 @@ def _group_pools(pool, followers, attn_tp_size: int, dp_size: int) -> list:
     """Group 0's pool is rank 0's (over its group's ranks, engine.tp.load); group g's a view over
     world ranks g * attn_tp_size onwards, reached through their control channels."""
     controls = followers.controls  # world ranks 1..N-1
-    return [pool, *(RankGroupPool(pool.layout, pool.num_pages, controls[g * attn_tp_size - 1:(g + 1) * attn_tp_size - 1])
+    return [pool, *(RankGroupPool(pool.layout, pool.num_pages,
+                                  controls[g * attn_tp_size - 1:(g + 1) * attn_tp_size - 1])
                     for g in range(1, dp_size))]
 
 

@@ -53,7 +53,8 @@ def open_store_tier(config: EngineConfig, pool: KVPool, pages: PageManager) -> S
     """The store tier of --enable-hierarchical-cache, started (it connects in the background: a
     store that is not there yet only means computing without it)."""
     client = create_client(config.hicache_storage_backend, config.hicache_mooncake_master,
-                           host=config.hicache_local_host, segment_bytes=config.hicache_mooncake_segment_mb << 20,
+                           host=config.hicache_local_host,
+                           segment_bytes=config.hicache_mooncake_segment_mb << 20,
                            timeout_s=config.hicache_timeout)
     identity = StoreIdentity(model_digest(config.model_path), pool.layout)
     return StoreTier(client, pool, identity, pages.retain, pages.free,
@@ -100,7 +101,8 @@ class Engine:
             chunked_prefill_size=self.config.chunked_prefill_size,
             max_seq_len=self.model_config.max_position_embeddings), self.pages)
         self.thread = EngineThread(self.scheduler, self.runner.forward, self.pages, self.pool.device,
-                                   StepProfiler.from_config(self.config, self.pool.device), self.config.num_threads)
+                                   StepProfiler.from_config(self.config, self.pool.device),
+                                   self.config.num_threads)
         self.step_clock = self.thread.step_clock
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
@@ -172,7 +174,8 @@ class Engine:
         if request.image_embeddings is not None:  # EPD: an encoder service ran the tower
             if tuple(request.image_embeddings.shape) != (len(state.pad_positions), config.hidden_size):
                 raise ValueError(f"image embeddings {tuple(request.image_embeddings.shape)} do not match the "
-                                 f"prompt's {len(state.pad_positions)} image tokens of width {config.hidden_size}")
+                                 f"prompt's {len(state.pad_positions)} image tokens of width "
+                                 f"{config.hidden_size}")
             state.embeddings = request.image_embeddings.to(self.pool.device)  # they arrive in host memory
         elif self.model.vision is None and not checking:
             raise ValueError("this worker loads no vision tower (--language-only): images need embeddings "
@@ -201,14 +204,16 @@ class Engine:
                     yield batch
         finally:
             if not stream.done:
-                self.thread.post(Stop(request.room) if request.on_pages_filled is not None else Abort(request.room))
+                self.thread.post(Stop(request.room) if request.on_pages_filled is not None
+                                 else Abort(request.room))
 
     def add_unstreamed(self, request: EngineRequest) -> None:
         """Add a checked request whose outputs nobody reads, for a benchmark that drives
         `thread.step()` by hand with the thread not started."""
         if self.thread.started:
             raise RuntimeError("add_unstreamed is for an engine whose steps are driven by hand")
-        self.thread.add(self._new_request(request), self._new_io(request, lambda item: None), request.first_token)
+        self.thread.add(self._new_request(request), self._new_io(request, lambda item: None),
+                        request.first_token)
 
     def abort(self, room: str) -> None:
         """Finish the request with "abort" and free its pages (also a prefill's held pages)."""
@@ -277,8 +282,9 @@ class Engine:
 
     def _new_request(self, request: EngineRequest) -> Request:
         """The scheduler's record of a caller's request (ValueError for images it cannot take)."""
-        state = Request(room=request.room, token_ids=list(request.prompt_ids), num_prompt=len(request.prompt_ids),
-                        prefill_only=request.prefill_only, multimodal=self._multimodal(request))
+        state = Request(room=request.room, token_ids=list(request.prompt_ids),
+                        num_prompt=len(request.prompt_ids), prefill_only=request.prefill_only,
+                        multimodal=self._multimodal(request))
         if request.first_token is not None:
             state.token_ids.append(request.first_token.token_id)
             state.num_computed = state.num_prompt

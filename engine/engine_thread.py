@@ -107,8 +107,9 @@ class EngineThread:
     """The forward loop (see the module docstring). `step` may also be driven by hand, with the
     thread not started (a benchmark that times steps)."""
 
-    def __init__(self, scheduler: Scheduler, runner: Callable[[SchedulerOutput], torch.Tensor], pages: PageManager,
-                 device: torch.device, profiler: StepProfiler, num_threads: int | None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Callable[[SchedulerOutput], torch.Tensor],
+                 pages: PageManager, device: torch.device, profiler: StepProfiler,
+                 num_threads: int | None) -> None:
         self.scheduler = scheduler
         self.forward = runner
         self.pages = pages
@@ -151,7 +152,8 @@ class EngineThread:
         """Hand a command to the thread (any thread may call it)."""
         self.inbox.put(command)
 
-    def emitter(self, loop: asyncio.AbstractEventLoop, put: Callable[[TokenOutput | Exception], None]) -> Emit:
+    def emitter(self, loop: asyncio.AbstractEventLoop,
+                put: Callable[[TokenOutput | Exception], None]) -> Emit:
         """The `emit` of a request whose caller receives its outputs with `put` on `loop`."""
         return lambda item: self._deliveries[loop].append((put, item))
 

@@ -66,7 +66,8 @@ class PrefixCache:
         """Every cached page's hash (a snapshot for a new KV-event subscriber)."""
         return list(self._entries)
 
-    def match(self, token_ids: Sequence[int], max_pages: int, hashes: Sequence[int] | None = None) -> list[int]:
+    def match(self, token_ids: Sequence[int], max_pages: int,
+              hashes: Sequence[int] | None = None) -> list[int]:
         """Pages holding the longest cached run of `token_ids`' leading full pages, at most
         `max_pages`. Not retained: the caller retains them before anything else allocates."""
         size = self.page_size

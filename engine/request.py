@@ -36,8 +36,10 @@ class EngineRequest:
     `images` (a vision-language model; any kind of request: a prefilled one needs them for its
     decode positions and a recompute after retraction): preprocessed images
     (engine.multimodal.image_processor), in prompt order; image i's tokens in `prompt_ids` are one
-    run of its num_tokens image-pad ids (engine.multimodal.prompt.expand_image_tokens). A caller that stops listening stops the request; with `on_pages_filled` its pages
-      then stay held too (writes of them may still be reading them) until that abort or release.
+    run of its num_tokens image-pad ids (engine.multimodal.prompt.expand_image_tokens).
+
+    A caller that stops listening stops the request; with `on_pages_filled` its pages then stay held
+    too (writes of them may still be reading them) until that abort or release.
     """
 
     room: str

@@ -2,8 +2,8 @@
 
 Its unit is a `Request`: one sequence's tokens, KV pages and progress (the engine builds one from
 each caller's EngineRequest; how a request samples and reaches its caller is the engine thread's,
-engine/engine_thread.py RequestIO). Its output is a
-`SchedulerOutput`, the whole contract with the model runner for one step. Each step (`schedule`) builds one SchedulerOutput:
+engine/engine_thread.py RequestIO). Its output is a `SchedulerOutput`, the whole contract with the
+model runner for one step. Each step (`schedule`) builds one SchedulerOutput:
 1. every decode-ready running request contributes its last token; it first gets a page for it,
    and when none is free the newest running request is retracted (pages freed, back to the front
    of the waiting queue with prompt + generated tokens, recomputed later) until one is;
@@ -283,7 +283,8 @@ class Scheduler:
         self.pages.count_query(request.num_tokens, request.num_computed)
         return True
 
-    def _fetch_from_store(self, store: StoreTier, request: Request, cached: list[int], max_pages: int) -> list[int]:
+    def _fetch_from_store(self, store: StoreTier, request: Request, cached: list[int],
+                          max_pages: int) -> list[int]:
         """Pages after `cached` that the store holds, fetched into fresh pages and cached here."""
         size = self.pages.page_size
 
@@ -310,7 +311,8 @@ class Scheduler:
         self.pages.cache_pages(request.token_ids, request.page_ids, request.page_hashes[:full],
                                request.pages_cached)
         if self.store is not None:
-            self.store.offer(request.token_ids, request.page_ids, request.page_hashes[:full], request.pages_cached)
+            self.store.offer(request.token_ids, request.page_ids, request.page_hashes[:full],
+                             request.pages_cached)
         request.pages_cached = full
 
     def _schedule_decodes(self, batch: SchedulerOutput) -> None:

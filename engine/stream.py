@@ -22,7 +22,8 @@ def text_stream(tokenizer: Decoder, params: SamplingParams, prompt_ids: Sequence
                 eos_token_ids: Sequence[int] = ()) -> TextStream:
     """The text of a request with `params`: its stop strings, its stop token ids and, unless it
     ignores eos, the model's eos ids."""
-    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+    stop_ids = frozenset(params.stop_token_ids) | (
+        frozenset() if params.ignore_eos else frozenset(eos_token_ids))
     return TextStream(tokenizer, params.stop, stop_ids, prompt_ids)
 
 

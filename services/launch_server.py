@@ -87,7 +87,8 @@ def _binding(runtime: WorkerRuntime, hooks: WorkerHooks) -> ServiceBinding:
 def _background(runtime: WorkerRuntime, servicer: object) -> list[asyncio.Task]:
     """What a worker runs beside its RPCs: the leak detector; on decode the "Decode batch" log line
     and the watch of the prefill workers' leases."""
-    detector = LeakDetector(runtime.engine, runtime.rooms.live, lambda leak: runtime.metrics.leak_detections.inc())
+    detector = LeakDetector(runtime.engine, runtime.rooms.live,
+                            lambda leak: runtime.metrics.leak_detections.inc())
     tasks = [asyncio.create_task(detector.run())]
     if runtime.config.role == "decode":
         from services.decode.prefill_leases import watch_prefill_leases

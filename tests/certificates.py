@@ -23,4 +23,5 @@ def make_certificates(folder: Path) -> dict[str, Path]:
                 "-subj", f"/CN=pdserve {node}")
         openssl("x509", "-req", "-in", f"{node}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
                 "-CAcreateserial", "-out", f"{node}.pem", "-days", "2", "-extfile", "ext")
-    return {name: folder / name for name in ("ca.pem", "node.pem", "node.key", "stranger.pem", "stranger.key")}
+    return {name: folder / name
+            for name in ("ca.pem", "node.pem", "node.key", "stranger.pem", "stranger.key")}

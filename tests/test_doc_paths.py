@@ -156,7 +156,8 @@ def _all_offenders() -> list[tuple[str, str]]:
         if not path.is_file():  # deleted in the working tree, not committed yet
             continue
         if name.endswith(".md"):
-            found += _offenders_in(name, enumerate(path.read_text().splitlines(), start=1), top, markdown=True)
+            found += _offenders_in(name, enumerate(path.read_text().splitlines(), start=1), top,
+                                   markdown=True)
         elif name.endswith(".py") and "_pb2" not in name:
             found += _offenders_in(name, _python_text(path), top, markdown=False)
     return found
@@ -167,13 +168,15 @@ def _missing_name(reference: str) -> str:
 
 
 def test_documented_paths_exist():
-    offenders = [(where, ref) for where, ref in _all_offenders() if _missing_name(ref) not in EXPECTED_MISSING]
+    offenders = [(where, ref) for where, ref in _all_offenders()
+                 if _missing_name(ref) not in EXPECTED_MISSING]
     assert not offenders, "documentation names paths that do not exist (see this test's docstring):\n" + \
         "\n".join(f"  {where}: {ref}" for where, ref in sorted(set(offenders)))
 
 
 def test_expected_missing_paths_are_still_missing():
-    landed = sorted(name for name in EXPECTED_MISSING if _exists(name) or _module_exists(name.replace(".", "/")))
+    landed = sorted(name for name in EXPECTED_MISSING
+                    if _exists(name) or _module_exists(name.replace(".", "/")))
     assert not landed, "these now exist: remove them from EXPECTED_MISSING in tests/test_doc_paths.py:\n" + \
         "\n".join(f"  {name}" for name in landed)
 
@@ -184,7 +187,8 @@ def test_the_rule_reads_paths_as_documented():
         "see services/gateway/app.py, engine/tp/ and ./docs/x.md. Not /tmp/kv4, .cache/models/tiny, "
         "prefill/decode or http://127.0.0.1:8000/v1/chat; run python -m engine.bench_x.", top)]
     assert refs == ["services/gateway/app.py", "engine/tp/", "docs/x.md", "engine/bench_x"]
-    assert [m.group(0) for m in _ROOT_DOC.finditer("cites ARCHITECTURE.md and docs/a.md")] == ["ARCHITECTURE.md"]
+    assert [m.group(0) for m in _ROOT_DOC.finditer("cites ARCHITECTURE.md and docs/a.md")] \
+        == ["ARCHITECTURE.md"]
     docs = ROOT / "docs"
     assert _link_resolves(docs, "docs/failures.md", "engine.md#the-engine")
     assert not _link_resolves(docs, "docs/failures.md", "architecture.md#no-such-heading")

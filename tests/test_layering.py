@@ -104,13 +104,15 @@ def imports_of(module: str) -> tuple[Import, ...]:
         for name in _imported_names(module, path, node):
             target = _resolve(name)
             external = None if target else name.split(".")[0]
-            found.setdefault((node.lineno, target or external), Import(module, rel, node.lineno, target, external))
+            found.setdefault((node.lineno, target or external),
+                             Import(module, rel, node.lineno, target, external))
     return tuple(found.values())
 
 
 def checked_imports(*packages: str) -> list[Import]:
     """Every import of every checked module in `packages` (dotted prefixes)."""
-    return [imp for module in sorted(modules()) if module.split(".")[0] in CHECKED and _within(module, packages)
+    return [imp for module in sorted(modules())
+            if module.split(".")[0] in CHECKED and _within(module, packages)
             for imp in imports_of(module)]
 
 
@@ -136,7 +138,8 @@ def test_services_import_only_services_engine_libkv_protos_pdserve() -> None:
 
 
 def test_shared_service_code_imports_no_role() -> None:
-    _fail_on([imp for imp in checked_imports("services.common", "services.worker") if _within(imp.target, ROLES)],
+    _fail_on([imp for imp in checked_imports("services.common", "services.worker")
+              if _within(imp.target, ROLES)],
              "services/common and services/worker never import a role package (" + ", ".join(ROLES) + ")")
 
 
@@ -151,7 +154,8 @@ def test_roles_do_not_import_each_other() -> None:
 def test_launch_server_composes_only_the_worker_roles() -> None:
     others = [r for r in ROLES if r not in WORKER_ROLES]
     _fail_on([imp for imp in checked_imports("services.launch_server") if _within(imp.target, others)],
-             "services/launch_server.py may import the roles it starts (prefill, decode, encoder), no other role")
+             "services/launch_server.py may import the roles it starts (prefill, decode, encoder), "
+             "no other role")
 
 
 def test_gateway_and_bootstrap_import_nothing_that_pulls_torch() -> None:

@@ -32,6 +32,7 @@ class DecodeLogLine:
         total = max(stats.total_pages, 1)
         return (f"Decode batch, #running-req: {stats.running}, #token: {stats.running_tokens}, "
                 f"token usage: {(stats.used_pages - stats.reserved_pages) / total:.2f}, "
-                f"pre-allocated usage: {stats.reserved_pages / total:.2f}, #prealloc-req: {queues['prealloc']}, "
+                f"pre-allocated usage: {stats.reserved_pages / total:.2f}, "
+                f"#prealloc-req: {queues['prealloc']}, "
                 f"#transfer-req: {queues['transfer']}, #retracted-req: {stats.retracted}, "
                 f"gen throughput (token/s): {throughput:.2f}, #queue-req: {stats.waiting}")

@@ -102,12 +102,14 @@ class PageQuarantine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, _MAX_RETRY_S)
 
-    async def _wait_issued_writes(self, room: str, pages: list[int], sent: list[int], sender_tp_size: int) -> None:
+    async def _wait_issued_writes(self, room: str, pages: list[int], sent: list[int],
+                                  sender_tp_size: int) -> None:
         if len(sent) > len(pages):
             log.error("room %s: the prefill reports %d writes for %d pages; not waiting for them", room,
                       len(sent), len(pages))
             return
-        never = await wait_landed(self.engine.pool_for(room), pages[:len(sent)], sent, sender_tp_size=sender_tp_size)
+        never = await wait_landed(self.engine.pool_for(room), pages[:len(sent)], sent,
+                                  sender_tp_size=sender_tp_size)
         if never:  # a write that failed midway never completes; it cannot land later either
             log.warning("room %s: %d of the %d pages the prefill wrote before the abort never matched "
                         "what it sent (a write cut short); freeing them", room, len(never), len(sent))

@@ -132,7 +132,8 @@ class RemotePrefill:
 
     def open_on(self, prefill_address: str) -> int:
         """Prefill calls this worker has open on `prefill_address` (its queue, as far as we load it)."""
-        return sum(1 for room in self.rooms.rooms() if room.call is not None and room.prefill_address == prefill_address)
+        return sum(1 for room in self.rooms.rooms()
+                   if room.call is not None and room.prefill_address == prefill_address)
 
     async def run(self, room: DecodeRoom, request: EngineRequest, wire: worker_pb2.GenerateRequest,
                   prefill_address: str) -> EngineRequest:
@@ -141,8 +142,8 @@ class RemotePrefill:
         room is RUNNING then. Raises Refused when the request cannot go on (its pages quarantined
         or released); a cancellation cleans up the same way and propagates."""
         try:
-            room.reservation = await self.prealloc.reserve(room.id, request.prompt_ids, self.config.waiting_timeout,
-                                                           request.images)
+            room.reservation = await self.prealloc.reserve(room.id, request.prompt_ids,
+                                                           self.config.waiting_timeout, request.images)
         except PreallocTimeout as exc:
             self.metrics.failure("prealloc")
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room.id}: {exc}") from None
@@ -184,7 +185,8 @@ class RemotePrefill:
             prefill_address, prefill_request, request.params,
             timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
         try:
-            await asyncio.wait({call})  # not `await call`: a watcher cancelling the call is a failure, not ours
+            # not `await call`: a watcher cancelling the call is a failure, not ours
+            await asyncio.wait({call})
             if call.cancelled():
                 raise PrefillFailed(f"prefill {prefill_address} {room.lost or 'was lost'}",
                                     grpc.StatusCode.UNAVAILABLE, "prefill")
@@ -207,7 +209,8 @@ class RemotePrefill:
             return endpoint_to_proto(self.backend.endpoint_for(room))
         return self._endpoint
 
-    async def _check_landed(self, room: str, pages: list[int], reply: PrefillReply, prefill_address: str) -> None:
+    async def _check_landed(self, room: str, pages: list[int], reply: PrefillReply,
+                            prefill_address: str) -> None:
         """Wait until the pages hold what prefill sent (libkv.landing: the writes may still be on
         their way), bounded; pages that still differ then fail the request (retryable on another
         pair) before it joins the batch. The wait finishes even if the request is cancelled
@@ -222,7 +225,8 @@ class RemotePrefill:
             except BaseException:  # cancelled (client gone) after everything landed or was given up on
                 self.engine.release(room)
                 raise
-            problem = f"{len(bad)} of {len(pages)} pages differ from what it sent (first: page {bad[0]})" if bad else ""
+            problem = (f"{len(bad)} of {len(pages)} pages differ from what it sent (first: page {bad[0]})"
+                       if bad else "")
         if not bad:
             return
         self.metrics.failure("checksum")

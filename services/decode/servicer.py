@@ -49,15 +49,17 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
         arrival = time.perf_counter()
         prefill_address = request.prefill_address if request.HasField("prefill_address") else ""
         try:
-            parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling, request.images)
+            parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
+                                 request.images)
             if not prefill_address and not self.local_prefill.enabled:
-                raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the prompt on "
-                                 "(or --conditional-disaggregation to run it here)")
+                raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the "
+                                 "prompt on (or --conditional-disaggregation to run it here)")
             room = self.rooms.open(parsed.room, Stage.PREALLOC, asyncio.current_task())
         except Refused as exc:
             await abort_with(context, exc)
         except RoomInUse as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {exc.room.id} is already in use on this worker")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"room {exc.room.id} is already in use on this worker")
         try:
             parsed = await self._run_prompt(room, parsed, request, prefill_address)
             async for response in relay(self.engine.generate(parsed), self.metrics, arrival):
@@ -66,7 +68,8 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
             await abort_with(context, exc)
         except asyncio.CancelledError:
             if not room.aborted or context.done():
-                raise  # the caller left (the gateway cancels, then aborts) or the server stops: nobody to answer
+                # the caller left (the gateway cancels, then aborts) or the server stops: nobody to answer
+                raise
             # Our Abort cancelled the handler; its caller still reads the stream. End it as a colocated
             # worker ends an aborted request (finish reason abort), not by leaving it open until the
             # caller's deadline. The cleanup (quarantine, released pages) has run already.
@@ -92,7 +95,8 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
                   len(parsed.prompt_ids))
         return parsed
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         """Stop a room. A room this servicer works on is cancelled and cleans up after itself: its
         reserved pages go to the quarantine while a prefill may still write into them. Only a room
         whose prompt runs here (a local prefill, in the engine alone) is aborted in the engine,

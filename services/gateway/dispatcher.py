@@ -50,7 +50,8 @@ log = logging.getLogger("pdserve.gateway")
 _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                    common_pb2.FINISH_REASON_ABORT: "abort"}
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.DEADLINE_EXCEEDED)
 # Not the worker's fault: retry elsewhere, but do not count against its circuit.
 _NOT_A_HEALTH_SIGNAL = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
 # After the first token: the worker's failure, so the request migrates (not the client's request,
@@ -113,7 +114,8 @@ class _MidStream(Exception):
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, message: str, blame: WorkerHandle | None, status: tuple[int, str]) -> None:
+    def __init__(self, reason: str, message: str, blame: WorkerHandle | None,
+                 status: tuple[int, str]) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -190,11 +192,13 @@ class Dispatcher:
                 migrations += 1
                 lost = failure.error.message
                 self.metrics.migrations.labels(reason=failure.reason).inc()
-                log.warning("room %s: migrating off %s with %d tokens carried (migration %d of at most %d): %s",
+                log.warning("room %s: migrating off %s with %d tokens carried "
+                            "(migration %d of at most %d): %s",
                             room, failure.worker.address, len(delivered.token_ids), migrations,
                             self.settings.migration_limit, lost)
                 if rest is None:  # every token was generated, only the finish was lost
-                    yield GenerationChunk(tokens=(), finish_reason="length", prompt_tokens=len(prompt_token_ids),
+                    yield GenerationChunk(tokens=(), finish_reason="length",
+                                          prompt_tokens=len(prompt_token_ids),
                                           completion_tokens=len(delivered.token_ids))
                     return
                 params = rest
@@ -238,7 +242,8 @@ class Dispatcher:
                     exclude.update(worker.key for worker in route.workers if worker.role != "prefill")
                 if attempt == self.settings.max_attempts:
                     status, code = failure.status
-                    raise GenerationFailed(status, f"request failed after {attempt} attempts: {failure.message}",
+                    raise GenerationFailed(status,
+                                           f"request failed after {attempt} attempts: {failure.message}",
                                            code, after_first_token=False) from None
                 self.metrics.retries.labels(reason=failure.reason).inc()
                 await asyncio.sleep(backoff_s)
@@ -248,8 +253,8 @@ class Dispatcher:
                        sampling: common_pb2.SamplingParams,
                        images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
-        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-                                             images=list(images))
+        request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
+                                             sampling=sampling, images=list(images))
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs
@@ -310,12 +315,14 @@ class Dispatcher:
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
             blamed = failed_peer(exc.trailing_metadata())
-            target = route.prefill if route.prefill is not None and blamed == route.prefill.address else route.decode
+            target = (route.prefill if route.prefill is not None and blamed == route.prefill.address
+                      else route.decode)
             if code not in _NOT_A_HEALTH_SIGNAL and (code in _RETRYABLE or code == grpc.StatusCode.UNKNOWN):
                 blame = [target]
             if delivered:
                 status, error_code = status_for_grpc(code)
-                error = GenerationFailed(status, f"{route.describe()} failed mid-stream: {code.name}: {details}",
+                error = GenerationFailed(status,
+                                         f"{route.describe()} failed mid-stream: {code.name}: {details}",
                                          error_code, after_first_token=True)
                 if code in _MIGRATABLE:
                     reason = "prefill_failed" if target is route.prefill else code.name.lower()
@@ -325,7 +332,8 @@ class Dispatcher:
                 reason = "prefill_failed" if target is route.prefill else code.name.lower()
                 raise _Retryable(reason, f"{code.name}: {details}", target, status_for_grpc(code)) from None
             status, error_code = status_for_grpc(code)
-            raise GenerationFailed(status, details or code.name, error_code, after_first_token=False) from None
+            raise GenerationFailed(status, details or code.name, error_code,
+                                   after_first_token=False) from None
         finally:
             route.decode.untrack(call)
             if not finished:
@@ -344,7 +352,8 @@ class Dispatcher:
                 await decode.worker_stub().Abort(worker_pb2.AbortRequest(room=room),
                                                  timeout=self.settings.abort_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                log.info("room %s: Abort on %s failed: %s %s", room, decode.address, exc.code().name, exc.details())
+                log.info("room %s: Abort on %s failed: %s %s", room, decode.address, exc.code().name,
+                         exc.details())
             except Exception:  # never let a background abort crash the loop
                 log.exception("room %s: Abort on %s failed", room, decode.address)
 

@@ -57,8 +57,8 @@ class MediaFetcher:
         413 with `too_large` as the reason when the body is longer."""
         left_s = deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(self._follow(self.check_url(url, where), where, max_bytes, too_large),
-                                          max(0.0, left_s))
+            return await asyncio.wait_for(
+                self._follow(self.check_url(url, where), where, max_bytes, too_large), max(0.0, left_s))
         except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11 on
             raise bad_request(f"{where}: {_shown(url)} was not fetched within "
                               f"{self.limits.fetch_timeout_s:g}s (--media-fetch-timeout)") from None

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from services.gateway.dispatcher import GenerationChunk
 
 
-def continuation_sampling(sampling: common_pb2.SamplingParams, generated: int) -> common_pb2.SamplingParams | None:
+def continuation_sampling(sampling: common_pb2.SamplingParams,
+                          generated: int) -> common_pb2.SamplingParams | None:
     """`sampling` for the rest of a generation that has `generated` tokens already; None when its
     token budget is spent. Everything else (stop strings and ids, ignore_eos, logprobs, seed) is
     kept; SamplingParams has no min_tokens to reduce."""

@@ -74,7 +74,8 @@ class PrefillJobs:
         self.metrics = runtime.metrics
         self.backend: TransferBackend = runtime.backend
         self.rooms = rooms
-        self.transfer_queues = TransferQueues(self.config.transfer_queue_size, self.config.transfer_thread_pool_size)
+        self.transfer_queues = TransferQueues(self.config.transfer_queue_size,
+                                              self.config.transfer_thread_pool_size)
 
     async def run(self, room: PrefillRoom, request: worker_pb2.PrefillRequest, parsed: EngineRequest,
                   embed: Embed, arrival: float) -> PrefillDone:
@@ -98,11 +99,13 @@ class PrefillJobs:
         except GrantRefused as exc:  # two-sided engines: the receiver refused a write itself
             self.metrics.failure("grant")
             await self._cleanup(room, writes, aborted=True)
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"room {room.id}: decode refused the KV write: {exc}") from None
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"room {room.id}: decode refused the KV write: {exc}") from None
         except (TransferError, asyncio.TimeoutError) as exc:  # TimeoutError itself only from Python 3.11 on
             self.metrics.failure("transfer")
             await self._cleanup(room, writes, aborted=True)
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"room {room.id}: KV transfer to decode failed: {exc}") from None
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"room {room.id}: KV transfer to decode failed: {exc}") from None
         except BaseException:  # refused, aborted, cancelled (decode gone), engine error
             await self._cleanup(room, writes, aborted=True)
             raise
@@ -159,7 +162,8 @@ class PrefillJobs:
                 self.metrics.failure("grant")
                 log.warning("room %s: refused: %s", writes.room, exc)
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                              f"room {writes.room}: decode did not reserve these pages for this room: {exc}") from None
+                              f"room {writes.room}: decode did not reserve these pages for this room: "
+                              f"{exc}") from None
             except PeerUnreachable as exc:
                 if attempt == 1:
                     stale = writes.peer
@@ -224,6 +228,7 @@ def check_destination(request: worker_pb2.PrefillRequest, num_tokens: int, page_
         raise BadRequest("dst: decode's transfer endpoint is required")
     bad = [p for p in pages if not 0 <= p < request.dst.num_pages]
     if bad:
-        raise BadRequest(f"dst_page_ids: pages {bad[:8]} are outside decode's pool of {request.dst.num_pages} pages")
+        raise BadRequest(f"dst_page_ids: pages {bad[:8]} are outside decode's pool of "
+                         f"{request.dst.num_pages} pages")
     if len(set(pages)) != len(pages):
         raise BadRequest("dst_page_ids: a destination page is named twice")

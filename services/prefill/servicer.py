@@ -56,7 +56,8 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
         except Refused as exc:
             await abort_with(context, exc)
         except RoomInUse:
-            await context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or is already running")
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"room {request.room} was aborted or is already running")
         try:
             done = await self.jobs.run(room, request, parsed, self.with_embeddings, arrival)
         except Refused as exc:
@@ -68,7 +69,8 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
             transfer_seconds=done.transfer_seconds, page_checksums=writes.checksums,
             tp_size=self.config.engine.topology().attn_tp_size, num_pages_skipped=writes.skip_pages)
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         """Stop a room's job and answer once none of its writes can still land, with the checksums of
         the writes it issued (decode waits for those to land before it frees the pages)."""
         room = self.rooms.name_in_abort(request.room)  # a Prefill of it from now on is refused

@@ -28,7 +28,8 @@ class TransferQueues:
 
     def __init__(self, num_queues: int, thread_pool_size: int) -> None:
         if num_queues < 1 or thread_pool_size < 1:
-            raise ValueError(f"transfer queues need >= 1 queue and thread, got {num_queues} and {thread_pool_size}")
+            raise ValueError("transfer queues need >= 1 queue and thread, "
+                             f"got {num_queues} and {thread_pool_size}")
         per_queue = max(1, thread_pool_size // num_queues)
         self._queues = [ThreadPoolExecutor(per_queue, thread_name_prefix=f"pdserve-transfer-{i}")
                         for i in range(num_queues)]

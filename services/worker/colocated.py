@@ -29,20 +29,23 @@ class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
         arrival = time.perf_counter()
         try:
-            parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling, request.images)
+            parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
+                                 request.images)
             parsed = await self.with_embeddings(parsed, list(request.images))  # --language-only: EPD
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
         except Refused as exc:
             await abort_with(context, exc)
         except RoomInUse as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {exc.room.id} is already in use on this worker")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"room {exc.room.id} is already in use on this worker")
         try:
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
                 yield response
         finally:
             self.rooms.close(room)
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         found = self.rooms.get(request.room) is not None
         self.engine.abort(request.room)
         return worker_pb2.AbortResponse(found=found)

@@ -61,9 +61,10 @@ class LocalPrefillRule:
         "--local-prefill-max-prefill-queue")})
     max_tokens: int = field(default=256, metadata={"flags": ("--local-prefill-max-tokens",), "help": (
         "decode, with --conditional-disaggregation: prompts of at most this many tokens run locally")})
-    max_prefill_queue: int = field(default=0, metadata={"flags": ("--local-prefill-max-prefill-queue",), "help": (
-        "decode, with --conditional-disaggregation: run locally when this worker already has this many "
-        "Prefill calls open on the chosen prefill worker (0 = never)")})
+    max_prefill_queue: int = field(default=0, metadata={
+        "flags": ("--local-prefill-max-prefill-queue",), "help": (
+            "decode, with --conditional-disaggregation: run locally when this worker already has this "
+            "many Prefill calls open on the chosen prefill worker (0 = never)")})
 
     def reason(self, prompt_tokens: int, prefill_address: str, open_on_prefill: int) -> str | None:
         """Why this request runs here (the first of REASONS that applies, in that order), or None:
@@ -104,7 +105,8 @@ class WorkerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=30000))
     bootstrap: str | None = field(default=None, metadata=_help(
         "HOST:PORT of the bootstrap registry; unset = do not register"))
-    base_gpu_id: int = field(default=0, metadata=_help("first GPU index this worker uses (--device auto on CUDA)"))
+    base_gpu_id: int = field(default=0, metadata=_help(
+        "first GPU index this worker uses (--device auto on CUDA)"))
     bootstrap_timeout: float = field(default_factory=envs.BOOTSTRAP_TIMEOUT.get, metadata=_help(
         "prefill: seconds a request may wait for its decode-side handshake"))
     waiting_timeout: float = field(default_factory=envs.WAITING_TIMEOUT.get, metadata=_help(
@@ -133,7 +135,8 @@ class WorkerConfig:
         if not Path(self.engine.model_path, "config.json").is_file():
             raise ValueError(f"--model-path {self.engine.model_path!r} has no config.json")
         if self.disaggregation_mode not in MODES:
-            raise ValueError(f"--disaggregation-mode must be one of {MODES}, got {self.disaggregation_mode!r}")
+            raise ValueError(f"--disaggregation-mode must be one of {MODES}, "
+                             f"got {self.disaggregation_mode!r}")
         if self.disaggregation_transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
@@ -157,7 +160,8 @@ class WorkerConfig:
         if self.epd.encoder_only and self.disaggregation_mode != "null":
             raise ValueError("--encoder-only runs no prefill or decode: leave --disaggregation-mode unset")
         if self.engine.language_only and self.disaggregation_mode == "decode":
-            raise ValueError("--language-only is for a worker that runs prompts (colocated or prefill), not decode")
+            raise ValueError("--language-only is for a worker that runs prompts (colocated or prefill), "
+                             "not decode")
 
     def _auto_device(self) -> str:
         import torch
@@ -176,4 +180,5 @@ class WorkerConfig:
 
     def local_prefill_rule(self) -> LocalPrefillRule:
         """When a prompt runs here instead of on a prefill worker: never but on a decode worker."""
-        return replace(self.local_prefill, enabled=self.local_prefill.enabled and self.disaggregation_mode == "decode")
+        return replace(self.local_prefill,
+                       enabled=self.local_prefill.enabled and self.disaggregation_mode == "decode")

@@ -41,8 +41,9 @@ from services.worker.wire import endpoint_to_proto
 log = logging.getLogger("pdserve.worker")
 
 # An encoder's failure that another encoder may not have: try the next one.
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL)
 _REGISTRY_REFRESH_S = 1.0
 
 
@@ -63,7 +64,8 @@ class EncoderClient:
 
     def __init__(self, epd: EpdConfig, *, model_name: str, pool: EmbeddingPool, backend: TransferBackend,
                  security: GrpcSecurity) -> None:
-        self.epd, self.model_name, self.pool, self.backend, self.security = epd, model_name, pool, backend, security
+        self.epd, self.model_name, self.pool = epd, model_name, pool
+        self.backend, self.security = backend, security
         self.pages = EmbeddingPages(pool.num_pages)
         self.cache = EmbeddingCache(epd.embedding_cache_size)
         self.registry: RegistryClient | None = None  # set once the worker registered (no --encoder-urls)
@@ -90,8 +92,8 @@ class EncoderClient:
             by_digest = dict(zip(missing, torch.split(fetched, counts), strict=True))
             for digest, values in by_digest.items():
                 self.cache.put(digest, values)
-            rows = [found if found is not None else by_digest[image.digest] for image, found in zip(images, rows,
-                                                                                                   strict=True)]
+            rows = [found if found is not None else by_digest[image.digest]
+                    for image, found in zip(images, rows, strict=True)]
         return torch.cat(rows)  # type: ignore[arg-type]
 
     async def _fetch(self, room: str, blobs: list[bytes], counts: list[int]) -> torch.Tensor:
@@ -182,7 +184,7 @@ def add_embedding_metrics(metrics: WorkerMetrics, cache: EmbeddingCache, pages: 
     use (all read at scrape time)."""
     metrics.counter_from("embedding_cache_hits_total", "Images whose embeddings came from the worker's "
                          "embedding cache", lambda: cache.hits)
-    metrics.counter_from("embedding_cache_misses_total", "Images sent to an encoder (not in the embedding cache)",
-                         lambda: cache.misses)
+    metrics.counter_from("embedding_cache_misses_total",
+                         "Images sent to an encoder (not in the embedding cache)", lambda: cache.misses)
     metrics.gauge("embedding_cache_images", "Images in the embedding cache", lambda: len(cache))
     metrics.gauge("embedding_pages_used", "Embedding pages reserved for encoders' writes", lambda: pages.used)

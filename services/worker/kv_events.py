@@ -35,7 +35,8 @@ class _Subscription:
         self._loop = loop
         self._max_pending = max_pending
         self._lock = threading.Lock()
-        self._events: deque[tuple[str, worker_pb2.KvMedium, list[int]]] = deque()  # (kind, medium, page hashes)
+        # (kind, medium, page hashes)
+        self._events: deque[tuple[str, worker_pb2.KvMedium, list[int]]] = deque()
         self._pending = 0
         self.overflowed = False
         self.closed = False

@@ -62,13 +62,15 @@ class WorkerMetrics:
             m("kv_transfer_bytes_saved_total"), "Decode: KV bytes not transferred because the prompt's "
             "leading pages were already in this worker's prefix cache", labelnames=list(labels),
             registry=r).labels(**labels)
-        self.transfer_speed = self._histogram("kv_transfer_speed_gb_s", "KV transfer speed per request (GB/s)",
-                                              (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
-        self._failures = Counter(m("pd_failures_total"), "PD failures by stage (bootstrap, transfer, prefill)",
+        self.transfer_speed = self._histogram(
+            "kv_transfer_speed_gb_s", "KV transfer speed per request (GB/s)",
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+        self._failures = Counter(m("pd_failures_total"),
+                                 "PD failures by stage (bootstrap, transfer, prefill)",
                                  labelnames=[*labels, "stage"], registry=r)
         self.leak_detections = Counter(m("kv_leak_detections_total"),
-                                       "KV page leaks found by the leak detector (pages held with no live room)",
-                                       labelnames=list(labels), registry=r).labels(**labels)
+                                       "KV page leaks found by the leak detector (pages held with no "
+                                       "live room)", labelnames=list(labels), registry=r).labels(**labels)
         self._local_prefills = Counter(m("local_prefill_requests_total"),
                                        "Decode: requests whose prompt ran on this decode worker instead of a "
                                        "prefill worker (conditional disaggregation), by rule",
@@ -138,8 +140,8 @@ class WorkerMetrics:
                  "full, or the store down)", lambda: stats.dropped_pages),
                 ("hicache_store_errors_total", "Store calls that failed or timed out (probes included)",
                  lambda: stats.errors),
-                ("hicache_corrupt_entries_total", "Fetched store entries that failed their check (token hash, "
-                 "byte checksum): used as misses", lambda: stats.corrupt)):
+                ("hicache_corrupt_entries_total", "Fetched store entries that failed their check "
+                 "(token hash, byte checksum): used as misses", lambda: stats.corrupt)):
             self.counter_from(name, doc, read)
         self.registry.register(_FetchLatencyCollector(self.labels, tier))
 
@@ -170,25 +172,28 @@ class _ExpertLoadCollector(Collector):
         if load is None:
             return
         names, values = [*self._labels, "expert"], list(self._labels.values())
-        tokens = CounterMetricFamily(m("moe_expert_tokens"), "Tokens routed to each expert, summed over the "
-                                     "MoE layers (each token counts once per layer and per expert it goes to)",
-                                     labels=names)
+        tokens = CounterMetricFamily(m("moe_expert_tokens"), "Tokens routed to each expert, summed over "
+                                     "the MoE layers (each token counts once per layer and per expert it "
+                                     "goes to)", labels=names)
         for expert, count in enumerate(load.tokens_per_expert):
             tokens.add_metric([*values, str(expert)], count)
         yield tokens
         imbalance = GaugeMetricFamily(m("moe_expert_imbalance"), "Max / mean tokens per expert in the last "
-                                      "step's most unevenly loaded MoE layer (1 is even)", labels=list(self._labels))
+                                      "step's most unevenly loaded MoE layer (1 is even)",
+                                      labels=list(self._labels))
         imbalance.add_metric(values, load.last_step_imbalance)
         yield imbalance
         if not load.tokens_per_ep_rank:
             return
-        per_rank = CounterMetricFamily(m("moe_ep_rank_tokens"), "Tokens routed to each expert-parallel rank's "
-                                       "experts, summed over the MoE layers", labels=[*self._labels, "ep_rank"])
+        per_rank = CounterMetricFamily(m("moe_ep_rank_tokens"), "Tokens routed to each expert-parallel "
+                                       "rank's experts, summed over the MoE layers",
+                                       labels=[*self._labels, "ep_rank"])
         for ep_rank, count in enumerate(load.tokens_per_ep_rank):
             per_rank.add_metric([*values, str(ep_rank)], count)
         yield per_rank
-        moved = CounterMetricFamily(m("moe_a2a_bytes"), "Bytes rank 0's expert-parallel all-to-alls sent to and "
-                                    "received from the other ranks", labels=[*self._labels, "direction"])
+        moved = CounterMetricFamily(m("moe_a2a_bytes"), "Bytes rank 0's expert-parallel all-to-alls sent "
+                                    "to and received from the other ranks",
+                                    labels=[*self._labels, "direction"])
         moved.add_metric([*values, "sent"], load.a2a_sent_bytes)
         moved.add_metric([*values, "received"], load.a2a_received_bytes)
         yield moved

@@ -35,7 +35,8 @@ class RoleServicer(Generic[R]):
         self.rooms: RoomTable[R] = RoomTable(runtime.config.role, room_type)
         runtime.rooms = self.rooms
         self.metrics = runtime.metrics
-        self.model_name = runtime.config.model_name  # resolved once: requests name it or are checked against it
+        # resolved once: requests name it or are checked against it
+        self.model_name = runtime.config.model_name
 
     async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.ModelInfo:
@@ -44,7 +45,8 @@ class RoleServicer(Generic[R]):
         except ModelInfoError as exc:
             await abort_with(context, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except OSError as exc:
-            await abort_with(context, Refused(grpc.StatusCode.INTERNAL, f"cannot read the model's tokenizer files: {exc}"))
+            await abort_with(context, Refused(grpc.StatusCode.INTERNAL,
+                                              f"cannot read the model's tokenizer files: {exc}"))
 
     async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service
@@ -57,7 +59,8 @@ class RoleServicer(Generic[R]):
         try:
             rows = await self.runtime.encoders.embeddings(parsed.room, blobs, parsed.images, merge_size)
         except EncoderUnavailable as exc:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"room {parsed.room}: no image embeddings: {exc}") from None
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"room {parsed.room}: no image embeddings: {exc}") from None
         except EncoderRefused as exc:
             raise Refused(exc.code, f"room {parsed.room}: the encoder refused the images: {exc}") from None
         return replace(parsed, image_embeddings=rows)

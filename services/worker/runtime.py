@@ -76,7 +76,8 @@ def _transfer_backend(config: WorkerConfig, engine: EngineAPI) -> TransferBacken
         for g, pool in enumerate(engine.group_pools):
             group: TransferBackend
             if g > 0:
-                group = TensorParallelBackend.over_ranks(name, controls[g * size - 1:(g + 1) * size - 1], options)
+                group = TensorParallelBackend.over_ranks(name, controls[g * size - 1:(g + 1) * size - 1],
+                                                         options)
             elif size > 1:
                 group = TensorParallelBackend(create_backend(name, **options), controls[:size - 1], options)
             else:
@@ -180,7 +181,8 @@ class WorkerRuntime:
         metrics.counter_from("prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache",
                              lambda: engine.stats().prefix_query_tokens)
         metrics.counter_from("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache "
-                             "(not computed; on decode: not transferred)", lambda: engine.stats().prefix_hit_tokens)
+                             "(not computed; on decode: not transferred)",
+                             lambda: engine.stats().prefix_hit_tokens)
         metrics.counter_from("prefix_cache_evicted_pages_total", "Idle cached KV pages evicted to make room",
                              lambda: engine.stats().prefix_evicted_pages)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
@@ -198,7 +200,8 @@ class WorkerRuntime:
         if self.backend is not None:
             backend = self.backend
             for rank in range(len(backend.rank_bytes())):
-                metrics.gauge("kv_transfer_rank_bytes", "KV bytes written by each tensor-parallel rank since start",
+                metrics.gauge("kv_transfer_rank_bytes",
+                              "KV bytes written by each tensor-parallel rank since start",
                               functools.partial(_rank_bytes, backend, rank), rank=str(rank))
         for stage in self.rooms.stages:
             metrics.gauge("queue_requests", "Requests in each PD queue",

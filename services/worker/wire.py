@@ -55,12 +55,14 @@ class BadRequest(Refused, ValueError):
 
 async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoReturn:
     """End the call with the refusal's status and message (and the peer it blames)."""
-    await context.abort(refused.code, str(refused), trailing_metadata=failed_peer_metadata(refused.failed_peer))
+    await context.abort(refused.code, str(refused),
+                        trailing_metadata=failed_peer_metadata(refused.failed_peer))
     raise AssertionError("context.abort returned")  # it raises: the handler ends here
 
 
-async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int], sampling: common_pb2.SamplingParams,
-                images: Sequence[bytes] = (), *, prefill_only: bool = False) -> EngineRequest:
+async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
+                sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (), *,
+                prefill_only: bool = False) -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
     if images:
@@ -97,8 +99,8 @@ def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
     if len(prompt) >= model.max_position_embeddings:
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                          f"{model.max_position_embeddings} tokens")
-    request = EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt, params=sampling_from_proto(sampling),
-                            prefill_only=prefill_only, images=decoded)
+    request = EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt,
+                            params=sampling_from_proto(sampling), prefill_only=prefill_only, images=decoded)
     try:
         return engine.check(request)
     except ValueError as exc:
@@ -161,7 +163,8 @@ def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
     try:
         return _FINISH_REASONS[reason]
     except KeyError:
-        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_FINISH_REASONS)}") from None
+        raise ValueError(f"unknown finish reason {reason!r}; "
+                         f"expected one of {sorted(_FINISH_REASONS)}") from None
 
 
 def finish_reason_from_proto(reason: common_pb2.FinishReason) -> str | None:
@@ -216,8 +219,9 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     message = common_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        max_new_tokens=params.max_new_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+        max_new_tokens=params.max_new_tokens, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs)
     if params.seed is not None:
         message.seed = params.seed
     return message

@@ -66,7 +66,8 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_every_resource_is_valid_kubernetes(version: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
     resources = _resources()
-    assert {doc["kind"] for _, doc in resources} == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service"}
+    assert {doc["kind"] for _, doc in resources} == {"ConfigMap", "PersistentVolumeClaim", "Deployment",
+                                                      "Service"}
     for name, doc in resources:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -97,7 +98,8 @@ def _port(container: dict, name_or_number: str | int) -> int:
 def test_probes_hit_the_served_ports() -> None:
     for role in ("bootstrap", "prefill", "decode"):
         container, grpc_port = _container(role), _parse(_args(role)).port
-        probes = [container[key] for key in ("startupProbe", "readinessProbe", "livenessProbe") if key in container]
+        probes = [container[key] for key in ("startupProbe", "readinessProbe", "livenessProbe")
+                  if key in container]
         assert len(probes) >= 2 and all(probe["grpc"]["port"] == grpc_port for probe in probes), role
     gateway, http_port = _container("gateway"), _parse(_args("gateway")).port
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -112,10 +114,12 @@ def test_every_role_has_a_service_selecting_its_pods_and_resources() -> None:
         selector = services[f"pdserve-{role}"]["spec"]["selector"]
         assert selector.items() <= pod_labels.items() and selector["app.kubernetes.io/component"] == role
         resources = _container(role)["resources"]
-        assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+        assert (resources["requests"]["cpu"] and resources["requests"]["memory"]
+                and resources["limits"]["memory"])
         annotations = deployments[f"pdserve-{role}"]["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
-        assert int(annotations["prometheus.io/port"]) in {port["containerPort"] for port in _container(role)["ports"]}
+        assert int(annotations["prometheus.io/port"]) in {port["containerPort"]
+                                                          for port in _container(role)["ports"]}
         secret = {env["name"]: env for env in _container(role)["env"]}["PDSERVE_CLUSTER_SECRET"]
         assert secret["valueFrom"]["secretKeyRef"]["name"] == "pdserve"
 

@@ -140,7 +140,8 @@ async def test_abort_frees_pages(engine):
 
 async def test_leaving_the_stream_early_aborts(engine):
     prompt = random_prompts([30], seed=8)[0]
-    stream = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True), "quit")
+    stream = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True),
+                      "quit")
     async for _ in stream:
         break
     await stream.aclose()
@@ -159,7 +160,8 @@ async def test_rejects_bad_requests(engine):
         await collect(engine, prompt, SamplingParams(max_new_tokens=100_000), "huge")
     with pytest.raises(ValueError, match="at least one token"):
         await collect(engine, [], GREEDY, "empty")
-    first = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "dup")
+    first = generate(engine, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True),
+                     "dup")
     await first.__anext__()
     with pytest.raises(ValueError, match="already in use"):
         await collect(engine, prompt, GREEDY, "dup")

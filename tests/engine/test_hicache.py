@@ -59,7 +59,8 @@ class Master:
         binary = str(MASTER) if MASTER.exists() else shutil.which("mooncake_master")
         log = open(self.log_dir / f"master-{time.monotonic_ns()}.log", "w")
         # Its HTTP metrics port too (default 9003): two masters on one host must not share it.
-        self.process = subprocess.Popen([binary, "-rpc_port", str(self.port), "-metrics_port", str(_free_port())],
+        self.process = subprocess.Popen([binary, "-rpc_port", str(self.port),
+                                         "-metrics_port", str(_free_port())],
                                         stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 30
@@ -153,7 +154,8 @@ def test_second_engine_fetches_pages_and_answers_exactly(reference, writer, read
     assert writer.hicache.stats.hit_pages == 0
     # Prompt pages are written through as they are computed; the decoded ones when a request ends.
     wait_for(lambda: writer.hicache.stats.pages_written >= full_pages(prompts), "the write-through")
-    assert writer.hicache.stats.bytes_written == writer.hicache.stats.pages_written * writer.pool.layout.page_nbytes
+    assert writer.hicache.stats.bytes_written \
+        == writer.hicache.stats.pages_written * writer.pool.layout.page_nbytes
 
     got = asyncio.run(run_in_turn(reader, prompts, GREEDY))
     assert_same(got, expected)
@@ -170,7 +172,8 @@ def test_second_engine_fetches_pages_and_answers_exactly(reference, writer, read
     assert reader.stats().used_pages == 0 and writer.stats().used_pages == 0  # every page back to idle
 
 
-def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(qwen3_ckpt, reference, writer, reader, master):
+def test_flipped_bytes_are_a_counted_miss_and_the_answer_is_exact(qwen3_ckpt, reference, writer, reader,
+                                                                  master):
     from mooncake.store import MooncakeDistributedStore
 
     prompt = random_prompts([4 * PAGE + 3], seed=23)
@@ -240,8 +243,10 @@ async def pd_generate(prefill, decode, prompt, params, room) -> list[int]:
     """Prefill on one engine, pages copied into the decode engine's reservation, decode there."""
     dst_pages = decode.reserve(room, len(prompt))
     filled = []
-    first = await prefill_first_token(prefill, prompt, params, room, lambda pages, n: filled.append(list(pages)))
-    ops.scatter_pages(decode.pool.buffer, dst_pages[:len(filled[-1])], ops.gather_pages(prefill.pool.buffer, filled[-1]))
+    first = await prefill_first_token(prefill, prompt, params, room,
+                                      lambda pages, n: filled.append(list(pages)))
+    ops.scatter_pages(decode.pool.buffer, dst_pages[:len(filled[-1])],
+                      ops.gather_pages(prefill.pool.buffer, filled[-1]))
     assert prefill.release(room)
     return [o.token_id async for o in generate(decode, prompt, params, room, first_token=first)]
 
@@ -269,10 +274,12 @@ def test_a_full_write_queue_drops_pages_and_leaks_none(qwen3_ckpt, reference, ma
     engine = hicache_engine(qwen3_ckpt, master, hicache_write_queue_pages=1)
     try:
         prompts = random_prompts([5 * PAGE + 2, 4 * PAGE + 9], seed=59)
-        assert_same(asyncio.run(run_in_turn(engine, prompts, GREEDY)), asyncio.run(run_in_turn(reference, prompts, GREEDY)))
+        assert_same(asyncio.run(run_in_turn(engine, prompts, GREEDY)),
+                    asyncio.run(run_in_turn(reference, prompts, GREEDY)))
         offered = sum((len(p) + GREEDY.max_new_tokens - 1) // PAGE for p in prompts)
         stats = engine.hicache.stats
-        wait_for(lambda: stats.pages_written + stats.dropped_pages == offered, "every offered page written or dropped")
+        wait_for(lambda: stats.pages_written + stats.dropped_pages == offered,
+                 "every offered page written or dropped")
         assert engine.stats().used_pages == 0
     finally:
         engine.shutdown()
@@ -312,7 +319,8 @@ def test_master_killed_requests_succeed_and_the_tier_comes_back(reference, reade
     assert scrape(reader)["pdserve:hicache_store_up"] == 1
     written = reader.hicache.stats.pages_written
     more = random_prompts([3 * PAGE + 1], seed=37)
-    assert_same(asyncio.run(run_in_turn(reader, more, GREEDY)), asyncio.run(run_in_turn(reference, more, GREEDY)))
+    assert_same(asyncio.run(run_in_turn(reader, more, GREEDY)),
+                asyncio.run(run_in_turn(reference, more, GREEDY)))
     wait_for(lambda: reader.hicache.stats.pages_written >= written + 3, "writes to resume")
 
 

@@ -141,7 +141,8 @@ async def test_failing_hook_aborts_prefill(engines):
         raise RuntimeError("transfer failed")
 
     with pytest.raises(RequestAborted):
-        await prefill_first_token(prefill, random_prompts([100], seed=15)[0], GREEDY, "fails", on_pages_filled)
+        await prefill_first_token(prefill, random_prompts([100], seed=15)[0], GREEDY, "fails",
+                                  on_pages_filled)
     # Writes the hook issued before it failed may still read the pages: they stay held under the
     # room until the caller, having stopped its writes, frees them.
     assert prefill.stats().held_rooms == 1
@@ -159,7 +160,8 @@ async def _until_idle(engine) -> None:
 
 async def test_cancelled_prefill_frees_pages(engines):
     prefill, _ = engines
-    task = asyncio.create_task(prefill_first_token(prefill, random_prompts([600], seed=16)[0], GREEDY, "cancel"))
+    task = asyncio.create_task(prefill_first_token(prefill, random_prompts([600], seed=16)[0], GREEDY,
+                                                   "cancel"))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -176,8 +178,9 @@ async def test_cancelled_prefill_with_a_transfer_hook_keeps_its_pages_until_free
     prefill, _ = engines
     filled = asyncio.Event()
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task(prefill_first_token(prefill, random_prompts([600], seed=17)[0], GREEDY, "cancel-hooked",
-                                               lambda pages, tokens: loop.call_soon_threadsafe(filled.set)))
+    task = asyncio.create_task(prefill_first_token(
+        prefill, random_prompts([600], seed=17)[0], GREEDY, "cancel-hooked",
+        lambda pages, tokens: loop.call_soon_threadsafe(filled.set)))
     await asyncio.wait_for(filled.wait(), 60)  # the first pages are out, a write of them may be running
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -232,7 +235,8 @@ async def test_a_refused_prefilled_request_leaves_no_page_reserved(engines):
         [o async for o in generate(decode, prompt, GREEDY, "short", first_token=FirstToken(5))]
     with pytest.raises(KeyError):
         [o async for o in generate(decode, prompt, GREEDY, "none", first_token=FirstToken(5))]
-    running = generate(decode, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True), "busy")
+    running = generate(decode, prompt, SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True),
+                       "busy")
     await running.__anext__()
     assert decode.reserve("busy", len(prompt)) is not None  # a reservation under a running room
     with pytest.raises(ValueError, match="already in use"):

@@ -103,7 +103,8 @@ async def test_eviction_pressure_and_retraction(qwen3_ckpt, reference):
 
 
 @pytest.mark.parametrize("prefill_pages,decode_pages", [(128, 128), (5, 8)], ids=["roomy", "evicting"])
-async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, reference, prefill_pages, decode_pages):
+async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, reference, prefill_pages,
+                                                                 decode_pages):
     prompts = prompt_family(seed=41)
     expected = await expected_outputs(reference, prompts)
     prefill = start_engine(qwen3_ckpt, chunked_prefill_size=32, num_pages=prefill_pages, page_size=PAGE)
@@ -123,7 +124,8 @@ async def test_pd_with_prefill_cache_and_decode_reuse_equals_off(qwen3_ckpt, ref
             # Only the pages decode does not hold cross over, as the transfer would move them.
             tail = written[reservation.cached_pages:]
             if tail:
-                ops.scatter_pages(decode.pool.buffer, reservation.tail, ops.gather_pages(prefill.pool.buffer, tail))
+                ops.scatter_pages(decode.pool.buffer, reservation.tail,
+                                  ops.gather_pages(prefill.pool.buffer, tail))
             copied.append(len(tail))
             assert prefill.release(room)
             got = [(o.token_id, o.logprob, tuple(t for t, _ in o.top_logprobs))

@@ -47,8 +47,8 @@ def images(vl_ckpt):
 
 
 async def run(engine, prompt, images, room, params=GREEDY, **kind) -> list[tuple[int, float]]:
-    return [(o.token_id, o.logprob) async for o in generate(engine, prompt, params, room, images=tuple(images),
-                                                             **kind)]
+    return [(o.token_id, o.logprob)
+            async for o in generate(engine, prompt, params, room, images=tuple(images), **kind)]
 
 
 async def pd_run(prefill, decode, prompt, images, room, params=GREEDY) -> list[tuple[int, float]]:
@@ -62,11 +62,13 @@ async def pd_prefill(prefill, decode, prompt, images, room, params=GREEDY) -> Fi
     """The prefill half of `pd_run`: `decode` then holds the prompt's KV under `room`."""
     reservation = decode.reserve_prompt(room, prompt, decode.prompt_hashes(prompt, images))
     written: list[int] = []
-    outputs = [o async for o in generate(prefill, prompt, params, room, images=tuple(images), prefill_only=True,
-                                         on_pages_filled=lambda pages, n: written.__setitem__(slice(None), pages))]
+    outputs = [o async for o in generate(
+        prefill, prompt, params, room, images=tuple(images), prefill_only=True,
+        on_pages_filled=lambda pages, n: written.__setitem__(slice(None), pages))]
     first = FirstToken(outputs[-1].token_id, outputs[-1].logprob, outputs[-1].top_logprobs)
     skip = reservation.cached_pages
-    ops.scatter_pages(decode.pool.buffer, reservation.tail, ops.gather_pages(prefill.pool.buffer, written[skip:]))
+    ops.scatter_pages(decode.pool.buffer, reservation.tail,
+                      ops.gather_pages(prefill.pool.buffer, written[skip:]))
     assert prefill.release(room)
     return first
 
@@ -99,7 +101,8 @@ def test_pd_equals_colocated_and_decode_hits_its_cache_exactly(vl_ckpt, tokenize
                 == len(prompt) // PAGE
             assert engine.release("probe")
             # hashed without the images, the image pages are not found
-            assert engine.reserve_prompt("probe", prompt, engine.prompt_hashes(prompt)).cached_pages == shared_text
+            assert engine.reserve_prompt("probe", prompt, engine.prompt_hashes(prompt)).cached_pages \
+                == shared_text
             assert engine.release("probe")
         # the same image again through PD: every full page from decode's cache, same tokens
         again = asyncio.run(pd_run(prefill, decode, prompt, one, "one-again"))

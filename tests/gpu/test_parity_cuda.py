@@ -39,8 +39,10 @@ pytestmark = pytest.mark.gpu
 FP32_LOGPROB_TOLERANCE = LOGPROB_TOLERANCE  # check_equal's: 1e-3, as on CPU
 BF16_SPREAD = 1.5  # the engine's bf16 may be this much further from fp32 than HF's bf16 is
 BF16_FLOOR = 0.1  # nats: below this, both are within bf16 noise of the truth
-CHECKPOINTS = {"qwen3": dict(preset="tiny", seed=0), "llama": dict(preset="tiny", seed=1, arch="llama", **LLAMA_OVERRIDES),
-               "tiny-moe": dict(preset="tiny-moe", seed=0), "tiny-deepseek": dict(preset="tiny-deepseek", seed=0)}
+CHECKPOINTS = {"qwen3": dict(preset="tiny", seed=0),
+               "llama": dict(preset="tiny", seed=1, arch="llama", **LLAMA_OVERRIDES),
+               "tiny-moe": dict(preset="tiny-moe", seed=0),
+               "tiny-deepseek": dict(preset="tiny-deepseek", seed=0)}
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
@@ -68,12 +70,15 @@ async def test_fp32_greedy_equals_hf_on_cuda(checkpoint, prompts):
 def teacher_forced(model_dir, dtype: torch.dtype, prompts, outputs) -> list[torch.Tensor]:
     """Per prompt, the logprobs HF in `dtype` on CUDA gives each of the engine's tokens after the prompt
     and the tokens before it (fp32, on the CPU)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to("cuda")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 attn_implementation="eager").to("cuda")
     result = []
     with torch.inference_mode():
         for prompt, (tokens, _) in zip(prompts, outputs, strict=True):
-            logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float().cpu()
-            result.append(torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1))
+            logits = (model(torch.tensor([prompt + tokens], device="cuda"))
+                      .logits[0, len(prompt) - 1:-1].float().cpu())
+            result.append(torch.log_softmax(logits, dim=-1)
+                          .gather(1, torch.tensor(tokens)[:, None]).squeeze(1))
     return result
 
 
@@ -86,7 +91,8 @@ async def test_bf16_is_no_further_from_fp32_than_hf_bf16_on_cuda(checkpoint, pro
         engine.shutdown()
     truths = teacher_forced(model_dir, torch.float32, prompts, outputs)
     hf_bf16 = teacher_forced(model_dir, torch.bfloat16, prompts, outputs)
-    engine_off = max((torch.tensor(lp) - truth).abs().max().item() for (_, lp), truth in zip(outputs, truths, strict=True))
+    engine_off = max((torch.tensor(lp) - truth).abs().max().item()
+                     for (_, lp), truth in zip(outputs, truths, strict=True))
     hf_off = max((got - truth).abs().max().item() for got, truth in zip(hf_bf16, truths, strict=True))
     assert engine_off <= BF16_SPREAD * hf_off + BF16_FLOOR, (
         f"the engine's bf16 is {engine_off:.3f} nats from HF's fp32, HF's own bf16 {hf_off:.3f}")

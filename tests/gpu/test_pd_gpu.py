@@ -55,7 +55,8 @@ def test_pd_one_gpu_per_role_matches_colocated(backend, cluster: Cluster, tiny_m
         warnings.warn("[gpu:pd] one GPU: prefill and decode both run on GPU 0", stacklevel=1)
     gpu = ("--device", "auto")  # the workers' default: cuda:<--base-gpu-id>
     prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", backend=backend, extra=(*CHUNK, *gpu, "--base-gpu-id", "0"))),
+        ("prefill", worker_args(tiny_model, "prefill", backend=backend,
+                                extra=(*CHUNK, *gpu, "--base-gpu-id", "0"))),
         ("decode", worker_args(tiny_model, "decode", backend=backend,
                                extra=(*CHUNK, *gpu, "--base-gpu-id", str(decode_gpu)))),
     ])

@@ -38,11 +38,12 @@ def make_case(seq_lens: list[int], *, num_layers: int = 2, page_size: int = 4, n
     device = torch.get_default_device()
     return PagedCase(case.buffer.to(device), case.page_table.to(device), case.seq_lens.to(device),
                      [[t.to(device) for t in layer] for layer in case.dense_k],
-                     [[t.to(device) for t in layer] for layer in case.dense_v], case.q.to(device), case.page_ids)
+                     [[t.to(device) for t in layer] for layer in case.dense_v], case.q.to(device),
+                     case.page_ids)
 
 
-def _make_case_on_cpu(seq_lens, num_layers, page_size, num_kv_heads, num_q_heads, head_dim, dtype, extra_pages,
-                      filler, seed) -> PagedCase:
+def _make_case_on_cpu(seq_lens, num_layers, page_size, num_kv_heads, num_q_heads, head_dim, dtype,
+                      extra_pages, filler, seed) -> PagedCase:
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_seq) + extra_pages

@@ -17,7 +17,8 @@ import torch
 from engine.models.linear import Linear
 from kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemm_supported(), reason="no AVX512-BF16 GEMM in this build")
+pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemm_supported(),
+                                reason="no AVX512-BF16 GEMM in this build")
 
 
 def case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
@@ -28,7 +29,8 @@ def case(out_features: int, in_features: int, rows: int, bias: bool, seed: int =
     return x, weight, b
 
 
-def assert_within_one_bf16_ulp(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def assert_within_one_bf16_ulp(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None):
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
     exponent = torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -126)))
@@ -61,7 +63,8 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(in_features, out_features
     alone = torch.cat([cpu_kernels.bf16_gemm(x[i:i + 1], packed, b32, out_features) for i in range(140)])
     assert torch.equal(alone, batch)
     shuffled = torch.randperm(140, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(cpu_kernels.bf16_gemm(x[shuffled].contiguous(), packed, b32, out_features), batch[shuffled])
+    assert torch.equal(cpu_kernels.bf16_gemm(x[shuffled].contiguous(), packed, b32, out_features),
+                       batch[shuffled])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -40,7 +40,8 @@ def test_paged_decode_attention_matches_torch(dtype, head_dim, num_q_heads):
     case = make_case([1, 13, 8, 33, 70], num_q_heads=num_q_heads, head_dim=head_dim, dtype=dtype,
                      page_size=16, filler=10_000, seed=head_dim + num_q_heads)
     for layer in range(2):
-        got = cpu_kernels.paged_decode_attention(case.q, case.buffer, layer, case.page_table, case.seq_lens, 0.3)
+        got = cpu_kernels.paged_decode_attention(case.q, case.buffer, layer, case.page_table, case.seq_lens,
+                                                 0.3)
         want = paged_decode_attention_torch(case.q, case.buffer, layer, case.page_table, case.seq_lens, 0.3)
         assert got.dtype == dtype and got.shape == case.q.shape
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
@@ -74,8 +75,9 @@ def test_paged_decode_attention_is_batch_invariant(dtype):
                                                                   case.seq_lens, 0.125))
                 for b in range(len(case.seq_lens)):
                     rows = slice(b, b + 1)
-                    alone = cpu_kernels.paged_decode_attention(case.q[rows], case.buffer, 0, case.page_table[rows],
-                                                               case.seq_lens[rows], 0.125)
+                    alone = cpu_kernels.paged_decode_attention(case.q[rows], case.buffer, 0,
+                                                               case.page_table[rows], case.seq_lens[rows],
+                                                               0.125)
                     assert torch.equal(alone[0], outputs[-1][b]), (page_size, num_threads, b)
             assert torch.equal(outputs[0], outputs[1])
         finally:
@@ -92,7 +94,8 @@ def test_paged_decode_attention_zero_length_gives_zeros():
 def test_paged_decode_attention_rejects_a_short_page_table():
     case = make_case([9], page_size=4)
     with pytest.raises(RuntimeError, match="needs 3 pages"):
-        cpu_kernels.paged_decode_attention(case.q, case.buffer, 0, case.page_table[:, :2], case.seq_lens, 0.25)
+        cpu_kernels.paged_decode_attention(case.q, case.buffer, 0, case.page_table[:, :2], case.seq_lens,
+                                           0.25)
 
 
 def _rows(dtype: torch.dtype, rows: int, size: int, seed: int) -> torch.Tensor:
@@ -112,7 +115,8 @@ def test_norms_and_silu_match_torch(dtype, size):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     assert torch.equal(residual_fused, residual_torch)  # the in-place sum rounds exactly like add_
     gate_up = _rows(dtype, 5, 2 * size, 3)
-    torch.testing.assert_close(fused.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), **TOLERANCE[dtype])
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up),
+                               **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,8 +135,8 @@ def test_qk_norm_rope_store_matches_torch(dtype, with_norm, head_dim):
     results = []
     for ops in (TorchLayerOps(), CpuKernelLayerOps()):
         buffer = torch.zeros(8, 2, 2, page_size, shape.num_kv_heads, head_dim, dtype=dtype)
-        q, k, v = ops.qk_norm_rope_store(qkv, ops.rotary(rotary, positions, int(positions.max())), *norms, 1e-6,
-                                         shape, buffer, 1, slots)
+        q, k, v = ops.qk_norm_rope_store(qkv, ops.rotary(rotary, positions, int(positions.max())), *norms,
+                                         1e-6, shape, buffer, 1, slots)
         results.append((q, k, v, buffer))
     (q0, k0, v0, b0), (q1, k1, v1, b1) = results
     for got, want in ((q1, q0), (k1, k0), (b1, b0)):

@@ -48,7 +48,8 @@ def make_pool(total: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, 
     """
     gen = torch.Generator().manual_seed(seed)
     num_pages = -(-total // PAGE_SIZE)
-    buffer = (torch.randn(num_pages + 4, 2, 2, PAGE_SIZE, num_kv_heads, head_dim, generator=gen) * 100).to(dtype)
+    buffer = (torch.randn(num_pages + 4, 2, 2, PAGE_SIZE, num_kv_heads, head_dim, generator=gen)
+              * 100).to(dtype)
     page_ids = torch.randperm(num_pages + 4, generator=gen)[:num_pages].to(torch.int32)
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -60,7 +61,8 @@ def make_pool(total: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, 
     return buffer, page_ids, k, v
 
 
-def sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float) -> torch.Tensor:
+def sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+              scale: float) -> torch.Tensor:
     length, total = q.shape[0], k.shape[0]
     mask = torch.arange(total)[None, :] <= torch.arange(length)[:, None] + prefix_len
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
@@ -76,7 +78,8 @@ def test_extend_attention_matches_sdpa(dtype, group, head_dim):
     num_kv_heads = 2
     for seed, (prefix_len, length) in enumerate(SPANS):
         buffer, page_ids, k, v = make_pool(prefix_len + length, num_kv_heads, head_dim, dtype, seed)
-        q = torch.randn(length, num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        q = torch.randn(length, num_kv_heads * group, head_dim,
+                        generator=torch.Generator().manual_seed(seed)).to(dtype)
         got = cpu_kernels.extend_attention(q, buffer, 1, page_ids, prefix_len, 0.3)
         assert got.dtype == dtype and got.shape == q.shape and got.is_contiguous()
         torch.testing.assert_close(got.float(), sdpa_fp32(q, k, v, prefix_len, 0.3), **TOLERANCE[dtype],
@@ -119,13 +122,16 @@ def test_engine_extend_path_matches_torch_path(dtype):
                              decode_page_table=pages[10:14].view(2, 2).to(torch.int32),
                              decode_seq_lens=torch.tensor([20, 31], dtype=torch.int32), extends=spans)
     fused = CpuKernelLayerOps()
-    got = paged_attention(q, k, v, buffer, 1, meta, 0.125, fused.paged_decode_attention, fused.extend_attention)
-    want = paged_attention(q, k, v, buffer, 1, meta, 0.125, fused.paged_decode_attention, extend_attention_torch)
+    got = paged_attention(q, k, v, buffer, 1, meta, 0.125, fused.paged_decode_attention,
+                          fused.extend_attention)
+    want = paged_attention(q, k, v, buffer, 1, meta, 0.125, fused.paged_decode_attention,
+                           extend_attention_torch)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
     # One span alone takes the no-copy path and still returns a contiguous [T, Hq, D].
     alone = AttentionMetadata(slots=torch.zeros(40, dtype=torch.long), num_decode=0, decode_page_table=None,
                               decode_seq_lens=None, extends=[ExtendSpan(0, 40, 0, pages[:3])])
-    got = paged_attention(q[2:42], k[2:42], v[2:42], buffer, 1, alone, 0.125, extend_op=fused.extend_attention)
+    got = paged_attention(q[2:42], k[2:42], v[2:42], buffer, 1, alone, 0.125,
+                          extend_op=fused.extend_attention)
     assert got.is_contiguous()
     torch.testing.assert_close(got.float(), want[2:42].float(), **TOLERANCE[dtype])
 

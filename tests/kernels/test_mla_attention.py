@@ -130,11 +130,12 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_in_a_span_and_on_any_threads(dt
     last = span.start + span.length - 1
     alone = AttentionMetadata(slots=meta.slots[:1], num_decode=1, decode_page_table=span.page_ids[None].int(),
                               decode_seq_lens=torch.tensor([50], dtype=torch.int32), extends=[])
-    as_decode = ops.mla_attention(layer, q_nope[last:last + 1], q_pe[last:last + 1], rows[last:last + 1], buffer,
-                                  LAYER, alone)
+    as_decode = ops.mla_attention(layer, q_nope[last:last + 1], q_pe[last:last + 1], rows[last:last + 1],
+                                  buffer, LAYER, alone)
     assert torch.equal(as_decode[0], batch[last])
     # A decode row alone equals itself in the batch.
-    second = AttentionMetadata(slots=meta.slots[:1], num_decode=1, decode_page_table=meta.decode_page_table[1:2],
+    second = AttentionMetadata(slots=meta.slots[:1], num_decode=1,
+                               decode_page_table=meta.decode_page_table[1:2],
                                decode_seq_lens=meta.decode_seq_lens[1:2], extends=[])
     assert torch.equal(ops.mla_attention(layer, q_nope[1:2], q_pe[1:2], rows[1:2], buffer, LAYER, second)[0],
                        batch[1])

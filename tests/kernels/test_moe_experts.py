@@ -60,7 +60,8 @@ def test_matches_torch(dtype, tokens, shape):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
     # Expert 1 never chosen; with Qwen3-MoE's weights in the model dtype in bf16.
     weight_dtype = dtype if dtype != torch.float32 and tokens % 2 else torch.float32
-    ids, weights = route(tokens, num_experts, top_k, seed=tokens + hidden, weight_dtype=weight_dtype, unused=(1,))
+    ids, weights = route(tokens, num_experts, top_k, seed=tokens + hidden, weight_dtype=weight_dtype,
+                         unused=(1,))
     got = cpu_kernels.moe_experts(x, ids, weights, gate_up, down)
     want = reference(x, ids, weights, gate_up, down)
     assert got.dtype == dtype and got.shape == x.shape

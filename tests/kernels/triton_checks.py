@@ -101,7 +101,8 @@ def _check_store(dtype):
     c = make_case([7, 10], dtype=dtype)
     gen = torch.Generator().manual_seed(5)
     # k, v as strided views of one fused tensor, written into a shuffled set of slots
-    fused = torch.randn(6, 3, 2, 16, generator=gen, device="cpu").to(dtype=dtype, device=torch.get_default_device())
+    fused = torch.randn(6, 3, 2, 16, generator=gen, device="cpu").to(
+        dtype=dtype, device=torch.get_default_device())
     k, v = fused[:, 1], fused[:, 2]
     slots = torch.tensor([c.page_ids[1][2] * 4 + 1, c.page_ids[0][0] * 4 + 3, c.page_ids[1][0] * 4,
                           c.page_ids[0][1] * 4 + 2, c.page_ids[1][1] * 4 + 3, c.page_ids[0][0] * 4])

@@ -89,7 +89,8 @@ def test_an_mla_page_is_checksummed_whole():
 
 def test_layouts_travel_as_dicts_and_a_gqa_one_reads_as_before_mla():
     gqa = KVLayout(4, 2, 64, 16, "float32")
-    assert gqa.to_dict() == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "dtype": "float32"}
+    assert gqa.to_dict() == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16,
+                             "dtype": "float32"}
     assert KVLayout.from_dict(gqa.to_dict()) == gqa and KVLayout.from_dict(MLA.to_dict()) == MLA
     assert MLA.to_dict()["kv_lora_rank"] == 6 and MLA.to_dict()["qk_rope_head_dim"] == 2
 
@@ -100,7 +101,8 @@ def test_an_mla_mismatch_names_the_latent_fields():
         MLA.check_compatible(other, mine="prefill", theirs="decode")
     msg = str(err.value)
     # head_dim (latent + rope) is 8 on both: only the two latent fields differ
-    assert msg.startswith("KV layout mismatch (prefill vs decode): kv_lora_rank: 6 vs 4; qk_rope_head_dim: 2 vs 4 [")
+    assert msg.startswith("KV layout mismatch (prefill vs decode): kv_lora_rank: 6 vs 4; "
+                          "qk_rope_head_dim: 2 vs 4 [")
     assert "[prefill: layers=3 mla kv_lora_rank=6 qk_rope_head_dim=2 page_size=4 dtype=bfloat16]" in msg
     with pytest.raises(LayoutMismatch, match="num_kv_heads: 1 vs 2; head_dim: 8 vs 4; kv_lora_rank: 6 vs 0"):
         MLA.check_compatible(KVLayout(3, 2, 4, 4, "bfloat16"))

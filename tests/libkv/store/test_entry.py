@@ -20,8 +20,10 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="
 def test_every_part_of_the_identity_changes_the_key():
     base = StoreIdentity("m0", LAYOUT)
     others = [StoreIdentity("m1", LAYOUT), StoreIdentity("m0", replace(LAYOUT, dtype="bfloat16")),
-              StoreIdentity("m0", replace(LAYOUT, page_size=8)), StoreIdentity("m0", replace(LAYOUT, num_layers=3)),
-              StoreIdentity("m0", LAYOUT, tp_rank=1, tp_size=2), StoreIdentity("m0", LAYOUT, tp_rank=0, tp_size=2)]
+              StoreIdentity("m0", replace(LAYOUT, page_size=8)),
+              StoreIdentity("m0", replace(LAYOUT, num_layers=3)),
+              StoreIdentity("m0", LAYOUT, tp_rank=1, tp_size=2),
+              StoreIdentity("m0", LAYOUT, tp_rank=0, tp_size=2)]
     keys = {base.key(7)} | {other.key(7) for other in others}
     assert len(keys) == 1 + len(others)
     assert base.key(7) == StoreIdentity("m0", LAYOUT).key(7) and base.key(7) != base.key(8)
@@ -47,7 +49,8 @@ def test_check_accepts_only_the_page_it_expects():
     flipped[-100] ^= 1
     assert not entry.check(bytes(flipped), hashes[1], digest, len(data))  # a flipped KV byte
     assert not entry.check(value, hashes[0], digest, len(data))  # another page's key
-    assert not entry.check(value, hashes[1], entry.tokens_hash(hashes[0], [9, 9, 9, 9]), len(data))  # other tokens
+    assert not entry.check(value, hashes[1], entry.tokens_hash(hashes[0], [9, 9, 9, 9]),
+                           len(data))  # other tokens
     assert not entry.check(value, hashes[1], digest, len(data) + 2)  # another layout's page size
     assert not entry.check(value[:-1], hashes[1], digest, len(data))  # torn
     assert not entry.check(b"", hashes[1], digest, len(data))  # missing

@@ -22,5 +22,6 @@ def test_the_subsets_are_what_the_classes_say():
 
 
 def test_every_flag_offers_the_declared_names():
-    assert WORKER_BACKENDS is BACKEND_NAMES and CHAOS_BACKENDS is BACKEND_NAMES and UP_BACKENDS is BACKEND_NAMES
+    assert (WORKER_BACKENDS is BACKEND_NAMES and CHAOS_BACKENDS is BACKEND_NAMES
+            and UP_BACKENDS is BACKEND_NAMES)
     assert ENCODER_BACKENDS is ONE_SIDED_BACKENDS

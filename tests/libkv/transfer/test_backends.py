@@ -130,7 +130,8 @@ def test_abort_mid_transfer_leaves_both_sides_usable(pair: Pair):
 
     src, dst = [1, 2, 3, 500], [1070, 1071, 1072, 5]
     pair.receiver.call("expect", key="room-after-abort", pages=dst)
-    assert pair.sender.call("write", peer=pair.peer, src=src, dst=dst, key="room-after-abort")["state"] == "done"
+    assert pair.sender.call("write", peer=pair.peer, src=src, dst=dst,
+                            key="room-after-abort")["state"] == "done"
     pair.receiver.call("release", key="room-after-abort")
     src_hashes, dst_hashes = page_hashes(pair.sender, src), page_hashes(pair.receiver, dst)
     assert [src_hashes[p] for p in src] == [dst_hashes[p] for p in dst]
@@ -167,7 +168,8 @@ def test_verify_grant_passes_exactly_the_reserved_pages(pair: Pair):
     try:
         pair.sender.call("verify", peer=pair.peer, pages=ROOM_1_PAGES, key="room-g1", grant=GRANT_1)
         pair.sender.call("verify", peer=pair.peer, pages=[900, 13, 12], key="room-g1", grant=GRANT_1)
-        entries = pair.receiver.call("grant_entries", pages=list(range(8, 16)) + [299, 300, 301, 302])["entries"]
+        entries = pair.receiver.call("grant_entries",
+                                     pages=list(range(8, 16)) + [299, 300, 301, 302])["entries"]
         tag = grant_tag("room-g1", bytes.fromhex(GRANT_1)).hex()
         assert {int(p) for p, e in entries.items() if e == tag} == {10, 11, 12, 13, 300, 301}
         assert all(e == "00" * 16 for p, e in entries.items() if e != tag)
@@ -268,7 +270,8 @@ def test_layout_or_backend_mismatch_is_refused_naming_both(pair: Pair):
     raw = dict(json.loads(pair.receiver_endpoint), backend=other_backend)
     with pytest.raises(PeerError) as err:
         pair.sender.call("connect", endpoint=json.dumps(raw))
-    assert err.value.error_type == "BackendMismatch" and f"{pair.backend} vs {other_backend}" in err.value.message
+    assert (err.value.error_type == "BackendMismatch"
+            and f"{pair.backend} vs {other_backend}" in err.value.message)
 
 
 def test_killed_receiver_gives_the_sender_an_error(pair: Pair):
@@ -291,4 +294,5 @@ def test_killed_receiver_gives_the_sender_an_error(pair: Pair):
         victim.close()
     # The sender still works with its live peer.
     pair.receiver.call("expect", key="room-after-kill", pages=[7])
-    assert pair.sender.call("write", peer=pair.peer, src=[9], dst=[7], key="room-after-kill")["state"] == "done"
+    assert pair.sender.call("write", peer=pair.peer, src=[9], dst=[7],
+                            key="room-after-kill")["state"] == "done"

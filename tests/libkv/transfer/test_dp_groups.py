@@ -3,7 +3,8 @@ room's KV is written from the sender group holding it into the receiver group ho
 reservation (and nowhere else), and both sides agree on the checksums the landing check compares,
 whatever the peer's layout (plain TP, or DP groups of another size).
 
-Ranks are in-process RankTransfers behind InProcessRank channels, as tests.libkv.transfer.test_tensor_parallel.
+Ranks are in-process RankTransfers behind InProcessRank channels, as
+tests.libkv.transfer.test_tensor_parallel.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ async def test_a_room_lands_in_its_group_only_from_its_group(dp_size, attn_tp):
     assert torch.equal(got[1][[5]], whole_pages(sender.group_pools(0))[[3]])
     assert torch.equal(got[0][[p for p in range(NUM_PAGES) if p not in (5, 6)]],
                        before[0][[p for p in range(NUM_PAGES) if p not in (5, 6)]])
-    assert torch.equal(got[1][[p for p in range(NUM_PAGES) if p != 5]], before[1][[p for p in range(NUM_PAGES) if p != 5]])
+    assert torch.equal(got[1][[p for p in range(NUM_PAGES) if p != 5]],
+                       before[1][[p for p in range(NUM_PAGES) if p != 5]])
     # decode's landing check over the room's group's pool view equals what prefill sent
     assert checksums_in_parts(receiver.views[0], [5, 6], attn_tp) == sent_a
     assert checksums_in_parts(receiver.views[1], [5], attn_tp) == sent_b

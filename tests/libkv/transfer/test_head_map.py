@@ -19,7 +19,8 @@ def test_slices_between_sizes():
 
 @pytest.mark.parametrize(("heads", "sender", "receiver"), [(6, 2, 3), (6, 3, 2), (2, 4, 1)])
 def test_unmappable_sizes_are_refused_naming_both(heads, sender, receiver):
-    with pytest.raises(LayoutMismatch, match=f"--tp-size {sender} \\(prefill\\) and --tp-size {receiver} \\(decode\\)"):
+    with pytest.raises(LayoutMismatch,
+                       match=f"--tp-size {sender} \\(prefill\\) and --tp-size {receiver} \\(decode\\)"):
         check_mappable(heads, sender, receiver)
 
 
@@ -35,7 +36,8 @@ def test_regions_move_exactly_the_shared_heads():
         [cut] = [c for c in head_slices(4, 1, 2, 0) if c.dst_rank == rank]
         src_bytes, dst_bytes = source.as_bytes(), target.as_bytes()
         for region in slice_regions(cut, [2], [3], full, half):
-            dst_bytes[region.dst:region.dst + region.nbytes] = src_bytes[region.src:region.src + region.nbytes]
+            dst_bytes[region.dst:region.dst + region.nbytes] = \
+                src_bytes[region.src:region.src + region.nbytes]
         assert torch.equal(target.buffer[3], source.buffer[2][..., 2 * rank:2 * rank + 2, :])
         assert target.buffer[:3].abs().sum() == 0  # nothing outside the destination page
 

@@ -42,7 +42,8 @@ def test_latent_pages_land_whole_once_per_decode_rank(backend, sender_tp, receiv
         receiver.call("fill", seed=2)
         src, dst = [1, 2, 3, 10, 11, 30], [40, 41, 5, 6, 7, 20]
         untouched = [page for page in range(NUM_PAGES) if page not in dst]
-        before = [receiver.call("hashes", pages=untouched, rank=rank)["hashes"] for rank in range(receiver_tp)]
+        before = [receiver.call("hashes", pages=untouched, rank=rank)["hashes"]
+                  for rank in range(receiver_tp)]
         peer = sender.call("connect", endpoint=endpoint)["peer"]
         receiver.call("expect", key="room-1", pages=dst, grant=GRANT)
         sender.call("verify", peer=peer, pages=dst, key="room-1", grant=GRANT)

@@ -95,7 +95,8 @@ async def test_each_decode_rank_gets_every_page_once_whole_from_its_writer(sende
 
     untouched = [page for page in range(NUM_PAGES) if page not in dst]
     for rank, pool in enumerate(receiver_pools):
-        assert torch.equal(pool.buffer[dst], sender_pools[rank % sender_tp].buffer[src]), f"decode rank {rank}"
+        assert torch.equal(pool.buffer[dst], sender_pools[rank % sender_tp].buffer[src]), \
+            f"decode rank {rank}"
         assert torch.equal(pool.buffer[untouched], before[rank][untouched])
     # Whole pages only (PageRuns, never byte pieces), so an engine that moves whole pages suffices.
     assert set().union(*(engine.run_types for engine in sender_engines)) == {PageRun}
@@ -132,13 +133,14 @@ def test_mla_and_gqa_workers_are_refused_naming_the_fields(sender_tp, receiver_t
     gqa = KVLayout(num_layers=2, num_kv_heads=2 // gqa_tp, head_dim=8, page_size=2, dtype="float32")
     sender, _, _ = worker(sender_tp, MLA if sender_is_mla else gqa)
     receiver, _, _ = worker(receiver_tp, gqa if sender_is_mla else MLA)
-    with pytest.raises(LayoutMismatch, match="kv_lora_rank: (6 vs 0|0 vs 6); qk_rope_head_dim: (2 vs 0|0 vs 2)"):
+    with pytest.raises(LayoutMismatch,
+                       match="kv_lora_rank: (6 vs 0|0 vs 6); qk_rope_head_dim: (2 vs 0|0 vs 2)"):
         sender.connect(receiver.endpoint())
 
 
 @pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(1, 2), (2, 2)])
-@pytest.mark.parametrize(("field", "theirs"), [("kv_lora_rank", 4), ("qk_rope_head_dim", 4), ("dtype", "bfloat16"),
-                                               ("page_size", 4)])
+@pytest.mark.parametrize(("field", "theirs"), [("kv_lora_rank", 4), ("qk_rope_head_dim", 4),
+                                               ("dtype", "bfloat16"), ("page_size", 4)])
 def test_an_mla_layout_mismatch_is_refused_naming_both_values(sender_tp, receiver_tp, field, theirs):
     values = dict(num_layers=2, kv_lora_rank=6, qk_rope_head_dim=2, page_size=2, dtype="float32")
     sender, _, _ = worker(sender_tp)

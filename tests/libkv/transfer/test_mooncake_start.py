@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake engine not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                reason="mooncake engine not installed")
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -37,13 +38,15 @@ _SCRIPT = textwrap.dedent("""
             return -1 if type(self).calls <= failures else super().initialize(*args)
 
     backend._engine_cls = LosesItsPorts
-    pool = KVPool(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32"), num_pages=8)
+    pool = KVPool(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32"),
+                  num_pages=8)
     try:
         backend.register(pool)
     except RuntimeError as exc:
         print(json.dumps({"error": str(exc), "calls": LosesItsPorts.calls}))
         sys.exit(0)
-    print(json.dumps({"session": json.loads(backend.endpoint().blob)["session"], "calls": LosesItsPorts.calls}))
+    print(json.dumps({"session": json.loads(backend.endpoint().blob)["session"],
+                      "calls": LosesItsPorts.calls}))
     backend.close()
 """)
 
@@ -66,4 +69,5 @@ def test_a_lost_port_at_start_is_retried_with_a_fresh_engine():
 def test_an_engine_that_never_starts_is_an_error_naming_the_call():
     failed, _ = _start(failures=4)
     assert failed["calls"] == 4
-    assert "TransferEngine.initialize('127.0.0.1', P2PHANDSHAKE" in failed["error"] and "4 times" in failed["error"]
+    assert "TransferEngine.initialize('127.0.0.1', P2PHANDSHAKE" in failed["error"] \
+        and "4 times" in failed["error"]

@@ -34,14 +34,16 @@ STAGE_LAYERS = [2, 1]  # a 3-layer model in 2 stages: the first stage one layer 
 def stage_layout(layers: int, tp: int, mla: bool) -> KVLayout:
     """One rank's page: its stage's layers, and 4 // tp KV heads (MLA: the whole latent)."""
     if mla:
-        return KVLayout.mla(num_layers=layers, kv_lora_rank=4, qk_rope_head_dim=2, page_size=2, dtype="float32")
+        return KVLayout.mla(num_layers=layers, kv_lora_rank=4, qk_rope_head_dim=2, page_size=2,
+                            dtype="float32")
     return KVLayout(num_layers=layers, num_kv_heads=4 // tp, head_dim=4, page_size=2, dtype="float32")
 
 
 def staged_worker(tp: int, mla: bool = False) -> tuple[TransferBackend, list[KVPool]]:
     """A worker of 2 stages of `tp` ranks each (world rank order) and its ranks' pools."""
     layouts = [stage_layout(STAGE_LAYERS[rank // tp], tp, mla) for rank in range(2 * tp)]
-    followers = [RankTransfer(KVPool(layouts[rank], NUM_PAGES), rank, 2 * tp, pp_size=2) for rank in range(1, 2 * tp)]
+    followers = [RankTransfer(KVPool(layouts[rank], NUM_PAGES), rank, 2 * tp, pp_size=2)
+                 for rank in range(1, 2 * tp)]
     channels = [InProcessRank(follower) for follower in followers]
     pool = TPKVPool(layouts[0], NUM_PAGES, "cpu", channels)
     backend = TensorParallelBackend(RegionsBackend(timeout_s=5.0), channels, {"timeout_s": 5.0}, pp_size=2)
@@ -76,7 +78,8 @@ async def test_each_rank_writes_its_stage_pages_to_the_same_rank(tp, mla):
         assert torch.equal(theirs.buffer[untouched], old[untouched]), f"rank {rank}"
     # decode's landing check (it is told the prefill's --tp-size) computes what prefill sent
     assert checksums_in_parts(receiver_pools[0], dst, tp) == sent
-    assert sum(sender.rank_bytes()) == handle.nbytes == len(src) * sum(p.layout.page_nbytes for p in sender_pools)
+    assert sum(sender.rank_bytes()) == handle.nbytes \
+        == len(src) * sum(p.layout.page_nbytes for p in sender_pools)
 
 
 def test_other_pp_size_is_refused_naming_both():
@@ -91,5 +94,6 @@ def test_other_pp_size_is_refused_naming_both():
 def test_other_tp_size_under_stages_is_refused_naming_both():
     small, _ = staged_worker(1)
     big, _ = staged_worker(2)
-    with pytest.raises(LayoutMismatch, match=r"--tp-size 1 \(prefill\) vs --tp-size 2 \(decode\) at --pp-size 2"):
+    with pytest.raises(LayoutMismatch,
+                       match=r"--tp-size 1 \(prefill\) vs --tp-size 2 \(decode\) at --pp-size 2"):
         small.connect(big.endpoint())

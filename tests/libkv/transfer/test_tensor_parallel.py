@@ -34,13 +34,13 @@ GRANT = bytes(range(16))
 # A TP-2 worker's endpoint, byte for byte as workers published it before (registries and gRPC carry it).
 GOLDEN_TP2_ENDPOINT = (
     '{"backend": "nixl", "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "page_size": 2, '
-    '"dtype": "float32"}, "host": "127.0.0.1", "num_pages": 8, "blob": "cGRzZXJ2ZS10cC1lbmRwb2ludHM6WyJ7XCJiYWNrZW'
-    '5kXCI6IFwibml4bFwiLCBcImxheW91dFwiOiB7XCJudW1fbGF5ZXJzXCI6IDIsIFwibnVtX2t2X2hlYWRzXCI6IDEsIFwiaGVhZF9kaW1cIjog'
-    'NCwgXCJwYWdlX3NpemVcIjogMiwgXCJkdHlwZVwiOiBcImZsb2F0MzJcIn0sIFwiaG9zdFwiOiBcIjEyNy4wLjAuMVwiLCBcIm51bV9wYWdlc1'
-    'wiOiA4LCBcImJsb2JcIjogXCJleUp5WVc1cklqb2dNSDA9XCJ9IiwgIntcImJhY2tlbmRcIjogXCJuaXhsXCIsIFwibGF5b3V0XCI6IHtcIm51'
-    'bV9sYXllcnNcIjogMiwgXCJudW1fa3ZfaGVhZHNcIjogMSwgXCJoZWFkX2RpbVwiOiA0LCBcInBhZ2Vfc2l6ZVwiOiAyLCBcImR0eXBlXCI6IF'
-    'wiZmxvYXQzMlwifSwgXCJob3N0XCI6IFwiMTI3LjAuMC4xXCIsIFwibnVtX3BhZ2VzXCI6IDgsIFwiYmxvYlwiOiBcImV5SnlZVzVySWpvZ01Y'
-    'MD1cIn0iXQ=="}')
+    '"dtype": "float32"}, "host": "127.0.0.1", "num_pages": 8, "blob": "cGRzZXJ2ZS10cC1lbmRwb2ludHM6WyJ7XCJiY'
+    'WNrZW5kXCI6IFwibml4bFwiLCBcImxheW91dFwiOiB7XCJudW1fbGF5ZXJzXCI6IDIsIFwibnVtX2t2X2hlYWRzXCI6IDEsIFwiaGVhZ'
+    'F9kaW1cIjogNCwgXCJwYWdlX3NpemVcIjogMiwgXCJkdHlwZVwiOiBcImZsb2F0MzJcIn0sIFwiaG9zdFwiOiBcIjEyNy4wLjAuMVwiL'
+    'CBcIm51bV9wYWdlc1wiOiA4LCBcImJsb2JcIjogXCJleUp5WVc1cklqb2dNSDA9XCJ9IiwgIntcImJhY2tlbmRcIjogXCJuaXhsXCIsI'
+    'FwibGF5b3V0XCI6IHtcIm51bV9sYXllcnNcIjogMiwgXCJudW1fa3ZfaGVhZHNcIjogMSwgXCJoZWFkX2RpbVwiOiA0LCBcInBhZ2Vfc'
+    '2l6ZVwiOiAyLCBcImR0eXBlXCI6IFwiZmxvYXQzMlwifSwgXCJob3N0XCI6IFwiMTI3LjAuMC4xXCIsIFwibnVtX3BhZ2VzXCI6IDgsI'
+    'FwiYmxvYlwiOiBcImV5SnlZVzVySWpvZ01YMD1cIn0iXQ=="}')
 
 
 class RegionsBackend(LateLandingBackend):
@@ -90,7 +90,8 @@ def whole_pages(pools: list[KVPool]) -> torch.Tensor:
     return torch.cat([pool.buffer for pool in pools], dim=-2)
 
 
-@pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4)])
+@pytest.mark.parametrize(("sender_tp", "receiver_tp"),
+                         [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4)])
 async def test_every_kv_head_lands_on_the_rank_that_holds_it(sender_tp, receiver_tp):
     sender, sender_pools = worker(sender_tp)
     receiver, receiver_pools = worker(receiver_tp)
@@ -118,7 +119,8 @@ async def test_every_kv_head_lands_on_the_rank_that_holds_it(sender_tp, receiver
 
 
 def test_a_tp_endpoint_keeps_its_wire_format():
-    ranks = [TransferEndpoint("nixl", rank_layout(1), "127.0.0.1", 8, b'{"rank": %d}' % rank) for rank in range(2)]
+    ranks = [TransferEndpoint("nixl", rank_layout(1), "127.0.0.1", 8, b'{"rank": %d}' % rank)
+             for rank in range(2)]
     assert TransferEndpoint.of_ranks(ranks).to_json() == GOLDEN_TP2_ENDPOINT
     assert TransferEndpoint.from_json(GOLDEN_TP2_ENDPOINT).ranks() == ranks
     assert TransferEndpoint.of_ranks(ranks[:1]) == ranks[0] and ranks[0].ranks() == [ranks[0]]

@@ -45,7 +45,8 @@ def test_reflection_lists_and_describes_services(registry_process: BootstrapProc
         "pdserve.v1.Bootstrap", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     described = grpcurl(registry_process.address, "describe", "pdserve.v1.Bootstrap")
     assert described.returncode == 0, described.stderr
-    assert "rpc Watch ( .pdserve.v1.WatchRequest ) returns ( stream .pdserve.v1.WorkerEvent )" in described.stdout
+    assert "rpc Watch ( .pdserve.v1.WatchRequest ) returns ( stream .pdserve.v1.WorkerEvent )" \
+        in described.stdout
     assert "rpc Register ( .pdserve.v1.RegisterRequest ) returns ( .pdserve.v1.RegisterResponse )" \
         in described.stdout
     message = grpcurl(registry_process.address, "describe", "pdserve.v1.KVLayout")
@@ -105,7 +106,8 @@ async def test_lease_expires_when_heartbeats_stop() -> None:
         worker.start_heartbeat()
         events = gateway.watch(reconnect=False)
         joined = await asyncio.wait_for(events.__anext__(), 10)
-        assert (joined.type, joined.worker.worker_id) == (bootstrap_pb2.WORKER_EVENT_TYPE_JOINED, worker.worker_id)
+        assert (joined.type, joined.worker.worker_id) == (bootstrap_pb2.WORKER_EVENT_TYPE_JOINED,
+                                                          worker.worker_id)
         assert (await asyncio.wait_for(events.__anext__(), 10)).type == bootstrap_pb2.WORKER_EVENT_TYPE_SYNCED
 
         await asyncio.sleep(2.5)  # 2.5 lease lifetimes: alive because heartbeats run

@@ -90,7 +90,8 @@ async def healed(registry: Registry) -> dict[str, str]:
     ids; return them. Fails after HEAL_S."""
     want: dict[str, str] = {}
     for _ in range(int(HEAL_S * 5)):
-        want = {client.worker_id: address for client, address in zip(registry.workers, ADDRESSES, strict=True)}
+        want = {client.worker_id: address
+                for client, address in zip(registry.workers, ADDRESSES, strict=True)}
         try:
             listed = {info.worker_id: info.grpc_address for info in await registry.store.list()}
         except StoreUnavailable:

@@ -198,7 +198,8 @@ async def test_forged_records_and_malformed_keys_are_ignored(etcd: EtcdServer, s
         await first.heartbeat(good_lease.lease_id)
 
     # lease ids that are malformed, guessed or name a forged record are NOT_FOUND, not crashes
-    for lease_id in ("", ":", "nope", "prefill-1:t", "prefill-2:t", f"{good_id}:wrong", "a:b:c", "prefill-zz:t"):
+    for lease_id in ("", ":", "nope", "prefill-1:t", "prefill-2:t", f"{good_id}:wrong", "a:b:c",
+                     "prefill-zz:t"):
         with pytest.raises(LeaseNotFound):
             await second.heartbeat(lease_id)
         with pytest.raises(LeaseNotFound):
@@ -358,7 +359,8 @@ async def test_registry_process_reports_not_serving_while_etcd_is_gone(tmp_path:
             etcd.proc.wait()
             await wait_for(health_pb2.HealthCheckResponse.NOT_SERVING, 0.0)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await anext(aiter(bootstrap_pb2_grpc.BootstrapStub(channel).Watch(bootstrap_pb2.WatchRequest())))
+                await anext(aiter(bootstrap_pb2_grpc.BootstrapStub(channel).Watch(
+                    bootstrap_pb2.WatchRequest())))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             with run_etcd(tmp_path / "a", client_port=etcd.client_port, peer_port=etcd.peer_port):
                 await wait_for(health_pb2.HealthCheckResponse.SERVING, 1.0)

@@ -165,7 +165,8 @@ def test_layout_mismatch_refused_naming_both_values(registry: Registry) -> None:
 
 def test_backend_mismatch_refused(registry: Registry) -> None:
     registry.register(worker_info("127.0.0.1:5000", PREFILL, backend="mooncake"))
-    with pytest.raises(RegistrationRefused, match="transfer backend mismatch for model 'tiny': nixl vs mooncake"):
+    with pytest.raises(RegistrationRefused,
+                       match="transfer backend mismatch for model 'tiny': nixl vs mooncake"):
         registry.register(worker_info("127.0.0.1:5001", DECODE, backend="nixl"))
     assert registry.stats.registrations_refused["backend_mismatch"] == 1
 

@@ -48,7 +48,8 @@ def _runtime(model: Path, role: str) -> Iterator[WorkerRuntime]:
     backend.register(engine.pool)
     engine.start()
     try:
-        yield WorkerRuntime(config=config, engine=engine, backend=backend, metrics=WorkerMetrics(role, config.model_name))
+        yield WorkerRuntime(config=config, engine=engine, backend=backend,
+                            metrics=WorkerMetrics(role, config.model_name))
     finally:
         engine.shutdown()
         backend.close()
@@ -76,7 +77,8 @@ class Served:
 
 @asynccontextmanager
 async def _served(pair: Pair) -> AsyncIterator[Served]:
-    prefill = await start_grpc_server([ServiceBinding(service_name(worker_pb2, "Prefill"), PrefillServicer(pair.prefill),
+    prefill = await start_grpc_server([ServiceBinding(service_name(worker_pb2, "Prefill"),
+                                                      PrefillServicer(pair.prefill),
                                                       worker_pb2_grpc.add_PrefillServicer_to_server)],
                                       "127.0.0.1", 0)
     servicer = DecodeServicer(pair.decode)
@@ -147,7 +149,8 @@ async def test_decode_waits_for_bytes_its_page_already_seemed_to_hold(pair: Pair
 
 
 @pytest.mark.parametrize("gateway_abort", [False, True], ids=["cancelled", "cancelled-and-aborted"])
-async def test_a_request_the_client_left_keeps_its_page_until_the_bytes_landed(pair: Pair, gateway_abort: bool):
+async def test_a_request_the_client_left_keeps_its_page_until_the_bytes_landed(
+        pair: Pair, gateway_abort: bool):
     """The client goes away while the KV is on its way. With `gateway_abort`, as the gateway does:
     the call is cancelled and Worker.Abort sent. That Abort used to abort the room in the engine,
     which freed its reserved pages at once behind the quarantine's back, so the next request got

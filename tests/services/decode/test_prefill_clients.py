@@ -56,7 +56,8 @@ def test_prefill_failure_drops_the_channel():
         address = f"127.0.0.1:{_closed_port()}"
         _, channel = clients._stub(address)
         try:
-            await clients.prefill(address, worker_pb2.PrefillRequest(room="r"), SamplingParams(), timeout_s=5.0)
+            await clients.prefill(address, worker_pb2.PrefillRequest(room="r"), SamplingParams(),
+                                  timeout_s=5.0)
         except PrefillFailed as exc:
             assert exc.code == grpc.StatusCode.UNAVAILABLE and address in str(exc)
         else:

@@ -17,7 +17,8 @@ def test_unset_sampling_fields_stay_unset_in_the_proto() -> None:
         temperature=0.0, top_p=0.5, top_k=-1, min_p=None, seed=3, max_new_tokens=7, stop=["\n"],
         stop_token_ids=[2], ignore_eos=True)).sampling()
     assert explicit.HasField("temperature") and explicit.temperature == 0.0
-    assert (explicit.top_p, explicit.top_k, explicit.min_p, explicit.seed, explicit.max_new_tokens) == (0.5, 0, 0, 3, 7)
+    assert (explicit.top_p, explicit.top_k, explicit.min_p, explicit.seed,
+            explicit.max_new_tokens) == (0.5, 0, 0, 3, 7)
     assert list(explicit.stop) == ["\n"] and list(explicit.stop_token_ids) == [2] and explicit.ignore_eos
     assert explicit.logprobs and explicit.top_logprobs == 2  # top logprobs imply logprobs
 
@@ -37,7 +38,9 @@ def test_chunk_from_proto() -> None:
         usage=worker_pb2.Usage(prompt_tokens=3, completion_tokens=2))
     chunk = chunk_from_proto(response, want_logprobs=True)
     assert chunk.tokens == (GeneratedToken(5, "he", -0.5, ((5, -0.5),)), GeneratedToken(6, "llo", -1.0, ()))
-    assert (chunk.text, chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens) == ("hello", "length", 3, 2)
-    middle = chunk_from_proto(worker_pb2.GenerateResponse(outputs=[common_pb2.TokenOutput(token_id=1, text="x")]),
-                              want_logprobs=False)
+    assert (chunk.text, chunk.finish_reason, chunk.prompt_tokens,
+            chunk.completion_tokens) == ("hello", "length", 3, 2)
+    middle = chunk_from_proto(
+        worker_pb2.GenerateResponse(outputs=[common_pb2.TokenOutput(token_id=1, text="x")]),
+        want_logprobs=False)
     assert middle.finish_reason is None and middle.tokens[0].logprob is None

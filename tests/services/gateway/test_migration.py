@@ -41,14 +41,16 @@ class First(Policy):
 def chunk(*ids: int, finish: int = common_pb2.FINISH_REASON_UNSPECIFIED,
           usage: tuple[int, int] = (0, 0)) -> worker_pb2.GenerateResponse:
     response = worker_pb2.GenerateResponse(
-        outputs=[common_pb2.TokenOutput(token_id=i, text=f"<{i}>", logprob=-0.5) for i in ids], finish_reason=finish)
+        outputs=[common_pb2.TokenOutput(token_id=i, text=f"<{i}>", logprob=-0.5) for i in ids],
+        finish_reason=finish)
     if finish:
         response.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=usage[0], completion_tokens=usage[1]))
     return response
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=f"{code.name} for the test")
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=f"{code.name} for the test")
 
 
 class FakeCall:
@@ -111,7 +113,8 @@ def sampling(**fields) -> common_pb2.SamplingParams:
     return params
 
 
-async def run(dispatcher: Dispatcher, params: common_pb2.SamplingParams | None = None) -> list[GenerationChunk]:
+async def run(dispatcher: Dispatcher,
+              params: common_pb2.SamplingParams | None = None) -> list[GenerationChunk]:
     return [c async for c in dispatcher.generate("r", "m", PROMPT, params or sampling())]
 
 
@@ -156,7 +159,8 @@ async def test_every_failure_of_the_worker_migrates(failure, reason: str) -> Non
 async def test_the_limit_ends_the_stream_with_the_error_of_today() -> None:
     failing = [[chunk(10), rpc_error(grpc.StatusCode.UNAVAILABLE)]]
     dispatcher, decodes, metrics = cluster(failing, [[chunk(11), rpc_error(grpc.StatusCode.UNAVAILABLE)]],
-                                           [[chunk(12, finish=common_pb2.FINISH_REASON_STOP, usage=(5, 1))]], limit=1)
+                                           [[chunk(12, finish=common_pb2.FINISH_REASON_STOP, usage=(5, 1))]],
+                                           limit=1)
     received = []
     with pytest.raises(GenerationFailed, match="127.0.0.1:3 failed mid-stream: UNAVAILABLE") as info:
         async for item in dispatcher.generate("r", "m", PROMPT, sampling()):
@@ -172,10 +176,13 @@ async def test_migrations_chain_up_to_the_limit() -> None:
         [[chunk(12), chunk(13, finish=common_pb2.FINISH_REASON_STOP, usage=(5, 2))]], limit=2)
     chunks = await run(dispatcher)
     assert [t.token_id for c in chunks for t in c.tokens] == [10, 11, 12, 13]
-    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 3, 4)
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens,
+            chunks[-1].completion_tokens) == ("stop", 3, 4)
     second, third = decodes[1].requests[0], decodes[2].requests[0]
-    assert (list(second.prompt_token_ids), second.sampling.max_new_tokens, second.room) == (PROMPT + [10], 5, "r.m1")
-    assert (list(third.prompt_token_ids), third.sampling.max_new_tokens, third.room) == (PROMPT + [10, 11], 4, "r.m2")
+    assert (list(second.prompt_token_ids), second.sampling.max_new_tokens,
+            second.room) == (PROMPT + [10], 5, "r.m1")
+    assert (list(third.prompt_token_ids), third.sampling.max_new_tokens,
+            third.room) == (PROMPT + [10, 11], 4, "r.m2")
     assert migrations(metrics, "worker_lost") == migrations(metrics, "internal") == 1
 
 
@@ -239,15 +246,18 @@ def worker_text(model: Path, prompt: Sequence[int], ids: Sequence[int]) -> list[
     """Each token's text as one worker, unmigrated, makes it (no stop strings): with the
     transformers tokenizer a worker loads, the last token ending the output ("length")."""
     stream = TextStream(AutoTokenizer.from_pretrained(model), prompt_ids=prompt)
-    return [stream.apply(token_id, "length" if i == len(ids) - 1 else None)[0] for i, token_id in enumerate(ids)]
+    return [stream.apply(token_id, "length" if i == len(ids) - 1 else None)[0]
+            for i, token_id in enumerate(ids)]
 
 
 def tokens(ids: Sequence[int], texts: Sequence[str] | None = None) -> tuple[GeneratedToken, ...]:
-    return tuple(GeneratedToken(i, "" if texts is None else t) for i, t in zip(ids, texts or ids, strict=True))
+    return tuple(GeneratedToken(i, "" if texts is None else t)
+                 for i, t in zip(ids, texts or ids, strict=True))
 
 
 @pytest.mark.parametrize("text", ["Hello world, migrating text.", "héllo wörld ✓ 日本語のテキスト 🙂🙂"])
-def test_the_continuation_text_joins_the_delivered_text(tokenizer: Tokenizer, tiny_model: Path, text: str) -> None:
+def test_the_continuation_text_joins_the_delivered_text(tokenizer: Tokenizer, tiny_model: Path,
+                                                        text: str) -> None:
     prompt = tokenizer.encode("The prompt:").ids
     ids = tokenizer.encode(text).ids
     whole = worker_text(tiny_model, prompt, ids)

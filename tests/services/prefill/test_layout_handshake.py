@@ -90,7 +90,8 @@ def _runtime(engines: Engines, role: str, layout: KVLayout) -> Iterator[WorkerRu
     backend = LateLandingBackend()
     backend.register(KVPool(layout, NUM_PAGES))
     try:
-        yield WorkerRuntime(config=config, engine=engine, backend=backend, metrics=WorkerMetrics(role, config.model_name))
+        yield WorkerRuntime(config=config, engine=engine, backend=backend,
+                            metrics=WorkerMetrics(role, config.model_name))
     finally:
         backend.close()
 
@@ -116,7 +117,8 @@ async def test_prefill_refuses_a_decode_endpoint_of_another_layout_naming_the_fi
     with _runtime(engines, "prefill", prefill_layout) as prefill, \
             _runtime(engines, "decode", decode_layout) as decode:
         servicer = PrefillServicer(prefill)
-        async with _serving(prefill, servicer, "Prefill", worker_pb2_grpc.add_PrefillServicer_to_server) as address, \
+        async with _serving(prefill, servicer, "Prefill",
+                            worker_pb2_grpc.add_PrefillServicer_to_server) as address, \
                 grpc.aio.insecure_channel(address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await worker_pb2_grpc.PrefillStub(channel).Prefill(worker_pb2.PrefillRequest(

@@ -45,7 +45,8 @@ def runtime(tmp_path_factory):
 
 
 async def prefill(runtime, room: str):
-    server = await start_grpc_server([ServiceBinding(service_name(worker_pb2, "Prefill"), PrefillServicer(runtime),
+    server = await start_grpc_server([ServiceBinding(service_name(worker_pb2, "Prefill"),
+                                                     PrefillServicer(runtime),
                                                      worker_pb2_grpc.add_PrefillServicer_to_server)],
                                      "127.0.0.1", 0)
     try:
@@ -81,7 +82,8 @@ async def test_a_peer_still_unreachable_after_reconnecting_fails_the_request_cle
     assert "REMOTE_DISCONNECT" in failed.value.details()
     # The error reaches the caller before the room's cleanup has finished: wait for it, bounded.
     deadline = time.monotonic() + 10
-    while runtime.rooms.counts() != {stage.value: 0 for stage in QUEUES["prefill"]} and time.monotonic() < deadline:
+    while (runtime.rooms.counts() != {stage.value: 0 for stage in QUEUES["prefill"]}
+           and time.monotonic() < deadline):
         await asyncio.sleep(0.01)
     assert runtime.rooms.counts() == {stage.value: 0 for stage in QUEUES["prefill"]}
     assert runtime.engine.stats().used_pages == 0

@@ -27,7 +27,8 @@ def test_a_room_keeps_its_queue_and_order_while_rooms_spread_over_queues():
             future.result(timeout=10)
         assert order == list(range(20))  # one thread per queue: issued in push order
         assert len(threads["room-a"]) == 1
-        names = {queues.submit(f"room-{i}", lambda: threading.current_thread().name.rsplit("_", 1)[0]).result()
+        names = {queues.submit(f"room-{i}",
+                               lambda: threading.current_thread().name.rsplit("_", 1)[0]).result()
                  for i in range(64)}
         assert len(names) == 4 and other.result(timeout=10)
     finally:
@@ -40,7 +41,8 @@ def test_needs_a_queue_and_a_thread():
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)])
-async def test_mla_bytes_pushed_count_each_latent_page_once_per_decode_rank(monkeypatch, prefill_tp, decode_tp):
+async def test_mla_bytes_pushed_count_each_latent_page_once_per_decode_rank(monkeypatch, prefill_tp,
+                                                                           decode_tp):
     # What pdserve:kv_transfer_bytes_total adds per request (RoomWrites.bytes_pushed): the bytes
     # shipped, so bytes / tokens reads off the KV cost per token (MLA: the latent, once per decode rank).
     monkeypatch.setitem(BACKENDS, WholePagesBackend.name, (WholePagesBackend.__module__, "WholePagesBackend"))

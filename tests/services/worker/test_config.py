@@ -30,13 +30,16 @@ def model_dir(tmp_path):
 def test_seed_commands_parse(model_dir):
     prefill = parse(model_dir, "--disaggregation-mode", "prefill", "--port", "30000",
                     "--disaggregation-transfer-backend", "nixl")
-    assert (prefill.role, prefill.server.port, prefill.disaggregation_transfer_backend) == ("prefill", 30000, "nixl")
+    assert (prefill.role, prefill.server.port,
+            prefill.disaggregation_transfer_backend) == ("prefill", 30000, "nixl")
     decode = parse(model_dir, "--disaggregation-mode", "decode", "--port", "30001", "--base-gpu-id", "1",
                    "--disaggregation-ib-device", "mlx5_roce0", "--mem-fraction-static", "0.8",
                    "--max-running-requests", "128", "--chunked-prefill-size", "4096", "--tp-size", "1")
-    assert decode.role == "decode" and decode.base_gpu_id == 1 and decode.disaggregation_ib_device == "mlx5_roce0"
+    assert (decode.role == "decode" and decode.base_gpu_id == 1
+            and decode.disaggregation_ib_device == "mlx5_roce0")
     engine = decode.engine
-    assert (engine.mem_fraction_static, engine.max_running_requests, engine.chunked_prefill_size) == (0.8, 128, 4096)
+    assert (engine.mem_fraction_static, engine.max_running_requests,
+            engine.chunked_prefill_size) == (0.8, 128, 4096)
     assert parse(model_dir).role == "colocated"  # --disaggregation-mode null is the default
     # The seeds' DeepSeek command passes --trust-remote-code: accepted, and it runs no checkpoint code.
     assert parse(model_dir, "--trust-remote-code").engine.trust_remote_code

@@ -55,7 +55,8 @@ async def test_snapshot_then_stored_events_then_listener_removed(engine):
             while len(got) < 3:
                 batch = await asyncio.wait_for(stream.read(), 10)
                 assert not batch.snapshot
-                got += [h for e in batch.events if e.kind == worker_pb2.KV_EVENT_KIND_STORED for h in e.page_hashes]
+                got += [h for e in batch.events if e.kind == worker_pb2.KV_EVENT_KIND_STORED
+                        for h in e.page_hashes]
             assert got == page_hashes(second, 16)
             assert servicer.subscribers == 1 and len(engine.pages.cache.listeners) == 1
             stream.cancel()

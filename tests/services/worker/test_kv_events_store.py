@@ -18,7 +18,8 @@ from tests.engine.conftest import generate, random_prompts, start_engine
 from tests.engine.test_hicache import MASTER, Master, wait_for
 from tests.services.worker.test_kv_events import serve
 
-pytestmark = pytest.mark.skipif(not MASTER.exists(), reason="mooncake_master (the Mooncake wheel) is not installed")
+pytestmark = pytest.mark.skipif(not MASTER.exists(),
+                                reason="mooncake_master (the Mooncake wheel) is not installed")
 
 PAGE = 16
 PARAMS = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)

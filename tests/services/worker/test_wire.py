@@ -31,13 +31,16 @@ def test_layout_round_trip() -> None:
 def test_an_mla_layout_and_a_tp_endpoint_of_it_round_trip() -> None:
     layout = KVLayout.mla(num_layers=4, kv_lora_rank=512, qk_rope_head_dim=64, page_size=16, dtype="bfloat16")
     message = layout_to_proto(layout)
-    assert (message.kv_lora_rank, message.qk_rope_head_dim, message.num_kv_heads, message.head_dim) == (512, 64, 1, 576)
+    assert (message.kv_lora_rank, message.qk_rope_head_dim, message.num_kv_heads,
+            message.head_dim) == (512, 64, 1, 576)
     assert layout_from_proto(common_pb2.KVLayout.FromString(message.SerializeToString())) == layout
     ranks = [TransferEndpoint("nixl", layout, "10.0.0.2", 64, b"rank %d" % rank) for rank in range(2)]
     endpoint = TransferEndpoint.of_ranks(ranks)  # a TP-2 worker: each rank holds the whole latent
-    wire = endpoint_from_proto(common_pb2.TransferEndpoint.FromString(endpoint_to_proto(endpoint).SerializeToString()))
+    wire = endpoint_from_proto(common_pb2.TransferEndpoint.FromString(
+        endpoint_to_proto(endpoint).SerializeToString()))
     assert wire == endpoint and wire.layout == layout and wire.ranks() == ranks
-    with pytest.raises(ValueError, match="one head of kv_lora_rank \\+ qk_rope_head_dim = 576 values, got 2 heads"):
+    with pytest.raises(ValueError,
+                       match="one head of kv_lora_rank \\+ qk_rope_head_dim = 576 values, got 2 heads"):
         layout_from_proto(common_pb2.KVLayout(num_layers=4, num_kv_heads=2, head_dim=576, page_size=16,
                                               dtype="bfloat16", kv_lora_rank=512, qk_rope_head_dim=64))
 
