@@ -21,9 +21,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from services.gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 from services.gateway.media_limits import parse_domains
 from services.gateway.middleware import OPEN_PATHS, RequestGuards
-from services.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 from services.gateway.state import GatewayState
 
 ERROR_SCHEMA: dict[str, Any] = {
