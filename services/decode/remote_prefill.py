@@ -149,7 +149,7 @@ class RemotePrefill:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room.id}: {exc}") from None
         room.stage = Stage.TRANSFER
         pages = room.reservation.tail
-        reply = await self._transfer(room, request, wire, prefill_address, pages)
+        reply = await self._transfer(room, request, wire, prefill_address, room.reservation)
         self.backend.release_expectation(room.id)
         if self.checksums:
             await self._check_landed(room.id, pages, reply, prefill_address)
@@ -159,9 +159,10 @@ class RemotePrefill:
         return replace(request, first_token=reply.first)
 
     async def _transfer(self, room: DecodeRoom, request: EngineRequest, wire: worker_pb2.GenerateRequest,
-                        prefill_address: str, pages: list[int]) -> PrefillReply:
-        """Offer `pages` (the reservation's tail: the cached ones are shared with other requests
-        and must never be written) to the prefill under a grant, and call it."""
+                        prefill_address: str, reservation: Reservation) -> PrefillReply:
+        """Offer the reservation's tail (its cached pages are shared with other requests and must
+        never be written) to the prefill under a grant, and call it."""
+        pages = reservation.tail
         if self.checksums and self.backend.one_sided:
             # The landing check takes matching bytes as proof of arrival; a page that held this
             # same prompt before would match before the write lands (KVPool.poison). Inline, not
@@ -172,13 +173,12 @@ class RemotePrefill:
         # prefill given this grant can fill them.
         grant = secrets.token_bytes(16)
         self.backend.expect(room.id, pages, grant=grant)
-        assert room.reservation is not None
         prefill_request = worker_pb2.PrefillRequest(  # the sampling message as the client sent it
             room=room.id, prompt_token_ids=wire.prompt_token_ids if wire.images else request.prompt_ids,
             images=wire.images, sampling=wire.sampling, dst_page_ids=pages, dst=self._endpoint_for(room.id),
             decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
-            skip_pages=room.reservation.cached_pages)
+            skip_pages=reservation.cached_pages)
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(
