@@ -70,11 +70,13 @@ class UpRun:
 
 
 @contextmanager
-def pdserve_up(args: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 240) -> Iterator[UpRun]:
+def pdserve_up(args: Sequence[str], *, env: dict[str, str] | None = None,
+               timeout_s: float = 240) -> Iterator[UpRun]:
     """`pdserve up ARGS` from the repository root, read until "Press Ctrl-C to stop." (or `timeout_s`);
     everything it started is killed when the block ends, whatever happened in it."""
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args], cwd=Path(__file__).resolve().parents[2],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args],
+                          cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env)
     run = UpRun(up)
     try:
         assert up.stdout is not None

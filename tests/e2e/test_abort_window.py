@@ -44,11 +44,13 @@ async def abort_in_window(prefill: Proc, decode: Proc) -> list[tuple[int, int] |
     prompts = prompts_of(LENGTHS, seed=5)
     async with open_channel(decode.address, GrpcSecurity()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        calls = [stub.Generate(worker_pb2.GenerateRequest(room=f"{HELD}{i}", prompt_token_ids=p, sampling=greedy(4),
+        calls = [stub.Generate(worker_pb2.GenerateRequest(room=f"{HELD}{i}", prompt_token_ids=p,
+                                                          sampling=greedy(4),
                                                           prefill_address=prefill.address))
                  for i, p in enumerate(prompts)]
         readers = [asyncio.ensure_future(_drain(call)) for call in calls]
-        await asyncio.to_thread(wait_until, lambda: in_the_window(prefill, decode, sum(LENGTHS), len(prompts)),
+        await asyncio.to_thread(wait_until,
+                                lambda: in_the_window(prefill, decode, sum(LENGTHS), len(prompts)),
                                 BOUND_S, "every request to sit between its KV landing and admission")
         half = len(calls) // 2
         for i in range(half):
@@ -76,7 +78,8 @@ async def _drain(call) -> tuple[int, int] | grpc.aio.AioRpcError:
 
 def test_abort_between_prefill_done_and_admission_frees_pages(cluster: Cluster, tiny_model):
     prefill = cluster.spawn("prefill", worker_args(tiny_model, "prefill", backend=BACKEND))
-    decode = cluster.spawn("decode", ["--hold-admission", HELD, *worker_args(tiny_model, "decode", backend=BACKEND)],
+    decode = cluster.spawn("decode",
+                           ["--hold-admission", HELD, *worker_args(tiny_model, "decode", backend=BACKEND)],
                            module="tools.hooked_worker")
     prefill, decode = prefill.wait_ready(180), decode.wait_ready(180)
     outcomes = asyncio.run(abort_in_window(prefill, decode))

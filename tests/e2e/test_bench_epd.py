@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_epd_reports_ttft_throughput_and_bytes():
-    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "epd", "--requests", "3", "--image-size", "64",
-                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=360)
+    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "epd", "--requests", "3",
+                          "--image-size", "64", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=360)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result["ttft"]) == {"colocated", "epd", "epd_cached"}

@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 def test_bench_prefix_cache_runs_and_the_cache_saves_work(tiny_model, tmp_path):
     out = tmp_path / "out"
     done = pdserve("bench", "prefix-cache", "--model-path", str(tiny_model), "--dtype", "float32",
-                   "--users", "2", "--turns", "3", "--system-len", "64", "--user-len", "16", "--output-len", "8",
-                   "--num-pages", "256", "--output-dir", str(out), "--log-dir", str(tmp_path / "logs"))
+                   "--users", "2", "--turns", "3", "--system-len", "64", "--user-len", "16",
+                   "--output-len", "8", "--num-pages", "256", "--output-dir", str(out),
+                   "--log-dir", str(tmp_path / "logs"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "greedy outputs identical across all runs: yes" in done.stdout
     result = json.loads((out / "prefix_cache.json").read_text())

@@ -14,7 +14,8 @@ from tests.e2e.test_bench_serving import pdserve
 from tools.bench.serving.mooncake_master import binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
-              pytest.mark.skipif(binary() is None, reason="mooncake_master (the Mooncake wheel) is not installed")]
+              pytest.mark.skipif(binary() is None,
+                                 reason="mooncake_master (the Mooncake wheel) is not installed")]
 
 USERS, TURNS = 2, 4
 
@@ -34,7 +35,8 @@ def test_bench_store_case_runs_both_and_the_store_serves_pages(tiny_model, tmp_p
         assert row["requests"] == USERS * TURNS and row["failures"] == 0
         assert 0 < row["prefill_tokens_computed"] <= row["prompt_tokens"]
     assert without["prompt_tokens"] == with_store["prompt_tokens"]
-    assert without["store_hit_pages"] == 0 and without["store_written_pages"] == 0 and without["store_errors"] == 0
+    assert (without["store_hit_pages"] == 0 and without["store_written_pages"] == 0
+            and without["store_errors"] == 0)
     assert with_store["store_hit_pages"] > 0 and with_store["store_written_pages"] > 0
     assert with_store["prefill_tokens_computed"] < without["prefill_tokens_computed"]
     ratio = result["ratios"]["prefill tokens computed with/without store"]

@@ -27,10 +27,11 @@ def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Clu
                                         "--worker", worker.address])
     url = f"http://{gateway.address}"
     out = tmp_path / "out"
-    done = pdserve("bench", "serving", "--base-url", url, "--model", str(tiny_model), "--dataset-name", "random",
-                   "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "6",
-                   "--request-rate", "20", "--max-concurrency", "4", "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000",
-                   "--output-dir", str(out), "--disable-tqdm")
+    done = pdserve("bench", "serving", "--base-url", url, "--model", str(tiny_model),
+                   "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
+                   "--num-prompts", "6", "--request-rate", "20", "--max-concurrency", "4",
+                   "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000", "--output-dir", str(out),
+                   "--disable-tqdm")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "============ Serving Benchmark Result ============" in done.stdout
     assert "Request goodput (req/s):" in done.stdout
@@ -47,20 +48,21 @@ def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Clu
         {"from": "human", "value": f"Tell me about item number {i} and why it matters so much."},
         {"from": "gpt", "value": "It matters because of many reasons, the first of which is this."}]}
         for i in range(4)]))
-    done = pdserve("bench", "serving", "--base-url", url, "--tokenizer", str(tiny_model), "--dataset-name", "sharegpt",
-                   "--dataset-path", str(sharegpt), "--num-prompts", "3", "--output-dir", str(out), "--tag", "sg",
-                   "--disable-tqdm")
+    done = pdserve("bench", "serving", "--base-url", url, "--tokenizer", str(tiny_model),
+                   "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "3",
+                   "--output-dir", str(out), "--tag", "sg", "--disable-tqdm")
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((out / "sg.json").read_text())["completed"] == 3
     done = pdserve("bench", "serving", "--base-url", url, "--model", str(tiny_model), "--workload",
-                   "bg: in=16 out=8 n=4 concurrency=2; long: in=200 out=2 n=2 rate=10", "--output-dir", str(out),
-                   "--tag", "mix", "--disable-tqdm")
+                   "bg: in=16 out=8 n=4 concurrency=2; long: in=200 out=2 n=2 rate=10",
+                   "--output-dir", str(out), "--tag", "mix", "--disable-tqdm")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Class bg" in done.stdout and "Class long" in done.stdout
     assert set(json.loads((out / "mix.json").read_text())["per_class"]) == {"bg", "long"}
 
 
-def test_bench_serving_on_the_chat_endpoint_generates_every_token_asked(cluster: Cluster, tiny_model, tmp_path):
+def test_bench_serving_on_the_chat_endpoint_generates_every_token_asked(cluster: Cluster, tiny_model,
+                                                                         tmp_path):
     """Random prompts as text to /v1/chat/completions, after a warm-up of other prompts: every request
     ends, with the tokens asked for counted from the stream's logprobs as the server's usage says."""
     worker = cluster.start("colocated", worker_args(tiny_model, "null"))
@@ -99,9 +101,9 @@ def test_pd_vs_colocated_smoke_writes_json_and_png(tiny_model, tmp_path):
     out = tmp_path / "out"
     done = pdserve("bench", "pd-vs-colocated", "--model-path", str(tiny_model), "--dtype", "float32",
                    "--transfer-backend", "mooncake", "--num-pages", "512", "--request-rates", "4",
-                   "--long-rate", "2", "--duration", "1.5", "--short-output-len", "8", "--long-input-len", "300",
-                   "--local-prefill-max-tokens", "32", "--output-dir", str(out), "--log-dir", str(tmp_path / "logs"),
-                   "--disable-tqdm")
+                   "--long-rate", "2", "--duration", "1.5", "--short-output-len", "8",
+                   "--long-input-len", "300", "--local-prefill-max-tokens", "32", "--output-dir", str(out),
+                   "--log-dir", str(tmp_path / "logs"), "--disable-tqdm")
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "pd_vs_colocated.json").read_text())
     assert {row["deployment"] for row in summary["rows"]} == {"colocated", "pd", "pd+conditional"}
@@ -127,7 +129,8 @@ def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, 
     for tag in ("colocated-round1", "pd-round1"):
         run = json.loads((out / f"{tag}.json").read_text())
         assert run["warmup_requests"] == 2 and run["completed"] == 3
-        assert all(r["output_tokens"] == 6 and r["prompt_tokens"] > 0 for r in run["requests"]), run["requests"]
+        assert all(r["output_tokens"] == 6 and r["prompt_tokens"] > 0
+                   for r in run["requests"]), run["requests"]
     for row in summary["rows"]:
         assert row["engine_step_ms"] > 0 and row["tpot_over_step"] > 0 and len(row["request_throughput"]) == 1
     assert "| deployment | req/s" in done.stdout
@@ -136,8 +139,10 @@ def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, 
     accounts = summary["accounts"]
     assert set(accounts) == {"colocated, round 1", "pd, round 1"}
     for name, account in accounts.items():
-        assert account["engine_steps"] > 0 and account["account_tpot_ms"] > 0 and account["measured_over_account"] > 0
-        processes = {"gateway", "worker"} if name.startswith("colocated") else {"gateway", "prefill", "decode"}
+        assert (account["engine_steps"] > 0 and account["account_tpot_ms"] > 0
+                and account["measured_over_account"] > 0)
+        processes = ({"gateway", "worker"} if name.startswith("colocated")
+                     else {"gateway", "prefill", "decode"})
         assert set(account["cpu_ms_per_token"]) == processes
         # /proc counts in clock ticks (10 ms): only the process running the model is sure to show some.
         assert all(ms >= 0 for ms in account["cpu_ms_per_token"].values())

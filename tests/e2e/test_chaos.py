@@ -36,8 +36,8 @@ import pytest
 pytestmark = [pytest.mark.e2e]
 
 SHORT_SCENARIOS = "baseline,kill-gateway,disconnects,network-cut-prefill,network-cut-decode"
-SHORT_RUN = ["--backends", "mooncake,nixl", "--scenarios", SHORT_SCENARIOS, "--duration", "4", "--clients", "4",
-             "--disconnects", "100", "--hung-after", "10", "--hung-wait", "10"]
+SHORT_RUN = ["--backends", "mooncake,nixl", "--scenarios", SHORT_SCENARIOS, "--duration", "4",
+             "--clients", "4", "--disconnects", "100", "--hung-after", "10", "--hung-wait", "10"]
 SOAK = ["--backends", "mooncake", "--soak", "30s", "--soak-gap", "4", "--seed", "3",
         "--scenarios", "abort-window,disconnects,baseline", "--disconnects", "12", "--clients", "4",
         "--hung-after", "10", "--hung-wait", "10"]
@@ -56,13 +56,14 @@ def run_chaos(tmp_path: Path, model: Path, args: list[str], timeout_s: float,
               env: dict[str, str] | None = None) -> list[dict]:
     """`pdserve bench chaos --json ARGS`: its rows (the logs under tmp_path/logs, printed on failure)."""
     log_dir = tmp_path / "logs"
-    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "chaos", "--json", "--log-dir", str(log_dir),
-                          "--model-path", str(model), *args],
+    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "chaos", "--json",
+                          "--log-dir", str(log_dir), "--model-path", str(model), *args],
                          capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
     try:
         rows = json.loads(run.stdout)
     except ValueError:
-        pytest.fail(f"no JSON from the suite (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}")
+        pytest.fail(f"no JSON from the suite (exit {run.returncode}):\n"
+                    f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}")
     if any(not row["ok"] for row in rows) or run.returncode != 0:
         print(run.stderr[-8000:])
         print(log_tails(log_dir))
@@ -106,6 +107,7 @@ def test_short_soak(tmp_path, tiny_model):
     wrong, and the command must end by itself (the subprocess timeout is far above its bound)."""
     (row,) = run_chaos(tmp_path, tiny_model, SOAK, timeout_s=360)
     assert row["scenario"] == "soak" and row["backend"] == "mooncake"
-    assert sum(row["faults"].values()) >= 2 and set(row["faults"]) <= {"abort-window", "disconnects", "baseline"}
+    assert (sum(row["faults"].values()) >= 2
+            and set(row["faults"]) <= {"abort-window", "disconnects", "baseline"})
     assert row["sent"] > 0 and row["succeeded"] == row["sent"]  # none of these faults may fail a request
     assert_rows_clean([row])

@@ -76,8 +76,9 @@ def test_compose_up_answers_like_colocated(docker_engine: None, cluster: Cluster
     print(f"\n[compose test] docker/build.sh: {build_s:.0f}s\n{build.stdout.strip()}")
 
     # the reference: the same built-in model (same seed, same bytes) on a colocated worker here
-    worker = cluster.start("colocated", ["launch-server", "--model-path", str(tiny_model), "--disaggregation-mode",
-                                         "null", "--port", "0", "--metrics-port", "0", "--num-threads", "1"])
+    worker = cluster.start("colocated", ["launch-server", "--model-path", str(tiny_model),
+                                         "--disaggregation-mode", "null", "--port", "0",
+                                         "--metrics-port", "0", "--num-threads", "1"])
     reference = cluster.start("gateway-ref", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                               "--worker", worker.address])
     expected = _chat(f"http://{reference.address}/v1")

@@ -27,7 +27,8 @@ def test_local_and_shipped_prompts_match_plain_pd_and_colocated(cluster: Cluster
     prefill, plain, conditional, colocated = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend="mooncake", extra=CHUNK)),
         ("decode-plain", worker_args(tiny_model, "decode", backend="mooncake", extra=CHUNK)),
-        ("decode-conditional", worker_args(tiny_model, "decode", backend="mooncake", extra=(*CHUNK, *CONDITIONAL))),
+        ("decode-conditional", worker_args(tiny_model, "decode", backend="mooncake",
+                                           extra=(*CHUNK, *CONDITIONAL))),
         ("colocated", worker_args(tiny_model, "null", extra=CHUNK)),
     ])
     shipped = run_all(plain.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
@@ -58,17 +59,18 @@ def _completion(url: str, model: str) -> httpx.Response:
 
 def test_gateway_routes_to_a_conditional_decode_when_no_prefill_is_up(cluster: Cluster, tiny_model):
     bootstrap = cluster.bootstrap()
-    decode = cluster.start("decode", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap,
-                                                 extra=CONDITIONAL))
+    decode = cluster.start("decode", worker_args(tiny_model, "decode", backend="mooncake",
+                                                 bootstrap=bootstrap, extra=CONDITIONAL))
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                         "--bootstrap", bootstrap.address])
     url, model = f"http://{gateway.address}", tiny_model.name
-    wait_until(lambda: _completion(url, model).status_code == 200, 60, "the gateway to serve through decode alone")
+    wait_until(lambda: _completion(url, model).status_code == 200, 60,
+               "the gateway to serve through decode alone")
     assert decode.metric("pdserve:local_prefill_requests_total", reason="no_prefill") >= 1
 
     plain = cluster.start("decode-plain", worker_args(tiny_model, "decode", backend="mooncake"))
-    gateway_plain = cluster.start("gateway-plain", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
-                                                    "--decode", plain.address])
+    gateway_plain = cluster.start("gateway-plain", ["launch-router", "--model-path", str(tiny_model),
+                                                    "--port", "0", "--decode", plain.address])
     response = _completion(f"http://{gateway_plain.address}", model)
     assert response.status_code == 503, response.text
     assert "no healthy prefill" in response.json()["error"]["message"]

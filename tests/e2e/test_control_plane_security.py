@@ -86,7 +86,8 @@ def test_cluster_secret_guards_every_control_api(cluster: Cluster, tiny_model, t
         # Health stays open for probes, and tells nothing else.
         assert asyncio.run(health_status(decode.address, attacker)) == health_pb2.HealthCheckResponse.SERVING
     # The deployment itself works with the secret.
-    (result,) = run_all(decode.address, prompts_of([40]), [prefill.address], max_new_tokens=4, security=insider)
+    (result,) = run_all(decode.address, prompts_of([40]), [prefill.address], max_new_tokens=4,
+                        security=insider)
     assert result.code is None and len(result.tokens) == 4
     listed = asyncio.run(call(bootstrap.address, insider, "List", bootstrap_pb2.ListRequest()))
     assert listed == grpc.StatusCode.OK
@@ -100,9 +101,11 @@ async def _attempts(bootstrap: Proc, prefill: Proc, decode: Proc, attacker: Grpc
                                           prefill_address=prefill.address)
     return {
         "Bootstrap/List": await call(bootstrap.address, attacker, "List", bootstrap_pb2.ListRequest()),
-        "Bootstrap/Register": await call(bootstrap.address, attacker, "Register", bootstrap_pb2.RegisterRequest()),
+        "Bootstrap/Register": await call(bootstrap.address, attacker, "Register",
+                                         bootstrap_pb2.RegisterRequest()),
         "Prefill/Prefill": await call(prefill.address, attacker, "Prefill", prefill_request),
-        "Prefill/Abort": await call(prefill.address, attacker, "PrefillAbort", worker_pb2.AbortRequest(room="x")),
+        "Prefill/Abort": await call(prefill.address, attacker, "PrefillAbort",
+                                    worker_pb2.AbortRequest(room="x")),
         "Worker/Generate": (await generate_status(decode.address, attacker, generate))[0],
         "Worker/Abort": await call(decode.address, attacker, "Abort", worker_pb2.AbortRequest(room="x")),
         "Worker/GetLoad": await call(decode.address, attacker, "GetLoad", worker_pb2.GetLoadRequest()),
@@ -137,7 +140,8 @@ def test_mutual_tls_control_plane(cluster: Cluster, tiny_model, tmp_path):
     assert reply.status_code == 200, reply.text
     member = GrpcSecurity(grpc_tls_cert=str(certs["node.pem"]), grpc_tls_key=str(certs["node.key"]),
                           grpc_tls_ca=str(certs["ca.pem"]))
-    assert asyncio.run(call(bootstrap.address, member, "List", bootstrap_pb2.ListRequest())) == grpc.StatusCode.OK
+    assert asyncio.run(call(bootstrap.address, member, "List",
+                            bootstrap_pb2.ListRequest())) == grpc.StatusCode.OK
     strangers = {
         "plaintext": GrpcSecurity(),
         "no client certificate": GrpcSecurity(grpc_tls_ca=str(certs["ca.pem"])),
@@ -172,7 +176,8 @@ async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, 
     security = GrpcSecurity()
     async with open_channel(bootstrap.address, security) as channel:
         registry = bootstrap_pb2_grpc.BootstrapStub(channel)
-        (decode_info,) = (await registry.List(bootstrap_pb2.ListRequest(role=common_pb2.WORKER_ROLE_DECODE))).workers
+        (decode_info,) = (await registry.List(
+            bootstrap_pb2.ListRequest(role=common_pb2.WORKER_ROLE_DECODE))).workers
     endpoint = decode_info.transfer_endpoint
     prompt = list(range(10, 50))  # 3 pages of 16 tokens
 
@@ -200,22 +205,28 @@ async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, 
     return {
         "Prefill: page outside the pool": await unary(prefill.address, prefill_stub, "Prefill",
                                                       prefill_request([0, 1, endpoint.num_pages + 7])),
-        "Prefill: page named twice": await unary(prefill.address, prefill_stub, "Prefill", prefill_request([4, 5, 4])),
+        "Prefill: page named twice": await unary(prefill.address, prefill_stub, "Prefill",
+                                                 prefill_request([4, 5, 4])),
         "Prefill: too few pages": await unary(prefill.address, prefill_stub, "Prefill", prefill_request([1])),
-        "Prefill: no room": await unary(prefill.address, prefill_stub, "Prefill", prefill_request([1, 2, 3], room="")),
+        "Prefill: no room": await unary(prefill.address, prefill_stub, "Prefill",
+                                        prefill_request([1, 2, 3], room="")),
         "Register: role 99": await unary(bootstrap.address, bootstrap_pb2_grpc.BootstrapStub, "Register",
                                          bootstrap_pb2.RegisterRequest(worker=bogus)),
         "List: role 99": await unary(bootstrap.address, bootstrap_pb2_grpc.BootstrapStub, "List",
                                      bootstrap_pb2.ListRequest(role=99)),
-        "Generate: prefill_address of a decode": await generate_status(decode.address, security, worker_pb2.GenerateRequest(
-            room="bad-prefill", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=2),
-            prefill_address=decode.address)),
-        "Generate: token outside the vocabulary": await generate_status(decode.address, security, worker_pb2.GenerateRequest(
-            prompt_token_ids=[10, 1 << 30], sampling=common_pb2.SamplingParams(max_new_tokens=2),
-            prefill_address=prefill.address)),
-        "Generate: negative temperature": await generate_status(decode.address, security, worker_pb2.GenerateRequest(
-            prompt_token_ids=[10, 11], sampling=common_pb2.SamplingParams(max_new_tokens=2, temperature=-1),
-            prefill_address=prefill.address)),
+        "Generate: prefill_address of a decode": await generate_status(
+            decode.address, security, worker_pb2.GenerateRequest(
+                room="bad-prefill", prompt_token_ids=prompt,
+                sampling=common_pb2.SamplingParams(max_new_tokens=2), prefill_address=decode.address)),
+        "Generate: token outside the vocabulary": await generate_status(
+            decode.address, security, worker_pb2.GenerateRequest(
+                prompt_token_ids=[10, 1 << 30], sampling=common_pb2.SamplingParams(max_new_tokens=2),
+                prefill_address=prefill.address)),
+        "Generate: negative temperature": await generate_status(
+            decode.address, security, worker_pb2.GenerateRequest(
+                prompt_token_ids=[10, 11],
+                sampling=common_pb2.SamplingParams(max_new_tokens=2, temperature=-1),
+                prefill_address=prefill.address)),
     }
 
 
@@ -242,8 +253,10 @@ def test_a_room_in_use_is_refused_not_shared(cluster: Cluster, tiny_model):
 
 @pytest.mark.parametrize("with_secret", [False, True])
 def test_a_registry_open_to_other_hosts_without_a_secret_says_so(cluster: Cluster, tmp_path, with_secret):
-    extra = ["--cluster-secret-file", security_with(tmp_path, "s3cret").cluster_secret_file] if with_secret else []
-    registry = cluster.start("bootstrap", ["bootstrap", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "0",
-                                           *extra])
-    warned = "listens on 0.0.0.0 without a cluster secret: anyone who can reach this address" in registry.log()
+    extra = (["--cluster-secret-file", security_with(tmp_path, "s3cret").cluster_secret_file]
+             if with_secret else [])
+    registry = cluster.start("bootstrap", ["bootstrap", "--host", "0.0.0.0", "--port", "0",
+                                           "--metrics-port", "0", *extra])
+    warned = ("listens on 0.0.0.0 without a cluster secret: anyone who can reach this address"
+              in registry.log())
     assert warned is not with_secret, registry.log()[-2000:]

@@ -55,13 +55,16 @@ def test_pd_dp_attention_matches_hf(cluster: Cluster, deepseek, prefill_layout, 
     reserved them; a second round extending the first hits the prefix caches of the groups."""
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
-        ("prefill", worker_args(deepseek, "prefill", backend=backend, bootstrap=bootstrap, extra=prefill_layout)),
-        ("decode", worker_args(deepseek, "decode", backend=backend, bootstrap=bootstrap, extra=decode_layout)),
+        ("prefill", worker_args(deepseek, "prefill", backend=backend, bootstrap=bootstrap,
+                                extra=prefill_layout)),
+        ("decode", worker_args(deepseek, "decode", backend=backend, bootstrap=bootstrap,
+                               extra=decode_layout)),
     ])
     first = prompts_of(LENGTHS, seed=52)
     second = [p + q for p, q in zip(first[2:], prompts_of([20] * 4, seed=53), strict=True)]
     expected = hf_greedy(deepseek, first + second)
-    for prompts, want, what in ((first, expected[:len(first)], "cold"), (second, expected[len(first):], "prefix hits")):
+    for prompts, want, what in ((first, expected[:len(first)], "cold"),
+                                (second, expected[len(first):], "prefix hits")):
         got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
         assert_matches(got, want, f"{backend} PD {what}")
     if prefill_layout in (DP2, DP2_EP2):  # both prefill groups computed prompts and wrote their pages
@@ -72,7 +75,8 @@ def test_pd_dp_attention_matches_hf(cluster: Cluster, deepseek, prefill_layout, 
             for group in ("0", "1"):
                 assert proc.metric("pdserve:dp_rank_requests_total", dp_rank=group) > 0, proc.name
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
 
 
 def test_clients_leaving_at_any_stage_leave_no_page_held_on_any_group(cluster: Cluster, deepseek):
@@ -87,13 +91,14 @@ def test_clients_leaving_at_any_stage_leave_no_page_held_on_any_group(cluster: C
     ])
     prompts = prompts_of([400] * 8, seed=54)
     with ThreadPoolExecutor(8) as pool:
-        cut = list(pool.map(lambda pair: run_all(decode.address, [pair[1]], [prefill.address], max_new_tokens=64,
-                                                 timeout_s=pair[0])[0],
+        cut = list(pool.map(lambda pair: run_all(decode.address, [pair[1]], [prefill.address],
+                                                 max_new_tokens=64, timeout_s=pair[0])[0],
                             zip([0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], prompts, strict=True)))
     assert any(r.code == grpc.StatusCode.DEADLINE_EXCEEDED for r in cut), [r.code for r in cut]
     for proc in (prefill, decode):
         for group in ("0", "1"):
-            wait_until(lambda proc=proc, group=group: proc.metric("pdserve:dp_rank_kv_pages_used", dp_rank=group) == 0,
+            wait_until(lambda proc=proc, group=group:
+                       proc.metric("pdserve:dp_rank_kv_pages_used", dp_rank=group) == 0,
                        60, f"{proc.name}'s group {group} pages to be free")
     again = prompts_of([30, 90], seed=55)
     got = run_all(decode.address, again, [prefill.address] * 2, max_new_tokens=NEW_TOKENS)

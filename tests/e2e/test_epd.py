@@ -41,12 +41,13 @@ class Epd:
     decode: Proc | None = None  # PD: the decode worker (it keeps its tower, for a retraction only)
 
     def client(self, gateway: Proc) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
 
 
 def encoder_args(model_dir: Path, backend: str, bootstrap: Proc | None = None) -> list[str]:
-    args = ["launch-server", "--model-path", str(model_dir), "--encoder-only", "--port", "0", "--metrics-port", "0",
-            "--num-threads", "1", "--encoder-transfer-backend", backend]
+    args = ["launch-server", "--model-path", str(model_dir), "--encoder-only", "--port", "0",
+            "--metrics-port", "0", "--num-threads", "1", "--encoder-transfer-backend", backend]
     return args + (["--bootstrap", bootstrap.address] if bootstrap else [])
 
 
@@ -125,7 +126,8 @@ def epd(request, vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def assert_idle(worker: Proc, *others: Proc) -> None:
     wait_until(lambda: worker.metric("pdserve:embedding_pages_used") == 0, 30, "embedding pages to be free")
     for proc in (worker, *others):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s KV pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s KV pages to be free")
 
 
 @pytest.mark.parametrize(("parts", "pictures"), [
@@ -173,7 +175,8 @@ def test_forged_encoder_calls_are_refused_before_writing(epd: Epd, tmp_path: Pat
                       "untouched": True, "landed": True}
 
 
-def test_frozen_or_killed_encoder_means_retry_then_503(vl_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def test_frozen_or_killed_encoder_means_retry_then_503(vl_model: Path,
+                                                       tmp_path_factory: pytest.TempPathFactory):
     """Two encoders; one frozen (SIGSTOP): every request still succeeds, those sent to it after one
     retry on the other. The other killed (SIGKILL) too: a 503 that says why. Pages idle after each."""
     backend = "mooncake"
@@ -181,7 +184,8 @@ def test_frozen_or_killed_encoder_means_retry_then_503(vl_model: Path, tmp_path_
         try:
             frozen, killed = cluster.start_many([("encoder-a", encoder_args(vl_model, backend)),
                                                  ("encoder-b", encoder_args(vl_model, backend))])
-            worker = cluster.start("worker", language_only_args(vl_model, backend, [frozen, killed], timeout_s=5))
+            worker = cluster.start("worker", language_only_args(vl_model, backend, [frozen, killed],
+                                                                timeout_s=5))
             epd = Epd(vl_model, start_gateway(cluster, vl_model, worker), worker, [frozen, killed], backend)
             frozen.send(signal.SIGSTOP)
             for seed in (21, 22):  # round robin: one of them goes to the frozen encoder first

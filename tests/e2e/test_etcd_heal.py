@@ -61,7 +61,8 @@ def test_etcd_restarted_on_its_data_or_wiped_heals_and_the_gateway_serves(
             try:
                 listed = registered(registry.address)
                 return (sorted(listed.values()) == addresses and watched(registry.address) == listed
-                        and httpx.get(f"http://{gateway.address}/health", timeout=5).json().get("workers") == BOTH)
+                        and httpx.get(f"http://{gateway.address}/health", timeout=5).json().get("workers")
+                        == BOTH)
             except Exception:  # noqa: BLE001 - the registry refuses List while etcd is away
                 return False
 

@@ -153,8 +153,8 @@ def test_up_runs_two_registries_on_etcd(tiny_model: Path, tmp_path: Path) -> Non
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         args = ["--model-path", str(tiny_model), "--port", str(port), "--transfer-backend", BACKEND,
-                "--worker-threads", "1", "--log-dir", str(tmp_path / "logs"), "--etcd-endpoints", etcd.endpoint,
-                "--num-registries", "2"]
+                "--worker-threads", "1", "--log-dir", str(tmp_path / "logs"),
+                "--etcd-endpoints", etcd.endpoint, "--num-registries", "2"]
         with pdserve_up(args, env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret_file.read_text()}) as up:
             output = up.output
             assert "Press Ctrl-C to stop." in output, output

@@ -28,14 +28,16 @@ CHATS = ("Tell me about the river.", "Write a poem about the sea, please.")
 def test_ep_prefill_to_deepep_decode_matches_colocated_tp1(cluster: Cluster, model_name, request):
     model = request.getfixturevalue(model_name)
     prefill, decode, colocated = cluster.start_many([
-        ("prefill", worker_args(model, "prefill", backend="mooncake", extra=(*CHUNK, "--tp", "2", "--ep", "2"))),
+        ("prefill", worker_args(model, "prefill", backend="mooncake",
+                                extra=(*CHUNK, "--tp", "2", "--ep", "2"))),
         ("decode", worker_args(model, "decode", backend="mooncake",
                                extra=(*CHUNK, "--tp", "2", "--moe-a2a-backend", "deepep"))),
         ("colocated", worker_args(model, "null", extra=CHUNK)),
     ])
     assert ("--moe-a2a-backend deepep: DeepEP needs NVIDIA GPUs with NVSHMEM; `import deep_ep` failed"
             in decode.log())
-    assert "using torch.distributed all_to_all over gloo instead: identical output, only speed differs" in decode.log()
+    assert ("using torch.distributed all_to_all over gloo instead: identical output, only speed differs"
+            in decode.log())
 
     prompts = prompts_of([1, 17, 64, 130], seed=31)
     pd = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=8)

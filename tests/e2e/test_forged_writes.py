@@ -60,8 +60,8 @@ async def forge(registry_address: str, prefill_address: str, security: GrpcSecur
         stub = worker_pb2_grpc.PrefillStub(channel)
         for index in range(calls):
             request = worker_pb2.PrefillRequest(
-                room=f"forged-{index}", prompt_token_ids=PROMPT, model="tiny", dst_page_ids=PAGES, dst=endpoint,
-                sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=1),
+                room=f"forged-{index}", prompt_token_ids=PROMPT, model="tiny", dst_page_ids=PAGES,
+                dst=endpoint, sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=1),
                 grant=secrets.token_bytes(16) if index % 2 else b"")
             try:
                 await stub.Prefill(request, timeout=30)
@@ -77,7 +77,8 @@ async def forge(registry_address: str, prefill_address: str, security: GrpcSecur
 DP_DECODE = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
 
 
-@pytest.mark.parametrize(("backend", "decode_layout"), [("mooncake", ()), ("nixl", ()), ("mooncake", DP_DECODE)],
+@pytest.mark.parametrize(("backend", "decode_layout"),
+                         [("mooncake", ()), ("nixl", ()), ("mooncake", DP_DECODE)],
                          ids=["mooncake", "nixl", "mooncake-dp-decode"])
 def test_forged_prefill_calls_cannot_touch_other_rooms(cluster: Cluster, tiny_model, tmp_path, backend,
                                                        decode_layout):

@@ -47,13 +47,15 @@ class System:
 
     def client(self, gateway: Proc | None = None) -> openai.OpenAI:
         target = gateway or self.gateway
-        return openai.OpenAI(base_url=f"http://{target.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"http://{target.address}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
 
     def url(self, path: str, gateway: Proc | None = None) -> str:
         return f"http://{(gateway or self.gateway).address}{path}"
 
 
-def start_parallel(cluster: Cluster, specs: list[tuple[str, list[str]]], timeout_s: float = 180) -> list[Proc]:
+def start_parallel(cluster: Cluster, specs: list[tuple[str, list[str]]],
+                   timeout_s: float = 180) -> list[Proc]:
     """Start several services at once (model loading overlaps), then wait for each ready line."""
     return cluster.start_many(specs, timeout_s)
 
@@ -90,7 +92,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
                                  "--worker", f"http://{colocated.address}"])])
             system = System(cluster, model_dir, "tiny", bootstrap, [prefill_0, prefill_1], decode, colocated,
                             gateway, reference)
-            wait_until(lambda: gateway_health(system).get("workers") == {"prefill": 2, "decode": 1, "colocated": 0},
+            wait_until(lambda: gateway_health(system).get("workers")
+                       == {"prefill": 2, "decode": 1, "colocated": 0},
                        30, "the gateway to discover 2 prefill and 1 decode workers")
             yield system
             leaks = {name: count for name, count in leak_detections(cluster).items() if count}
@@ -117,16 +120,19 @@ def test_chat_non_stream_equals_colocated(system: System) -> None:
 
 def test_chat_stream_with_usage_equals_colocated(system: System) -> None:
     def stream(client: openai.OpenAI) -> tuple[str, list, object]:
-        chunks = list(client.chat.completions.create(model=system.model, messages=CHAT, max_tokens=24, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        chunks = list(client.chat.completions.create(model=system.model, messages=CHAT, max_tokens=24,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         return text, chunks, chunks[-1].usage
 
     (pd_text, pd_chunks, pd_usage), (ref_text, _, ref_usage) = both(system, stream)
-    whole = system.client().chat.completions.create(model=system.model, messages=CHAT, max_tokens=24, temperature=0)
+    whole = system.client().chat.completions.create(model=system.model, messages=CHAT, max_tokens=24,
+                                                    temperature=0)
     assert pd_text == ref_text == whole.choices[0].message.content
     assert pd_chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].finish_reason for c in pd_chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [c.choices[0].finish_reason for c in pd_chunks
+            if c.choices and c.choices[0].finish_reason] == ["length"]
     assert pd_chunks[-1].choices == [] and pd_usage is not None
     assert (pd_usage.prompt_tokens, pd_usage.completion_tokens) == (ref_usage.prompt_tokens, 24)
     assert pd_usage.prompt_tokens == whole.usage.prompt_tokens
@@ -151,16 +157,18 @@ def test_completions_n2_stream_and_not_equal_colocated(system: System) -> None:
 
 
 def test_stop_strings_equal_colocated(system: System) -> None:
-    full = system.client(system.reference).completions.create(model=system.model, prompt=PROMPTS[1], max_tokens=24,
-                                                              temperature=0).choices[0].text
+    full = system.client(system.reference).completions.create(model=system.model, prompt=PROMPTS[1],
+                                                              max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert stop.strip(), f"need a visible stop string from {full!r}"
-    pd, ref = both(system, lambda c: c.completions.create(model=system.model, prompt=PROMPTS[1], max_tokens=24,
-                                                          temperature=0, stop=[stop, "@@never@@"]))
+    pd, ref = both(system, lambda c: c.completions.create(model=system.model, prompt=PROMPTS[1],
+                                                          max_tokens=24, temperature=0,
+                                                          stop=[stop, "@@never@@"]))
     assert pd.choices[0].text == ref.choices[0].text == full[:full.index(stop)]
     assert pd.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in system.client().completions.create(
-        model=system.model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
+        model=system.model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop, stream=True)
+        if c.choices)
     assert streamed == full[:full.index(stop)]
 
 
@@ -177,8 +185,8 @@ def test_logprobs_equal_colocated(system: System) -> None:
         assert ours.bytes == list(ours.token.encode())
     assert "".join(t.token for t in pd_content) == pd.choices[0].message.content
 
-    text = system.client().completions.create(model=system.model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                              logprobs=2)
+    text = system.client().completions.create(model=system.model, prompt=PROMPTS[0], max_tokens=6,
+                                              temperature=0, logprobs=2)
     logprobs = text.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
@@ -228,7 +236,8 @@ def test_disconnect_during_prefill_frees_pages_on_both_workers(system: System, s
     baseline = {w.name: pages_in_use(w) for w in workers}
     aborts = system.gateway.metric("pdserve:gateway_aborts_total")
     # a long prompt (slow prefill) and a client that hangs up before any byte of the answer
-    body = json.dumps({"model": system.model, "prompt": [7] * 3500, "max_tokens": 200, "stream": stream}).encode()
+    body = json.dumps({"model": system.model, "prompt": [7] * 3500, "max_tokens": 200,
+                       "stream": stream}).encode()
     host, port = system.gateway.address.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
@@ -255,7 +264,8 @@ def test_bad_input_statuses_and_bodies(system: System) -> None:
     # the worker rejects it (INVALID_ARGUMENT): 400 with the worker's own message, no retry
     retries = system.gateway.metric("pdserve:gateway_retries_total")
     with pytest.raises(openai.BadRequestError) as worker_said:
-        client.completions.create(model=system.model, prompt="x", max_tokens=4, extra_body={"stop_token_ids": [-1]})
+        client.completions.create(model=system.model, prompt="x", max_tokens=4,
+                                  extra_body={"stop_token_ids": [-1]})
     assert "stop_token_ids" in worker_said.value.message
     assert system.gateway.metric("pdserve:gateway_retries_total") == retries
     malformed = httpx.post(system.url("/v1/chat/completions"), content=b"{not json",
@@ -276,7 +286,8 @@ def test_dead_static_worker_is_retried_around_and_its_circuit_opens(system: Syst
         "--worker", f"http://{system.colocated.address}", "--worker", dead])])
     client = system.client(gateway)
     for prompt in PROMPTS * 2:
-        assert client.completions.create(model=system.model, prompt=prompt, max_tokens=4, temperature=0).choices
+        assert client.completions.create(model=system.model, prompt=prompt, max_tokens=4,
+                                         temperature=0).choices
     assert gateway.metric("pdserve:gateway_retries_total") == 2  # the breaker opened after 2 failures
     assert gateway.metric("pdserve:gateway_worker_circuit_state", worker=dead) == 2  # open
     assert gateway.metric("pdserve:gateway_worker_circuit_state", worker=system.colocated.address) == 0
@@ -285,12 +296,14 @@ def test_dead_static_worker_is_retried_around_and_its_circuit_opens(system: Syst
 
 
 def test_worker_started_later_gets_traffic(system: System) -> None:
-    (late,) = start_parallel(system.cluster, [("prefill-2", worker_args(system.model_dir, "prefill", system.bootstrap))])
+    (late,) = start_parallel(system.cluster,
+                             [("prefill-2", worker_args(system.model_dir, "prefill", system.bootstrap))])
     system.prefills.append(late)
     wait_until(lambda: gateway_health(system)["workers"]["prefill"] == 3, 30, "the gateway to see prefill-2")
     client = system.client()
     for prompt in PROMPTS * 2:  # round robin over 3 prefill workers: prefill-2 gets 2 of 6
-        assert client.completions.create(model=system.model, prompt=prompt, max_tokens=4, temperature=0).choices
+        assert client.completions.create(model=system.model, prompt=prompt, max_tokens=4,
+                                         temperature=0).choices
     assert system.gateway.metric("pdserve:gateway_worker_requests_total", worker=late.address) >= 1
     assert late.metric("pdserve:prompt_tokens_total") > 0
 
@@ -311,8 +324,8 @@ def test_killing_a_prefill_under_load_is_invisible_to_clients(system: System) ->
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(ask, i) for i in range(16)]
-        wait_until(lambda: victim.metric("pdserve:prompt_tokens_total") > 0 or any(f.done() for f in futures), 30,
-                   "the victim to start prefilling")
+        wait_until(lambda: victim.metric("pdserve:prompt_tokens_total") > 0 or any(f.done() for f in futures),
+                   30, "the victim to start prefilling")
         victim.kill(signal.SIGKILL)
         futures += [pool.submit(ask, i) for i in range(8)]  # it is still registered for a moment
         answers = [future.result() for future in futures]  # any client-visible error raises here

@@ -24,7 +24,8 @@ from tests.e2e.test_pd_services import assert_pages_idle
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 BOUND_S = 30.0
-FAST_LEASE = {"PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+FAST_LEASE = {"PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",
+              "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the river and the city."}]
 
 
@@ -106,7 +107,8 @@ def test_registry_restart_keeps_workers_routable(cluster: Cluster, tiny_model):
 
     Heartbeats every 4 s: the restarted registry learns of the workers up to 4 s after it is back,
     while the gateway's watch reconnects sooner and sees it empty; requests must keep succeeding."""
-    cluster.env.update(PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="4", PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2")
+    cluster.env.update(PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="4",
+                       PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2")
     bootstrap = cluster.bootstrap()
     port = bootstrap.address.rsplit(":", 1)[1]
     cluster.start_many([

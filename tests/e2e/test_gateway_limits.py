@@ -54,14 +54,14 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
             worker = cluster.start("colocated", worker_args(str(model_dir), "null"))
             main, admit = cluster.start_many([
                 ("gateway-main", router(model_dir, worker, "--body-read-timeout", "2")),
-                ("gateway-admit", router(model_dir, worker, "--max-concurrent-requests", "1", "--queue-size", "1",
-                                         "--queue-timeout", "2", "--retry-after", "7"))])
+                ("gateway-admit", router(model_dir, worker, "--max-concurrent-requests", "1",
+                                         "--queue-size", "1", "--queue-timeout", "2", "--retry-after", "7"))])
             cluster.env["PDSERVE_API_KEY"] = KEY
             auth = cluster.start("gateway-auth", router(model_dir, worker, "--metrics-require-api-key"))
             cluster.env.pop("PDSERVE_API_KEY")
             for gateway in (main, admit, auth):  # ready once a health probe has reached the worker
-                wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code == 200,
-                           30, f"{gateway.name} to be ready")
+                wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code
+                           == 200, 30, f"{gateway.name} to be ready")
             yield Gateways(cluster, worker, main, admit, auth)
         except BaseException:
             print(cluster.logs())
@@ -89,31 +89,37 @@ def raw(value: dict) -> bytes:
 CORPUS: list[tuple[str, bytes, str | None]] = [
     ("/v1/chat/completions", raw({**CHAT, "top_k": 1099511627776}), "top_k"),
     ("/v1/chat/completions", raw({**CHAT, "stop_token_ids": [1099511627776]}), "stop_token_ids.0"),
-    ("/v1/chat/completions", raw({**CHAT, "stop_token_ids": [4096]}), "stop_token_ids"),  # past the vocabulary
+    ("/v1/chat/completions", raw({**CHAT, "stop_token_ids": [4096]}),
+     "stop_token_ids"),  # past the vocabulary
     ("/v1/chat/completions", raw({**CHAT, "seed": 2**70}), "seed"),
     ("/v1/chat/completions", raw({**CHAT, "seed": -(2**63) - 1}), "seed"),
     ("/v1/chat/completions", raw({**CHAT, "messages": [{"role": "user", "content": "\ud800 x"}]}),
      "messages.0.content"),
-    ("/v1/chat/completions", raw({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}),
+    ("/v1/chat/completions",
+     raw({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}),
      "messages.0.content"),
     ("/v1/chat/completions", raw({**CHAT, "messages": [{"role": "user", "content": "x", "name": "\ud800"}]}),
      "messages.0"),
     ("/v1/chat/completions", raw({**CHAT, "stop": ["\ud800"]}), "stop"),
     ("/v1/chat/completions", raw({**CHAT, "user": "\udfff"}), "user"),
     ("/v1/chat/completions", raw({**CHAT, "model": "\ud800"}), "model"),
-    ("/v1/chat/completions", raw({**CHAT, "tools": [{"type": "function", "function": {"name": "\ud800"}}]}), "tools.0"),
+    ("/v1/chat/completions", raw({**CHAT, "tools": [{"type": "function", "function": {"name": "\ud800"}}]}),
+     "tools.0"),
     ("/v1/chat/completions", raw({**CHAT, "chat_template_kwargs": {"\ud800": True}}), "chat_template_kwargs"),
     ("/v1/chat/completions", raw({**CHAT, "max_tokens": 2**40}), "max_tokens"),
     ("/v1/chat/completions", raw({**CHAT, "max_tokens": 5000}), "max_tokens"),  # past the context
     ("/v1/chat/completions", raw({**CHAT, "temperature": "0.5"}), "temperature"),  # strict: no coercion
     ("/v1/chat/completions", raw({**CHAT, "n": True}), "n"),
     ("/v1/chat/completions", raw({**CHAT, "n": 129}), "n"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                             b'"temperature": NaN}',
      "temperature"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                             b'"top_p": Infinity}',
      "top_p"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [', None),  # malformed JSON
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+     None),
     ("/v1/completions", raw({**TEXT, "prompt": [[1, 2], [4096]]}), "prompt"),
     ("/v1/completions", raw({**TEXT, "prompt": [1, -1]}), "prompt"),
     ("/v1/completions", raw({**TEXT, "prompt": ["a"] * 1000, "n": 128}), "n"),  # 128,000 generations
@@ -127,7 +133,8 @@ CORPUS: list[tuple[str, bytes, str | None]] = [
     ("/generate", raw({"text": "hi", "rid": "\ud800"}), "rid"),
     ("/generate", raw({"text": "hi", "rid": "a b\r\nX-Injected: 1"}), "rid"),
     ("/generate", raw({"text": "hi", "sampling_params": {"top_k": 2**31}}), "sampling_params.top_k"),
-    ("/generate", raw({"text": "hi", "sampling_params": {"temperature": 1e39}}), "sampling_params.temperature"),
+    ("/generate", raw({"text": "hi", "sampling_params": {"temperature": 1e39}}),
+     "sampling_params.temperature"),
     ("/generate", raw({"input_ids": [[1]] * 257}), "input_ids"),
 ]
 
@@ -149,7 +156,8 @@ def test_fanout_over_the_limit_starts_no_generation(gateways: Gateways) -> None:
     routed = gateways.main.metric("pdserve:gateway_worker_requests_total")
     with Wire(gateways.main.address) as wire:
         answer = wire.post("/v1/completions", raw({**TEXT, "prompt": ["x"] * 1000, "n": 128}))
-    assert "128000 generations" in assert_error(answer, 400, param="n", code="too_many_generations")["message"]
+    error = assert_error(answer, 400, param="n", code="too_many_generations")
+    assert "128000 generations" in error["message"]
     assert gateways.main.metric("pdserve:gateway_worker_requests_total") == routed
 
 
@@ -191,8 +199,8 @@ def test_prompts_far_beyond_the_context_are_refused_without_tokenizing(gateways:
 
 
 def test_best_of_returns_the_best_n(gateways: Gateways) -> None:
-    body = {**TEXT, "prompt": ["The river", "Once"], "max_tokens": 4, "n": 1, "best_of": 3, "temperature": 1.0,
-            "seed": 5}
+    body = {**TEXT, "prompt": ["The river", "Once"], "max_tokens": 4, "n": 1, "best_of": 3,
+            "temperature": 1.0, "seed": 5}
     answer = httpx.post(f"http://{gateways.main.address}/v1/completions", json=body, timeout=60).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     assert answer["usage"]["completion_tokens"] == 2 * 3 * 4  # every candidate is generated
@@ -201,7 +209,8 @@ def test_best_of_returns_the_best_n(gateways: Gateways) -> None:
                       timeout=60) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    streamed = sorted((json.loads(e)["choices"][0]["index"], json.loads(e)["choices"][0]["text"]) for e in events[:-1])
+    streamed = sorted((json.loads(e)["choices"][0]["index"], json.loads(e)["choices"][0]["text"])
+                      for e in events[:-1])
     assert streamed == [(c["index"], c["text"]) for c in answer["choices"]]  # same seed, same best
 
 
@@ -265,8 +274,8 @@ def test_a_client_leaving_the_queue_frees_its_place(gateways: Gateways) -> None:
         host, port = gateway.address.split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(request_bytes("POST", "/v1/completions", body))
-            wait_until(lambda: gateway.metric("pdserve:gateway_admission_waiting_requests", model=MODEL) == 1, 30,
-                       "the request to wait for admission")
+            wait_until(lambda: gateway.metric("pdserve:gateway_admission_waiting_requests",
+                                              model=MODEL) == 1, 30, "the request to wait for admission")
         # hung up while queued: its place is freed long before --queue-timeout could shed it
         wait_until(lambda: gateway.metric("pdserve:gateway_admission_waiting_requests", model=MODEL) == 0, 30,
                    "the queue to forget the client that left")
@@ -282,7 +291,8 @@ def test_a_client_leaving_the_queue_frees_its_place(gateways: Gateways) -> None:
 def test_api_key_guards_every_route_but_health(gateways: Gateways) -> None:
     base = f"http://{gateways.auth.address}"
     with Wire(gateways.auth.address) as wire:
-        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT), ("/generate", {"text": "x"})):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT),
+                           ("/generate", {"text": "x"})):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                             {"Authorization": f"Basic {KEY}"}):
                 answer = wire.post(path, raw(body), headers)

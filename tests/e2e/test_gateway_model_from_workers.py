@@ -61,9 +61,11 @@ def test_seed_router_command_learns_model_from_workers(cluster: Cluster, tiny_mo
         return httpx.get(f"http://{gateway.address}/health", timeout=5)
 
     wait_until(lambda: health().status_code == 200, 60, "the gateway to become healthy")
-    wait_until(lambda: gateway.log().count("refusing colocated") == 2, 30, "the gateway to refuse two workers")
+    wait_until(lambda: gateway.log().count("refusing colocated") == 2, 30,
+               "the gateway to refuse two workers")
     log = gateway.log()
-    assert f"refusing colocated {renamed.address}: it serves model 'another-name', this gateway serves 'tiny'" in log
+    assert (f"refusing colocated {renamed.address}: it serves model 'another-name', "
+            "this gateway serves 'tiny'") in log
     assert f"refusing colocated {retokenized.address}: its tokenizer files differ" in log
     assert health().json() == {"status": "ok", "model": "tiny",
                                "workers": {"prefill": 1, "decode": 1, "colocated": 0}}
@@ -98,7 +100,8 @@ def test_registry_worker_with_another_tokenizer_is_refused(cluster: Cluster, tin
     gateway = cluster.start("gateway", ["launch-router", "--bootstrap", bootstrap.address, "--port", "0"])
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to admit the prefill and decode workers")
-    retokenized = cluster.start("retokenized", _worker(other_tokenizer, "null", "--bootstrap", bootstrap.address))
+    retokenized = cluster.start("retokenized", _worker(other_tokenizer, "null",
+                                                       "--bootstrap", bootstrap.address))
     wait_until(lambda: f"refusing colocated {retokenized.address}" in gateway.log(), 30,
                "the gateway to refuse the worker with another tokenizer")
     assert "its tokenizer files differ" in gateway.log()

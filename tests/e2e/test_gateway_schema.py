@@ -45,7 +45,8 @@ def test_schemathesis_finds_nothing(cluster: Cluster, tiny_model: Path, tmp_path
                "--seed", "20261124", "--no-color", "--output-sanitize", "false"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.e2e.schemathesis_hooks",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=max_time_s + 300)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=max_time_s + 300)
     report = result.stdout[-20000:] + result.stderr[-4000:]
     assert result.returncode == 0, report
     assert "Tested: 7" in report, report  # every operation of the document was exercised

@@ -37,8 +37,9 @@ def free_port() -> int:
 
 def test_up_serves_and_stops_everything_on_ctrl_c(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    with pdserve_up(["--model-path", str(model_dir), "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
-                     "--log-dir", str(tmp_path / "logs"), "--worker-threads", "1"]) as up:
+    with pdserve_up(["--model-path", str(model_dir), "--port", str(port), "--num-prefill", "1",
+                     "--num-decode", "1", "--log-dir", str(tmp_path / "logs"),
+                     "--worker-threads", "1"]) as up:
         output = up.output
         assert "Press Ctrl-C to stop." in output, output
         curl = re.search(r"curl (\S+) -H 'Content-Type: application/json' -d '(.+)'", output)

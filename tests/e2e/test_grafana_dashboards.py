@@ -78,10 +78,12 @@ class Prometheus:
                                                                         "labels": {"service": service}}]}
                 for service, address in targets.items()]
         config = self.workdir / "prometheus.yml"
-        config.write_text(json.dumps({"global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s"}, "scrape_configs": jobs}))
+        config.write_text(json.dumps({"global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s"},
+                                      "scrape_configs": jobs}))
         with open(self.workdir / "prometheus.log", "w") as log_file:
             self.proc = subprocess.Popen(
-                [shutil.which("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                [shutil.which("prometheus"), f"--config.file={config}",
+                 f"--storage.tsdb.path={self.workdir / 'tsdb'}",
                  f"--web.listen-address={self.url.removeprefix('http://')}"],
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -145,7 +147,8 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to become healthy")
     targets = {"gateway": gateway.address, "bootstrap": f"{bootstrap.host}:{bootstrap.metrics_port}",
-               "prefill": f"{prefill.host}:{prefill.metrics_port}", "decode": f"{decode.host}:{decode.metrics_port}",
+               "prefill": f"{prefill.host}:{prefill.metrics_port}",
+               "decode": f"{decode.host}:{decode.metrics_port}",
                "prefill-2": f"{prefill_2.host}:{prefill_2.metrics_port}"}
     start = time.time()
     prometheus.start(targets)
@@ -163,27 +166,32 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
         print(prometheus.log())
         raise
 
-    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
     for index in range(6):
-        chunks = client.chat.completions.create(model="tiny", max_tokens=16, temperature=0, stream=True,
-                                                messages=[{"role": "user", "content": f"Tell me story {index}."}])
+        chunks = client.chat.completions.create(
+            model="tiny", max_tokens=16, temperature=0, stream=True,
+            messages=[{"role": "user", "content": f"Tell me story {index}."}])
         assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        client.completions.create(model="tiny", prompt=f"Once upon a time {index}", max_tokens=8, temperature=0)
+        client.completions.create(model="tiny", prompt=f"Once upon a time {index}", max_tokens=8,
+                                  temperature=0)
     # The store panels need a fetch: a prompt the other prefill worker wrote through, sent again.
     for worker in (prefill, prefill_2):
-        wait_until(lambda worker=worker: worker.metric("pdserve:hicache_store_up") == 1, 60, f"{worker.name}'s store")
+        wait_until(lambda worker=worker: worker.metric("pdserve:hicache_store_up") == 1, 60,
+                   f"{worker.name}'s store")
     shared = [{"role": "user", "content": " ".join(f"shared prompt word {i}" for i in range(40))}]
     client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=shared)
     wait_until(lambda: prefill.metric("pdserve:hicache_written_pages_total")
                + prefill_2.metric("pdserve:hicache_written_pages_total") > 0, 60, "the write-through")
     client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=shared)
-    assert prefill.metric("pdserve:hicache_hit_pages_total") + prefill_2.metric("pdserve:hicache_hit_pages_total") > 0
+    assert (prefill.metric("pdserve:hicache_hit_pages_total")
+            + prefill_2.metric("pdserve:hicache_hit_pages_total") > 0)
     with pytest.raises(openai.NotFoundError):  # the errors panels need an error
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
     def scraped_all_traffic() -> bool:
-        result = httpx.get(f"{url}/api/v1/query", timeout=5, params={
-            "query": 'sum(pdserve:gateway_requests_total{endpoint=~".*completions"})'}).json()["data"]["result"]
+        query = 'sum(pdserve:gateway_requests_total{endpoint=~".*completions"})'
+        result = httpx.get(f"{url}/api/v1/query", timeout=5, params={"query": query}).json()["data"]["result"]
         return bool(result) and float(result[0]["value"][1]) >= 13
     wait_until(scraped_all_traffic, 30, "Prometheus to scrape the requests sent")
     time.sleep(3 * SCRAPE_INTERVAL_S)  # a few more scrapes, so every rate window has two samples
@@ -193,9 +201,11 @@ def test_every_dashboard_query_returns_data(cluster: Cluster, tiny_model: Path, 
     for dashboard, title, expr in queries:
         answer = _query_range(url, expr, start, end)
         if answer.get("status") != "success":
-            failures.append(f"{dashboard} / {title}: {expr}\n    {answer.get('errorType')}: {answer.get('error')}")
+            failures.append(f"{dashboard} / {title}: {expr}\n"
+                            f"    {answer.get('errorType')}: {answer.get('error')}")
             continue
         values = [float(value) for series in answer["data"]["result"] for _, value in series["values"]]
         if not any(math.isfinite(value) for value in values):
-            failures.append(f"{dashboard} / {title}: {expr}\n    no data ({len(answer['data']['result'])} series)")
+            failures.append(f"{dashboard} / {title}: {expr}\n"
+                            f"    no data ({len(answer['data']['result'])} series)")
     assert not failures, "panels whose query failed or returned nothing:\n" + "\n".join(failures)

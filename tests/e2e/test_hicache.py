@@ -19,7 +19,8 @@ from tests.e2e.worker_client import run_all
 from tests.engine.test_hicache import MASTER, Master
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
-              pytest.mark.skipif(not MASTER.exists(), reason="mooncake_master (the Mooncake wheel) is not installed")]
+              pytest.mark.skipif(not MASTER.exists(),
+                                 reason="mooncake_master (the Mooncake wheel) is not installed")]
 
 PAGE = 16
 NEW_TOKENS = 8
@@ -42,7 +43,8 @@ def test_a_second_worker_fetches_what_the_first_computed(cluster: Cluster, tiny_
         ("second", worker_args(tiny_model, "null", extra=(*POOL, *store))),
     ])
     for worker in (first, second):
-        wait_until(lambda worker=worker: worker.metric("pdserve:hicache_store_up") == 1, 60, f"{worker.name}'s store")
+        wait_until(lambda worker=worker: worker.metric("pdserve:hicache_store_up") == 1, 60,
+                   f"{worker.name}'s store")
     prompts = prompts_of([100, 57, 33], seed=17)
     full_pages = sum((len(p) - 1) // PAGE for p in prompts)
     expected = run_all(reference.address, prompts, max_new_tokens=NEW_TOKENS)
@@ -57,7 +59,8 @@ def test_a_second_worker_fetches_what_the_first_computed(cluster: Cluster, tiny_
                 assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
     same(run_all(first.address, prompts, max_new_tokens=NEW_TOKENS))
-    wait_until(lambda: first.metric("pdserve:hicache_written_pages_total") >= full_pages, 60, "the write-through")
+    wait_until(lambda: first.metric("pdserve:hicache_written_pages_total") >= full_pages, 60,
+               "the write-through")
     same(run_all(second.address, prompts, max_new_tokens=NEW_TOKENS))
     assert second.metric("pdserve:hicache_hit_pages_total") == full_pages
     assert second.metric("pdserve:hicache_corrupt_entries_total") == 0
@@ -69,5 +72,6 @@ def test_a_second_worker_fetches_what_the_first_computed(cluster: Cluster, tiny_
     # its unmount RPC to the master failed: 19 s for the first worker here.
     master.kill()
     for worker in (second, first):
-        assert worker.kill(signal.SIGTERM, wait_s=10), f"{worker.name} outlived SIGTERM:\n{worker.log()[-3000:]}"
+        assert worker.kill(signal.SIGTERM, wait_s=10), \
+            f"{worker.name} outlived SIGTERM:\n{worker.log()[-3000:]}"
         assert worker.popen.returncode == 0, worker.log()[-3000:]

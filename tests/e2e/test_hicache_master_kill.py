@@ -36,7 +36,8 @@ from tests.e2e.worker_client import generate
 from tests.engine.test_hicache import MASTER, Master
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
-              pytest.mark.skipif(not MASTER.exists(), reason="mooncake_master (the Mooncake wheel) is not installed")]
+              pytest.mark.skipif(not MASTER.exists(),
+                                 reason="mooncake_master (the Mooncake wheel) is not installed")]
 
 POOL = ("--num-pages", "512", "--chunked-prefill-size", "64", "--dtype", "float32")
 CLIENTS = 3
@@ -64,10 +65,10 @@ class Load:
     async def _clients(self) -> None:
         security = GrpcSecurity()
         async with contextlib.AsyncExitStack() as stack:
-            stubs = [worker_pb2_grpc.WorkerStub(await stack.enter_async_context(open_channel(address, security)))
+            enter = stack.enter_async_context
+            stubs = [worker_pb2_grpc.WorkerStub(await enter(open_channel(address, security)))
                      for address in self.store_workers]
-            reference = worker_pb2_grpc.WorkerStub(await stack.enter_async_context(open_channel(self.reference,
-                                                                                                 security)))
+            reference = worker_pb2_grpc.WorkerStub(await enter(open_channel(self.reference, security)))
             await asyncio.gather(*(self._client(i, stubs, reference) for i in range(CLIENTS)))
 
     async def _client(self, index: int, stubs, reference) -> None:
@@ -83,12 +84,14 @@ class Load:
                     generate(reference, prompt, max_new_tokens=NEW_TOKENS))
                 where = f"client {index} conversation {conversation} turn {turn} ({phase})"
                 if got.code is not None or want.code is not None:
-                    self.failures.append(f"{where}: {got.code} {got.details} / reference {want.code} {want.details}")
+                    self.failures.append(f"{where}: {got.code} {got.details}"
+                                         f" / reference {want.code} {want.details}")
                     return
                 # Tokens exactly; logprobs closely, not bit for bit: a turn's prompt is split at
                 # another point here (local and store hits) and batched with other clients' turns.
                 if got.tokens != want.tokens or got.logprobs != pytest.approx(want.logprobs, abs=LOGPROB_TOL):
-                    self.mismatches.append(f"{where}: {got.tokens} {got.logprobs} != {want.tokens} {want.logprobs}")
+                    self.mismatches.append(f"{where}: {got.tokens} {got.logprobs}"
+                                           f" != {want.tokens} {want.logprobs}")
                 self.answered[phase] = self.answered.get(phase, 0) + 1
                 history = prompt + got.tokens
             conversation += 1
@@ -132,14 +135,16 @@ def _scenario(cluster: Cluster, tiny_model, master: Master) -> None:
         master.kill()  # SIGKILL
         wait_until(lambda: store_up(0) or not thread.is_alive(), 60, "hicache_store_up 0 on both workers")
         answered = load.answered.get("master killed", 0)
-        wait_until(lambda: load.answered.get("master killed", 0) >= answered + 2 * CLIENTS or not thread.is_alive(),
-                   60, "answers while the store is down")
+        wait_until(lambda: load.answered.get("master killed", 0) >= answered + 2 * CLIENTS
+                   or not thread.is_alive(), 60, "answers while the store is down")
 
         master.start()  # the same port, empty
         load.phase = "master restarted"
-        wait_until(lambda: store_up(1) or not thread.is_alive(), 60, "hicache_store_up 1 again after the restart")
+        wait_until(lambda: store_up(1) or not thread.is_alive(), 60,
+                   "hicache_store_up 1 again after the restart")
         after_restart = hits()
-        wait_until(lambda: hits() > after_restart or not thread.is_alive(), 60, "store hits after the restart")
+        wait_until(lambda: hits() > after_restart or not thread.is_alive(), 60,
+                   "store hits after the restart")
 
         load.phase = "master frozen"
         answered = load.answered.get("master frozen", 0)

@@ -18,7 +18,8 @@ from tests.engine.test_hicache import MASTER
 from tools.metrics import scrape, sum_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
-              pytest.mark.skipif(not MASTER.exists(), reason="mooncake_master (the Mooncake wheel) is not installed")]
+              pytest.mark.skipif(not MASTER.exists(),
+                                 reason="mooncake_master (the Mooncake wheel) is not installed")]
 
 # Long enough for several full pages of the tiny model's tokenizer whatever the chat template adds.
 PROMPT = " ".join(f"word{i} of a shared system prompt" for i in range(40))
@@ -28,12 +29,13 @@ def metric(port: int, name: str) -> float:
     return sum_samples(scrape(f"http://127.0.0.1:{port}/metrics", 5.0), name) or 0.0
 
 
-def test_up_hicache_starts_the_master_shares_pages_and_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
+def test_up_hicache_starts_the_master_shares_pages_and_stops_everything(tiny_model: Path,
+                                                                         tmp_path: Path) -> None:
     port = free_port()
     logs = tmp_path / "logs"
-    with pdserve_up(["--model-path", str(tiny_model), "--port", str(port), "--num-prefill", "2", "--num-decode", "1",
-                     "--policy", "round_robin", "--log-dir", str(logs), "--worker-threads", "1",
-                     "--hicache", "mooncake"]) as up:
+    with pdserve_up(["--model-path", str(tiny_model), "--port", str(port), "--num-prefill", "2",
+                     "--num-decode", "1", "--policy", "round_robin", "--log-dir", str(logs),
+                     "--worker-threads", "1", "--hicache", "mooncake"]) as up:
         output = up.output
         assert "Press Ctrl-C to stop." in output, output
         master = re.search(r"mooncake-master ready on (\S+):(\d+)", output)
@@ -44,7 +46,8 @@ def test_up_hicache_starts_the_master_shares_pages_and_stops_everything(tiny_mod
                    re.findall(r"(prefill-\d) ready on \S+ \(metrics :(\d+)\)", output)}
         assert len(prefill) == 2, output
         for name, metrics_port in prefill.items():
-            wait_until(lambda p=metrics_port: metric(p, "pdserve:hicache_store_up") == 1, 60, f"{name}'s store")
+            wait_until(lambda p=metrics_port: metric(p, "pdserve:hicache_store_up") == 1, 60,
+                       f"{name}'s store")
         children = up.children
         assert len(children) == 6  # mooncake-master, bootstrap, 2 prefill, decode, gateway
         assert any(child.name() == "mooncake_master" for child in children)
@@ -55,13 +58,14 @@ def test_up_hicache_starts_the_master_shares_pages_and_stops_everything(tiny_mod
         first = httpx.post(url, json=request, timeout=60)
         assert first.status_code == 200, first.text
         # The first prefill worker's pages reach the store (the write-through is asynchronous).
-        wait_until(lambda: sum(metric(p, "pdserve:hicache_written_pages_total") for p in prefill.values()) > 0,
-                   60, "the write-through")
+        wait_until(lambda: sum(metric(p, "pdserve:hicache_written_pages_total")
+                               for p in prefill.values()) > 0, 60, "the write-through")
         second = httpx.post(url, json=request, timeout=60)
         assert second.status_code == 200, second.text
         assert second.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
         hits = {name: metric(p, "pdserve:hicache_hit_pages_total") for name, p in prefill.items()}
-        assert sorted(hits.values())[0] == 0 and sorted(hits.values())[1] > 0, hits  # the second worker fetched
+        # the second worker fetched
+        assert sorted(hits.values())[0] == 0 and sorted(hits.values())[1] > 0, hits
 
         rest = up.interrupt()
         assert up.popen.returncode == 0, output + rest
@@ -81,8 +85,9 @@ def test_up_refuses_a_master_port_without_hicache_or_in_use(tiny_model: Path, tm
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pdserve_up(["--model-path", str(tiny_model), "--hicache", "mooncake", "--hicache-master-port", str(port),
-                         "--log-dir", str(tmp_path / "logs")], timeout_s=30) as up:
+        with pdserve_up(["--model-path", str(tiny_model), "--hicache", "mooncake",
+                         "--hicache-master-port", str(port), "--log-dir", str(tmp_path / "logs")],
+                        timeout_s=30) as up:
             up.popen.wait(timeout=30)
             assert up.popen.returncode != 0
             assert f"--hicache-master-port {port} is in use on 127.0.0.1" in up.output

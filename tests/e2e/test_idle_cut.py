@@ -61,7 +61,8 @@ def test_first_request_after_an_idle_cut_is_served(cluster: Cluster, netns: Netw
     time.sleep(IDLE_S)
     text, first_s = complete(gateway.address)
     assert text == reference
-    print(f"idle-cut, old connections still dropped: first request after {IDLE_S:.0f}s idle took {first_s:.2f}s")
+    print(f"idle-cut, old connections still dropped: first request after {IDLE_S:.0f}s idle "
+          f"took {first_s:.2f}s")
     netns.restore_idle_flows()
 
     # the cut lifted before the next request (the brief's order: drop, idle, remove the rule, send)
@@ -71,4 +72,5 @@ def test_first_request_after_an_idle_cut_is_served(cluster: Cluster, netns: Netw
     netns.restore_idle_flows()
     text, first_s = complete(gateway.address)
     assert text == reference
-    print(f"idle-cut, rule removed before the request: first request after {IDLE_S:.0f}s idle took {first_s:.2f}s")
+    print(f"idle-cut, rule removed before the request: first request after {IDLE_S:.0f}s idle "
+          f"took {first_s:.2f}s")

@@ -45,7 +45,8 @@ def hashes_of(batches, kind) -> list[int]:
 
 def test_worker_streams_snapshot_then_deltas(cluster: Cluster, tiny_model):
     # 8 pages: a second prompt of 5 pages must evict the first one's idle pages.
-    (worker,) = cluster.start_many([("colocated", worker_args(tiny_model, "null", extra=("--num-pages", "8")))])
+    (worker,) = cluster.start_many([("colocated", worker_args(tiny_model, "null",
+                                                             extra=("--num-pages", "8")))])
     first, second = prompts_of([70, 75], seed=3)
     expected = page_hashes(first, PAGE)  # the gateway's function must give the worker's hashes
     batches = asyncio.run(subscribe(
@@ -58,7 +59,8 @@ def test_worker_streams_snapshot_then_deltas(cluster: Cluster, tiny_model):
     # A new subscriber starts from a snapshot holding them; then the second prompt evicts them.
     second_hashes = page_hashes(second, PAGE)
     batches = asyncio.run(subscribe(
-        worker.address, lambda got: set(second_hashes) <= set(hashes_of(got[1:], worker_pb2.KV_EVENT_KIND_STORED)),
+        worker.address,
+        lambda got: set(second_hashes) <= set(hashes_of(got[1:], worker_pb2.KV_EVENT_KIND_STORED)),
         lambda: run_all(worker.address, [second], max_new_tokens=4)))
     assert batches[0].snapshot and set(hashes_of(batches[:1], worker_pb2.KV_EVENT_KIND_STORED)) == set(stored)
     removed = hashes_of(batches[1:], worker_pb2.KV_EVENT_KIND_REMOVED)
@@ -83,7 +85,8 @@ def test_cache_aware_gateway_routes_to_the_worker_holding_the_prefix(cluster: Cl
 
     def views() -> dict[str, float]:
         samples = gateway.metrics()
-        return {key: value for key, value in samples.items() if key.startswith("pdserve:gateway_worker_cached_pages")}
+        return {key: value for key, value in samples.items()
+                if key.startswith("pdserve:gateway_worker_cached_pages")}
 
     wait_until(lambda: len(views()) == 2 and all(v == 0 for v in views().values()), 30,
                "the gateway to follow both workers' KV events")
@@ -106,9 +109,11 @@ def test_cache_aware_matches_prefill_and_decode_workers_on_their_own_caches(clus
     bootstrap = cluster.bootstrap("--heartbeat-interval", "1")
     pool = ("--num-pages", "256")
     procs = cluster.start_many(
-        [(f"prefill-{i}", worker_args(tiny_model, "prefill", backend="mooncake", bootstrap=bootstrap, extra=pool))
+        [(f"prefill-{i}", worker_args(tiny_model, "prefill", backend="mooncake", bootstrap=bootstrap,
+                                      extra=pool))
          for i in range(2)]
-        + [(f"decode-{i}", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap, extra=pool))
+        + [(f"decode-{i}", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap,
+                                       extra=pool))
            for i in range(2)])
     prefills, decodes = procs[:2], procs[2:]
     (gateway,) = cluster.start_many([("gateway", [
@@ -116,7 +121,8 @@ def test_cache_aware_matches_prefill_and_decode_workers_on_their_own_caches(clus
         "--policy", "cache_aware"])])
 
     def views() -> list[float]:
-        return [v for k, v in gateway.metrics().items() if k.startswith("pdserve:gateway_worker_cached_pages")]
+        return [v for k, v in gateway.metrics().items()
+                if k.startswith("pdserve:gateway_worker_cached_pages")]
 
     wait_until(lambda: views() == [0, 0, 0, 0], 30, "the gateway to follow all four workers' KV events")
     # Warm the prefill and the decode worker the gateway would pick last, as a pair, behind its back.

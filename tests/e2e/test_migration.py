@@ -28,7 +28,8 @@ KILL_AFTER = 8  # content chunks received before the serving decode is killed
 
 
 def client(gateway: Proc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+    return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                         timeout=BOUND_S)
 
 
 def stream(gateway: Proc, decodes: list[Proc] | None = None) -> tuple[str, str | None, object]:
@@ -61,10 +62,12 @@ def test_a_killed_decode_is_invisible_with_migration(cluster: Cluster, tiny_mode
     bootstrap = cluster.bootstrap()
     workers = cluster.start_many(
         [("prefill", worker_args(tiny_model, "prefill", backend=BACKEND, bootstrap=bootstrap))]
-        + [(f"decode-{i}", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap)) for i in range(3)])
+        + [(f"decode-{i}", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap))
+           for i in range(3)])
     prefill, decodes = workers[0], list(workers[1:])
     gateway, unmigrated = cluster.start_many([
-        ("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0", "--bootstrap", bootstrap.address]),
+        ("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
+                     "--bootstrap", bootstrap.address]),
         ("gateway-no-migration", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                   "--bootstrap", bootstrap.address, "--migration-limit", "0"])])
     for g in (gateway, unmigrated):
@@ -75,7 +78,8 @@ def test_a_killed_decode_is_invisible_with_migration(cluster: Cluster, tiny_mode
     assert expected_finish == "length" and expected_usage.completion_tokens == MAX_TOKENS
 
     text, finish, usage = stream(gateway, decodes)  # the serving decode dies mid-stream
-    assert (finish, usage.completion_tokens, usage.prompt_tokens) == ("length", MAX_TOKENS, expected_usage.prompt_tokens)
+    assert (finish, usage.completion_tokens, usage.prompt_tokens) == ("length", MAX_TOKENS,
+                                                                      expected_usage.prompt_tokens)
     assert text == expected_text  # greedy: no token repeated, lost or changed
     assert gateway.metric("pdserve:gateway_migrations_total") == 1
     assert "migrating off" in gateway.log()

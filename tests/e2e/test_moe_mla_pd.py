@@ -41,9 +41,10 @@ def moe_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def deepseek_v2_model(tmp_path_factory):
     # V2: softmax scores, group_limited_greedy, no q LoRA, and a latent of 64 + rope 16.
-    return write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "deepseek-v2", preset="tiny-deepseek", seed=5,
-                            arch="deepseek_v2", scoring_func="softmax", topk_method="group_limited_greedy",
-                            q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=16)
+    return write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "deepseek-v2", preset="tiny-deepseek",
+                            seed=5, arch="deepseek_v2", scoring_func="softmax",
+                            topk_method="group_limited_greedy", q_lora_rank=None, kv_lora_rank=64,
+                            qk_rope_head_dim=16)
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +104,15 @@ def test_pd_matches_hf_with_prefix_hits(cluster: Cluster, model_name, backend, r
         assert layout.is_mla
         assert sent_before == pages_of(first) * layout.page_nbytes
     hits_before = prefill.metric("pdserve:prefix_cache_hit_tokens_total")
-    assert_matches(run_all(decode.address, second, [prefill.address] * len(second), max_new_tokens=NEW_TOKENS),
+    assert_matches(run_all(decode.address, second, [prefill.address] * len(second),
+                           max_new_tokens=NEW_TOKENS),
                    expected[len(first):], f"{backend} PD, prefix-cache hits")
     assert prefill.metric("pdserve:prefix_cache_hit_tokens_total") > hits_before
     # Tokens were routed to experts, and the workers say so.
     assert prefill.metric("pdserve:moe_expert_tokens_total") > 0
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -131,4 +134,5 @@ def test_pd_tp1_to_tp2_matches_hf(cluster: Cluster, model_name, request):
         layout = ModelConfig.from_dir(model).kv_layout(PAGE_SIZE, torch.float32)
         assert prefill.metric("pdserve:kv_transfer_bytes_total") == 2 * pages_of(prompts) * layout.page_nbytes
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")

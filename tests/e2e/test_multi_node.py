@@ -86,10 +86,10 @@ def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str
                           layout: str = "tp"):
     """Node 1 first (it waits for node 0's store), then node 0, ready once both nodes' ranks joined."""
     node0, node1 = hosts.hosts[f"{mode}0"], hosts.hosts[f"{mode}1"]
-    second = cluster.spawn(f"{mode}-node1", seeds_node(model, mode, node1.address, node0.address, 1, backend, registry,
-                                                       layout), wrapper=node1.wrapper)
-    first = cluster.spawn(f"{mode}-node0", seeds_node(model, mode, node0.address, node0.address, 0, backend, registry,
-                                                      layout), wrapper=node0.wrapper)
+    second = cluster.spawn(f"{mode}-node1", seeds_node(model, mode, node1.address, node0.address, 1, backend,
+                                                       registry, layout), wrapper=node1.wrapper)
+    first = cluster.spawn(f"{mode}-node0", seeds_node(model, mode, node0.address, node0.address, 0, backend,
+                                                      registry, layout), wrapper=node0.wrapper)
     return first, second
 
 
@@ -99,9 +99,10 @@ def test_seeds_two_node_deepseek_matches_hf(hosts: HostNetwork, cluster: Cluster
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
                                            "--metrics-port", "0"], wrapper=router.wrapper)
-    prefill, prefill_node1 = start_two_node_worker(cluster, hosts, deepseek, "prefill", backend, registry.address,
-                                                   layout)
-    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", backend, registry.address, layout)
+    prefill, prefill_node1 = start_two_node_worker(cluster, hosts, deepseek, "prefill", backend,
+                                                   registry.address, layout)
+    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", backend,
+                                                 registry.address, layout)
     for proc in (prefill, decode):
         proc.wait_ready(240)
     assert (prefill.host, decode.host) == (hosts.hosts["prefill0"].address, hosts.hosts["decode0"].address)
@@ -117,16 +118,19 @@ def test_seeds_two_node_deepseek_matches_hf(hosts: HostNetwork, cluster: Cluster
             assert all(proc.metric("pdserve:dp_rank_requests_total", dp_rank=g) > 0 for g in "01"), proc.name
         assert "--moe-a2a-backend deepep: DeepEP needs NVIDIA GPUs" in decode.log()
 
-    gateway = cluster.start("gateway", ["launch-router", "--bootstrap", registry.address, "--host", router.address,
-                                        "--port", "0"], wrapper=router.wrapper)
+    gateway = cluster.start("gateway", ["launch-router", "--bootstrap", registry.address,
+                                        "--host", router.address, "--port", "0"], wrapper=router.wrapper)
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to see both workers")
-    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
-    reply = client.chat.completions.create(model="deepseek", messages=[{"role": "user", "content": "Hello there"}],
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    reply = client.chat.completions.create(model="deepseek",
+                                           messages=[{"role": "user", "content": "Hello there"}],
                                            max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens > 0
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
     # A graceful stop of node 0 lets the other node's ranks leave cleanly.
     decode.kill(signal.SIGTERM)
     assert decode_node1.popen.wait(timeout=60) == 0, decode_node1.log()[-2000:]
@@ -136,22 +140,28 @@ def test_killed_second_node_takes_its_worker_out(hosts: HostNetwork, cluster: Cl
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",
                                            "--metrics-port", "0"], wrapper=router.wrapper)
-    prefill = cluster.spawn("prefill", worker_on(deepseek, "prefill", hosts.hosts["prefill0"].address, "mooncake",
-                                                 registry.address), wrapper=hosts.hosts["prefill0"].wrapper)
-    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", "mooncake", registry.address)
-    spare = cluster.spawn("decode-spare", worker_on(deepseek, "decode", hosts.hosts["prefill1"].address, "mooncake",
-                                                    registry.address), wrapper=hosts.hosts["prefill1"].wrapper)
+    prefill = cluster.spawn("prefill", worker_on(deepseek, "prefill", hosts.hosts["prefill0"].address,
+                                                 "mooncake", registry.address),
+                            wrapper=hosts.hosts["prefill0"].wrapper)
+    decode, decode_node1 = start_two_node_worker(cluster, hosts, deepseek, "decode", "mooncake",
+                                                 registry.address)
+    spare = cluster.spawn("decode-spare", worker_on(deepseek, "decode", hosts.hosts["prefill1"].address,
+                                                    "mooncake", registry.address),
+                          wrapper=hosts.hosts["prefill1"].wrapper)
     for proc in (prefill, decode, spare):
         proc.wait_ready(240)
-    gateway = cluster.start("gateway", ["launch-router", "--bootstrap", registry.address, "--host", router.address,
-                                        "--port", "0", "--policy", "round_robin"], wrapper=router.wrapper)
+    gateway = cluster.start("gateway", ["launch-router", "--bootstrap", registry.address,
+                                        "--host", router.address, "--port", "0", "--policy", "round_robin"],
+                            wrapper=router.wrapper)
     wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 60,
                "the gateway to see the workers")
-    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=90)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=90)
 
     def ask(i: int) -> str:
         try:
-            client.completions.create(model="deepseek", prompt=f"Count with me {i}:", max_tokens=48, temperature=0)
+            client.completions.create(model="deepseek", prompt=f"Count with me {i}:", max_tokens=48,
+                                      temperature=0)
             return "ok"
         except openai.APIError as exc:  # a clear error is allowed for the requests on the killed node
             return f"error {type(exc).__name__}"
@@ -168,18 +178,21 @@ def test_killed_second_node_takes_its_worker_out(hosts: HostNetwork, cluster: Cl
         assert ask(100 + i) == "ok"
     assert outcomes.count("ok") > 0, outcomes
     for proc in (prefill, spare):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
 
 
 def _pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_unreachable_init_address_is_named(deepseek):
     proc = _pdserve("launch-server", "--model-path", str(deepseek), "--tp-size", "2", "--nnodes", "2",
                     "--node-rank", "1", "--dist-init-addr", "127.0.0.1:9", "--dist-timeout", "3")
     assert proc.returncode == 2
-    assert "node 1 cannot reach node 0's rank group at --dist-init-addr 127.0.0.1:9" in proc.stdout + proc.stderr
+    assert ("node 1 cannot reach node 0's rank group at --dist-init-addr 127.0.0.1:9"
+            in proc.stdout + proc.stderr)
 
 
 def test_node_started_with_other_sizes_is_refused(cluster: Cluster, deepseek):
@@ -188,8 +201,9 @@ def test_node_started_with_other_sizes_is_refused(cluster: Cluster, deepseek):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    common = ["launch-server", "--model-path", str(deepseek), "--port", "0", "--metrics-port", "0", "--nnodes", "2",
-              "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "8", "--num-threads", "1", "--num-pages", "32"]
+    common = ["launch-server", "--model-path", str(deepseek), "--port", "0", "--metrics-port", "0",
+              "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "8",
+              "--num-threads", "1", "--num-pages", "32"]
     node0 = cluster.spawn("node0", [*common, "--node-rank", "0", "--tp-size", "2"])
     node1 = _pdserve(*common, "--node-rank", "1", "--tp-size", "4")
     assert node1.returncode == 2

@@ -34,7 +34,8 @@ def start_pair(cluster: Cluster, model, *, bootstrap: Proc | None = None,
                decode_extra: tuple[str, ...] = ()) -> tuple[Proc, Proc]:
     return tuple(cluster.start_many([
         ("prefill", worker_args(model, "prefill", backend=BACKEND, bootstrap=bootstrap, extra=SLOW_PREFILL)),
-        ("decode", worker_args(model, "decode", backend=BACKEND, bootstrap=bootstrap, extra=DECODE + decode_extra)),
+        ("decode", worker_args(model, "decode", backend=BACKEND, bootstrap=bootstrap,
+                               extra=DECODE + decode_extra)),
     ]))
 
 

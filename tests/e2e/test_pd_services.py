@@ -54,7 +54,8 @@ def reference(tiny_model, tmp_path_factory):
     hf = []
     with torch.inference_mode():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0)
             hf.append(out[0, len(prompt):].tolist())
     return prompts, results, hf
 

@@ -38,7 +38,8 @@ def colocated_pp1(cluster: Cluster, model, prompts) -> list[list[int]]:
 
 def pages_freed(*procs) -> None:
     for proc in procs:
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])

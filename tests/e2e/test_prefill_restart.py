@@ -31,7 +31,8 @@ def test_prefill_restarted_at_its_address_mid_transfer(cluster: Cluster, tiny_mo
                        PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2")
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", backend=BACKEND, bootstrap=bootstrap, extra=SLOW_PREFILL)),
+        ("prefill", worker_args(tiny_model, "prefill", backend=BACKEND, bootstrap=bootstrap,
+                                extra=SLOW_PREFILL)),
         ("decode", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap, extra=DECODE)),
     ])
     address = prefill.address
@@ -40,13 +41,15 @@ def test_prefill_restarted_at_its_address_mid_transfer(cluster: Cluster, tiny_mo
 
     with ThreadPoolExecutor(1) as pool:
         pending = submit_long_prompts(pool, decode, prefill)
-        wait_until(lambda: prefill.metric("pdserve:kv_pages_used") > 0 and decode.metric("pdserve:kv_pages_used") > 0,
+        wait_until(lambda: prefill.metric("pdserve:kv_pages_used") > 0
+                   and decode.metric("pdserve:kv_pages_used") > 0,
                    BOUND_S, "prefill to be pushing KV into decode's pages")
         prefill.kill(signal.SIGKILL)
         in_flight = pending.result(timeout=BOUND_S)
     for result in in_flight:
         assert result.code == grpc.StatusCode.UNAVAILABLE, (result.code, result.details)
-        assert f"prefill {address}" in result.details  # names the failed worker: the gateway retries elsewhere
+        # names the failed worker: the gateway retries elsewhere
+        assert f"prefill {address}" in result.details
     # While nothing listens there, a request fails clearly (and decode's channel to the address
     # sees refused connections: it must not keep that state for the new process).
     (down,) = run_all(decode.address, prompts_of([40]), [address], max_new_tokens=NEW_TOKENS)

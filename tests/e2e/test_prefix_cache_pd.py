@@ -47,7 +47,8 @@ def test_decode_reuse_transfers_fewer_bytes_with_identical_output(cluster: Clust
         saved_before = decode.metric("pdserve:kv_transfer_bytes_saved_total")
         (result,) = run_all(decode.address, [prompt], [prefill.address], max_new_tokens=NEW_TOKENS)
         assert result.code is None, result.details
-        assert result.tokens == expected[i].tokens, f"turn {i}: PD with the cache differs from colocated without"
+        assert result.tokens == expected[i].tokens, \
+            f"turn {i}: PD with the cache differs from colocated without"
         worst = max(abs(a - b) for a, b in zip(result.logprobs, expected[i].logprobs, strict=True))
         assert worst < 1e-4, f"turn {i}: logprobs off by {worst}"
         sent.append(prefill.metric("pdserve:kv_transfer_bytes_total") - before)
@@ -77,8 +78,8 @@ def test_forged_skip_counts_are_refused(cluster: Cluster, tiny_model):
                 bootstrap_pb2.ListRequest(role=common_pb2.WORKER_ROLE_DECODE), timeout=10)
         async with grpc.aio.insecure_channel(prefill.address) as channel:
             request = worker_pb2.PrefillRequest(
-                room=f"forged-skip-{skip}-{len(dst)}", prompt_token_ids=prompt, model="tiny", dst_page_ids=dst,
-                dst=listed.workers[0].transfer_endpoint, skip_pages=skip,
+                room=f"forged-skip-{skip}-{len(dst)}", prompt_token_ids=prompt, model="tiny",
+                dst_page_ids=dst, dst=listed.workers[0].transfer_endpoint, skip_pages=skip,
                 sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=1))
             try:
                 await worker_pb2_grpc.PrefillStub(channel).Prefill(request, timeout=30)
@@ -89,7 +90,8 @@ def test_forged_skip_counts_are_refused(cluster: Cluster, tiny_model):
     for skip, dst, message in [(-1, [0, 1, 2, 3, 4], "skip_pages: -1"),
                                (4, [], "skip_pages: 4 is not between 0 and the prompt's 3 full pages"),
                                (1000, [], "skip_pages: 1000"),
-                               (2, [0, 1, 2, 3], "4 destination pages for a prompt that needs 2 after 2 skipped"),
+                               (2, [0, 1, 2, 3],
+                                "4 destination pages for a prompt that needs 2 after 2 skipped"),
                                (3, [], "0 destination pages for a prompt that needs 1 after 3 skipped"),
                                (3, [5], None)]:
         code, details = asyncio.run(call(skip, dst))

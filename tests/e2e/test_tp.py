@@ -35,7 +35,8 @@ LOGPROB_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="session")
 def kv4_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "kv4", preset="tiny-kv4", seed=2, arch="llama")
+    return write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "kv4", preset="tiny-kv4", seed=2,
+                            arch="llama")
 
 
 def prompts_of(lengths: list[int], seed: int = 13) -> list[list[int]]:
@@ -53,7 +54,8 @@ def hf_greedy(model_dir, prompts) -> list[list[int]]:
 
 def followers_of(pid: int) -> list[int]:
     """Child processes of `pid` that are TP follower ranks."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "engine.tp.follower" in line]
 
 
@@ -136,12 +138,14 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
     expected = hf_greedy(model, prompts)
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
-        assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
+        assert result.tokens == hf_tokens, \
+            f"prompt of {length} tokens: PD TP 2 -> 2 differs from HF transformers"
     total = prefill.metric("pdserve:kv_transfer_bytes_total")
     per_rank = [prefill.metric("pdserve:kv_transfer_rank_bytes", rank=str(rank)) for rank in (0, 1)]
     assert per_rank[0] == per_rank[1] == total / 2
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
     prefill.kill(signal.SIGTERM)  # a graceful stop logs each rank's share of the bytes
     match = re.search(r"KV bytes written per tp rank: rank 0 (\d+), rank 1 (\d+)", prefill.log())
     assert match, prefill.log()[-3000:]
@@ -152,7 +156,8 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 @pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, prefill_tp, decode_tp, request):
+def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, prefill_tp, decode_tp,
+                                        request):
     # Each prefill rank writes to each decode rank only the KV heads both hold (byte pieces of pages);
     # checksums over max(sizes) head parts let decode check every page without gathering it.
     model = request.getfixturevalue(model_name)
@@ -168,9 +173,11 @@ def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, p
     expected = hf_greedy(model, prompts)
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
-        assert result.tokens == hf_tokens, f"prompt of {length} tokens: PD {prefill_tp} -> {decode_tp} differs from HF"
+        assert result.tokens == hf_tokens, \
+            f"prompt of {length} tokens: PD {prefill_tp} -> {decode_tp} differs from HF"
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")
 
 
 def test_unmappable_tp_sizes_are_refused_naming_both(cluster: Cluster, kv4_model):
@@ -184,4 +191,5 @@ def test_unmappable_tp_sizes_are_refused_naming_both(cluster: Cluster, kv4_model
     assert result.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "KV between --tp-size 1 and --tp-size 2 needs mooncake or nixl" in result.details
     for proc in (prefill, decode):
-        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30, f"{proc.name}'s pages to be free")
+        wait_until(lambda proc=proc: proc.metric("pdserve:kv_pages_used") == 0, 30,
+                   f"{proc.name}'s pages to be free")

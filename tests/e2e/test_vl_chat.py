@@ -33,7 +33,8 @@ class Servers:
     vl_worker: Proc
 
     def client(self, gateway: Proc) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
 
 
 def router(model_dir, worker: Proc) -> list[str]:
@@ -54,8 +55,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             vl, text = cluster.start_many([("gateway-vl", router(vl_dir, vl_worker)),
                                            ("gateway-text", router(text_dir, text_worker))], 60)
             for gateway in (vl, text):
-                wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code == 200,
-                           30, f"{gateway.name} to be ready")
+                wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code
+                           == 200, 30, f"{gateway.name} to be ready")
             yield Servers(vl_dir, vl, text, vl_worker)
         except BaseException:
             print(cluster.logs())
@@ -85,7 +86,8 @@ def hf_reference(model_dir: Path, parts: list, pictures: list[Image.Image]) -> s
     ids = tokenizer(text)["input_ids"]
     kwargs = {}
     if pictures:
-        processed = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))(images=pictures, return_tensors="pt")
+        processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+        processed = processor(images=pictures, return_tensors="pt")
         grids = processed["image_grid_thw"]
         expanded = []
         counts = iter((grids.prod(-1) // 4).tolist())
@@ -144,7 +146,8 @@ def test_bad_images_are_refused(servers):
     raw = base64.b64decode(png.split(",", 1)[1])
     bad_request(servers, servers.vl, ["data:image/png;base64," + base64.b64encode(b"not an image").decode()],
                 "is not a PNG, JPEG or WebP image")
-    bad_request(servers, servers.vl, ["data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()],
+    bad_request(servers, servers.vl,
+                ["data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()],
                 "truncated or corrupt")
     bad_request(servers, servers.vl, ["data:text/plain;base64,aGVsbG8="], "expected data:image/png")
     bad_request(servers, servers.vl, ["https://example.com/cat.png"], "remote image URLs are not allowed")
@@ -153,4 +156,5 @@ def test_bad_images_are_refused(servers):
     # 50 megapixels in a small PNG (one colour compresses well), refused from its header
     big = Image.new("RGB", (10000, 5000), (10, 20, 30))
     bad_request(servers, servers.vl, [data_url(big)], "pixels; at most")
-    wait_until(lambda: servers.vl_worker.metric("pdserve:kv_pages_used") == 0, 30, "the worker's pages to be free")
+    wait_until(lambda: servers.vl_worker.metric("pdserve:kv_pages_used") == 0, 30,
+               "the worker's pages to be free")

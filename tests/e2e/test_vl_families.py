@@ -1,8 +1,8 @@
 """Qwen2.5-VL, Qwen3-VL and LLaVA through the OpenAI chat API: one colocated worker per family
-(tiny-qwen25-vl, tiny-qwen3-vl, tiny-llava) behind a gateway, as real processes, driven by the official openai client with an
-`image_url` data URL. Greedy fp32 text equals transformers' model given transformers' own (PIL)
-image processor for that family (Qwen2VLImageProcessorPil, CLIPImageProcessorPil), and the
-worker's pages are free after.
+(tiny-qwen25-vl, tiny-qwen3-vl, tiny-llava) behind a gateway, as real processes, driven by the official
+openai client with an `image_url` data URL. Greedy fp32 text equals transformers' model given
+transformers' own (PIL) image processor for that family (Qwen2VLImageProcessorPil,
+CLIPImageProcessorPil), and the worker's pages are free after.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def served(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
             worker = cluster.start_many([("worker", worker_args(str(model_dir), "null",
                                                                 extra=("--num-pages", "128")))], 180)[0]
             gateway = cluster.start_many([("gateway", router(model_dir, worker))], 60)[0]
-            wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200, 30,
-                       "the gateway to be ready")
+            wait_until(lambda: httpx.get(f"http://{gateway.address}/health", timeout=5).status_code == 200,
+                       30, "the gateway to be ready")
             yield preset, model_dir, gateway, worker
         except BaseException:
             print(cluster.logs())
@@ -92,7 +92,8 @@ def test_chat_image_matches_transformers(served):
     picture = image(130, 90, 1)
     content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} if p is None
                else {"type": "text", "text": p} for p in PARTS]
-    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
     model = httpx.get(f"http://{gateway.address}/v1/models", timeout=5).json()["data"][0]["id"]
     answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                             max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})

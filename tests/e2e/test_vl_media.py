@@ -98,7 +98,8 @@ class Servers:
     images: str  # http://127.0.0.1:PORT of the image server
 
     def client(self, gateway: Proc) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
                     ("gateway-text", ["launch-router", "--model-path", str(text_dir), "--port", "0",
                                       "--worker", f"http://{text_worker.address}"])], 60)
                 for gateway in (vl, text):
-                    wait_until(lambda g=gateway: httpx.get(f"http://{g.address}/health", timeout=5).status_code
-                               == 200, 30, f"{gateway.name} to be ready")
+                    wait_until(lambda g=gateway:
+                               httpx.get(f"http://{g.address}/health", timeout=5).status_code == 200,
+                               30, f"{gateway.name} to be ready")
                 yield Servers(vl, text, vl_worker, f"http://127.0.0.1:{http.server_address[1]}")
             except BaseException:
                 print(cluster.logs())
@@ -144,10 +146,11 @@ def model_of(gateway: Proc) -> str:
 
 
 def chat(servers: Servers, gateway: Proc, urls: list[str], text: str = "what is this?"):
-    content = [{"type": "image_url", "image_url": {"url": url}} for url in urls] + [{"type": "text", "text": text}]
+    content = ([{"type": "image_url", "image_url": {"url": url}} for url in urls]
+               + [{"type": "text", "text": text}])
     return servers.client(gateway).chat.completions.create(
-        model=model_of(gateway), messages=[{"role": "user", "content": content}], max_tokens=NEW, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=model_of(gateway), messages=[{"role": "user", "content": content}], max_tokens=NEW,
+        temperature=0, extra_body={"ignore_eos": True})
 
 
 def generate(servers: Servers, body: dict) -> httpx.Response:
@@ -169,11 +172,13 @@ def test_allowed_remote_url_is_fetched(servers):
 
 
 def test_remote_url_failures_are_400_or_413(servers):
-    refused(servers, [f"{servers.images}/away"], 400, "the domain localhost is not in --allowed-media-domains")
+    refused(servers, [f"{servers.images}/away"], 400,
+            "the domain localhost is not in --allowed-media-domains")
     refused(servers, [f"{servers.images}/page"], 400, "is not an image (content type text/html)")
     refused(servers, [f"{servers.images}/big"], 413, "--max-image-bytes")
     refused(servers, ["http://example.invalid/cat.png"], 400, "example.invalid/cat.png")  # no such host
-    refused(servers, ["https://example.com/cat.png"], 400, "the domain example.com is not in --allowed-media-domains")
+    refused(servers, ["https://example.com/cat.png"], 400,
+            "the domain example.com is not in --allowed-media-domains")
     refused(servers, ["https://example.com/cat.png"], 400, "images sent to a text-only model", servers.text)
 
 
@@ -192,7 +197,8 @@ def test_a_hanging_server_holds_only_its_request(servers):
     assert chat(servers, servers.vl, [data_url(CAT)]).usage.completion_tokens == NEW
     thread.join(120)
     error = answer["error"]
-    assert error.status_code == 400 and "not fetched within 3s (--media-fetch-timeout)" in error.body["message"]
+    assert (error.status_code == 400
+            and "not fetched within 3s (--media-fetch-timeout)" in error.body["message"])
 
 
 def test_generate_takes_image_data(servers):
@@ -222,7 +228,8 @@ def test_generate_takes_image_data(servers):
 ])
 def test_generate_refuses_bad_image_data(servers, body, status, match):
     response = generate(servers, {"text": f"{PAD}describe", **body})
-    assert (response.status_code, match in response.json()["error"]["message"]) == (status, True), response.text
+    assert (response.status_code, match in response.json()["error"]["message"]) == (status, True), \
+        response.text
 
 
 def huge_data_url_is_413(servers: Servers) -> None:
@@ -266,7 +273,8 @@ def test_bad_input_is_4xx_and_leaves_the_worker_as_it_was(servers):
         huge_data_url_is_413(servers)
         refused(servers, ["https://example.com/cat.png"], 400, "not in --allowed-media-domains")
         refused(servers, [data_url(CAT)], 400, "images sent to a text-only model", servers.text)
-    wait_until(lambda: servers.vl_worker.metric("pdserve:kv_pages_used") == 0, 30, "the worker's pages to be free")
+    wait_until(lambda: servers.vl_worker.metric("pdserve:kv_pages_used") == 0, 30,
+               "the worker's pages to be free")
     grown = peak_rss(servers.vl_worker) - before
     assert grown < 100 << 20, f"the worker's peak RSS grew by {grown} bytes (a decoded 50 MP image is 150 MB)"
     assert "Traceback" not in servers.vl.log() + servers.text.log()

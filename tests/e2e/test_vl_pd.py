@@ -101,8 +101,8 @@ def pd(request, model_dir, tmp_path_factory) -> Iterator[Deployment]:
                                         extra=WORKER_FLAGS)),
                 ("decode", worker_args(str(model_dir), "decode", backend=backend, bootstrap=bootstrap,
                                        extra=(*WORKER_FLAGS, *conditional)))], 180)
-            gateway = cluster.start("gateway", ["launch-router", "--model-path", str(model_dir), "--port", "0",
-                                                "--bootstrap", bootstrap.address])
+            gateway = cluster.start("gateway", ["launch-router", "--model-path", str(model_dir),
+                                                "--port", "0", "--bootstrap", bootstrap.address])
             deployment = Deployment(backend, bootstrap, prefill, decode, gateway, model_dir)
             # ready once the gateway knows both workers: a long prompt must reach the prefill
             wait_until(lambda: _serves_pd(deployment), 60, "the gateway to serve through prefill and decode")
@@ -181,7 +181,8 @@ def test_image_enters_the_page_hashes(pd: Deployment, model_dir):
     before = _hits(pd)
     pd.chat(CACHE_TEXT, [other])  # same text, same image size (same tokens), another image
     decode_hits, prefill_hits = (b - a for a, b in zip(before, _hits(pd), strict=True))
-    assert decode_hits <= shared_text_tokens and prefill_hits <= shared_text_tokens, (decode_hits, prefill_hits)
+    assert decode_hits <= shared_text_tokens and prefill_hits <= shared_text_tokens, \
+        (decode_hits, prefill_hits)
 
     before = _hits(pd)
     saved_before = pd.decode.metric("pdserve:kv_transfer_bytes_saved_total")
@@ -246,7 +247,8 @@ def test_clients_cut_off_mid_stream_leave_no_page_in_use(pd: Deployment):
         stream.close()  # the client goes away mid-stream
         assert chunks == 3
     # the gateway saw both clients leave before the end, and told the workers
-    wait_until(lambda: pd.gateway.metric("pdserve:gateway_aborts_total") - aborts == 2, 30, "the gateway's aborts")
+    wait_until(lambda: pd.gateway.metric("pdserve:gateway_aborts_total") - aborts == 2, 30,
+               "the gateway's aborts")
     assert_pages_idle(pd.prefill, pd.decode)
     # and the deployment still serves
     assert pd.chat(CACHE_TEXT, [data_url(image(150, 110, 20))], max_tokens=2).usage.completion_tokens == 2

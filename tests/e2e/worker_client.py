@@ -51,7 +51,8 @@ async def generate(stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], *, p
     return result
 
 
-async def generate_all(address: str, prompts: Sequence[Sequence[int]], prefills: Sequence[str | None] | None = None,
+async def generate_all(address: str, prompts: Sequence[Sequence[int]],
+                       prefills: Sequence[str | None] | None = None,
                        *, security: GrpcSecurity | None = None, **kwargs) -> list[Result]:
     """Every prompt at once on one channel (so the worker batches them)."""
     prefills = prefills or [None] * len(prompts)
