@@ -18,6 +18,7 @@ The others each have a test of their own, which `make test` runs:
 | idle | tests/services/common/test_keepalive.py (the ping policy), tests/e2e/test_idle_cut.py |
 | etcd-restart | tests/e2e/test_etcd_heal.py |
 | idle-cut | tests/e2e/test_idle_cut.py |
+| kill-store-master | tests/e2e/test_hicache_master_kill.py |
 
 `make test-all` (pytest --long) also runs the whole table, every scenario on both backends with the
 command's default bounds, and a short soak.

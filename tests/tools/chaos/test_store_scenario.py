@@ -4,7 +4,7 @@ and out of make test's short chaos run (tests/e2e/test_hicache_master_kill.py co
 
 from __future__ import annotations
 
-from tests.e2e.test_chaos import SCENARIOS as SHORT_RUN_SCENARIOS
+from tests.e2e.test_chaos import SHORT_SCENARIOS as SHORT_RUN_SCENARIOS
 from tools.chaos.config import ChaosConfig
 from tools.chaos.scenarios import SCENARIOS, select
 from tools.chaos.soak import soak_pool
