@@ -60,13 +60,11 @@ def main(args: argparse.Namespace, hooks: WorkerHooks = WorkerHooks()) -> int:
         log.error("%s worker: registry %s refused it: %s %s", config.role, config.bootstrap,
                   exc.code().name, exc.details())
         code = 1
-    finally:
-        if runtime.ends_with_exit_process:
-            # NIXL agents crash at interpreter exit, and a store client was left open for the exit:
-            # everything else is closed; leave without the teardown.
-            logging.shutdown()
-            exit_process(code)
-    return code
+    except Exception:
+        log.exception("%s worker failed", config.role)
+        code = 1
+    # What is left open is the exit's to free (WorkerRuntime.close): leave without the teardown.
+    exit_process(code)
 
 
 def _binding(runtime: WorkerRuntime, hooks: WorkerHooks) -> ServiceBinding:
@@ -130,7 +128,7 @@ async def serve(runtime: WorkerRuntime, hooks: WorkerHooks = WorkerHooks()) -> N
         await server.stop(config.server.grace_period)
     finally:
         shutdown.remove()
-        await runtime.close()
+        await runtime.close(exiting=True)
 
 
 async def _log_loop(runtime: WorkerRuntime) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import NoReturn
 
 
-def exit_process(code: int = 0) -> None:
+def exit_process(code: int = 0) -> NoReturn:
     """Flush output and end the process now, skipping interpreter teardown.
 
     NIXL's UCX agent (and UCX contexts in general) crash in their static destructors at

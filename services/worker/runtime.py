@@ -261,19 +261,20 @@ class WorkerRuntime:
             self.encoders.registry = self.registry
         self.registry.start_heartbeat(load=self.load)
 
-    @property
-    def ends_with_exit_process(self) -> bool:
-        """Whether the worker process must end with exit_process, skipping interpreter teardown:
-        NIXL/UCX agents crash in their destructors there, and `close` leaves a hierarchical-cache
-        store client open for the exit (its teardown can hold the process for ever)."""
-        return self.backend is not None or self.config.engine.enable_hierarchical_cache
-
-    async def close(self) -> None:
-        """Deregister, stop the engine, close the transfer backend and the metrics endpoint: the
-        worker process's last act before it ends (see ends_with_exit_process)."""
+    async def close(self, *, exiting: bool = False) -> None:
+        """Deregister, stop the engine, then close the transfer backends, the encoder client and the
+        metrics endpoint. `exiting`: the process ends right after (launch_server ends every worker
+        with exit_process, skipping interpreter teardown: NIXL/UCX agents crash in their destructors
+        there, and torch's teardown alone took most of a second), so what the exit frees anyway is
+        left to it: the backends (unregistering mooncake's memory took 0.5 s; a peer learns that
+        the process is gone as it learns of one that was killed), the encoder client, the metrics
+        endpoint (0.5 s to stop its server) and a hierarchical-cache store client (its teardown can
+        hold the process for ever)."""
         if self.registry is not None:
             await self.registry.close()
-        self.engine.shutdown(exiting=self.ends_with_exit_process)
+        self.engine.shutdown(exiting=exiting)
+        if exiting:
+            return
         if self.backend is not None:
             self.backend.close()
         if self.encoders is not None:

@@ -35,10 +35,12 @@ class Cluster(ProcessGroup):
 
 def worker_args(model: str, mode: str, *, backend: str = "fake", bootstrap: Proc | None = None,
                 extra: tuple[str, ...] = ()) -> list[str]:
-    """`pdserve launch-server` arguments for a test worker on free ports with one torch thread."""
+    """`pdserve launch-server` arguments for a test worker on free ports with one torch thread and a
+    KV pool of 1024 pages (`extra` may say otherwise): sized from free memory it would take 2 GiB,
+    whose zeroing alone took a second of every worker's start."""
     args = ["launch-server", "--model-path", str(model), "--disaggregation-mode", mode, "--port", "0",
             "--metrics-port", "0", "--disaggregation-transfer-backend", backend, "--num-threads", "1",
-            *extra]
+            "--num-pages", "1024", *extra]
     if bootstrap is not None:
         args += ["--bootstrap", bootstrap.address]
     return args
