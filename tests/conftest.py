@@ -1,9 +1,10 @@
 """The `long` tests: what `make test` leaves to `make test-all` (pytest --long).
 
 A test marked `long` is a longer version of a check `make test` already makes in short (the whole
-chaos table, a longer fuzz) or one whose cost is mostly a cold start (the compose build on a fresh
-machine); `make test-all` runs them with everything else. Without --long they are skipped, saying
-where they run.
+chaos table, a longer fuzz, the full matrix of models x backends x layouts where `make test` runs a
+cover of it), a benchmark command run end to end (`make test` keeps its argument checks), or one
+whose cost is mostly a cold start (the compose build on a fresh machine); `make test-all` runs them
+with everything else. Without --long they are skipped, saying where they run.
 """
 
 from __future__ import annotations

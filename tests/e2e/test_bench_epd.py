@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+# A benchmark run end to end: `make test-all` (pytest --long); `make test` keeps its argument checks.
+pytestmark = [pytest.mark.long, pytest.mark.e2e, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from tests.e2e.test_bench_serving import pdserve
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# A benchmark run end to end: `make test-all` (pytest --long); `make test` keeps its argument checks.
+pytestmark = [pytest.mark.long, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_bench_prefix_cache_runs_and_the_cache_saves_work(tiny_model, tmp_path):

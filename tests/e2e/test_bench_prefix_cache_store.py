@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
 USERS, TURNS = 2, 4
 
 
+@pytest.mark.long
 def test_bench_store_case_runs_both_and_the_store_serves_pages(tiny_model, tmp_path):
     out = tmp_path / "out"
     done = pdserve("bench", "prefix-cache", "--case", "store", "--model-path", str(tiny_model),

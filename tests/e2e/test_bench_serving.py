@@ -21,6 +21,7 @@ def pdserve(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout_s)
 
 
+@pytest.mark.long
 def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Cluster, tiny_model, tmp_path):
     worker = cluster.start("colocated", worker_args(tiny_model, "null"))
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
@@ -61,6 +62,7 @@ def test_bench_serving_against_a_gateway_writes_report_json_and_png(cluster: Clu
     assert set(json.loads((out / "mix.json").read_text())["per_class"]) == {"bg", "long"}
 
 
+@pytest.mark.long
 def test_bench_serving_on_the_chat_endpoint_generates_every_token_asked(cluster: Cluster, tiny_model,
                                                                          tmp_path):
     """Random prompts as text to /v1/chat/completions, after a warm-up of other prompts: every request
@@ -97,6 +99,7 @@ def test_bad_input_gets_a_clear_error(tiny_model, args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.long
 def test_pd_vs_colocated_smoke_writes_json_and_png(tiny_model, tmp_path):
     out = tmp_path / "out"
     done = pdserve("bench", "pd-vs-colocated", "--model-path", str(tiny_model), "--dtype", "float32",
@@ -114,6 +117,7 @@ def test_pd_vs_colocated_smoke_writes_json_and_png(tiny_model, tmp_path):
     assert "ratios to colocated" in done.stdout
 
 
+@pytest.mark.long
 def test_serving_vs_vllm_smoke_reports_tpot_against_the_engine_step(tiny_model, tmp_path):
     out = tmp_path / "out"
     common = ("--model-path", str(tiny_model), "--dtype", "float32", "--transfer-backend", "mooncake",

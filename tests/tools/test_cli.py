@@ -22,6 +22,7 @@ def test_generate_streams_text(qwen3_ckpt):
     assert "[finish: length]" in result.stderr
 
 
+@pytest.mark.long
 def test_bench_engine_json(qwen3_ckpt):
     result = pdserve("bench", "engine", "--model", str(qwen3_ckpt), "--batch", "2", "--prompt-len", "8",
                      "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--json", timeout=300)

@@ -12,6 +12,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_messages_are_counted_for_pd_and_colocated(qwen3_ckpt: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "grpc-messages",

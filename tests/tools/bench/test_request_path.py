@@ -34,6 +34,7 @@ def test_only_deployed_hand_written_code_counts() -> None:
     assert classify("/usr/lib/python3.11/asyncio/events.py") is None
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_pd_chat_request_is_traced_through_every_process(qwen3_ckpt: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "request-path", "--model-path",

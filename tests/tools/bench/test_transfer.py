@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# A benchmark run end to end: `make test-all` (pytest --long); `make test` keeps its argument checks.
+pytestmark = [pytest.mark.long, pytest.mark.e2e]
 
 
 # One one-sided and the two-sided backend: the latter refuses writes that lack the bench's grant.
