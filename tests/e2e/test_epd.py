@@ -111,7 +111,9 @@ def start_colocated(cluster: Cluster, model_dir: Path, backend: str) -> Epd:
     return Epd(model_dir, start_gateway(cluster, model_dir, worker), worker, [encoder], backend)
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl", "pd-mooncake", "pd-nixl"])
+# Colocated EPD and EPD under PD, each backend once, in `make test`; the other two in `make test-all`.
+@pytest.fixture(scope="module", params=[pytest.param("mooncake", marks=pytest.mark.long), "nixl",
+                                        "pd-mooncake", pytest.param("pd-nixl", marks=pytest.mark.long)])
 def epd(request, vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Epd]:
     backend = request.param.removeprefix("pd-")
     with Cluster(tmp_path_factory.mktemp(f"epd-{request.param}")) as cluster:

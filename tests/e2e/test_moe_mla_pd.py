@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.models.config import ModelConfig
 from tests.e2e.cluster import Cluster, wait_until, worker_args
+from tests.e2e.matrix import cover
 from tests.e2e.worker_client import run_all
 from tools.models.tiny_model import write_tiny_model
 
@@ -82,8 +83,8 @@ def pages_of(prompts) -> int:
     return sum(-(-len(p) // PAGE_SIZE) for p in prompts)
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-@pytest.mark.parametrize("model_name", MODELS)
+# Each model once in `make test`, on alternating backends; every pair in `make test-all` (matrix.py).
+@pytest.mark.parametrize(("model_name", "backend"), cover(MODELS, ["mooncake", "nixl"]))
 def test_pd_matches_hf_with_prefix_hits(cluster: Cluster, model_name, backend, request):
     model = request.getfixturevalue(model_name)
     first = prompts_of(LENGTHS)

@@ -93,8 +93,11 @@ def start_two_node_worker(cluster: Cluster, hosts: HostNetwork, model, mode: str
     return first, second
 
 
-@pytest.mark.parametrize(("layout", "backend"), [("tp", "mooncake"), ("tp", "nixl"), ("pp", "mooncake"),
-                                                 ("dp", "mooncake"), ("dp", "nixl")])
+# Each layout and each backend in `make test`; the other two in `make test-all` (tests/e2e/matrix.py).
+@pytest.mark.parametrize(("layout", "backend"), [pytest.param("tp", "mooncake", marks=pytest.mark.long),
+                                                 ("tp", "nixl"), ("pp", "mooncake"),
+                                                 pytest.param("dp", "mooncake", marks=pytest.mark.long),
+                                                 ("dp", "nixl")])
 def test_seeds_two_node_deepseek_matches_hf(hosts: HostNetwork, cluster: Cluster, deepseek, layout, backend):
     router = hosts.hosts["router"]
     registry = cluster.start("bootstrap", ["bootstrap", "--host", router.address, "--port", "0",

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.e2e.cluster import Cluster, wait_until, worker_args
+from tests.e2e.matrix import cover
 from tests.e2e.worker_client import run_all
 from tools.models.tiny_model import write_tiny_model
 
@@ -123,8 +124,8 @@ def test_tp_size_that_splits_kv_heads_is_refused(tiny_model):
     assert "--tp-size 4: tp size 4 does not divide the model's 2 KV heads" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-@pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
+# Each model and each backend once in `make test`, every pair in `make test-all` (tests/e2e/matrix.py).
+@pytest.mark.parametrize(("model_name", "backend"), cover(["tiny_model", "kv4_model"], ["mooncake", "nixl"]))
 def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request):
     model = request.getfixturevalue(model_name)
     prompts = prompts_of(LENGTHS)
@@ -153,13 +154,13 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
     assert rank0 == rank1 > 0 and rank0 + rank1 == total  # each rank wrote its own half of every page
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-@pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, prefill_tp, decode_tp,
-                                        request):
+# Every pair of (model, backend, sizes) values in `make test`, the whole product in `make test-all`.
+@pytest.mark.parametrize(("model_name", "backend", "sizes"),
+                         cover(["tiny_model", "kv4_model"], ["mooncake", "nixl"], ["1-2", "2-1"], pairs=True))
+def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, sizes, request):
     # Each prefill rank writes to each decode rank only the KV heads both hold (byte pieces of pages);
     # checksums over max(sizes) head parts let decode check every page without gathering it.
+    prefill_tp, decode_tp = (int(size) for size in sizes.split("-"))
     model = request.getfixturevalue(model_name)
     prompts = prompts_of(LENGTHS)
     bootstrap = cluster.bootstrap()  # the registry takes workers of one model with different TP sizes
