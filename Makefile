@@ -26,19 +26,27 @@ protos: setup
 check-protos: setup
 	@bash scripts/gen_protos.sh --check
 
+# The unit tests on two workers (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures are built once). The e2e tests run one at a time: the timing bounds of their processes
+# (leases, hung requests, fault detection) assume the machine to themselves.
+UNIT := -m "not e2e" -n 2 --dist loadfile
 unit: setup
-	$(PY) -m pytest -q -m "not e2e" tests
+	$(PY) -m pytest -q $(UNIT) tests
 
 e2e: setup
 	$(PY) -m pytest -q -m e2e tests
 
+# Each half leaves a JUnit report (every test's time) in .cache/test-reports/.
 test: setup lint typecheck check-protos
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=10 --junitxml=.cache/test-reports/unit.xml $(UNIT) tests
+	$(PY) -m pytest -q -ra --durations=15 --junitxml=.cache/test-reports/e2e.xml -m e2e tests
 
 # Everything `make test` runs, and the long tests it leaves out (tests/conftest.py): the whole chaos
-# table and its soak, the full schemathesis fuzz, the compose build from cold.
+# table and its soak, the full schemathesis fuzz, the compose build from cold, the benchmark commands
+# end to end, the whole e2e matrices.
 test-all: setup lint typecheck check-protos
-	$(PY) -m pytest -q -ra --durations=25 --long tests
+	$(PY) -m pytest -q -ra --durations=10 --long $(UNIT) tests
+	$(PY) -m pytest -q -ra --durations=25 --long -m e2e tests
 
 # On a machine with NVIDIA GPUs: its own venv (.venv-gpu, CUDA wheels), then the GPU suite (tests/gpu)
 # and the CUDA bench, with a summary table. Not part of `test`, and independent of `setup`.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from libkv.transfer import backend_class, create_backend
 from libkv.transfer.base import EngineBackend
 from libkv.transfer.errors import GrantRefused, PeerUnreachable, TransferError
 from libkv.transfer.interface import PeerId, TransferBackend, TransferEndpoint, TransferHandle, TransferState
-
-log = logging.getLogger(__name__)
 
 
 class RankTransfer:
@@ -200,8 +197,6 @@ class TensorParallelBackend(TransferBackend):
         return self._endpoint
 
     def close(self) -> None:
-        log.info("KV bytes written per tp rank: %s", ", ".join(
-            f"rank {rank} {sent}" for rank, sent in enumerate(self.bytes_per_rank)))
         if self.local is not None:
             self.local.close()  # each follower closes its own engine when rank 0 closes the group
 

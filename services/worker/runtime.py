@@ -273,6 +273,9 @@ class WorkerRuntime:
         if self.registry is not None:
             await self.registry.close()
         self.engine.shutdown(exiting=exiting)
+        if self.backend is not None and len(self.backend.rank_bytes()) > 1:
+            log.info("KV bytes written per tp rank: %s", ", ".join(
+                f"rank {rank} {sent}" for rank, sent in enumerate(self.backend.rank_bytes())))
         if exiting:
             return
         if self.backend is not None:
