@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from tests.e2e.cluster import Cluster, wait_until, worker_args
-from tests.e2e.test_moe_mla_pd import LENGTHS, NEW_TOKENS, assert_matches, hf_greedy, prompts_of
+from tests.e2e.hf import hf_greedy
+from tests.e2e.test_moe_mla_pd import LENGTHS, NEW_TOKENS, assert_matches, prompts_of
 from tests.e2e.worker_client import run_all
 from tools.models.tiny_model import write_tiny_model
 
@@ -34,18 +35,20 @@ def test_colocated_dp_attention_matches_hf(cluster: Cluster, deepseek):
     worker = cluster.worker("colocated-dp2", deepseek, "null", extra=DP2)
     prompts = prompts_of(LENGTHS, seed=51)
     got = run_all(worker.address, prompts, max_new_tokens=NEW_TOKENS)
-    assert_matches(got, hf_greedy(deepseek, prompts), "colocated TP 2 in 2 DP attention groups")
+    assert_matches(got, hf_greedy(deepseek, prompts, NEW_TOKENS), "colocated TP 2 in 2 DP attention groups")
     assert worker.metric("pdserve:moe_expert_tokens_total") > 0
     wait_until(lambda: worker.metric("pdserve:kv_pages_used") == 0, 30, "the worker's pages to be free")
 
 
-# (prefill, decode) layouts: DP groups on both sides, and DP groups against a plain worker.
+# (prefill, decode) layouts: DP groups on both sides, and DP groups against a plain worker. `make test`
+# runs three (DP groups with experts on both sides, and each direction against a plain worker, both
+# backends); `make test-all` all five.
 PD_LAYOUTS = [
-    pytest.param(DP2, DP2, "mooncake", id="dp2-dp2-mooncake"),
+    pytest.param(DP2, DP2, "mooncake", id="dp2-dp2-mooncake", marks=pytest.mark.long),
     pytest.param(DP2_EP2, DP2_EP2, "nixl", id="dp2ep2-dp2ep2-nixl"),
     pytest.param(DP2, TP1, "mooncake", id="dp2-tp1-mooncake"),
     pytest.param(TP1, DP2, "nixl", id="tp1-dp2-nixl"),
-    pytest.param(TP2, DP2_EP2, "mooncake", id="tp2-dp2ep2-mooncake"),
+    pytest.param(TP2, DP2_EP2, "mooncake", id="tp2-dp2ep2-mooncake", marks=pytest.mark.long),
 ]
 
 
@@ -62,7 +65,7 @@ def test_pd_dp_attention_matches_hf(cluster: Cluster, deepseek, prefill_layout, 
     ])
     first = prompts_of(LENGTHS, seed=52)
     second = [p + q for p, q in zip(first[2:], prompts_of([20] * 4, seed=53), strict=True)]
-    expected = hf_greedy(deepseek, first + second)
+    expected = hf_greedy(deepseek, first + second, NEW_TOKENS)
     for prompts, want, what in ((first, expected[:len(first)], "cold"),
                                 (second, expected[len(first):], "prefix hits")):
         got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
@@ -102,4 +105,4 @@ def test_clients_leaving_at_any_stage_leave_no_page_held_on_any_group(cluster: C
                        60, f"{proc.name}'s group {group} pages to be free")
     again = prompts_of([30, 90], seed=55)
     got = run_all(decode.address, again, [prefill.address] * 2, max_new_tokens=NEW_TOKENS)
-    assert_matches(got, hf_greedy(deepseek, again), "PD DP attention after cut-off clients")
+    assert_matches(got, hf_greedy(deepseek, again, NEW_TOKENS), "PD DP attention after cut-off clients")

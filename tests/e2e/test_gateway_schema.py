@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-schemathesis"
 # (seconds, examples per operation)
-BUDGETS = [pytest.param((30, 15), id="short"), pytest.param((100, 50), id="long", marks=pytest.mark.long)]
+BUDGETS = [pytest.param((15, 8), id="short"), pytest.param((100, 50), id="long", marks=pytest.mark.long)]
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

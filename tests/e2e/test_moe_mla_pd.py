@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.models.config import ModelConfig
 from tests.e2e.cluster import Cluster, wait_until, worker_args
+from tests.e2e.hf import hf_greedy
 from tests.e2e.matrix import cover
 from tests.e2e.worker_client import run_all
 from tools.models.tiny_model import write_tiny_model
@@ -65,14 +65,6 @@ def prompts_of(lengths: list[int], seed: int = 21) -> list[list[int]]:
     return [torch.randint(10, 4000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def hf_greedy(model_dir, prompts) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # the requests run with ignore_eos
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
-
 def assert_matches(results, expected, what: str) -> None:
     for prompt_index, (result, hf_tokens) in enumerate(zip(results, expected, strict=True)):
         assert result.code is None, f"{what}: prompt {prompt_index} failed: {result.code} {result.details}"
@@ -95,7 +87,7 @@ def test_pd_matches_hf_with_prefix_hits(cluster: Cluster, model_name, backend, r
         ("prefill", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap, extra=CHUNK)),
         ("decode", worker_args(model, "decode", backend=backend, bootstrap=bootstrap, extra=CHUNK)),
     ])
-    expected = hf_greedy(model, first + second)
+    expected = hf_greedy(model, first + second, NEW_TOKENS)
     assert_matches(run_all(decode.address, first, [prefill.address] * len(first), max_new_tokens=NEW_TOKENS),
                    expected[:len(first)], f"{backend} PD")
     sent_before = prefill.metric("pdserve:kv_transfer_bytes_total")
@@ -116,7 +108,9 @@ def test_pd_matches_hf_with_prefix_hits(cluster: Cluster, model_name, backend, r
                    f"{proc.name}'s pages to be free")
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+# The latent (DeepSeek V3) and routed-expert (Qwen3-MoE) models in `make test`, all four in `make test-all`.
+@pytest.mark.parametrize("model_name", [m if m in ("deepseek_model", "moe_model") else
+                                        pytest.param(m, marks=pytest.mark.long) for m in MODELS])
 def test_pd_tp1_to_tp2_matches_hf(cluster: Cluster, model_name, request):
     model = request.getfixturevalue(model_name)
     prompts = prompts_of(LENGTHS, seed=23)
@@ -129,7 +123,7 @@ def test_pd_tp1_to_tp2_matches_hf(cluster: Cluster, model_name, request):
                                extra=(*no_cache, "--tp-size", "2"))),
     ])
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
-    assert_matches(got, hf_greedy(model, prompts), "PD TP 1 -> 2")
+    assert_matches(got, hf_greedy(model, prompts, NEW_TOKENS), "PD TP 1 -> 2")
     if model_name in MLA_MODELS:
         # Both decode ranks need the whole latent: each page crosses once per decode rank.
         layout = ModelConfig.from_dir(model).kv_layout(PAGE_SIZE, torch.float32)

@@ -28,8 +28,9 @@ import openai
 import pytest
 
 from tests.e2e.cluster import Cluster, wait_until
+from tests.e2e.hf import hf_greedy
 from tests.e2e.hosts import HostNetwork
-from tests.e2e.test_moe_mla_pd import NEW_TOKENS, assert_matches, hf_greedy, prompts_of
+from tests.e2e.test_moe_mla_pd import NEW_TOKENS, assert_matches, prompts_of
 from tests.e2e.worker_client import run_all
 from tools.chaos.netns import NetnsUnavailable
 from tools.models.tiny_model import write_tiny_model
@@ -111,7 +112,8 @@ def test_seeds_two_node_deepseek_matches_hf(hosts: HostNetwork, cluster: Cluster
     assert (prefill.host, decode.host) == (hosts.hosts["prefill0"].address, hosts.hosts["decode0"].address)
     prompts = prompts_of(LENGTHS, seed=41)
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
-    assert_matches(got, hf_greedy(deepseek, prompts), f"{backend} PD, {LAYOUTS[layout]} over two nodes each")
+    assert_matches(got, hf_greedy(deepseek, prompts, NEW_TOKENS),
+                   f"{backend} PD, {LAYOUTS[layout]} over two nodes each")
     # The prefill's rank on its second host wrote its share itself (MLA: decode rank 1's whole pages;
     # PP: its stage's layers; DP attention: the pages of the rooms its group prefilled).
     assert prefill.metric("pdserve:kv_transfer_rank_bytes", rank="1") > 0

@@ -19,9 +19,9 @@ import time
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tests.e2e.cluster import Cluster, wait_until, worker_args
+from tests.e2e.hf import hf_greedy
 from tests.e2e.matrix import cover
 from tests.e2e.worker_client import run_all
 from tools.models.tiny_model import write_tiny_model
@@ -45,14 +45,6 @@ def prompts_of(lengths: list[int], seed: int = 13) -> list[list[int]]:
     return [torch.randint(10, 4000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def hf_greedy(model_dir, prompts) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # the requests run with ignore_eos
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
-
 def followers_of(pid: int) -> list[int]:
     """Child processes of `pid` that are TP follower ranks."""
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True,
@@ -69,14 +61,15 @@ def alive(pid: int) -> bool:
     return bool(state.strip()) and not state.strip().startswith("Z")
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "kv4_model"])
+# The 4-KV-head model in `make test` (the tiny one runs TP 2 in the PD tests below); both in test-all.
+@pytest.mark.parametrize("model_name", [pytest.param("tiny_model", marks=pytest.mark.long), "kv4_model"])
 def test_colocated_tp2_matches_hf(cluster: Cluster, model_name, request):
     model = request.getfixturevalue(model_name)
     prompts = prompts_of(LENGTHS)
     worker = cluster.worker("colocated-tp2", model, "null", extra=(*CHUNK, "--tp-size", "2"))
     assert len(followers_of(worker.pid)) == 1
     got = run_all(worker.address, prompts, max_new_tokens=NEW_TOKENS)
-    expected = hf_greedy(model, prompts)
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, f"prompt of {length} tokens: TP 2 differs from HF transformers"
@@ -136,7 +129,7 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
         ("decode-tp2", worker_args(model, "decode", backend=backend, bootstrap=bootstrap, extra=tp2)),
     ])
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
-    expected = hf_greedy(model, prompts)
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, \
@@ -154,9 +147,9 @@ def test_pd_tp2_to_tp2_matches_hf(cluster: Cluster, model_name, backend, request
     assert rank0 == rank1 > 0 and rank0 + rank1 == total  # each rank wrote its own half of every page
 
 
-# Every pair of (model, backend, sizes) values in `make test`, the whole product in `make test-all`.
+# Each model, backend and direction once in `make test`, the whole product in `make test-all`.
 @pytest.mark.parametrize(("model_name", "backend", "sizes"),
-                         cover(["tiny_model", "kv4_model"], ["mooncake", "nixl"], ["1-2", "2-1"], pairs=True))
+                         cover(["tiny_model", "kv4_model"], ["mooncake", "nixl"], ["1-2", "2-1"]))
 def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, sizes, request):
     # Each prefill rank writes to each decode rank only the KV heads both hold (byte pieces of pages);
     # checksums over max(sizes) head parts let decode check every page without gathering it.
@@ -171,7 +164,7 @@ def test_pd_between_tp_sizes_matches_hf(cluster: Cluster, model_name, backend, s
                                extra=(*CHUNK, "--tp-size", str(decode_tp)))),
     ])
     got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
-    expected = hf_greedy(model, prompts)
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
     for length, result, hf_tokens in zip(LENGTHS, got, expected, strict=True):
         assert result.code is None, f"prompt of {length} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, \

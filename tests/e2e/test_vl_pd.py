@@ -88,7 +88,9 @@ def expected(model_dir) -> dict[str, str]:
             for name, (parts, pictures) in CASES.items()}
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+# nixl in `make test-all`: images cross nixl in tests/e2e/test_epd.py, and PD's KV over it in
+# test_pd_services.py.
+@pytest.fixture(scope="module", params=["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
 def pd(request, model_dir, tmp_path_factory) -> Iterator[Deployment]:
     backend = request.param
     conditional = ("--conditional-disaggregation", "--local-prefill-max-tokens",
