@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -69,14 +71,35 @@ async def health_status(address: str, security: GrpcSecurity) -> int:
         return reply.status
 
 
-def test_cluster_secret_guards_every_control_api(cluster: Cluster, tiny_model, tmp_path):
-    cluster.env["PDSERVE_CLUSTER_SECRET"] = SECRET
-    bootstrap = cluster.bootstrap()
-    prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", bootstrap=bootstrap)),
-        ("decode", worker_args(tiny_model, "decode", bootstrap=bootstrap))])
+@dataclass
+class Secured:
+    """A registry, a prefill and a decode sharing the cluster secret, shared by the tests that neither
+    kill nor change them; `insider` is a client's security with the secret."""
+
+    bootstrap: Proc
+    prefill: Proc
+    decode: Proc
+    insider: GrpcSecurity
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model, tmp_path_factory) -> Iterator[Secured]:
+    folder = tmp_path_factory.mktemp("secured")
+    with Cluster(folder, env={"PDSERVE_CLUSTER_SECRET": SECRET}) as cluster:
+        bootstrap = cluster.bootstrap()
+        prefill, decode = cluster.start_many([
+            ("prefill", worker_args(tiny_model, "prefill", bootstrap=bootstrap)),
+            ("decode", worker_args(tiny_model, "decode", bootstrap=bootstrap))])
+        try:
+            yield Secured(bootstrap, prefill, decode, security_with(folder, SECRET))
+        except BaseException:
+            print(cluster.logs())
+            raise
+
+
+def test_cluster_secret_guards_every_control_api(secured: Secured, tmp_path):
+    bootstrap, prefill, decode, insider = secured.bootstrap, secured.prefill, secured.decode, secured.insider
     assert "cluster secret" in decode.log()
-    insider = security_with(tmp_path, SECRET)
     attackers = {"no secret": GrpcSecurity(), "wrong secret": security_with(tmp_path, "guess")}
     prefill_request = worker_pb2.PrefillRequest(room="forged", prompt_token_ids=[5, 6, 7], model="tiny",
                                                 dst_page_ids=[0])
@@ -155,13 +178,11 @@ def test_mutual_tls_control_plane(cluster: Cluster, tiny_model, tmp_path):
     assert_pages_idle(prefill, decode)
 
 
-def test_bad_grpc_input_gets_invalid_argument(cluster: Cluster, tiny_model):
-    """Finding 9.7 and its neighbours: each bad value names the field, nothing is held afterwards."""
-    bootstrap = cluster.bootstrap()
-    prefill, decode = cluster.start_many([
-        ("prefill", worker_args(tiny_model, "prefill", bootstrap=bootstrap)),
-        ("decode", worker_args(tiny_model, "decode", bootstrap=bootstrap))])
-    statuses = asyncio.run(_bad_calls(bootstrap, prefill, decode))
+def test_bad_grpc_input_gets_invalid_argument(secured: Secured):
+    """Finding 9.7 and its neighbours: each bad value names the field, nothing is held afterwards
+    (calls from an insider: the secret admits them, the checks behind it refuse them)."""
+    bootstrap, prefill, decode = secured.bootstrap, secured.prefill, secured.decode
+    statuses = asyncio.run(_bad_calls(bootstrap, prefill, decode, secured.insider))
     for name, (code, details) in statuses.items():
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
     assert "dst_page_ids" in statuses["Prefill: page outside the pool"][1]
@@ -172,8 +193,8 @@ def test_bad_grpc_input_gets_invalid_argument(cluster: Cluster, tiny_model):
     assert bootstrap.metric("pdserve:bootstrap_workers") == 2
 
 
-async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, tuple[grpc.StatusCode, str]]:
-    security = GrpcSecurity()
+async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc,
+                     security: GrpcSecurity) -> dict[str, tuple[grpc.StatusCode, str]]:
     async with open_channel(bootstrap.address, security) as channel:
         registry = bootstrap_pb2_grpc.BootstrapStub(channel)
         (decode_info,) = (await registry.List(
@@ -230,19 +251,18 @@ async def _bad_calls(bootstrap: Proc, prefill: Proc, decode: Proc) -> dict[str, 
     }
 
 
-def test_a_room_in_use_is_refused_not_shared(cluster: Cluster, tiny_model):
+def test_a_room_in_use_is_refused_not_shared(secured: Secured):
     """Two calls naming the same room: the second gets ALREADY_EXISTS; the first is unaffected."""
-    prefill, decode = cluster.start_many([("prefill", worker_args(tiny_model, "prefill")),
-                                          ("decode", worker_args(tiny_model, "decode"))])
+    prefill, decode, insider = secured.prefill, secured.decode, secured.insider
 
     async def both() -> tuple[tuple[grpc.StatusCode, str], tuple[grpc.StatusCode, str]]:
         def request(max_new_tokens: int) -> worker_pb2.GenerateRequest:
             return worker_pb2.GenerateRequest(
                 room="shared-room", prompt_token_ids=list(range(10, 60)), prefill_address=prefill.address,
                 sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-        first = asyncio.ensure_future(generate_status(decode.address, GrpcSecurity(), request(2000)))
+        first = asyncio.ensure_future(generate_status(decode.address, insider, request(2000)))
         await asyncio.sleep(0.5)
-        second = await generate_status(decode.address, GrpcSecurity(), request(2))
+        second = await generate_status(decode.address, insider, request(2))
         return await first, second
 
     first, second = asyncio.run(both())
