@@ -26,24 +26,31 @@ protos: setup
 check-protos: setup
 	@bash scripts/gen_protos.sh --check
 
-# The unit tests on two workers (pytest-xdist; a file's tests stay on one worker, so its module
-# fixtures are built once). The e2e tests run one at a time: the timing bounds of their processes
-# (leases, hung requests, fault detection) assume the machine to themselves.
+# Tests run on two workers (pytest-xdist; a file's tests stay on one worker, so its module fixtures
+# are built once): the unit tests, then the e2e tests, which mostly wait on their processes (on two
+# cores one at a time keeps the machine 60% busy). The e2e modules marked `alone` run after, one at a
+# time: their verdicts hang on bounds of a few seconds (1.5 s leases, 10 s hung requests, a 2 s
+# keepalive, a 5 s encoder timeout) that assume the machine to themselves.
 UNIT := -m "not e2e" -n 2 --dist loadfile
+E2E := -m "e2e and not alone" -n 2 --dist loadfile
+E2E_ALONE := -m "e2e and alone"
 unit: setup
 	$(PY) -m pytest -q $(UNIT) tests
 
 e2e: setup
-	$(PY) -m pytest -q -m e2e tests
+	$(PY) -m pytest -q $(E2E) tests
+	$(PY) -m pytest -q $(E2E_ALONE) tests
 
-# Each half leaves a JUnit report (every test's time) in .cache/test-reports/.
+# Each part leaves a JUnit report (every test's time) in .cache/test-reports/.
 test: setup lint typecheck check-protos
 	$(PY) -m pytest -q -ra --durations=10 --junitxml=.cache/test-reports/unit.xml $(UNIT) tests
-	$(PY) -m pytest -q -ra --durations=15 --junitxml=.cache/test-reports/e2e.xml -m e2e tests
+	$(PY) -m pytest -q -ra --durations=15 --junitxml=.cache/test-reports/e2e.xml $(E2E) tests
+	$(PY) -m pytest -q -ra --durations=10 --junitxml=.cache/test-reports/e2e-alone.xml $(E2E_ALONE) tests
 
 # Everything `make test` runs, and the long tests it leaves out (tests/conftest.py): the whole chaos
 # table and its soak, the full schemathesis fuzz, the compose build from cold, the benchmark commands
-# end to end, the whole e2e matrices.
+# end to end, the whole e2e matrices. Its e2e tests run one at a time: the benchmark commands among
+# them measure, and nothing bounds its time.
 test-all: setup lint typecheck check-protos
 	$(PY) -m pytest -q -ra --durations=10 --long $(UNIT) tests
 	$(PY) -m pytest -q -ra --durations=25 --long -m e2e tests

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 # backend -> its scenarios in the short run
 SHORT_RUNS = {"nixl": "baseline,disconnects,network-cut-prefill",

@@ -27,7 +27,7 @@ import pytest
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_vl_chat import chat, data_url, hf_reference, image, router
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

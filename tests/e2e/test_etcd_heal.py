@@ -17,7 +17,7 @@ from tests.e2e.cluster import Cluster, wait_until, worker_args
 from tests.e2e.test_etcd_registry import registered
 from tests.services.bootstrap.etcd import run_etcd
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 BOTH = {"prefill": 1, "decode": 1, "colocated": 0}
 PROMPT = "The history of the city begins"

@@ -27,7 +27,7 @@ from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, Proc, pdserve_up, wait_until
 from tests.services.bootstrap.etcd import run_etcd
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 BACKEND = "mooncake"
 PROMPTS = ["The history of the city begins", "def fibonacci(n):", "Once upon a time, in a small village,",

@@ -25,7 +25,7 @@ import pytest
 from tests.e2e.cluster import Cluster, Proc, wait_until
 from tests.e2e.conftest import leak_detections
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(600)]
 
 BACKEND = "mooncake"
 PROMPTS = ["The history of the city begins", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 BOUND_S = 30.0
 FAST_LEASE = {"PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.cluster import Cluster, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(400)]
 
 CHAT = [{"role": "user", "content": "Tell me about the river."}]
 

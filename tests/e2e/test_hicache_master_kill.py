@@ -35,7 +35,7 @@ from tests.e2e.test_pd_services import assert_pages_idle
 from tests.e2e.worker_client import generate
 from tests.engine.test_hicache import MASTER, Master
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300),
               pytest.mark.skipif(not MASTER.exists(),
                                  reason="mooncake_master (the Mooncake wheel) is not installed")]
 

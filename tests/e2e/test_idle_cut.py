@@ -18,7 +18,7 @@ import pytest
 from tests.e2e.cluster import Cluster
 from tools.chaos.netns import NetnsUnavailable, NetworkNamespace
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 KEEPALIVE_S = 2.0  # PDSERVE_GRPC_KEEPALIVE_TIME of every process here: a dead peer is found in 3 s
 IDLE_S = 4 * KEEPALIVE_S

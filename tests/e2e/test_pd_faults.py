@@ -21,7 +21,7 @@ from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 BACKEND = "mooncake"
 LONG = [3000] * 4  # 4 prompts x 188 chunks of 16 tokens: seconds of prefill on the tiny model

@@ -18,7 +18,7 @@ from tests.e2e.test_pd_faults import BACKEND, BOUND_S, DECODE, SLOW_PREFILL, sub
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 
 SHORT = [40, 70, 120]
 NEW_TOKENS = 6
