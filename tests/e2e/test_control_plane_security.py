@@ -23,6 +23,7 @@ from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
 from tests.certificates import make_certificates
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
+from tests.e2e.conftest import leak_detections
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
 
@@ -86,12 +87,15 @@ class Secured:
 def secured(tiny_model, tmp_path_factory) -> Iterator[Secured]:
     folder = tmp_path_factory.mktemp("secured")
     with Cluster(folder, env={"PDSERVE_CLUSTER_SECRET": SECRET}) as cluster:
-        bootstrap = cluster.bootstrap()
-        prefill, decode = cluster.start_many([
-            ("prefill", worker_args(tiny_model, "prefill", bootstrap=bootstrap)),
-            ("decode", worker_args(tiny_model, "decode", bootstrap=bootstrap))])
         try:
+            bootstrap = cluster.bootstrap()
+            prefill, decode = cluster.start_many([
+                ("prefill", worker_args(tiny_model, "prefill", bootstrap=bootstrap)),
+                ("decode", worker_args(tiny_model, "decode", bootstrap=bootstrap))])
             yield Secured(bootstrap, prefill, decode, security_with(folder, SECRET))
+            # As the per-test `cluster` fixture does: the tests fail if a worker's leak detector fired.
+            leaks = {name: count for name, count in leak_detections(cluster).items() if count}
+            assert not leaks, f"KV page leak detector fired: {leaks}"
         except BaseException:
             print(cluster.logs())
             raise
