@@ -121,6 +121,14 @@ class EngineConfig:
         "a vision-language model without its vision tower (SGLang's flag, EPD): the image embeddings of each "
         "request come from an encoder service (--encoder-only workers, found in the registry or at "
         "--encoder-urls)"))
+    engine_kind: str = field(default="model", metadata={"flags": ("--engine",), "help": (
+        "model | sim: sim replaces the model's forward pass by a timing model (engine/sim/: step time from "
+        "batch size and tokens, tokens a deterministic function of the context, a small KV layout of its "
+        "own); everything else (scheduler, KV pool, prefix cache, PD transfer) is the real worker's. Reads "
+        "only config.json and the tokenizer from --model-path, never weights")})
+    sim_profile: str | None = field(default=None, metadata=_help(
+        "with --engine sim: a JSON step-time table ({\"decode_ms\": [[batch, ms], ...], \"prefill_ms\": "
+        "[[tokens, ms], ...]}); unset: the built-in one, an H100 serving a 4B model (engine/sim/profile.py)"))
     profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
         "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
         "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))
@@ -160,6 +168,14 @@ class EngineConfig:
         if self.enable_hierarchical_cache:
             self._check_hicache()
         self.topology()  # raises TopologyError naming what does not fit
+        if self.engine_kind not in ("model", "sim"):
+            raise ValueError(f"--engine must be model or sim, got {self.engine_kind!r}")
+        if self.sim_profile is not None and self.engine_kind != "sim":
+            raise ValueError("--sim-profile is for --engine sim")
+        if self.engine_kind == "sim" and (self.world_size > 1 or self.enable_dp_attention
+                                          or self.enable_hierarchical_cache or self.nnodes > 1):
+            raise ValueError("--engine sim simulates one rank: no --tp-size/--pp-size > 1, "
+                             "--enable-dp-attention, --nnodes or --enable-hierarchical-cache")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"--cpu-kernels must be auto, on or off, got {self.cpu_kernels!r}")
 

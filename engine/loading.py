@@ -55,6 +55,9 @@ class LoadedModel:
 
 def load(config: EngineConfig) -> LoadedModel:
     """Load weights and tokenizer from `config.model_path` and size the KV pool."""
+    if config.engine_kind == "sim":  # no weights: a timing model in the forward's place
+        from engine.sim.load import load_sim
+        return load_sim(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
