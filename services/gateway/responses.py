@@ -288,6 +288,10 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
                          timers: Sequence[RequestTimer]) -> AsyncGenerator[tuple[int, GenerationChunk], None]:
     """(job index, chunk) from all jobs as they arrive. The first failing job's exception is
     raised (the others are cancelled). Each job's timer sees its tokens."""
+    if len(jobs) == 1:  # most requests: no merging, so no task and queue hop per streamed chunk
+        async for chunk in _one_choice(dispatcher, jobs[0], timers[0]):
+            yield 0, chunk
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(position: int, job: ChoiceJob) -> None:
@@ -321,6 +325,23 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
         # awaiting here: the caller may be inside a cancelled scope
         for task in tasks:
             task.add_done_callback(_consume_result)
+
+
+async def _one_choice(dispatcher: Dispatcher, job: ChoiceJob,
+                      timer: RequestTimer) -> AsyncGenerator[GenerationChunk, None]:
+    stream = dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling, job.images)
+    finished = False
+    try:
+        async for chunk in stream:
+            timer.tokens(len(chunk.tokens))
+            yield chunk
+        finished = True
+    finally:
+        if not finished:
+            # the generation's own cleanup (cancel its call, Worker.Abort) runs as a task of its own,
+            # as the merged path's cancelled pumps do: the caller may be inside a cancelled scope
+            asyncio.ensure_future(stream.aclose()).add_done_callback(_consume_result)
+    timer.done()
 
 
 def _consume_result(task: asyncio.Task) -> None:

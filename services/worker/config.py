@@ -126,6 +126,10 @@ class WorkerConfig:
         "decode: seconds the pages of a failed request wait for its prefill to confirm that no KV "
         "write can still land (a one-sided engine cannot recall a write) before they are freed anyway"))
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
+    stream_interval: int = field(default=1, metadata=_help(
+        "tokens per streamed message after the first one (SGLang's flag): N > 1 sends N tokens per gRPC "
+        "message and so per SSE chunk of the gateway, cutting their per-token cost; 1 = each step's tokens "
+        "as soon as they are made"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
@@ -140,6 +144,8 @@ class WorkerConfig:
         if self.disaggregation_transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         self._check_epd()
         if self.engine.tp_size > 1:
             check_tp_size(self.engine.tp_size, ModelConfig.from_dir(self.engine.model_path),

@@ -108,15 +108,20 @@ def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
 
 
 async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetrics,
-                arrival: float) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    """One GenerateResponse per batch of engine outputs (Engine.generate): the tokens that were
-    ready together travel in one message. The last response carries finish_reason and usage; an
-    abort output (token_id -1) adds no token, only the finish reason. Tokens after the first of a
-    batch arrive with it, so their inter-token latency is observed as 0."""
+                arrival: float, stream_interval: int = 1) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """GenerateResponses over the batches of engine outputs (Engine.generate): the tokens that were
+    ready together travel in one message, and with `stream_interval` N > 1 (SGLang's
+    --stream-interval) tokens after the first wait until N of them fill a message, so every hop
+    after the engine (this gRPC stream, the gateway, its SSE chunks) handles N times fewer messages.
+    The first token goes out at once (time to first token is not traded away). The last response
+    carries finish_reason and usage; an abort output (token_id -1) adds no token, only the finish
+    reason. Tokens after the first of a batch arrive with it, so their inter-token latency is
+    observed as 0."""
     last = None
+    response = worker_pb2.GenerateResponse()
     async for batch in batches:
         now = time.perf_counter()
-        response = worker_pb2.GenerateResponse()
+        first_token = last is None
         for out in batch:
             if out.token_id >= 0:
                 if last is None:
@@ -133,6 +138,11 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
                 metrics.prompt_tokens.inc(out.prompt_tokens)
                 metrics.request_success.labels(**metrics.labels, finish_reason=out.finish_reason).inc()
                 metrics.e2e.observe(now - arrival)
+        if response.finish_reason or len(response.outputs) >= stream_interval or \
+                (first_token and response.outputs):
+            yield response
+            response = worker_pb2.GenerateResponse()
+    if response.outputs:  # the engine's stream ended without a finish reason: send what is held
         yield response
 
 
