@@ -114,6 +114,10 @@ MOONCAKE_MASTER = EnvVar(
     "SGLang's name for the Mooncake Store master (HOST:PORT), read when PDSERVE_HICACHE_MOONCAKE_MASTER "
     "and --hicache-mooncake-master are unset.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
+GATEWAY_REUSE_PORT = EnvVar(
+    "PDSERVE_GATEWAY_REUSE_PORT", False,
+    "Set by `launch-router --workers N` for its gateway processes: bind the port with SO_REUSEPORT, "
+    "beside the others; not for operators.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 

@@ -132,6 +132,9 @@ class GatewayConfig:
         "most image bytes in one request, all images together; more is refused with 413. A vision-language "
         "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body "
         "holds the event loop: about 0.5 s for the 45 MB this default allows)"))
+    workers: int = field(default=1, metadata=_help(
+        "gateway processes serving this port (services/gateway/processes.py): each a whole gateway with its "
+        "own view of the registry, KV events and routing state; the kernel spreads connections over them"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
@@ -141,6 +144,8 @@ class GatewayConfig:
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.model_path and not Path(self.model_path, "tokenizer.json").is_file():
             raise ValueError(f"--model-path {self.model_path!r} has no tokenizer.json")
         for flag, value in (("--policy", self.policy), ("--prefill-policy", self.prefill_policy),

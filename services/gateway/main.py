@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
+from pdserve import envs
 from pdserve.config_flags import add_config_arguments, config_from_args
 from services.common.grpc_server import ShutdownSignals
 from services.common.logging import setup_logging
@@ -58,6 +60,16 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("gateway: %s", exc)
         return 2
+    if config.workers > 1:
+        from services.gateway.processes import run_processes
+        try:
+            sock = bind_socket(config.host, config.port, reuse_port=True, listen=False)  # holds the port
+        except OSError as exc:
+            log.error("gateway failed to start: %s", exc)
+            return 1
+        with sock:
+            port = sock.getsockname()[1]
+            return run_processes(config.workers, port, sys.argv[1:], config.graceful_shutdown)
     try:
         uvloop.run(serve(config, workers))
     except OSError as exc:  # port in use, bad host
@@ -78,24 +90,29 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before uvicorn starts so port 0 gives us the real port."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """The listening socket, bound before uvicorn starts so port 0 gives us the real port.
+    `reuse_port`: bound with SO_REUSEPORT, so several processes listen on one port (--workers)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind HTTP server to {host}:{port}: {exc}") from exc
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock
 
 
 async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> None:
     shutdown = ShutdownSignals()  # before the ready line: a signal right after it is graceful
-    sock = bind_socket(config.host, config.port)
+    # one of --workers N processes (services.gateway.processes) binds beside the others
+    sock = bind_socket(config.host, config.port, reuse_port=envs.GATEWAY_REUSE_PORT.get())
     signal_task = asyncio.create_task(shutdown.wait())
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-gateway-model-") as folder:
