@@ -119,6 +119,10 @@ class GatewayConfig:
         "hosts whose http(s) image URLs the gateway fetches (exact host names, several as separate values or "
         "comma-separated; each redirect's host must be one too); none: remote image URLs are "
         "refused with 400"))
+    allow_private_media_addresses: bool = field(default=False, metadata=_help(
+        "fetch media URLs of --allowed-media-domains also when their host resolves to a loopback, private, "
+        "link-local or other non-public address (off: such a URL is a 400, checked at the address "
+        "connected to)"))
     media_fetch_timeout: float = field(default=10.0, metadata=_help(
         "seconds all of one request's remote image fetches may take together; a slower one is "
         "refused with 400"))

@@ -4,7 +4,8 @@ Who calls: services.gateway.images, for a URL whose host is in `--allowed-media-
 request's remaining byte budget and its fetch deadline. Redirects are followed by hand so that every
 hop's host is checked against the allowed domains (at most MediaLimits.max_redirects hops); only
 http and https; the answer must be 200 with an `image/*` content type; the body is read in chunks
-and refused (413) as soon as it passes the byte limit, whatever Content-Length said. A slow server
+and refused (413) as soon as it passes the byte limit, whatever Content-Length said. Every connection
+goes to public addresses only, checked where it is made (services.gateway.public_addresses). A slow server
 holds only its own request: everything here awaits, and the whole fetch is bounded by the deadline.
 Every failure is a GatewayError (400, or 413 for size) saying which image and why.
 """
@@ -18,6 +19,7 @@ import httpx
 
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.media_limits import MediaLimits
+from services.gateway.public_addresses import NonPublicAddress, PublicOnlyBackend
 
 SCHEMES = ("http", "https")
 
@@ -29,7 +31,14 @@ class MediaFetcher:
         self.limits = limits
         # trust_env=False: no proxy or .netrc from the environment: the gateway talks to the
         # allowed hosts themselves. Timeouts: the deadline in `fetch` bounds the whole fetch.
-        self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=None,
+        transport = httpx.AsyncHTTPTransport(trust_env=False)
+        if not limits.allow_private_addresses:
+            # httpx has no public way to choose the pool's network backend; the pinned httpx/httpcore
+            # keep it here (tests/services/gateway/test_public_addresses.py fails if that changes)
+            pool = transport._pool
+            pool._network_backend = PublicOnlyBackend(pool._network_backend)
+        self._client = httpx.AsyncClient(transport=transport, follow_redirects=False, trust_env=False,
+                                         timeout=None,
                                          headers={"Accept": "image/*", "User-Agent": "pdserve-gateway"})
 
     async def close(self) -> None:
@@ -65,6 +74,10 @@ class MediaFetcher:
         except httpx.HTTPError as exc:
             raise bad_request(f"{where}: fetching {_shown(url)} failed: {type(exc).__name__}: "
                               f"{exc}") from None
+        except NonPublicAddress as exc:
+            raise bad_request(f"{where}: not fetched: {exc} (the gateway fetches media from public addresses "
+                              "only; the operator may allow others with --allow-private-media-addresses)") \
+                from None
 
     async def _follow(self, url: httpx.URL, where: str, max_bytes: int, too_large: str) -> bytes:
         for _ in range(self.limits.max_redirects + 1):

@@ -27,6 +27,7 @@ class MediaLimits:
     allowed_domains: tuple[str, ...] = ()
     fetch_timeout_s: float = 10.0
     max_redirects: int = MAX_REDIRECTS
+    allow_private_addresses: bool = False  # fetch from loopback, private, link-local addresses too
 
     @classmethod
     def of(cls, config) -> MediaLimits:
@@ -35,7 +36,8 @@ class MediaLimits:
                    max_image_bytes=config.max_image_bytes,
                    max_request_image_bytes=config.max_request_image_bytes,
                    allowed_domains=parse_domains(config.allowed_media_domains),
-                   fetch_timeout_s=config.media_fetch_timeout)
+                   fetch_timeout_s=config.media_fetch_timeout,
+                   allow_private_addresses=config.allow_private_media_addresses)
 
     def domain_allowed(self, host: str) -> bool:
         """`host` is one of the allowed domains, exactly (as vLLM: `a.com` does not allow `b.a.com`)."""

@@ -121,6 +121,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
                     ("gateway-vl", ["launch-router", "--model-path", str(vl_dir), "--port", "0",
                                     "--worker", f"http://{vl_worker.address}",
                                     "--allowed-media-domains", "127.0.0.1", "example.invalid",
+                                    "--allow-private-media-addresses",  # the image server is local
                                     "--media-fetch-timeout", "3", "--limit-mm-per-prompt", '{"image": 4}',
                                     "--max-image-bytes", str(IMAGE_BYTES),
                                     "--max-request-image-bytes", str(REQUEST_IMAGE_BYTES)]),
