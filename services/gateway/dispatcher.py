@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
@@ -216,7 +217,9 @@ class Dispatcher:
         last_failure: _Retryable | None = None
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
+                began = time.perf_counter()
                 route = self.router.pick(model, prompt_token_ids, exclude)
+                self.metrics.routing_decision.observe(time.perf_counter() - began)
             except NoWorkersError as exc:
                 if last_failure is None:
                     raise
