@@ -67,7 +67,7 @@ def test_every_resource_is_valid_kubernetes(version: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
     resources = _resources()
     assert {doc["kind"] for _, doc in resources} == {"ConfigMap", "PersistentVolumeClaim", "Deployment",
-                                                      "Service"}
+                                                      "Service", "HorizontalPodAutoscaler"}
     for name, doc in resources:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -132,3 +132,16 @@ def test_workers_mount_the_model_volume() -> None:
         mounts = {mount["name"]: mount for mount in _container(role)["volumeMounts"]}
         assert volumes["models"]["persistentVolumeClaim"]["claimName"] == claim
         assert mounts["models"]["readOnly"] and mounts["models"]["mountPath"] == "/mnt/models"
+
+
+def test_the_gateway_scales_out_on_cpu() -> None:
+    deployment = _by_kind("Deployment")["pdserve-gateway"]
+    (hpa,) = _by_kind("HorizontalPodAutoscaler").values()
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "pdserve-gateway")
+    assert 2 <= hpa["spec"]["minReplicas"] == deployment["spec"]["replicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+    # utilization is measured against the container's request: there must be one
+    assert _container("gateway")["resources"]["requests"]["cpu"]
+    assert _parse(_args("gateway")).workers == 1  # one process per pod: each pod's /metrics is whole
