@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench parallel": ("tools.bench.parallel",
                        "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
+    "bench registry-scale": ("tools.bench.registry_scale", "many workers heartbeating and gateways watching: "
+                             "registry CPU, time for a killed worker to leave every view"),
     "bench fleet": ("tools.bench.fleet", "simulated prefill/decode workers and gateways at a target rate: "
                     "gateway CPU per token, routing decision, registry CPU, TTFT/TPOT vs the timing model"),
     "bench epd": ("tools.bench.epd",
