@@ -93,6 +93,16 @@ def plan_graphs(*, device: torch.device, disabled: bool, max_bs: int | None, siz
     return GraphPlan(chosen, capture, f"{how} at batch sizes {list(chosen)}") if chosen else off
 
 
+@dataclass
+class _PageRow:
+    """A decoding request's row of DecodeGraphRunner.table_rows: which row, the page list it
+    mirrors, and how many of its pages are written there."""
+
+    index: int
+    pages: list[int]
+    written: int = 0
+
+
 class DecodeGraphRunner:
     """Runs decode-only steps of up to `sizes[-1]` sequences (see the module docstring).
 
@@ -122,11 +132,19 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.slots = torch.full((self.max_bs,), self.scratch_slot, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
-        self.page_table = torch.full((self.max_bs, self.width), scratch_page, dtype=torch.int32,
+        # The page tables live in rows that stay a request's while it decodes (`_PageRow`): a step
+        # writes only the pages added since the last one (one per page_size steps), not every page
+        # of every sequence (64 rows of 129 pages built from lists took milliseconds per step), and
+        # gathers its batch's rows by index. The last row is the padding's: the scratch page.
+        self.table_rows = torch.full((self.max_bs + 1, self.width), scratch_page, dtype=torch.int32,
                                      device=device)
-        # One host-to-device copy per step for the four per-row vectors (pinned on CUDA so the copy
-        # is asynchronous); rows: ids, positions, slots, seq_lens.
-        self._staging = torch.zeros((4, self.max_bs), dtype=torch.long, pin_memory=device.type == "cuda")
+        self.padding_row = self.max_bs
+        self.row_of_batch = torch.full((self.max_bs,), self.padding_row, dtype=torch.long, device=device)
+        self._rows: dict[str, _PageRow] = {}
+        self._free_rows = list(range(self.max_bs))
+        # One host-to-device copy per step for the five per-row vectors (pinned on CUDA so the copy
+        # is asynchronous); rows: ids, positions, slots, seq_lens, table rows.
+        self._staging = torch.zeros((5, self.max_bs), dtype=torch.long, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None  # one memory pool for every captured graph (set at the first capture)
         self.last_replayed = False  # the last step ran a captured CUDA graph (the log line's flag)
@@ -136,6 +154,13 @@ class DecodeGraphRunner:
         """A decode-only step of at most max_bs sequences, none with images."""
         return (not batch.extends and 0 < len(batch.decodes) <= self.max_bs
                 and all(chunk.multimodal is None for chunk in batch.decodes))
+
+    def forget_rows(self) -> None:
+        """Let go of every request's table row: the model runner calls it for each step it runs
+        eagerly, in which a request may have been retracted and re-admitted with other pages (a
+        decode-only step follows only decode-only steps or one of those)."""
+        self._rows.clear()
+        self._free_rows = list(range(self.max_bs))
 
     def padded_size(self, num_rows: int) -> int:
         """The smallest captured size holding `num_rows`."""
@@ -166,28 +191,47 @@ class DecodeGraphRunner:
         staging[1, :size] = 0
         staging[2, :size] = self.scratch_slot
         staging[3, :size] = 1
+        staging[4, :size] = self.padding_row
         if rows:
-            size_ = self.page_size
+            page = self.page_size
             values = [[c.token_ids[0] for c in batch.decodes], [c.start_pos for c in batch.decodes],
-                      [c.page_ids[c.start_pos // size_] * size_ + c.start_pos % size_ for c in batch.decodes],
-                      [c.end_pos for c in batch.decodes]]
+                      [c.page_ids[c.start_pos // page] * page + c.start_pos % page for c in batch.decodes],
+                      [c.end_pos for c in batch.decodes], self._table_rows(batch)]
             staging[:, :rows] = torch.tensor(values, dtype=torch.long)
         device_rows = staging[:, :size].to(self.input_ids.device, non_blocking=True)
         self.input_ids[:size].copy_(device_rows[0])
         self.positions[:size].copy_(device_rows[1])
         self.slots[:size].copy_(device_rows[2])
         self.seq_lens[:size].copy_(device_rows[3])
-        # Only the pages a row's length reaches are read, so a row's stale entries past them (from
-        # an earlier, longer sequence in that row) are never looked at; a padded row reads column 0.
-        self.page_table[rows:size, 0] = self.scratch_page
-        if rows:
-            used = max(len(c.page_ids) for c in batch.decodes)
-            table = [c.page_ids + [self.scratch_page] * (used - len(c.page_ids)) for c in batch.decodes]
-            self.page_table[:rows, :used].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self.row_of_batch[:size].copy_(device_rows[4])
+
+    def _table_rows(self, batch: SchedulerOutput) -> list[int]:
+        """Each decode's table row, its new pages written: a request keeps its row from step to
+        step; a row whose request left the batch (finished, retracted) is free again. A request
+        is recognized by its room and its very page list (the scheduler's, grown in place); a
+        list that shrank was given back and refilled, so its row is written whole."""
+        rooms = {chunk.room for chunk in batch.decodes}
+        for room in [room for room in self._rows if room not in rooms]:
+            self._free_rows.append(self._rows.pop(room).index)
+        indices = []
+        for chunk in batch.decodes:
+            row = self._rows.get(chunk.room)
+            if row is None:
+                row = self._rows[chunk.room] = _PageRow(self._free_rows.pop(), chunk.page_ids)
+            elif row.pages is not chunk.page_ids or len(chunk.page_ids) < row.written:
+                row.pages, row.written = chunk.page_ids, 0
+            count = len(chunk.page_ids)
+            if count > row.written:
+                new = torch.tensor(chunk.page_ids[row.written:count], dtype=torch.int32)
+                self.table_rows[row.index, row.written:count].copy_(new)
+                row.written = count
+            indices.append(row.index)
+        return indices
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(slots=self.slots[:size], num_decode=size,
-                                 decode_page_table=self.page_table[:size],
+        # Inside the graph: the rows are gathered from where the tables live, by the batch's index.
+        page_table = self.table_rows.index_select(0, self.row_of_batch[:size])
+        meta = AttentionMetadata(slots=self.slots[:size], num_decode=size, decode_page_table=page_table,
                                  decode_seq_lens=self.seq_lens[:size], extends=[])
         logits = self.model.forward(self.input_ids[:size], self.positions[:size], self.max_position, meta,
                                     self.pool.buffer, None)
@@ -203,7 +247,7 @@ class DecodeGraphRunner:
         self.positions[:size] = 0
         self.slots[:size] = self.scratch_slot
         self.seq_lens[:size] = 1
-        self.page_table[:size, 0] = self.scratch_page
+        self.row_of_batch[:size] = self.padding_row
         device = self.pool.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

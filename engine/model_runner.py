@@ -58,8 +58,10 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """This rank's part of the step: `forward`'s logits, or None on a rank that gets none."""
-        if self.graphs is not None and self.graphs.takes(batch):
-            return self.graphs.run(batch)
+        if self.graphs is not None:
+            if self.graphs.takes(batch):
+                return self.graphs.run(batch)
+            self.graphs.forget_rows()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
