@@ -142,9 +142,10 @@ class DecodeGraphRunner:
         self.row_of_batch = torch.full((self.max_bs,), self.padding_row, dtype=torch.long, device=device)
         self._rows: dict[str, _PageRow] = {}
         self._free_rows = list(range(self.max_bs))
-        # One host-to-device copy per step for the five per-row vectors (pinned on CUDA so the copy
-        # is asynchronous); rows: ids, positions, slots, seq_lens, table rows.
-        self._staging = torch.zeros((5, self.max_bs), dtype=torch.long, pin_memory=device.type == "cuda")
+        # One host-to-device copy per step of the five per-row values (pinned on CUDA so the copy is
+        # asynchronous; a batch's rows are one contiguous block of it): token id, position, slot,
+        # sequence length, table row.
+        self._staging = torch.zeros((self.max_bs, 5), dtype=torch.long, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None  # one memory pool for every captured graph (set at the first capture)
         self.last_replayed = False  # the last step ran a captured CUDA graph (the log line's flag)
@@ -187,23 +188,19 @@ class DecodeGraphRunner:
         get the padding (token 0 at position 0, one token of the scratch page)."""
         staging = self._staging
         rows = len(batch.decodes)
-        staging[0, :size] = 0
-        staging[1, :size] = 0
-        staging[2, :size] = self.scratch_slot
-        staging[3, :size] = 1
-        staging[4, :size] = self.padding_row
+        staging[rows:size] = torch.tensor([0, 0, self.scratch_slot, 1, self.padding_row])
         if rows:
             page = self.page_size
             values = [[c.token_ids[0] for c in batch.decodes], [c.start_pos for c in batch.decodes],
                       [c.page_ids[c.start_pos // page] * page + c.start_pos % page for c in batch.decodes],
                       [c.end_pos for c in batch.decodes], self._table_rows(batch)]
-            staging[:, :rows] = torch.tensor(values, dtype=torch.long)
-        device_rows = staging[:, :size].to(self.input_ids.device, non_blocking=True)
-        self.input_ids[:size].copy_(device_rows[0])
-        self.positions[:size].copy_(device_rows[1])
-        self.slots[:size].copy_(device_rows[2])
-        self.seq_lens[:size].copy_(device_rows[3])
-        self.row_of_batch[:size].copy_(device_rows[4])
+            staging[:rows] = torch.tensor(values, dtype=torch.long).T
+        device_rows = staging[:size].to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:size].copy_(device_rows[:, 0])
+        self.positions[:size].copy_(device_rows[:, 1])
+        self.slots[:size].copy_(device_rows[:, 2])
+        self.seq_lens[:size].copy_(device_rows[:, 3])
+        self.row_of_batch[:size].copy_(device_rows[:, 4])
 
     def _table_rows(self, batch: SchedulerOutput) -> list[int]:
         """Each decode's table row, its new pages written: a request keeps its row from step to
