@@ -123,3 +123,44 @@ def test_padded_rows_write_only_the_scratch_page(checkpoints):
     written = {int(page) * size + int(offset) for page, offset in changed.nonzero().tolist()}
     assert written == slots | {graphs.scratch_slot}
     engine.shutdown()
+
+
+def _table(runner, batch) -> list[list[int]]:
+    """The page table a step of `batch` reads: each row's first pages, as many as it has."""
+    size = runner.padded_size(len(batch.decodes))
+    runner._fill(batch, size)
+    table = runner.table_rows.index_select(0, runner.row_of_batch[:size])
+    lengths = [len(c.page_ids) for c in batch.decodes] + [1] * (size - len(batch.decodes))
+    return [row[:n] for row, n in zip(table.tolist(), lengths, strict=True)]
+
+
+def test_page_rows_follow_their_requests():
+    """The page-table rows a request keeps while it decodes: new pages written as they come, a row
+    freed when its request leaves the batch and reused by another, a list given back and refilled
+    in place written whole, padded rows on the scratch page."""
+    from types import SimpleNamespace
+
+    from engine.graph_runner import DecodeGraphRunner
+    from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    pool = SimpleNamespace(device=torch.device("cpu"), layout=SimpleNamespace(page_size=4), buffer=None)
+    runner = DecodeGraphRunner(None, pool, (1, 2, 4), max_seq_len=64, scratch_page=99, capture=False)
+    a, b, c = [1, 2], [5], [7, 8, 9]
+
+    def step(*pages: list[int]) -> SchedulerOutput:
+        chunks = [ScheduledChunk(f"r{id(p)}", [3], 4 * len(p) - 1, p, True) for p in pages]
+        return SchedulerOutput(decodes=chunks)
+
+    assert _table(runner, step(a, b, c)) == [[1, 2], [5], [7, 8, 9], [99]]
+    a.append(3)
+    b.append(6)
+    assert _table(runner, step(a, b, c)) == [[1, 2, 3], [5, 6], [7, 8, 9], [99]]
+    assert _table(runner, step(c, a)) == [[7, 8, 9], [1, 2, 3]]  # b left: its row is free
+    d = [11, 12, 13, 14]
+    assert _table(runner, step(c, d, a)) == [[7, 8, 9], [11, 12, 13, 14], [1, 2, 3], [99]]
+    a.clear()  # given back, then refilled in place with other pages
+    a.extend([20, 21])
+    assert _table(runner, step(a, d)) == [[20, 21], [11, 12, 13, 14]]
+    runner.forget_rows()
+    a[0] = 30  # after an eager step nothing is trusted: rows are written whole again
+    assert _table(runner, step(a)) == [[30, 21]]
