@@ -117,6 +117,16 @@ class EngineConfig:
     hicache_write_queue_pages: int = field(default=256, metadata=_help(
         "pages waiting to be written to the store at most; pages offered beyond it are dropped (counted), "
         "never waited for"))
+    disable_cuda_graph: bool = field(default=False, metadata=_help(
+        "run every decode step eagerly (SGLang's flag): no CUDA graphs on a GPU, and on CPU no padded "
+        "replay"))
+    cuda_graph_max_bs: int | None = field(default=None, metadata=_help(
+        "the largest decode batch run as a CUDA graph (SGLang's flag); a larger one runs eagerly. Unset: "
+        "--max-running-requests. On CPU, setting it (or --cuda-graph-bs) runs decode steps as the same "
+        "padded replay over static buffers, without graphs"))
+    cuda_graph_bs: tuple[int, ...] = field(default=(), metadata=_help(
+        "the decode batch sizes to capture (SGLang's flag); a batch runs as the next size up. Unset: 1, "
+        "2, 4, 8 and every multiple of 8 up to --cuda-graph-max-bs"))
     language_only: bool = field(default=False, metadata=_help(
         "a vision-language model without its vision tower (SGLang's flag, EPD): the image embeddings of each "
         "request come from an encoder service (--encoder-only workers, found in the registry or at "

@@ -96,6 +96,7 @@ class Engine:
         self.kv_layout = loaded.pool.layout
         self.runner = loaded.runner
         self.tp_followers = loaded.followers
+        self.graphs = loaded.graphs
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=self.config.max_running_requests,
             chunked_prefill_size=self.config.chunked_prefill_size,
@@ -272,7 +273,8 @@ class Engine:
             cached_pages=cache.num_pages if cache else 0,
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
-            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0,
+            cuda_graph=self.graphs is not None and self.graphs.last_replayed)
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed to each expert since load (summed over layers) and the last step's

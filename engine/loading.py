@@ -3,6 +3,7 @@ workers the follower ranks (`Engine.load` calls `load`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from engine.config import EngineConfig
+from engine.graph_runner import DecodeGraphRunner, plan_graphs
 from engine.memory import kv_pages
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
@@ -27,6 +29,7 @@ from libkv.pool import KVPool
 from pdserve.text import Decoder
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -51,6 +54,7 @@ class LoadedModel:
     pages: PageManager
     runner: StepRunner
     followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
+    graphs: DecodeGraphRunner | None = None  # decode steps at fixed sizes (engine.graph_runner)
 
 
 def load(config: EngineConfig) -> LoadedModel:
@@ -73,11 +77,19 @@ def load(config: EngineConfig) -> LoadedModel:
                              "(tp/pp/dp size 1)")
         return _load_tensor_parallel(config, model_config, device)
 
+    plan = plan_graphs(device=device, disabled=config.disable_cuda_graph, max_bs=config.cuda_graph_max_bs,
+                       sizes=config.cuda_graph_bs, max_running_requests=config.max_running_requests,
+                       world_size=config.world_size, multimodal=model_config.is_multimodal,
+                       routed_or_latent=model_config.moe is not None or model_config.mla is not None)
+    log.info("decode steps: %s", plan.reason)
+    # The graphs' padded rows write one scratch page past the page manager's pages.
+    scratch_pages = 1 if plan.sizes else 0
+
     def load_tensors() -> tuple[DecoderModel, KVPool]:
         model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
         if model_config.is_multimodal and not config.language_only:
             model.vision = load_vision_tower(config.model_path, model_config, dtype, device)
-        pool = KVPool(layout, kv_pages(config, layout, device), device)
+        pool = KVPool(layout, kv_pages(config, layout, device) + scratch_pages, device)
         return model, pool
 
     # The copies of loading run as parallel (OpenMP) regions, and the first one in a thread
@@ -86,8 +98,11 @@ def load(config: EngineConfig) -> LoadedModel:
     # a bf16 decode step of the small preset measured 25.9 ms instead of 21 ms. So the loading
     # happens in a short-lived thread whose workers go away with it.
     model, pool = _in_short_lived_thread(load_tensors)
-    return LoadedModel(config, model_config, model, _tokenizer(config), pool, _page_manager(config, pool),
-                       ModelRunner(model, pool))
+    graphs = DecodeGraphRunner(model, pool, plan.sizes, model_config.max_position_embeddings,
+                               scratch_page=pool.num_pages - 1, capture=plan.capture) if plan.sizes else None
+    return LoadedModel(config, model_config, model, _tokenizer(config), pool,
+                       _page_manager(config, pool, pool.num_pages - scratch_pages),
+                       ModelRunner(model, pool, graphs=graphs), graphs=graphs)
 
 
 def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
@@ -125,8 +140,11 @@ def _tokenizer(config: EngineConfig):
     return AutoTokenizer.from_pretrained(str(Path(config.model_path)), trust_remote_code=False)
 
 
-def _page_manager(config: EngineConfig, pool: KVPool) -> PageManager:
-    return PageManager(pool.num_pages, config.page_size, prefix_cache=not config.disable_radix_cache)
+def _page_manager(config: EngineConfig, pool: KVPool, num_pages: int | None = None) -> PageManager:
+    """The manager of the pool's first `num_pages` pages (default all; the rest are the graph
+    runner's scratch)."""
+    return PageManager(pool.num_pages if num_pages is None else num_pages, config.page_size,
+                       prefix_cache=not config.disable_radix_cache)
 
 
 def _in_short_lived_thread(function: Callable[[], T]) -> T:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.graph_runner import DecodeGraphRunner
 from engine.models.attention import AttentionMetadata, ExtendSpan
 from engine.models.decoder import DecoderModel
 from engine.multimodal.state import MultimodalState, text_positions
@@ -26,10 +27,12 @@ class ModelRunner:
     0, runs `forward`, which always has them.
     """
 
-    def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None) -> None:
+    def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None,
+                 graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.pool = pool
         self.stage = stage
+        self.graphs = graphs  # runs the decode-only steps it takes (engine.graph_runner)
         self.device = pool.device
         self.page_size = pool.layout.page_size
 
@@ -55,6 +58,10 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """This rank's part of the step: `forward`'s logits, or None on a rank that gets none."""
+        if self.graphs is not None:
+            if self.graphs.takes(batch):
+                return self.graphs.run(batch)
+            self.graphs.forget_rows()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -55,6 +55,7 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_pages: int = 0
+    cuda_graph: bool = False  # the last decode-only step replayed a captured CUDA graph
 
 
 class RequestAborted(Exception):

@@ -96,9 +96,11 @@ def _add_arguments(parser: argparse.ArgumentParser, config_cls: type, defaults: 
         dests.add(f.name)
         flags = tuple(f.metadata.get("flags", ("--" + f.name.replace("_", "-"),)))
         help_ = f.metadata.get("help", "")
-        if hint == tuple[str, ...]:  # one or more values after the flag, as SGLang's --encoder-urls
-            parser.add_argument(*flags, dest=f.name, nargs="+", default=default, metavar="STR",
-                                help=f"{help_} (default: {' '.join(default) or 'none'})")
+        if hint in (tuple[str, ...], tuple[int, ...]):  # values after the flag, as SGLang's --encoder-urls
+            item: type = int if hint == tuple[int, ...] else str
+            parser.add_argument(*flags, dest=f.name, nargs="+", type=item, default=default,
+                                metavar=item.__name__.upper(),
+                                help=f"{help_} (default: {' '.join(map(str, default)) or 'none'})")
             continue
         kind, nullable = _scalar_type(hint)
         if default is _REQUIRED:
@@ -123,7 +125,7 @@ def _from_args(config_cls: type[C], args: argparse.Namespace, defaults: dict[str
         elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
             values[f.name] = _from_args(hint, args, _sub_defaults(f, default),
                                         tuple(f.metadata.get("omit", ())))
-        elif hint == tuple[str, ...]:
+        elif hint in (tuple[str, ...], tuple[int, ...]):
             values[f.name] = tuple(getattr(args, f.name) or ())
         else:
             values[f.name] = getattr(args, f.name)

@@ -15,7 +15,7 @@ usage: scripts/test_gpu.sh [--dry-run] [--venv DIR | --python PATH] [--parts LIS
   --python PATH       run the suite with this interpreter as it is and install nothing: one that
                       already has CUDA torch and pdserve's requirements (an NGC container, a machine
                       with no network and the wheels on PYTHONPATH)
-  --parts LIST        comma-separated, from: parity,triton,pd,tp,bench (default: all)
+  --parts LIST        comma-separated, from: parity,triton,pd,tp,graphs,bench (default: all)
   --vllm-python PATH  python of a venv with vLLM's CUDA build: the bench sets vLLM beside pdserve
   -h, --help          this text
 

@@ -81,7 +81,7 @@ class Router:
         cfg = self.config
         logits = self.gate(x.float() if cfg.router_fp32 else x)
         if cfg.scoring == SIGMOID:
-            scores = logits.sigmoid()
+            scores = _sigmoid_rows(logits)
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if cfg.topk_method == NOAUX_TC:
@@ -114,6 +114,23 @@ class Router:
         best = torch.topk(group_scores, cfg.topk_groups, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1)
+
+
+# Elements torch's vectorized elementwise loops take per iteration at most (two AVX-512 vectors of
+# fp32, and then some): a tensor whose size is a multiple of it has no tail.
+_VECTOR_SPAN = 64
+
+
+def _sigmoid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.sigmoid() whose rows do not depend on how many rows there are. torch computes the
+    tail of a tensor past its last whole vector with another routine whose last bit can differ, so
+    with 8 experts a token's scores changed with the number of tokens in its step (7 against 8
+    rows); each row padded to a multiple of the vector span leaves no tail."""
+    width = logits.shape[-1]
+    padded = -(-width // _VECTOR_SPAN) * _VECTOR_SPAN
+    if padded == width:
+        return logits.sigmoid()
+    return torch.nn.functional.pad(logits, (0, padded - width)).sigmoid()[..., :width]
 
 
 @dataclass(frozen=True)

@@ -35,4 +35,5 @@ class DecodeLogLine:
                 f"pre-allocated usage: {stats.reserved_pages / total:.2f}, "
                 f"#prealloc-req: {queues['prealloc']}, "
                 f"#transfer-req: {queues['transfer']}, #retracted-req: {stats.retracted}, "
+                f"cuda graph: {bool(stats.cuda_graph)}, "
                 f"gen throughput (token/s): {throughput:.2f}, #queue-req: {stats.waiting}")

@@ -29,8 +29,17 @@ def missing(gpus: int = 1, modules: tuple[str, ...] = ()) -> str | None:
         try:
             importlib.import_module(module)
         except Exception as exc:  # an ImportError, or a CUDA wheel failing to load its libraries
-            return f"{module} does not import: {type(exc).__name__}: {exc}"
+            return f"{module} does not import: {type(exc).__name__}: {exc}{_library_hint(exc)}"
     return None
+
+
+def _library_hint(exc: Exception) -> str:
+    """NIXL's wheels keep libnixl.so in a hidden folder beside the package (.nixl_cu13.mesonpy.libs,
+    the RPATH of its bindings); a copy of site-packages that skipped dot-folders loses it."""
+    if "libnixl" not in str(exc):
+        return ""
+    return (" (NIXL's libraries sit in the hidden folder .nixl_cuNN.mesonpy.libs beside the package: "
+            "install the wheels with pip, or copy site-packages with its dot-folders; docs/gpu.md)")
 
 
 def require(part: str, gpus: int = 1, modules: tuple[str, ...] = ()) -> None:

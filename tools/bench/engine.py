@@ -54,6 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pdserve's tensor-parallel ranks; --threads is shared out between them")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N: where pdserve and HF run (vLLM picks its own)")
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="pdserve runs every decode step eagerly (engine config disable_cuda_graph)")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="pdserve's largest graph batch (engine config; on CPU: the padded replay)")
+    parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=(),
+                        help="pdserve's graph batch sizes (engine config; on CPU: the padded replay)")
+    parser.add_argument("--eager-baseline", action="store_true",
+                        help="also run pdserve with --disable-cuda-graph, rounds alternating, and print the "
+                             "step time with graphs (on CPU: the padded replay) over the eager one's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -68,6 +77,11 @@ def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) ->
     return torch.randint(10, vocab_size, (batch, prompt_len), generator=generator).tolist()
 
 
+# (disable_cuda_graph, cuda_graph_max_bs, cuda_graph_bs): pdserve's decode graph flags
+GraphFlags = tuple[bool, int | None, tuple[int, ...]]
+NO_GRAPH_FLAGS: GraphFlags = (False, None, ())
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -76,7 +90,8 @@ class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
@@ -87,7 +102,8 @@ class PdserveSystem:
         self.engine = Engine.load(EngineConfig(
             model_path=model, dtype=dtype, num_threads=threads,
             num_pages=len(prompts) * pages_per_request + 8, max_running_requests=max(len(prompts), 1),
-            cpu_kernels=cpu_kernels, tp_size=tp_size, device=device,
+            cpu_kernels=cpu_kernels, tp_size=tp_size, device=device, disable_cuda_graph=graphs[0],
+            cuda_graph_max_bs=graphs[1], cuda_graph_bs=tuple(graphs[2]),
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
             disable_radix_cache=True))
@@ -124,11 +140,22 @@ class PdserveSystem:
         self.engine.shutdown()
 
 
+class PdserveEagerSystem(PdserveSystem):
+    """The engine with every decode step eager: the baseline of --eager-baseline."""
+
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
+        super().__init__(model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size, device,
+                         (True, None, ()))
+
+
 class HfSystem:
     """HF transformers generate on the same prompts as one unpadded batch, eos disabled."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -270,14 +297,19 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
-        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> dict[str, dict]:
+        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+        graphs: GraphFlags = NO_GRAPH_FLAGS, eager_baseline: bool = False) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
-    systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
+    systems: dict[str, type] = {"pdserve": PdserveSystem}
+    if eager_baseline:
+        systems["pdserve_eager"] = PdserveEagerSystem
+    if with_hf:
+        systems["hf"] = HfSystem
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device))
+                                      device, graphs))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -314,10 +346,13 @@ def main(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
         report["seed_figure"] = SEED_FIGURE
     floor = None
-    if args.device == "cpu":  # measured first, with no engine process busy
-        floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads)
+    if args.device == "cpu" or args.tp_size == 1:  # measured first, with no engine process busy
+        floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads,
+                           args.device)
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device)
+                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device,
+                  (args.disable_cuda_graph, args.cuda_graph_max_bs, tuple(args.cuda_graph_bs)),
+                  args.eager_baseline)
     report.update(results)
     if floor is not None:
         report["floor"] = floor.to_dict()
@@ -327,11 +362,11 @@ def main(args: argparse.Namespace) -> int:
             report["pdserve_step_over_compute_floor"] = (results["pdserve"]["decode_ms_per_step"]
                                                          / floor.compute_ms)
     # Keys: "ratio" etc. against HF (as before), "vllm_ratio" etc. against vLLM.
-    for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
+    for peer, prefix in (("hf", ""), ("vllm", "vllm_"), ("pdserve_eager", "eager_")):
         if peer in results:
             compared = _compare(results["pdserve"], results[peer])
             report.update({prefix + key: value for key, value in compared.items()})
-    for system in ("pdserve", "hf", "vllm"):
+    for system in SYSTEMS:
         if system in report:
             report[system].pop("tokens")
     if args.json:
@@ -339,6 +374,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         print_table(report)
     return 0
+
+
+SYSTEMS = ("pdserve", "pdserve_eager", "hf", "vllm")
 
 
 def _compare(pdserve: dict, peer: dict) -> dict:
@@ -357,10 +395,10 @@ def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
               f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")
-    for system in ("pdserve", "hf", "vllm"):
+    for system in SYSTEMS:
         if system in report:
             r = report[system]
-            out.write(f"  {system:8s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
+            out.write(f"  {system:13s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
                       f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
                       + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
                       + "\n")
@@ -369,13 +407,20 @@ def print_table(report: dict) -> None:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
                       f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
+    if "eager_ratio" in report:
+        out.write(f"  graphs   step time with graphs / eager {1 / report['eager_ratio_of_best_rounds']:.3f}x "
+                  f"(best rounds; decode tok/s ratio {report['eager_ratio']:.3f}x, median of paired rounds "
+                  f"{report['eager_ratio_median_of_paired_rounds']:.3f}x), greedy outputs equal "
+                  f"{report['eager_greedy_outputs_equal']}\n")
     if "floor" in report:
         floor = report["floor"]
         out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of "
                   f"weights + {floor['kv_bytes'] / 1e6:.1f} MB of K/V at {floor['read_gb_s']:.1f} GB/s read "
                   "(tools/bench/step_floor.py); pdserve step / floor "
                   f"{report['pdserve_step_over_floor']:.2f}x "
-                  f"(best round {report['pdserve_best_step_over_floor']:.2f}x)\n")
+                  f"(best round {report['pdserve_best_step_over_floor']:.2f}x); the floor's bound "
+                  f"{report['batch'] * 1e3 / floor['floor_ms']:.0f} tok/s, pdserve at "
+                  f"{100 / report['pdserve_step_over_floor']:.0f}% of it\n")
         if "compute_floor_ms" in floor:
             out.write(f"  compute  {floor['compute_floor_ms']:.1f} ms/step: {floor['flops'] / 1e9:.2f} "
                       f"GFLOP at {floor['matmul_gflop_s']:.0f} GFLOP/s (torch's best square matmul here, "

@@ -117,6 +117,43 @@ def matmul_gflop_s(threads: int, passes: int = 5) -> tuple[float, str]:
         torch.set_num_threads(previous)
 
 
+# On a GPU: a buffer far past its L2 (50 MB on an H100), and a matmul big enough to fill its SMs.
+_GPU_BANDWIDTH_BUFFER_BYTES = 2 << 30
+_GPU_MATMUL_SIZE = 8192
+
+
+def gpu_read_bandwidth_gb_s(device: torch.device, passes: int = 5) -> float:
+    """Best of `passes` sums over a 2 GiB buffer in the GPU's memory, timed with CUDA events: the
+    rate a decode step streams its weights at, at best."""
+    buffer = torch.ones(_GPU_BANDWIDTH_BUFFER_BYTES // 2, dtype=torch.bfloat16, device=device)
+    buffer.sum(dtype=torch.float32)  # first launch and allocation out of the timing
+    best = float("inf")
+    for _ in range(passes):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buffer.sum(dtype=torch.float32)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return _GPU_BANDWIDTH_BUFFER_BYTES / best / 1e9
+
+
+def gpu_matmul_gflop_s(device: torch.device, passes: int = 5) -> float:
+    """The best rate of a bf16 square matmul on the GPU (its tensor cores)."""
+    a = torch.randn(_GPU_MATMUL_SIZE, _GPU_MATMUL_SIZE, device=device, dtype=torch.bfloat16)
+    b = torch.randn(_GPU_MATMUL_SIZE, _GPU_MATMUL_SIZE, device=device, dtype=torch.bfloat16)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(passes):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * _GPU_MATMUL_SIZE**3 / best / 1e9
+
+
 def read_bandwidth_gb_s(threads: int, passes: int = 5) -> float:
     """Best of `passes` sums over a buffer far larger than the caches, with `threads` threads."""
     previous = torch.get_num_threads()
@@ -135,8 +172,11 @@ def read_bandwidth_gb_s(threads: int, passes: int = 5) -> float:
 
 
 def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_tokens: int,
-               threads: int) -> StepFloor:
+               threads: int, device: str = "cpu") -> StepFloor:
+    """The step's floor on `device` (cpu, or cuda[:N]: its memory's and tensor cores' rates)."""
     from engine.models.config import ModelConfig
+
+    gpu = torch.device(device) if device.startswith("cuda") else None
 
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = getattr(torch, dtype)
@@ -146,7 +186,7 @@ def step_floor(model_dir: str, dtype: str, batch: int, prompt_len: int, new_toke
     if config.moe is None and config.mla is None:
         attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
         flops = int(batch * (2 * linear_weights(Path(model_dir), config.tie_word_embeddings) + attention))
-        rate, rate_dtype = matmul_gflop_s(threads)
+        rate, rate_dtype = (gpu_matmul_gflop_s(gpu), "bfloat16") if gpu else matmul_gflop_s(threads)
+    bandwidth = gpu_read_bandwidth_gb_s(gpu) if gpu else read_bandwidth_gb_s(threads)
     return StepFloor(weight_bytes(Path(model_dir), torch_dtype, config.tie_word_embeddings),
-                     int(batch * context * kv_per_token), read_bandwidth_gb_s(threads), flops, rate,
-                     rate_dtype)
+                     int(batch * context * kv_per_token), bandwidth, flops, rate, rate_dtype)

@@ -46,8 +46,10 @@ PARTS = (
     Part("pd", "prefill and decode on a GPU each (--base-gpu-id), KV GPU to GPU over mooncake and nixl, "
          "vs colocated", ("tests/gpu/test_pd_gpu.py",)),
     Part("tp", "TP 2 over NCCL vs HF (needs 2 GPUs)", ("tests/gpu/test_tp_nccl.py",)),
-    Part("bench", "bench engine --device cuda on qwen3-4b-shape (bf16), batch 1 and 16, beside the seeds' "
-         "144 tok/s"),
+    Part("graphs", "decode CUDA graphs on vs --disable-cuda-graph: greedy tokens equal (tiny, llama)",
+         ("tests/gpu/test_cuda_graphs.py",)),
+    Part("bench", "bench engine --device cuda on qwen3-4b-shape (bf16), batch 1, 16 and 64, graphs on and "
+         "off, beside the GPU's measured bandwidth bound and the seeds' 144 tok/s"),
 )
 PART_NAMES = tuple(part.name for part in PARTS)
 

@@ -1,10 +1,12 @@
 """Runs the parts of the GPU suite (tools.gpu.plan.PARTS) and prints the summary table.
 
 Run by scripts/test_gpu.sh with the GPU venv's python, once that venv is complete:
-`python -m tools.gpu.suite --parts parity,triton,pd,tp,bench --out DIR`. Each test part is one
+`python -m tools.gpu.suite --parts parity,triton,pd,tp,graphs,bench --out DIR`. Each test part is one
 pytest run (with -rs, so every skip prints its reason) writing a JUnit file that the table is read
 from; the bench part writes the Qwen3-4B-shaped checkpoint (once, under .cache/models) and runs
-`pdserve bench engine --device cuda` at batch 1 and 16. Exit status 1 if any part failed.
+`pdserve bench engine --device cuda` at batch 1, 16 and 64, each with CUDA graphs and without
+(--eager-baseline), beside the GPU's memory bandwidth bound measured in the same run. Exit status 1
+if any part failed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 from tools.gpu.plan import PART_NAMES, PARTS, REPO, check_parts
 
 BENCH_MODEL = REPO / ".cache" / "models" / "qwen3-4b-shape"
-BENCH_BATCHES = (1, 16)
+BENCH_BATCHES = (1, 16, 64)
+HF_BATCHES = (1, 16)  # HF's generate beside pdserve (at 64 it only adds minutes)
 
 
 @dataclass
@@ -81,8 +84,9 @@ def run_tests(part: str, paths: tuple[str, ...], out: Path) -> Row:
 
 
 def run_bench(out: Path, peer_python: str | None) -> Row:
-    """The Qwen3-4B-shaped checkpoint's decode tokens/s on GPU 0 at batch 1 and 16 (bf16, 128-token
-    prompts, 128 new tokens), printed beside the seeds' 144 tok/s by the bench itself."""
+    """The Qwen3-4B-shaped checkpoint's decode tokens/s on GPU 0 at batch 1, 16 and 64 (bf16, 128-token
+    prompts, 128 new tokens), graphs on and off, printed beside the GPU's bandwidth bound and the
+    seeds' 144 tok/s by the bench itself."""
     import torch
 
     from tools.bench.engine import SEED_FIGURE, print_table
@@ -102,7 +106,10 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
     figures = []
     for batch in BENCH_BATCHES:
         args = ["bench", "engine", "--model", str(BENCH_MODEL), "--device", "cuda", "--dtype", "bfloat16",
-                "--batch", str(batch), "--prompt-len", "128", "--new-tokens", "128", "--repeats", "3"]
+                "--batch", str(batch), "--prompt-len", "128", "--new-tokens", "128", "--repeats", "3",
+                "--eager-baseline"]
+        if batch not in HF_BATCHES:
+            args.append("--skip-hf")
         if peer_python:
             args += ["--peer-python", peer_python]
         proc = subprocess.run([sys.executable, "-m", "pdserve", *args, "--json"], cwd=REPO, env=_env(),
@@ -115,7 +122,7 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
         report = json.loads(proc.stdout)
         (out / f"bench-batch{batch}.json").write_text(json.dumps(report, indent=2))
         print_table(report)
-        figures.append(f"batch {batch}: {report['pdserve']['decode_tokens_per_s']:.0f} tok/s")
+        figures.append(_bench_figure(batch, report))
     if not peer_python:
         print("[gpu:bench] vLLM not measured: its CUDA wheel pins a torch of its own, so it needs a venv of "
               "its own; pass --vllm-python PATH (a venv with vllm) to set it beside pdserve in the same run")
@@ -124,6 +131,16 @@ def run_bench(out: Path, peer_python: str | None) -> Row:
                       + f" (seeds: {SEED_FIGURE['decode_tokens_per_s']:.0f} tok/s at batch 1)")
     row.seconds = time.monotonic() - started
     return row
+
+
+def _bench_figure(batch: int, report: dict) -> str:
+    """One batch's summary: tok/s with graphs, without, and the share of the bandwidth bound."""
+    figure = f"batch {batch}: {report['pdserve']['decode_tokens_per_s']:.0f} tok/s"
+    if "pdserve_eager" in report:
+        figure += f" (eager {report['pdserve_eager']['decode_tokens_per_s']:.0f})"
+    if "pdserve_step_over_floor" in report:
+        figure += f", {100 / report['pdserve_step_over_floor']:.0f}% of the bandwidth bound"
+    return figure
 
 
 def _env() -> dict[str, str]:
