@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.hf_config import refuse_unsupported, resolve_config
 from engine.models.mla_config import MLAConfig
 from engine.models.moe_config import MoEConfig
 from libkv.layout import KVLayout
@@ -138,10 +139,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
         arch = _architecture(raw)
+        raw = resolve_config(raw)
         top = raw
         if "text_config" in raw:  # transformers 5 nests a VL model's decoder fields
             raw = {**raw, **{k: v for k, v in raw["text_config"].items() if v is not None}}
         qkv_bias_default, qk_norm = _decoder_defaults(arch, top)
+        refuse_unsupported(raw, arch)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
         if raw.get("quantization_config"):
