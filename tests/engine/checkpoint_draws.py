@@ -20,12 +20,11 @@ from tools.models.saved_checkpoint import VOCAB_SIZE
 def _attention(rng: random.Random, head_dim_free: bool = True) -> dict[str, Any]:
     heads = rng.choice([2, 4, 6, 8])
     kv = rng.choice([k for k in (1, 2, 3, 4, 6, 8) if heads % k == 0])
-    hidden = rng.choice([64, 96, 128])
+    # transformers refuses a hidden size that is not a multiple of the heads, even with head_dim set
+    hidden = heads * rng.choice([w for w in (8, 12, 16, 24, 32) if heads * w <= 192])
     fields: dict[str, Any] = dict(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=hidden)
     if head_dim_free and rng.random() < 0.6:
         fields["head_dim"] = rng.choice([8, 16, 24, 32, 48])
-    elif hidden % heads:
-        fields["hidden_size"] = heads * 16
     return fields
 
 
@@ -124,9 +123,16 @@ DRAWERS: dict[str, tuple[str, Callable[[random.Random], dict[str, Any]]]] = {
 }
 
 
-def draw(architecture: str, rng: random.Random) -> Any:
-    """A transformers config object of `architecture`, fields drawn from `rng`."""
+def draw(architecture: str, rng: random.Random, attempts: int = 20) -> Any:
+    """A transformers config object of `architecture`, fields drawn from `rng`; a draw the config
+    class refuses (its validators) is drawn again."""
     import transformers
 
     class_name, drawer = DRAWERS[architecture]
-    return getattr(transformers, class_name)(**drawer(rng), architectures=[architecture])
+    refusal: Exception | None = None
+    for _ in range(attempts):
+        try:
+            return getattr(transformers, class_name)(**drawer(rng), architectures=[architecture])
+        except Exception as exc:  # transformers' validators raise their own error classes
+            refusal = exc
+    raise AssertionError(f"{attempts} draws of {architecture} refused by transformers; last: {refusal}")
