@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -198,18 +200,71 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return write_tokenizer_files(tmp_path_factory.mktemp("tokenizer"))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_unusual_vl_checkpoint_matches_transformers(name, tokenizer_dir, tmp_path):
-    case = CASES[name]
-    model_dir = save_random_checkpoint(tmp_path / "ckpt", build_config(case), seed=7,
-                                       tokenizer_dir=tokenizer_dir, image_processor=image_processor(case))
+def check(case: tuple, tokenizer_dir: Path, folder: Path, seed: int = 7) -> None:
+    """One image, then every image of `case`: pdserve's greedy tokens equal transformers'."""
+    model_dir = save_random_checkpoint(folder, build_config(case), seed=seed, tokenizer_dir=tokenizer_dir,
+                                       image_processor=image_processor(case))
     blobs = [png(w, h, mode, seed) for seed, (w, h, mode) in enumerate(case[5])]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is far faster on a shared machine
     try:
-        for count in (1, len(blobs)):
+        for count in sorted({1, len(blobs)}):
             ids = prompt_ids(model_dir, count)
             images = blobs[:count]
-            assert engine_greedy(model_dir, ids, images) == hf_greedy(model_dir, case, ids, images)
+            assert engine_greedy(model_dir, ids, images) == hf_greedy(model_dir, case, ids, images), case
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unusual_vl_checkpoint_matches_transformers(name, tokenizer_dir, tmp_path):
+    check(CASES[name], tokenizer_dir, tmp_path / "ckpt")
+
+
+def random_case(rng: random.Random) -> tuple:
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL case drawn at random (the shape of CASES' entries)."""
+    family = rng.choice(["Qwen2VLConfig", "Qwen2_5_VLConfig", "Qwen3VLConfig"])
+    heads, head_dim = rng.choice([2, 4]), rng.choice([12, 16, 24, 32])
+    half = head_dim // 2
+    # consecutive sections: any positive split; interleaved (Qwen3-VL): h and w take every third frequency
+    height = rng.randint(1, half // 3 if family == "Qwen3VLConfig" else half - 2)
+    width_section = rng.randint(1, half // 3 if family == "Qwen3VLConfig" else half - 1 - height)
+    section = [half - height - width_section, height, width_section]
+    qwen3 = family == "Qwen3VLConfig"
+    hidden = heads * head_dim
+    text_config = text(hidden_size=hidden, num_attention_heads=heads,
+                       num_key_value_heads=rng.choice([k for k in (1, 2, 4) if heads % k == 0]),
+                       num_hidden_layers=rng.randint(1, 3),
+                       **({"head_dim": head_dim} if qwen3 else {}),
+                       **mrope(section, **({"mrope_interleaved": True} if qwen3 else {})))
+    patch, merge = rng.choice([6, 8, 14, 16]), rng.choice([1, 2, 3])
+    depth, vision_heads = rng.randint(1, 3), rng.choice([1, 2, 4])
+    width = vision_heads * rng.choice([8, 16])
+    vision: dict[str, Any] = dict(depth=depth, num_heads=vision_heads, patch_size=patch,
+                                  spatial_merge_size=merge)
+    if family == "Qwen2VLConfig":
+        vision.update(embed_dim=width, hidden_size=hidden, mlp_ratio=rng.choice([1, 2, 4]))
+    else:
+        vision.update(hidden_size=width, intermediate_size=width * rng.choice([1, 2]), out_hidden_size=hidden)
+    if family == "Qwen2_5_VLConfig":
+        vision.update(window_size=patch * merge * rng.choice([1, 2, 3]),
+                      fullatt_block_indexes=sorted(rng.sample(range(depth), rng.randint(0, depth))))
+    if qwen3:
+        vision.update(num_position_embeddings=rng.choice([4, 6, 8]) ** 2,
+                      deepstack_visual_indexes=sorted(rng.sample(range(depth), rng.randint(
+                          0, min(depth, text_config["num_hidden_layers"])))))
+    factor = patch * merge
+    low = factor * factor * rng.randint(1, 4)
+    processor = dict(min_pixels=low, max_pixels=low + factor * factor * rng.randint(0, 40), patch_size=patch,
+                     merge_size=merge)
+    images = [(rng.randint(5, 300), rng.randint(5, 300), rng.choice(["RGB", "RGBA", "P", "LA"]))
+              for _ in range(rng.randint(1, 2))]
+    return (family, text_config, vision, {}, ("qwen2", processor), images)
+
+
+@pytest.mark.long
+def test_random_vl_checkpoints_match_transformers(tokenizer_dir, tmp_path):
+    """Random Qwen-VL cases (PDSERVE_FUZZ_SEED), 40 of them: about 3 s each here."""
+    rng = random.Random(int(os.environ.get("PDSERVE_FUZZ_SEED", "0")))
+    for index in range(40):
+        check(random_case(rng), tokenizer_dir, tmp_path / f"draw{index}", seed=index)
