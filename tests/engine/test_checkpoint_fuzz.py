@@ -2,7 +2,7 @@
 own save_pretrained and served in process, greedy fp32 tokens equal to transformers' generate.
 
 Draws come round-robin over the architectures (tests/engine/checkpoint_draws.py) from one seeded
-generator (PDSERVE_FUZZ_SEED, 0 by default) until the time budget is spent: about 45 s in `make test`,
+generator (PDSERVE_FUZZ_SEED, 0 by default) until the time budget is spent: about 35 s in `make test`,
 `--long` runs 400 s. Every mismatch is collected and reported with its architecture, draw number and
 config, so a failing run names what to rebuild; the counts are printed (`-s` shows them).
 """
@@ -100,7 +100,7 @@ def _seed() -> int:
 
 
 def test_random_checkpoints_match_transformers(tokenizer_dir, tmp_path, one_thread):
-    fuzz(tokenizer_dir, tmp_path, budget_s=45, seed=_seed())
+    fuzz(tokenizer_dir, tmp_path, budget_s=35, seed=_seed())
 
 
 @pytest.mark.long
