@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.hf_config import refuse_unsupported, resolve_config
 from engine.models.mla_config import MLAConfig
 from engine.models.moe_config import MoEConfig
 from libkv.layout import KVLayout
@@ -48,6 +49,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3
                 "llava": "LlavaForConditionalGeneration"}
 _MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                         "Qwen3VLForConditionalGeneration")
+_HEAD_DIM_FROM_WIDTH = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -138,10 +140,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
         arch = _architecture(raw)
+        raw = resolve_config(raw)
         top = raw
         if "text_config" in raw:  # transformers 5 nests a VL model's decoder fields
             raw = {**raw, **{k: v for k, v in raw["text_config"].items() if v is not None}}
         qkv_bias_default, qk_norm = _decoder_defaults(arch, top)
+        refuse_unsupported(raw, arch)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu is implemented")
         if raw.get("quantization_config"):
@@ -169,7 +173,9 @@ class ModelConfig:
             num_kv_heads, head_dim = num_heads, mla.qk_head_dim
         else:
             num_kv_heads = raw.get("num_key_value_heads") or num_heads
-            head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+            # Qwen2-VL's and Qwen2.5-VL's attention is hidden / heads wide whatever head_dim says
+            honoured = _decoder_arch(arch, top) not in _HEAD_DIM_FROM_WIDTH
+            head_dim = (raw.get("head_dim") if honoured else None) or raw["hidden_size"] // num_heads
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],

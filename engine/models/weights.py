@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 _LANGUAGE_MODEL = "model.language_model."
+_LEGACY_LANGUAGE_MODEL = "language_model."
 
 
 class MissingTensor(KeyError, ValueError):
@@ -42,8 +43,13 @@ class CheckpointReader:
                     self._file_of.update({name: path for name in handle.keys()})  # noqa: SIM118
         # transformers 5 saves a VL model's decoder under model.language_model.* (older Qwen2-VL
         # checkpoints under model.*): the decoder's loader reads either by its model.* names.
+        # LLaVA checkpoints (the published ones, and what transformers 5's save_pretrained writes
+        # for LlavaForConditionalGeneration) keep the older language_model.model.* and
+        # language_model.lm_head.* names.
         self._stored_as = {"model." + name.removeprefix(_LANGUAGE_MODEL): name
                            for name in self._file_of if name.startswith(_LANGUAGE_MODEL)}
+        self._stored_as.update({name.removeprefix(_LEGACY_LANGUAGE_MODEL): name for name in self._file_of
+                                if name.startswith(_LEGACY_LANGUAGE_MODEL)})
         self._file_of.update({alias: self._file_of[name] for alias, name in self._stored_as.items()})
         self._handles: dict[Path, safe_open] = {}
 

@@ -55,6 +55,18 @@ def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"image {index} is truncated or corrupt ({exc})") from None
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' image processors make it (image_transforms.convert_to_rgb): a
+    transparent image (an alpha band, or a palette / grey image with a transparent colour) is laid
+    over white first. A plain convert("RGB") drops the alpha instead, which shows the colours
+    under transparent pixels: different pixels, so a different answer than the model's own."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image).convert("RGB")
     return image.convert("RGB")
 
 

@@ -26,6 +26,8 @@ from engine.multimodal.inputs import ImageInput
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200  # as transformers: a thinner image is refused
+_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
+             3: Image.Resampling.BICUBIC}
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,21 @@ class ImageProcessorConfig:
     temporal_patch_size: int = 2
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    resample: int = 3  # PIL's code: 3 bicubic (the processor's default), 2 bilinear, ...
+    rescale_factor: float = 1 / 255
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageProcessorConfig:
         raw = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        # Steps transformers' processor can skip but this one always runs: refused, not ignored.
+        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if raw.get(flag, True) is not True:
+                raise ValueError(f"Qwen-VL preprocessing with {flag} false is not supported "
+                                 "(preprocessor_config.json)")
+        resample = int(raw.get("resample", cls.resample))
+        if resample not in _RESAMPLE:
+            raise ValueError(f"unsupported resample {resample!r} in preprocessor_config.json; "
+                             f"implemented: {sorted(_RESAMPLE)}")
         size = raw.get("size") or {}
         return cls(min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
                    max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
@@ -50,7 +63,8 @@ class ImageProcessorConfig:
                    merge_size=int(raw.get("merge_size", cls.merge_size)),
                    temporal_patch_size=int(raw.get("temporal_patch_size", cls.temporal_patch_size)),
                    image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
-                   image_std=tuple(raw.get("image_std", CLIP_STD)))
+                   image_std=tuple(raw.get("image_std", CLIP_STD)), resample=resample,
+                   rescale_factor=float(raw.get("rescale_factor", cls.rescale_factor)))
 
     def preprocess(self, image: Image.Image) -> ImageInput:
         return preprocess(image, self)
@@ -82,8 +96,8 @@ def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ImageInput:
     patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
     height, width = smart_resize(image.height, image.width, patch * merge, config.min_pixels,
                                  config.max_pixels)
-    resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    scaled = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
+    resized = image.resize((width, height), resample=_RESAMPLE[config.resample])
+    scaled = np.asarray(resized, dtype=np.float32) * np.float32(config.rescale_factor)  # [H, W, C]
     pixels = (scaled - np.asarray(config.image_mean, np.float32)) / np.asarray(config.image_std, np.float32)
     frames = np.repeat(pixels.transpose(2, 0, 1)[None], temporal, axis=0)  # [T, C, H, W]
     return ImageInput.from_pixels(torch.from_numpy(patchify(frames, patch, merge, temporal)),
