@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.speculative.config import SpeculativeConfig
 from engine.tp.topology import Topology
 from pdserve import envs
 
@@ -130,6 +131,7 @@ class EngineConfig:
         "steps of the profiled kind(s) one trace records; profiling is off afterwards"))
     profile_dir: str = field(default_factory=envs.PROFILE_DIR.get, metadata=_help(
         "folder the trace file (KIND-PID-TIME.trace.json) is written to, created if missing"))
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -159,6 +161,9 @@ class EngineConfig:
                              "where the other nodes' ranks join)")
         if self.enable_hierarchical_cache:
             self._check_hicache()
+        if self.speculative.enabled and self.enable_dp_attention:
+            raise ValueError("--speculative-algorithm with --enable-dp-attention is not supported: a DP "
+                             "step gathers one logits row per request")
         self.topology()  # raises TopologyError naming what does not fit
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"--cpu-kernels must be auto, on or off, got {self.cpu_kernels!r}")

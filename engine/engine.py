@@ -42,6 +42,7 @@ from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.speculative.speculator import Speculator
 from engine.stream import OutputStream, text_stream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
@@ -100,9 +101,11 @@ class Engine:
             max_running_requests=self.config.max_running_requests,
             chunked_prefill_size=self.config.chunked_prefill_size,
             max_seq_len=self.model_config.max_position_embeddings), self.pages)
+        self.speculator = Speculator(self.config.speculative, self.scheduler, self.pages) \
+            if self.config.speculative.enabled else None
         self.thread = EngineThread(self.scheduler, self.runner.forward, self.pages, self.pool.device,
                                    StepProfiler.from_config(self.config, self.pool.device),
-                                   self.config.num_threads)
+                                   self.config.num_threads, self.speculator)
         self.step_clock = self.thread.step_clock
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
