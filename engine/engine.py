@@ -265,6 +265,7 @@ class Engine:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         cache = self.pages.cache
+        spec = self.thread.speculator.stats if self.thread.speculator is not None else None
         return EngineStats(
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
@@ -275,7 +276,10 @@ class Engine:
             cached_pages=cache.num_pages if cache else 0,
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
-            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0,
+            spec_drafted_tokens=spec.drafted_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_verify_rows=spec.verify_rows if spec else 0)
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed to each expert since load (summed over layers) and the last step's

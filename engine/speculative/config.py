@@ -56,6 +56,22 @@ class SpeculativeConfig:
             raise ValueError("--speculative-ngram-min-match must be 1..--speculative-ngram-max-match, got "
                              f"{self.speculative_ngram_min_match} and {self.speculative_ngram_max_match}")
 
+    def agreed(self) -> dict[str, object]:
+        """The settings prefill and decode must share (the PD handshake compares them): a drafter
+        may need the prefill side's help (a draft model's prompt K/V), so both run the same one."""
+        if self.speculative_algorithm is None:
+            return {"speculative_algorithm": None}
+        return {"speculative_algorithm": self.speculative_algorithm,
+                "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
+                "speculative_num_steps": self.max_drafts,
+                "speculative_eagle_topk": self.speculative_eagle_topk}
+
+    def differences(self, other: SpeculativeConfig) -> list[str]:
+        """`field: mine vs theirs` for each agreed setting that differs."""
+        mine, theirs = self.agreed(), other.agreed()
+        return [f"{name}: {mine.get(name)!r} vs {theirs.get(name)!r}"
+                for name in dict.fromkeys([*mine, *theirs]) if mine.get(name) != theirs.get(name)]
+
     @property
     def enabled(self) -> bool:
         return self.speculative_algorithm is not None

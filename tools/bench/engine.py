@@ -8,6 +8,12 @@ machine hit all alike. vLLM runs under the Python of another environment (`--pee
 with vLLM's CPU build; vLLM is never a dependency of pdserve) through tools/bench/peer_vllm.py,
 its OpenMP threads bound to the first `--threads` cores as vLLM's CPU backend expects.
 
+With `--speculative-algorithm`, pdserve runs twice in the same rounds, speculation off and on
+(`pdserve_spec`), and the report gives spec-on over spec-off ratios; `--never-accepted-drafts` swaps
+the drafter for one whose drafts the target never takes (the cost of a useless drafter), and
+`--workload repeat` makes each prompt one short random run repeated (n-gram lookup finds matches in
+it; whether drafts are accepted is up to the model's answers).
+
 Decode tokens/s excludes prefill. pdserve: tokens emitted after the moment every request has its
 first token, divided by the time from that moment to the last token (all those steps are pure
 decode batches). HF: the time of generate(N) minus generate(1) on the same inputs, for the
@@ -55,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N: where pdserve and HF run (vLLM picks its own)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM"], default=None,
+                        help="also run pdserve with speculative decoding and print its ratios to spec off")
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=5,
+                        help="the verified token plus drafts per step (engine flag of the same name)")
+    parser.add_argument("--speculative-num-steps", type=int, default=None,
+                        help="drafts per step (engine flag of the same name)")
+    parser.add_argument("--never-accepted-drafts", action="store_true",
+                        help="with --speculative-algorithm: a drafter whose drafts are never accepted")
+    parser.add_argument("--workload", choices=["random", "repeat"], default="random",
+                        help="random prompts, or prompts that repeat one random run of 8 tokens")
 
 
 # The figure a CUDA run is set beside: SGLang's decode log for Qwen3-4B at batch 1 in the seeds
@@ -62,9 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SEED_FIGURE = {"system": "SGLang, Qwen3-4B, batch 1, CUDA graphs", "decode_tokens_per_s": 144.0}
 
 
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0,
+                 workload: str = "random") -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # Skip the low ids, where the built-in tokenizer keeps its special tokens.
+    if workload == "repeat":
+        runs = torch.randint(10, vocab_size, (batch, 8), generator=generator).tolist()
+        return [(run * (prompt_len // 8 + 1))[:prompt_len] for run in runs]
     return torch.randint(10, vocab_size, (batch, prompt_len), generator=generator).tolist()
 
 
@@ -76,9 +96,11 @@ class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+                 speculative: dict | None = None) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
+        from engine.speculative.config import SpeculativeConfig
 
         threads = max(1, threads // tp_size)  # per rank: the ranks share the `threads` cores
         torch.set_num_threads(threads)
@@ -90,7 +112,10 @@ class PdserveSystem:
             cpu_kernels=cpu_kernels, tp_size=tp_size, device=device,
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
-            disable_radix_cache=True))
+            disable_radix_cache=True,
+            speculative=SpeculativeConfig(**{k: v for k, v in (speculative or {}).items() if k != "never"})))
+        if speculative and speculative.get("never"):
+            _install_never_accepted_drafter(self.engine)
         self.engine.start()
 
     def round(self, index: int) -> dict:
@@ -122,6 +147,17 @@ class PdserveSystem:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _install_never_accepted_drafter(engine) -> None:
+    """Replace the engine's drafter with one proposing a token below the eos/special ids for every
+    draft: a random-weight model's greedy choice is practically never that token, so every verify
+    rejects its drafts (the cost of a useless drafter, adaptive drafting included)."""
+    from engine.speculative.speculator import Speculator
+
+    speculator = Speculator(engine.config.speculative, engine.scheduler, engine.pages,
+                            lambda request, n: [3] * n)
+    engine.thread.speculator = engine.speculator = speculator
 
 
 class HfSystem:
@@ -270,14 +306,18 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
-        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> dict[str, dict]:
+        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+        speculative: dict | None = None) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
-    a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
-    systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
+    a change of load on a shared machine hits all alike. One warm-up round each is discarded.
+    `speculative` (SpeculativeConfig's fields, and "never": the never-accepted drafter): pdserve
+    also runs with it, as "pdserve_spec"."""
+    systems = {"pdserve": PdserveSystem} | ({"pdserve_spec": PdserveSystem} if speculative else {}) \
+        | ({"hf": HfSystem} if with_hf else {})
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device))
+                                      device, speculative if name == "pdserve_spec" else None))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -307,7 +347,13 @@ def main(args: argparse.Namespace) -> int:
     # path that does not exist there as a hub repo id.
     args.model = str(Path(args.model).resolve())
     vocab = ModelConfig.from_dir(args.model).vocab_size
-    prompts = make_prompts(args.batch, args.prompt_len, vocab)
+    prompts = make_prompts(args.batch, args.prompt_len, vocab, workload=args.workload)
+    speculative = None
+    if args.speculative_algorithm:
+        speculative = {"speculative_algorithm": args.speculative_algorithm,
+                       "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+                       "speculative_num_steps": args.speculative_num_steps,
+                       "never": args.never_accepted_drafts}
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
                     "dtype": args.dtype, "tp_size": args.tp_size, "device": args.device}
@@ -317,8 +363,12 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cpu":  # measured first, with no engine process busy
         floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads)
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device)
+                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device, speculative)
     report.update(results)
+    if speculative:
+        report["speculative"] = speculative | {"workload": args.workload}
+        compared = _compare(results["pdserve_spec"], results["pdserve"])
+        report.update({"spec_" + key: value for key, value in compared.items()})
     if floor is not None:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
@@ -331,7 +381,7 @@ def main(args: argparse.Namespace) -> int:
         if peer in results:
             compared = _compare(results["pdserve"], results[peer])
             report.update({prefix + key: value for key, value in compared.items()})
-    for system in ("pdserve", "hf", "vllm"):
+    for system in ("pdserve", "pdserve_spec", "hf", "vllm"):
         if system in report:
             report[system].pop("tokens")
     if args.json:
@@ -357,10 +407,10 @@ def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
               f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")
-    for system in ("pdserve", "hf", "vllm"):
+    for system in ("pdserve", "pdserve_spec", "hf", "vllm"):
         if system in report:
             r = report[system]
-            out.write(f"  {system:8s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
+            out.write(f"  {system:12s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
                       f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
                       + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
                       + "\n")
@@ -369,6 +419,13 @@ def print_table(report: dict) -> None:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
                       f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
+    if "spec_ratio" in report:
+        spec = report["speculative"]
+        out.write(f"  spec on / off ({spec['speculative_algorithm']}"
+                  f"{', never-accepted drafts' if spec['never'] else ''}, {spec['workload']} prompts, "
+                  f"{spec['speculative_num_draft_tokens']} draft tokens): {report['spec_ratio']:.2f}x "
+                  f"(median of paired rounds {report['spec_ratio_median_of_paired_rounds']:.2f}x), "
+                  f"greedy outputs equal {report['spec_greedy_outputs_equal']}\n")
     if "floor" in report:
         floor = report["floor"]
         out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of "
