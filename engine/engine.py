@@ -42,7 +42,7 @@ from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.scheduler import Request, Scheduler, SchedulerConfig
-from engine.speculative.speculator import Speculator
+from engine.speculative.build import build_speculator
 from engine.stream import OutputStream, text_stream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
@@ -101,8 +101,7 @@ class Engine:
             max_running_requests=self.config.max_running_requests,
             chunked_prefill_size=self.config.chunked_prefill_size,
             max_seq_len=self.model_config.max_position_embeddings), self.pages)
-        self.speculator = Speculator(self.config.speculative, self.scheduler, self.pages) \
-            if self.config.speculative.enabled else None
+        self.speculator = build_speculator(loaded, self.scheduler)
         self.thread = EngineThread(self.scheduler, self.runner.forward, self.pages, self.pool.device,
                                    StepProfiler.from_config(self.config, self.pool.device),
                                    self.config.num_threads, self.speculator)

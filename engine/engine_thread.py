@@ -30,9 +30,9 @@ from engine.outputs import FirstToken, TokenOutput
 from engine.page_manager import PageManager
 from engine.profiling import StepProfiler
 from engine.request import PagesFilled
-from engine.sampling import SampleResult, SamplingParams, sample
+from engine.sampling import SampleResult, SamplingParams, sample, sampling_probs
 from engine.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerOutput
-from engine.speculative.speculator import Speculator
+from engine.speculative.speculator import DraftPolicy, Speculator
 from engine.step_clock import StepClock
 
 log = logging.getLogger("engine.engine")
@@ -239,7 +239,7 @@ class EngineThread:
         kind = StepClock.kind_of(len(batch.decodes), len(batch.extends))
         num_decodes = len(batch.decodes)
         if self.speculator is not None:
-            self.speculator.propose(batch, self._draft_limit)
+            self.speculator.propose(batch, self._draft_policy)
         if self.profiler.active:  # off after its bounded steps: this check is all it costs then
             ran = self.profiler.run(batch, self._run_step)
         else:
@@ -269,7 +269,7 @@ class EngineThread:
         for chunk, request, io in zip(chunks, requests, ios, strict=True):
             row += chunk.num_drafts + 1
             if chunk.num_drafts:
-                self._emit_verified(chunk, request, result, token_ids, row - chunk.num_drafts - 1)
+                self._emit_verified(chunk, request, result, logits, row - chunk.num_drafts - 1)
                 continue
             logprob, top = result.logprobs_of(row - 1, io.params)
             request.token_ids.append(token_ids[row - 1])
@@ -280,13 +280,19 @@ class EngineThread:
         return True
 
     def _emit_verified(self, chunk: ScheduledChunk, request: Request, result: SampleResult,
-                       token_ids: list[int], first_row: int) -> None:
+                       logits: torch.Tensor, first_row: int) -> None:
         """Emit what a verify chunk yields (engine.speculative.speculator): its accepted drafts and
         the target's token after them, until one of them ends the request."""
         assert self.speculator is not None
-        params = self._io[request.room].params
-        rows = token_ids[first_row:first_row + chunk.num_drafts + 1]
-        for offset, token in enumerate(self.speculator.accept(chunk, rows)):
+        io = self._io[request.room]
+        params = io.params
+        rows = range(first_row, first_row + chunk.num_drafts + 1)
+        if params.greedy:
+            tokens = self.speculator.accept(chunk, result.token_ids[first_row:rows.stop].tolist())
+        else:
+            probs = sampling_probs(logits[first_row:rows.stop].float(), [params] * len(rows))
+            tokens = self.speculator.accept_sampled(chunk, probs, io.generator)
+        for offset, token in enumerate(tokens):
             logprob, top = result.logprobs_of(first_row + offset, params)
             request.token_ids.append(token)
             self._emit_token(request, logprob, top)
@@ -294,15 +300,21 @@ class EngineThread:
                 return
         self.speculator.settle(request)
 
-    def _draft_limit(self, request: Request) -> int:
-        """Drafts a request may verify this step: greedy ones only (sampled ones would need rejection
-        sampling), and no more than it has tokens left to generate after the target's own."""
+    def _draft_policy(self, request: Request) -> DraftPolicy:
+        """Drafts a request may verify this step: no more than it has tokens left to generate after
+        the target's own; a sampled one only where the drafter gives its drafts' distribution
+        (rejection sampling), and without logprobs (a replaced draft's would not be the emitted one's)."""
+        assert self.speculator is not None
         params = self._io[request.room].params
-        if not params.greedy:
-            return 0
         left = min(params.max_new_tokens - request.num_generated,
                    self.scheduler.config.max_seq_len - request.num_tokens)
-        return left - 1
+        if not params.greedy and (not self.speculator.samples or params.logprobs):
+            return DraftPolicy(0, params)
+        generator = None
+        if params.seed is not None and not params.greedy:  # its own stream, apart from the verify's
+            generator = torch.Generator(device=self.device).manual_seed(
+                step_seed(params.seed ^ 0x5DEECE66D, request.num_generated))
+        return DraftPolicy(left - 1, params, generator)
 
     def _emit_token(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
         """Emit the request's newest token (text is added by the caller's stream) and finish the

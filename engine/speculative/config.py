@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 # A verify chunk's positions all go through one forward: past this many drafts a CPU step stops being
 # memory-bound, and a long rejected draft wastes more than an accepted one saves.
 MAX_DRAFT_TOKENS = 16
-ALGORITHMS = ("NGRAM",)
+ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 def _help(text: str) -> dict:
@@ -19,8 +19,11 @@ class SpeculativeConfig:
     """Which drafter runs and how many tokens it proposes per step (nested in EngineConfig)."""
 
     speculative_algorithm: str | None = field(default=None, metadata=_help(
-        "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own earlier tokens); "
-        "unset = off. Greedy requests speculate; sampled ones decode one token per step"))
+        "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own earlier tokens; "
+        "greedy requests speculate, sampled ones decode a token per step) or STANDALONE (a draft model, "
+        "--speculative-draft-model-path; sampled requests too, by rejection sampling); unset = off"))
+    speculative_draft_model_path: str | None = field(default=None, metadata=_help(
+        "STANDALONE: the draft model's HF checkpoint folder (the target's vocabulary; its own KV pages)"))
     speculative_num_steps: int | None = field(default=None, metadata=_help(
         "drafting steps per verify (NGRAM: the drafts per step, at most --speculative-num-draft-tokens "
         "- 1; unset = that)"))
@@ -49,6 +52,9 @@ class SpeculativeConfig:
                 1 <= self.speculative_num_steps <= self.speculative_num_draft_tokens - 1:
             raise ValueError(f"--speculative-num-steps must be 1..--speculative-num-draft-tokens - 1 "
                              f"({self.speculative_num_draft_tokens - 1}), got {self.speculative_num_steps}")
+        if (self.speculative_algorithm == "STANDALONE") != (self.speculative_draft_model_path is not None):
+            raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm STANDALONE, "
+                             "and STANDALONE needs it")
         if self.speculative_eagle_topk != 1:
             raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 (a chain of "
                              "drafts) is supported")

@@ -4,6 +4,7 @@ identical to decoding without drafts (mixed batches, prefix-cache hits, retracti
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Request
 from engine.speculative.adaptive import MAX_PAUSE, DraftBudget
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import check_vocabulary
 from engine.speculative.ngram import NgramIndex
 from engine.speculative.speculator import Speculator
 from tests.engine.conftest import generate, random_prompts, start_engine
@@ -134,3 +136,38 @@ async def test_ngram_greedy_output_identical_with_prefix_cache_hits(qwen3_ckpt) 
     got, stats, drafted = await in_turn(True)
     assert got == expected
     assert drafted > 0 and stats.prefix_hit_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_why() -> None:
+    target = SimpleNamespace(vocab_size=4096)
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
+    with pytest.raises(ValueError, match="vocabulary has 2048 ids, the target's 4096"):
+        check_vocabulary(target, SimpleNamespace(vocab_size=2048), tokenizer, tokenizer)  # type: ignore[arg-type]
+    other = SimpleNamespace(get_vocab=lambda: {"a": 1, "b": 0})
+    with pytest.raises(ValueError, match="maps tokens to other ids"):
+        check_vocabulary(target, target, tokenizer, other)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="STANDALONE needs it"):
+        SpeculativeConfig(speculative_algorithm="STANDALONE")
+
+
+async def test_standalone_with_the_target_as_draft_accepts_every_draft_and_keeps_seeds(qwen3_ckpt) -> None:
+    prompts = random_prompts([21, 40, 9], seed=6)
+    params_list = [GREEDY, SEEDED, GREEDY]
+    standalone = SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_num_draft_tokens=5,
+                                   speculative_draft_model_path=str(qwen3_ckpt))
+    expected, _, _ = await _run(qwen3_ckpt, prompts, params_list, spec=False)
+    runs = []
+    for _ in range(2):
+        engine = start_engine(qwen3_ckpt, speculative=standalone)
+        try:
+            runs.append(await _outputs(engine, prompts, params_list))
+            stats = engine.stats()
+            draft_pages = engine.speculator.draft_model.pages.used_pages  # type: ignore[union-attr]
+        finally:
+            engine.shutdown()
+        assert stats.used_pages == 0 and draft_pages == 0
+    for got in runs:
+        assert [got[0], got[2]] == [expected[0], expected[2]]  # greedy: identical to no drafts
+    assert runs[0][1] == runs[1][1] and len(runs[0][1]) == SEEDED.max_new_tokens  # seeded: reproducible
+    # the draft is the target: every greedy draft is accepted (the sampled request's mostly too)
+    assert stats.spec_accepted_tokens > 0.8 * stats.spec_drafted_tokens
