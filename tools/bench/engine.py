@@ -61,12 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N: where pdserve and HF run (vLLM picks its own)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--speculative-algorithm", choices=["NGRAM"], default=None,
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"], default=None,
                         help="also run pdserve with speculative decoding and print its ratios to spec off")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=5,
                         help="the verified token plus drafts per step (engine flag of the same name)")
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="drafts per step (engine flag of the same name)")
+    parser.add_argument("--speculative-draft-model-path", default=None,
+                        help="STANDALONE's draft model (the --model itself: every draft accepted)")
     parser.add_argument("--never-accepted-drafts", action="store_true",
                         help="with --speculative-algorithm: a drafter whose drafts are never accepted")
     parser.add_argument("--workload", choices=["random", "repeat"], default="random",
@@ -353,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
         speculative = {"speculative_algorithm": args.speculative_algorithm,
                        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
                        "speculative_num_steps": args.speculative_num_steps,
+                       "speculative_draft_model_path": args.speculative_draft_model_path,
                        "never": args.never_accepted_drafts}
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
