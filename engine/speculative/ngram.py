@@ -22,8 +22,11 @@ class NgramIndex:
         self._indexed = max(self._indexed, end)
 
     def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` (max_match down to min_match long) seen before; [] when none was."""
+        """`max_drafts` tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (max_match down to min_match long) seen before; [] when none was. Past the end of
+        `tokens` the copy goes on over the drafts themselves (a copy that overlaps its source, as
+        LZ77's): a request repeating a run of p tokens has its latest match p tokens back, and
+        still gets a full draft of that run repeated."""
         if max_drafts <= 0 or len(tokens) < 2:
             return []
         # Occurrences that end before the last token: the suffix itself must not match itself.
@@ -31,5 +34,8 @@ class NgramIndex:
         for n in range(min(self.max_match, len(tokens) - 1), self.min_match - 1, -1):
             end = self._ends.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end:end + max_drafts]
+                drafts: list[int] = []
+                for source in range(end, end + max_drafts):
+                    drafts.append(tokens[source] if source < len(tokens) else drafts[source - len(tokens)])
+                return drafts
         return []
