@@ -139,13 +139,18 @@ class PdserveSystem:
                     stamps[index].append(now)
                     tokens[index].append(output.token_id)
 
+        before = self.engine.stats()
         started = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(self.prompts))))
+        after = self.engine.stats()
         all_first = max(s[0] for s in stamps)
         last = max(s[-1] for s in stamps)
         decoded = sum(1 for s in stamps for t in s if t > all_first)
         return {"prefill_s": all_first - started, "decode_s": last - all_first, "decode_tokens": decoded,
-                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens}
+                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens,
+                "spec_drafted_tokens": after.spec_drafted_tokens - before.spec_drafted_tokens,
+                "spec_accepted_tokens": after.spec_accepted_tokens - before.spec_accepted_tokens,
+                "spec_verify_rows": after.spec_verify_rows - before.spec_verify_rows}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -303,7 +308,18 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
         "runs_decode_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in rounds],
         "peak_rss_mib": None if peak_rss_mib is None else round(peak_rss_mib, 1),
         "tokens": rounds[-1]["tokens"],
-    }
+    } | _speculation(rounds)
+
+
+def _speculation(rounds: list[dict]) -> dict:
+    """Drafted and accepted tokens over the rounds, and SGLang's accept length (tokens per verify)."""
+    verifies = sum(r.get("spec_verify_rows", 0) for r in rounds)
+    if not verifies:
+        return {}
+    drafted = sum(r["spec_drafted_tokens"] for r in rounds)
+    accepted = sum(r["spec_accepted_tokens"] for r in rounds)
+    return {"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_accept_len": 1 + accepted / verifies}
 
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
@@ -406,6 +422,13 @@ def _compare(pdserve: dict, peer: dict) -> dict:
             "greedy_outputs_equal": f"{same}/{len(pdserve['tokens'])}"}
 
 
+def _accepted(run: dict) -> str:
+    if "spec_accept_len" not in run:
+        return "; nothing drafted"
+    return (f"; {run['spec_accepted_tokens']}/{run['spec_drafted_tokens']} drafts accepted, accept len "
+            f"{run['spec_accept_len']:.2f}")
+
+
 def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
@@ -423,12 +446,12 @@ def print_table(report: dict) -> None:
                       f"{report[prefix + 'ratio_median_of_paired_rounds']:.2f}x), "
                       f"greedy outputs equal {report[prefix + 'greedy_outputs_equal']}\n")
     if "spec_ratio" in report:
-        spec = report["speculative"]
+        spec, spec_run = report["speculative"], report["pdserve_spec"]
         out.write(f"  spec on / off ({spec['speculative_algorithm']}"
                   f"{', never-accepted drafts' if spec['never'] else ''}, {spec['workload']} prompts, "
                   f"{spec['speculative_num_draft_tokens']} draft tokens): {report['spec_ratio']:.2f}x "
                   f"(median of paired rounds {report['spec_ratio_median_of_paired_rounds']:.2f}x), "
-                  f"greedy outputs equal {report['spec_greedy_outputs_equal']}\n")
+                  f"greedy outputs equal {report['spec_greedy_outputs_equal']}{_accepted(spec_run)}\n")
     if "floor" in report:
         floor = report["floor"]
         out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of "
