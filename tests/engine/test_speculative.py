@@ -4,6 +4,8 @@ identical to decoding without drafts (mixed batches, prefix-cache hits, retracti
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +69,12 @@ def test_flags_refuse_more_than_sixteen_draft_tokens_naming_why() -> None:
     with pytest.raises(ValueError, match="dp-attention"):
         EngineConfig(model_path="m", tp_size=2, dp_size=2, enable_dp_attention=True, speculative=NGRAM)
     assert SpeculativeConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=16).max_drafts == 15
+
+
+def test_config_survives_the_json_a_tensor_parallel_rank_gets() -> None:
+    # engine.tp.ranks sends asdict(config) as JSON; the rank rebuilds EngineConfig from it
+    config = EngineConfig(model_path="m", speculative=NGRAM)
+    assert EngineConfig(**json.loads(json.dumps(asdict(config)))) == config
 
 
 async def _outputs(engine, prompts, params_list) -> list[list[int]]:
