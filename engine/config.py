@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.speculative.config import SpeculativeConfig
 from engine.tp.topology import Topology
 from pdserve import envs
 
@@ -148,8 +149,11 @@ class EngineConfig:
         "steps of the profiled kind(s) one trace records; profiling is off afterwards"))
     profile_dir: str = field(default_factory=envs.PROFILE_DIR.get, metadata=_help(
         "folder the trace file (KIND-PID-TIME.trace.json) is written to, created if missing"))
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):  # sent to a TP rank as JSON (engine.tp.ranks): rebuilt here
+            object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.page_size <= 0:
@@ -177,6 +181,9 @@ class EngineConfig:
                              "where the other nodes' ranks join)")
         if self.enable_hierarchical_cache:
             self._check_hicache()
+        if self.speculative.enabled and self.enable_dp_attention:
+            raise ValueError("--speculative-algorithm with --enable-dp-attention is not supported: a DP "
+                             "step gathers one logits row per request")
         self.topology()  # raises TopologyError naming what does not fit
         if self.engine_kind not in ("model", "sim"):
             raise ValueError(f"--engine must be model or sim, got {self.engine_kind!r}")

@@ -42,6 +42,7 @@ from engine.page_manager import PageManager, Reservation
 from engine.profiling import StepProfiler
 from engine.request import EngineRequest
 from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.speculative.build import build_speculator
 from engine.stream import OutputStream, text_stream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
@@ -101,9 +102,10 @@ class Engine:
             max_running_requests=self.config.max_running_requests,
             chunked_prefill_size=self.config.chunked_prefill_size,
             max_seq_len=self.model_config.max_position_embeddings), self.pages)
+        self.speculator = build_speculator(loaded, self.scheduler)
         self.thread = EngineThread(self.scheduler, self.runner.forward, self.pages, self.pool.device,
                                    StepProfiler.from_config(self.config, self.pool.device),
-                                   self.config.num_threads)
+                                   self.config.num_threads, self.speculator)
         self.step_clock = self.thread.step_clock
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
@@ -263,6 +265,7 @@ class Engine:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         cache = self.pages.cache
+        spec = self.thread.speculator.stats if self.thread.speculator is not None else None
         return EngineStats(
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             retracted=scheduler.num_retracted_waiting, total_retractions=scheduler.num_retractions,
@@ -274,7 +277,10 @@ class Engine:
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_evicted_pages=cache.stats.evicted_pages if cache else 0,
-            cuda_graph=self.graphs is not None and self.graphs.last_replayed)
+            cuda_graph=self.graphs is not None and self.graphs.last_replayed,
+            spec_drafted_tokens=spec.drafted_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_verify_rows=spec.verify_rows if spec else 0)
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed to each expert since load (summed over layers) and the last step's

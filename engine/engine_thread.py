@@ -30,8 +30,9 @@ from engine.outputs import FirstToken, TokenOutput
 from engine.page_manager import PageManager
 from engine.profiling import StepProfiler
 from engine.request import PagesFilled
-from engine.sampling import SamplingParams, sample
-from engine.scheduler import Request, Scheduler, SchedulerOutput
+from engine.sampling import SampleResult, SamplingParams, sample, sampling_probs
+from engine.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerOutput
+from engine.speculative.speculator import DraftPolicy, Speculator
 from engine.step_clock import StepClock
 
 log = logging.getLogger("engine.engine")
@@ -109,8 +110,9 @@ class EngineThread:
 
     def __init__(self, scheduler: Scheduler, runner: Callable[[SchedulerOutput], torch.Tensor],
                  pages: PageManager, device: torch.device, profiler: StepProfiler,
-                 num_threads: int | None) -> None:
+                 num_threads: int | None, speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
+        self.speculator = speculator  # speculative decoding's drafts and their verification
         self.forward = runner
         self.pages = pages
         self.device = device
@@ -235,11 +237,14 @@ class EngineThread:
         if batch.is_empty:
             return False
         kind = StepClock.kind_of(len(batch.decodes), len(batch.extends))
+        num_decodes = len(batch.decodes)
+        if self.speculator is not None:
+            self.speculator.propose(batch, self._draft_policy)
         if self.profiler.active:  # off after its bounded steps: this check is all it costs then
             ran = self.profiler.run(batch, self._run_step)
         else:
             ran = self._run_step(batch)
-        self.step_clock.record(kind, time.perf_counter() - began, len(batch.decodes))
+        self.step_clock.record(kind, time.perf_counter() - began, num_decodes)
         return ran
 
     def _run_step(self, batch: SchedulerOutput) -> bool:
@@ -256,16 +261,60 @@ class EngineThread:
         for request, io in zip(requests, ios, strict=True):
             if io.generator is not None and io.params.seed is not None:
                 io.generator.manual_seed(step_seed(io.params.seed, request.num_generated))
-        result = sample(logits, [io.params for io in ios], [io.generator for io in ios])
+        rows = [c.num_drafts + 1 for c in chunks]  # a verify chunk has a row per position
+        result = sample(logits, [io.params for io, n in zip(ios, rows, strict=True) for _ in range(n)],
+                        [io.generator for io, n in zip(ios, rows, strict=True) for _ in range(n)])
         token_ids = result.token_ids.tolist()
-        for row, (request, io) in enumerate(zip(requests, ios, strict=True)):
-            logprob, top = result.logprobs_of(row, io.params)
-            request.token_ids.append(token_ids[row])
+        row = 0
+        for chunk, request, io in zip(chunks, requests, ios, strict=True):
+            row += chunk.num_drafts + 1
+            if chunk.num_drafts:
+                self._emit_verified(chunk, request, result, logits, row - chunk.num_drafts - 1)
+                continue
+            logprob, top = result.logprobs_of(row - 1, io.params)
+            request.token_ids.append(token_ids[row - 1])
             if request.prefill_only:
                 self._finish_prefill(request, logprob, top)
             else:
                 self._emit_token(request, logprob, top)
         return True
+
+    def _emit_verified(self, chunk: ScheduledChunk, request: Request, result: SampleResult,
+                       logits: torch.Tensor, first_row: int) -> None:
+        """Emit what a verify chunk yields (engine.speculative.speculator): its accepted drafts and
+        the target's token after them, until one of them ends the request."""
+        assert self.speculator is not None
+        io = self._io[request.room]
+        params = io.params
+        rows = range(first_row, first_row + chunk.num_drafts + 1)
+        if params.greedy:
+            tokens = self.speculator.accept(chunk, result.token_ids[first_row:rows.stop].tolist())
+        else:
+            probs = sampling_probs(logits[first_row:rows.stop].float(), [params] * len(rows))
+            tokens = self.speculator.accept_sampled(chunk, probs, io.generator)
+        for offset, token in enumerate(tokens):
+            logprob, top = result.logprobs_of(first_row + offset, params)
+            request.token_ids.append(token)
+            self._emit_token(request, logprob, top)
+            if request.status is RequestStatus.FINISHED:
+                return
+        self.speculator.settle(request)
+
+    def _draft_policy(self, request: Request) -> DraftPolicy:
+        """Drafts a request may verify this step: no more than it has tokens left to generate after
+        the target's own; a sampled one only where the drafter gives its drafts' distribution
+        (rejection sampling), and without logprobs (a replaced draft's would not be the emitted one's)."""
+        assert self.speculator is not None
+        params = self._io[request.room].params
+        left = min(params.max_new_tokens - request.num_generated,
+                   self.scheduler.config.max_seq_len - request.num_tokens)
+        if not params.greedy and (not self.speculator.samples or params.logprobs):
+            return DraftPolicy(0, params)
+        generator = None
+        if params.seed is not None and not params.greedy:  # its own stream, apart from the verify's
+            generator = torch.Generator(device=self.device).manual_seed(
+                step_seed(params.seed ^ 0x5DEECE66D, request.num_generated))
+        return DraftPolicy(left - 1, params, generator)
 
     def _emit_token(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
         """Emit the request's newest token (text is added by the caller's stream) and finish the
@@ -319,6 +368,8 @@ class EngineThread:
         """Take a request out of the scheduler (engine.scheduler.Scheduler.finish); its IO, which
         the thread forgets."""
         self.scheduler.finish(request, reason, keep_pages=keep_pages)
+        if self.speculator is not None:
+            self.speculator.forget(request.room)
         return self._io.pop(request.room)
 
     def _abort(self, room: str) -> None:

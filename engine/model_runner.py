@@ -45,7 +45,8 @@ class ModelRunner:
         return [pages[pos // size] * size + pos % size for pos in range(chunk.start_pos, chunk.end_pos)]
 
     def forward(self, batch: SchedulerOutput) -> torch.Tensor:
-        """fp32 logits [len(batch.sampled_chunks()), vocab], rows in that order: rank 0's `step`."""
+        """fp32 logits [rows, vocab]: one row per chunk of batch.sampled_chunks(), in that order (a
+        verify chunk's num_drafts + 1 rows); rank 0's `step`."""
         logits = self.step(batch)
         if logits is None:
             raise RuntimeError("this rank gets no logits (a pipeline stage or a DP attention rank other "
@@ -86,8 +87,8 @@ class ModelRunner:
             num_pages = -(-chunk.end_pos // self.page_size)
             spans.append(ExtendSpan(start=start, length=len(chunk.token_ids), prefix_len=chunk.start_pos,
                                     page_ids=self._tensor(chunk.page_ids[:num_pages])))
-            if chunk.sample:
-                logit_rows.append(len(input_ids) - 1)
+            if chunk.sample:  # a verify chunk: its last token's and every draft's
+                logit_rows.extend(range(len(input_ids) - chunk.num_drafts - 1, len(input_ids)))
 
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)

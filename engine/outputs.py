@@ -56,6 +56,11 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     prefix_evicted_pages: int = 0
     cuda_graph: bool = False  # the last decode-only step replayed a captured CUDA graph
+    # Speculative decoding (zero when it is off): running totals of drafted and accepted tokens, and
+    # of verify rows (one per speculating request per step): accept length = 1 + accepted / rows.
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_rows: int = 0
 
 
 class RequestAborted(Exception):

@@ -103,6 +103,10 @@ class ScheduledChunk:
     sequence's pages); `page_ids` are all of the sequence's pages in order and cover
     start_pos + len(token_ids) tokens. `sample` asks for the logits of the chunk's last token
     (true when the chunk reaches the end of the known tokens).
+
+    A verify chunk (speculative decoding, engine.speculative) holds a request's last token followed
+    by `num_drafts` drafted tokens: the runner returns logits for each of its last num_drafts + 1
+    positions, and only its first token counts as computed until the drafts are verified.
     """
 
     room: str
@@ -111,6 +115,7 @@ class ScheduledChunk:
     page_ids: list[int]
     sample: bool
     multimodal: MultimodalState | None = None  # the request's, if it has images
+    num_drafts: int = 0
 
     @property
     def end_pos(self) -> int:
@@ -121,7 +126,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     """One forward pass: decode tokens (one per sequence, prefix cached) and extend chunks.
 
-    The runner returns logits for every decode, then for every extend with `sample`, in this order.
+    The runner returns logits for every decode, then for every extend with `sample` (num_drafts + 1
+    rows for a verify chunk), in this order.
     """
 
     decodes: list[ScheduledChunk] = field(default_factory=list)
@@ -352,7 +358,7 @@ class Scheduler:
             self.requests[chunk.room].num_computed = chunk.end_pos
         for chunk in batch.extends:
             request = self.requests[chunk.room]
-            request.num_computed = chunk.end_pos
+            request.num_computed = chunk.end_pos - chunk.num_drafts  # drafts count once verified
             self._cache_computed(request)
 
     def has_work(self) -> bool:

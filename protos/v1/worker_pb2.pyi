@@ -79,7 +79,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "speculative")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class PrefillRequest(_message.Message):
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -102,7 +103,20 @@ class PrefillRequest(_message.Message):
     page_checksums: bool
     skip_pages: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    speculative: SpeculativeConfig
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Union[SpeculativeConfig, _Mapping]] = ...) -> None: ...
+
+class SpeculativeConfig(_message.Message):
+    __slots__ = ("algorithm", "num_draft_tokens", "num_steps", "eagle_topk")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_TOPK_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    num_draft_tokens: int
+    num_steps: int
+    eagle_topk: int
+    def __init__(self, algorithm: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., eagle_topk: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "tp_size", "num_pages_skipped")

@@ -16,7 +16,9 @@ class DecodeLogLine:
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
-        self._last_tokens = runtime.engine.stats().generated_tokens
+        stats = runtime.engine.stats()
+        self._last_tokens = stats.generated_tokens
+        self._last_spec = (stats.spec_accepted_tokens, stats.spec_verify_rows)
         self._last_time = time.monotonic()
 
     def next(self) -> str | None:
@@ -30,10 +32,15 @@ class DecodeLogLine:
         if not busy:
             return None
         total = max(stats.total_pages, 1)
+        accepted = stats.spec_accepted_tokens - self._last_spec[0]
+        verifies = stats.spec_verify_rows - self._last_spec[1]
+        self._last_spec = (stats.spec_accepted_tokens, stats.spec_verify_rows)
+        # SGLang's "accept len": tokens one verify yields on average (the target's own one included)
+        accept = f"accept len: {1 + accepted / verifies:.2f}, " if verifies else ""
         return (f"Decode batch, #running-req: {stats.running}, #token: {stats.running_tokens}, "
                 f"token usage: {(stats.used_pages - stats.reserved_pages) / total:.2f}, "
                 f"pre-allocated usage: {stats.reserved_pages / total:.2f}, "
                 f"#prealloc-req: {queues['prealloc']}, "
                 f"#transfer-req: {queues['transfer']}, #retracted-req: {stats.retracted}, "
-                f"cuda graph: {bool(stats.cuda_graph)}, "
+                f"{accept}cuda graph: {bool(stats.cuda_graph)}, "
                 f"gen throughput (token/s): {throughput:.2f}, #queue-req: {stats.waiting}")

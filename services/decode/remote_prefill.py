@@ -52,7 +52,7 @@ from services.decode.room import DecodeRoom
 from services.worker.hooks import WorkerHooks
 from services.worker.rooms import RoomTable, Stage, finish_despite_cancel
 from services.worker.runtime import WorkerRuntime
-from services.worker.wire import Refused, endpoint_to_proto
+from services.worker.wire import Refused, endpoint_to_proto, speculative_to_proto
 
 log = logging.getLogger("pdserve.decode")
 
@@ -178,7 +178,8 @@ class RemotePrefill:
             images=wire.images, sampling=wire.sampling, dst_page_ids=pages, dst=self._endpoint_for(room.id),
             decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
-            skip_pages=reservation.cached_pages)
+            skip_pages=reservation.cached_pages,
+            speculative=speculative_to_proto(self.config.engine.speculative))
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(

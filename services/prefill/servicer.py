@@ -29,7 +29,14 @@ from services.worker.metrics import HANDSHAKE
 from services.worker.role_servicer import RoleServicer
 from services.worker.rooms import RoomInUse, Stage
 from services.worker.runtime import WorkerRuntime
-from services.worker.wire import BadRequest, Refused, abort_with, parse, token_to_proto
+from services.worker.wire import (
+    BadRequest,
+    Refused,
+    abort_with,
+    parse,
+    speculative_from_proto,
+    token_to_proto,
+)
 
 
 class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer):
@@ -51,6 +58,7 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
                 self.metrics.failure(HANDSHAKE)
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"model mismatch (prefill vs decode): {self.model_name!r} vs {request.model!r}")
+            self._check_speculative(request)
             # opened before the handshake, so an Abort that arrives during it finds the room
             room = self.rooms.open(request.room, Stage.HANDSHAKE, asyncio.current_task())
         except Refused as exc:
@@ -68,6 +76,18 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
             num_pages_written=writes.pages_pushed, bytes_transferred=writes.bytes_pushed,
             transfer_seconds=done.transfer_seconds, page_checksums=writes.checksums,
             tp_size=self.config.engine.topology().attn_tp_size, num_pages_skipped=writes.skip_pages)
+
+    def _check_speculative(self, request: worker_pb2.PrefillRequest) -> None:
+        """Refuse a decode whose speculative-decoding config differs from ours, naming the fields."""
+        mine = self.config.engine.speculative
+        try:
+            differences = mine.differences(speculative_from_proto(request.speculative))
+        except ValueError as exc:
+            differences = [f"decode's config is invalid here: {exc}"]
+        if differences:
+            self.metrics.failure(HANDSHAKE)
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "speculative decoding config mismatch "
+                          f"(prefill vs decode): {'; '.join(differences)}")
 
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:

@@ -185,6 +185,13 @@ class WorkerRuntime:
                              lambda: engine.stats().prefix_hit_tokens)
         metrics.counter_from("prefix_cache_evicted_pages_total", "Idle cached KV pages evicted to make room",
                              lambda: engine.stats().prefix_evicted_pages)
+        metrics.counter_from("spec_drafted_tokens_total", "Tokens drafted by speculative decoding",
+                             lambda: engine.stats().spec_drafted_tokens)
+        metrics.counter_from("spec_accepted_tokens_total", "Drafted tokens the target model accepted",
+                             lambda: engine.stats().spec_accepted_tokens)
+        metrics.counter_from("spec_verify_rows_total", "Verifies run (one per speculating request per step); "
+                             "accept length = 1 + accepted / verifies",
+                             lambda: engine.stats().spec_verify_rows)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
                       lambda: engine.stats().cached_pages)
         if engine.model_config.moe is not None:

@@ -27,6 +27,7 @@ from engine.multimodal.inputs import ImageInput
 from engine.outputs import TokenOutput
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
+from engine.speculative.config import SpeculativeConfig
 from libkv.layout import KVLayout
 from libkv.transfer import TransferEndpoint
 from protos.v1 import common_pb2, worker_pb2
@@ -164,6 +165,22 @@ _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
+
+
+def speculative_to_proto(config: SpeculativeConfig) -> worker_pb2.SpeculativeConfig:
+    return worker_pb2.SpeculativeConfig(
+        algorithm=config.speculative_algorithm or "", num_draft_tokens=config.speculative_num_draft_tokens,
+        num_steps=config.speculative_num_steps or 0, eagle_topk=config.speculative_eagle_topk)
+
+
+def speculative_from_proto(message: worker_pb2.SpeculativeConfig) -> SpeculativeConfig:
+    """The peer's config (ValueError for one that is invalid here too, e.g. an unknown algorithm)."""
+    if not message.algorithm:
+        return SpeculativeConfig()
+    return SpeculativeConfig(speculative_algorithm=message.algorithm,
+                             speculative_num_draft_tokens=message.num_draft_tokens,
+                             speculative_num_steps=message.num_steps or None,
+                             speculative_eagle_topk=message.eagle_topk)
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:

@@ -39,6 +39,16 @@ def test_bench_engine_json(qwen3_ckpt):
     assert report["pdserve_step_over_floor"] > 0
 
 
+@pytest.mark.long
+def test_bench_engine_speculative_ratios(qwen3_ckpt):
+    result = pdserve("bench", "engine", "--model", str(qwen3_ckpt), "--batch", "2", "--prompt-len", "16",
+                     "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--skip-hf", "--json",
+                     "--speculative-algorithm", "NGRAM", "--workload", "repeat", timeout=300)
+    report = json.loads(result.stdout)
+    assert report["pdserve_spec"]["decode_tokens_per_s"] > 0 and report["spec_ratio"] > 0
+    assert report["spec_greedy_outputs_equal"] == "2/2"
+
+
 def test_bench_engine_peer_without_vllm_fails_clearly(qwen3_ckpt):
     # This test's own Python has no vLLM: the peer must fail with the import error, not hang.
     result = subprocess.run([sys.executable, "-m", "pdserve", "bench", "engine", "--model", str(qwen3_ckpt),

@@ -8,6 +8,12 @@ machine hit all alike. vLLM runs under the Python of another environment (`--pee
 with vLLM's CPU build; vLLM is never a dependency of pdserve) through tools/bench/peer_vllm.py,
 its OpenMP threads bound to the first `--threads` cores as vLLM's CPU backend expects.
 
+With `--speculative-algorithm`, pdserve runs twice in the same rounds, speculation off and on
+(`pdserve_spec`), and the report gives spec-on over spec-off ratios; `--never-accepted-drafts` swaps
+the drafter for one whose drafts the target never takes (the cost of a useless drafter), and
+`--workload repeat` makes each prompt one short random run repeated (n-gram lookup finds matches in
+it; whether drafts are accepted is up to the model's answers).
+
 Decode tokens/s excludes prefill. pdserve: tokens emitted after the moment every request has its
 first token, divided by the time from that moment to the last token (all those steps are pure
 decode batches). HF: the time of generate(N) minus generate(1) on the same inputs, for the
@@ -64,6 +70,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run pdserve with --disable-cuda-graph, rounds alternating, and print the "
                              "step time with graphs (on CPU: the padded replay) over the eager one's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"], default=None,
+                        help="also run pdserve with speculative decoding and print its ratios to spec off")
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=5,
+                        help="the verified token plus drafts per step (engine flag of the same name)")
+    parser.add_argument("--speculative-num-steps", type=int, default=None,
+                        help="drafts per step (engine flag of the same name)")
+    parser.add_argument("--speculative-draft-model-path", default=None,
+                        help="STANDALONE's draft model (the --model itself: every draft accepted)")
+    parser.add_argument("--never-accepted-drafts", action="store_true",
+                        help="with --speculative-algorithm: a drafter whose drafts are never accepted")
+    parser.add_argument("--workload", choices=["random", "repeat"], default="random",
+                        help="random prompts, or prompts that repeat one random run of 8 tokens")
 
 
 # The figure a CUDA run is set beside: SGLang's decode log for Qwen3-4B at batch 1 in the seeds
@@ -71,9 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SEED_FIGURE = {"system": "SGLang, Qwen3-4B, batch 1, CUDA graphs", "decode_tokens_per_s": 144.0}
 
 
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0,
+                 workload: str = "random") -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # Skip the low ids, where the built-in tokenizer keeps its special tokens.
+    if workload == "repeat":
+        runs = torch.randint(10, vocab_size, (batch, 8), generator=generator).tolist()
+        return [(run * (prompt_len // 8 + 1))[:prompt_len] for run in runs]
     return torch.randint(10, vocab_size, (batch, prompt_len), generator=generator).tolist()
 
 
@@ -91,9 +113,10 @@ class PdserveSystem:
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
                  dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
-                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
+                 graphs: GraphFlags = NO_GRAPH_FLAGS, speculative: dict | None = None) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
+        from engine.speculative.config import SpeculativeConfig
 
         threads = max(1, threads // tp_size)  # per rank: the ranks share the `threads` cores
         torch.set_num_threads(threads)
@@ -106,7 +129,10 @@ class PdserveSystem:
             cuda_graph_max_bs=graphs[1], cuda_graph_bs=tuple(graphs[2]),
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
-            disable_radix_cache=True))
+            disable_radix_cache=True,
+            speculative=SpeculativeConfig(**{k: v for k, v in (speculative or {}).items() if k != "never"})))
+        if speculative and speculative.get("never"):
+            _install_never_accepted_drafter(self.engine)
         self.engine.start()
 
     def round(self, index: int) -> dict:
@@ -128,13 +154,18 @@ class PdserveSystem:
                     stamps[index].append(now)
                     tokens[index].append(output.token_id)
 
+        before = self.engine.stats()
         started = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(self.prompts))))
+        after = self.engine.stats()
         all_first = max(s[0] for s in stamps)
         last = max(s[-1] for s in stamps)
         decoded = sum(1 for s in stamps for t in s if t > all_first)
         return {"prefill_s": all_first - started, "decode_s": last - all_first, "decode_tokens": decoded,
-                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens}
+                "decode_tokens_per_s": decoded / (last - all_first), "tokens": tokens,
+                "spec_drafted_tokens": after.spec_drafted_tokens - before.spec_drafted_tokens,
+                "spec_accepted_tokens": after.spec_accepted_tokens - before.spec_accepted_tokens,
+                "spec_verify_rows": after.spec_verify_rows - before.spec_verify_rows}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -145,9 +176,20 @@ class PdserveEagerSystem(PdserveSystem):
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
                  dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
-                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
+                 graphs: GraphFlags = NO_GRAPH_FLAGS, speculative: dict | None = None) -> None:
         super().__init__(model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size, device,
                          (True, None, ()))
+
+
+def _install_never_accepted_drafter(engine) -> None:
+    """Replace the engine's drafter with one proposing a token below the eos/special ids for every
+    draft: a random-weight model's greedy choice is practically never that token, so every verify
+    rejects its drafts (the cost of a useless drafter, adaptive drafting included)."""
+    from engine.speculative.speculator import Speculator
+
+    speculator = Speculator(engine.config.speculative, engine.scheduler, engine.pages,
+                            lambda request, n: [3] * n)
+    engine.thread.speculator = engine.speculator = speculator
 
 
 class HfSystem:
@@ -155,7 +197,7 @@ class HfSystem:
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
                  dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
-                 graphs: GraphFlags = NO_GRAPH_FLAGS) -> None:
+                 graphs: GraphFlags = NO_GRAPH_FLAGS, speculative: dict | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -292,24 +334,40 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
         "runs_decode_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in rounds],
         "peak_rss_mib": None if peak_rss_mib is None else round(peak_rss_mib, 1),
         "tokens": rounds[-1]["tokens"],
-    }
+    } | _speculation(rounds)
+
+
+def _speculation(rounds: list[dict]) -> dict:
+    """Drafted and accepted tokens over the rounds, and SGLang's accept length (tokens per verify)."""
+    verifies = sum(r.get("spec_verify_rows", 0) for r in rounds)
+    if not verifies:
+        return {}
+    drafted = sum(r["spec_drafted_tokens"] for r in rounds)
+    accepted = sum(r["spec_accepted_tokens"] for r in rounds)
+    return {"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_accept_len": 1 + accepted / verifies}
 
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
         cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
-        graphs: GraphFlags = NO_GRAPH_FLAGS, eager_baseline: bool = False) -> dict[str, dict]:
+        graphs: GraphFlags = NO_GRAPH_FLAGS, eager_baseline: bool = False,
+        speculative: dict | None = None) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
-    a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
+    a change of load on a shared machine hits all alike. One warm-up round each is discarded.
+    `speculative` (SpeculativeConfig's fields, and "never": the never-accepted drafter): pdserve
+    also runs with it, as "pdserve_spec"."""
     systems: dict[str, type] = {"pdserve": PdserveSystem}
     if eager_baseline:
         systems["pdserve_eager"] = PdserveEagerSystem
+    if speculative:
+        systems["pdserve_spec"] = PdserveSystem
     if with_hf:
         systems["hf"] = HfSystem
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device, graphs))
+                                      device, graphs, speculative if name == "pdserve_spec" else None))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -339,7 +397,14 @@ def main(args: argparse.Namespace) -> int:
     # path that does not exist there as a hub repo id.
     args.model = str(Path(args.model).resolve())
     vocab = ModelConfig.from_dir(args.model).vocab_size
-    prompts = make_prompts(args.batch, args.prompt_len, vocab)
+    prompts = make_prompts(args.batch, args.prompt_len, vocab, workload=args.workload)
+    speculative = None
+    if args.speculative_algorithm:
+        speculative = {"speculative_algorithm": args.speculative_algorithm,
+                       "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+                       "speculative_num_steps": args.speculative_num_steps,
+                       "speculative_draft_model_path": args.speculative_draft_model_path,
+                       "never": args.never_accepted_drafts}
     report: dict = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                     "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
                     "dtype": args.dtype, "tp_size": args.tp_size, "device": args.device}
@@ -352,8 +417,12 @@ def main(args: argparse.Namespace) -> int:
     results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
                   args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device,
                   (args.disable_cuda_graph, args.cuda_graph_max_bs, tuple(args.cuda_graph_bs)),
-                  args.eager_baseline)
+                  args.eager_baseline, speculative)
     report.update(results)
+    if speculative:
+        report["speculative"] = speculative | {"workload": args.workload}
+        compared = _compare(results["pdserve_spec"], results["pdserve"])
+        report.update({"spec_" + key: value for key, value in compared.items()})
     if floor is not None:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
@@ -376,7 +445,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-SYSTEMS = ("pdserve", "pdserve_eager", "hf", "vllm")
+SYSTEMS = ("pdserve", "pdserve_eager", "pdserve_spec", "hf", "vllm")
 
 
 def _compare(pdserve: dict, peer: dict) -> dict:
@@ -389,6 +458,13 @@ def _compare(pdserve: dict, peer: dict) -> dict:
             "ratio_median_of_paired_rounds": statistics.median(paired),
             "ratio_of_best_rounds": peer["best_decode_ms_per_step"] / pdserve["best_decode_ms_per_step"],
             "greedy_outputs_equal": f"{same}/{len(pdserve['tokens'])}"}
+
+
+def _accepted(run: dict) -> str:
+    if "spec_accept_len" not in run:
+        return "; nothing drafted"
+    return (f"; {run['spec_accepted_tokens']}/{run['spec_drafted_tokens']} drafts accepted, accept len "
+            f"{run['spec_accept_len']:.2f}")
 
 
 def print_table(report: dict) -> None:
@@ -412,6 +488,13 @@ def print_table(report: dict) -> None:
                   f"(best rounds; decode tok/s ratio {report['eager_ratio']:.3f}x, median of paired rounds "
                   f"{report['eager_ratio_median_of_paired_rounds']:.3f}x), greedy outputs equal "
                   f"{report['eager_greedy_outputs_equal']}\n")
+    if "spec_ratio" in report:
+        spec, spec_run = report["speculative"], report["pdserve_spec"]
+        out.write(f"  spec on / off ({spec['speculative_algorithm']}"
+                  f"{', never-accepted drafts' if spec['never'] else ''}, {spec['workload']} prompts, "
+                  f"{spec['speculative_num_draft_tokens']} draft tokens): {report['spec_ratio']:.2f}x "
+                  f"(median of paired rounds {report['spec_ratio_median_of_paired_rounds']:.2f}x), "
+                  f"greedy outputs equal {report['spec_greedy_outputs_equal']}{_accepted(spec_run)}\n")
     if "floor" in report:
         floor = report["floor"]
         out.write(f"  floor    {floor['floor_ms']:.1f} ms/step: {floor['weight_bytes'] / 1e6:.0f} MB of "

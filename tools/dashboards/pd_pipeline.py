@@ -9,6 +9,10 @@ FILENAME = "pd-pipeline.json"
 PER_WORKER = "{{role}} {{instance}}"
 
 
+def _spec_rate(name: str) -> str:
+    return f"sum by (role, instance) (rate(pdserve:spec_{name}_total{RATE}))"
+
+
 def _pd_panels() -> list[Panel | Row]:
     return [
         timeseries(
@@ -82,6 +86,15 @@ def _pd_panels() -> list[Panel | Row]:
             "Requests a worker took out of its batch under memory pressure (resumed later).",
             "short",
             Target(f"sum by (role, instance) (rate(pdserve:retractions_total{RATE}))", PER_WORKER),
+        ),
+        timeseries(
+            "Speculative decoding: drafted and accepted tokens/s",
+            "Per worker: tokens drafted and tokens the target accepted (their ratio is the acceptance rate;"
+            " SGLang's accept length, 1 + accepted / verifies, is in the decode log line). Zero with"
+            " speculation off.",
+            "short",
+            Target(_spec_rate("drafted_tokens"), "drafted {{instance}}"),
+            Target(_spec_rate("accepted_tokens"), "accepted {{instance}}"),
         ),
         timeseries(
             "Registry: workers and expired leases",

@@ -1,0 +1,162 @@
+"""Speculator: turns decode rows into verify chunks before a step and settles them after it.
+
+Protocol, on the engine thread (engine/engine_thread.py), each step:
+1. `propose(batch, policy)` after the scheduler built the batch: each decode row whose request may
+   draft (`policy(request).most` > 0: tokens left to generate, and greedy unless a draft model can
+   give the drafts' distribution for rejection sampling) and whose drafter proposes
+   something becomes a verify chunk in `batch.extends`: its last token and its drafts from position
+   num_computed, `num_drafts` set, pages grown to hold them (no drafts when that needs pages that
+   are not free: a draft never forces a retraction). Other rows stay plain decodes, so one batch
+   mixes speculating and plain rows with per-request draft lengths.
+2. The runner returns num_drafts + 1 rows of logits for a verify chunk; for a greedy request the
+   thread takes each row's argmax and calls `accept(chunk, row_tokens)`: the drafts the target agrees
+   with, in order, then the target's own token after them; for a sampled one it calls
+   `accept_sampled(chunk, target_probs, generator)` (engine.speculative.rejection). The thread emits
+   those tokens (a stop token or the length limit may end the request among them).
+3. `settle(request)` for a request still running: only the K/V of its last token
+   and of the accepted drafts is kept (num_computed), pages past what its tokens need are freed
+   (the rejected drafts' slots are simply overwritten later; pages the prefix cache holds are
+   always full pages of computed tokens, never a rejected draft's).
+4. `forget(room)` when a request leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.page_manager import PageManager
+from engine.sampling import SamplingParams
+from engine.scheduler import Request, ScheduledChunk, Scheduler, SchedulerOutput
+from engine.speculative.adaptive import DraftBudget
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModel
+from engine.speculative.ngram import NgramIndex
+from engine.speculative.rejection import rejection_sample
+
+# proposes up to n drafts for a request's tokens
+Drafter = Callable[[Request, int], list[int]]
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """What the engine thread allows one request this step: at most `most` drafts (0: none), drawn
+    under `params` with `generator` (a seeded request's draft generator)."""
+
+    most: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SpeculativeStats:
+    """Running totals: tokens drafted and accepted, and verify rows (one per request per step)."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_rows: int = 0
+
+
+class _RequestDrafts:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.index = NgramIndex(config.speculative_ngram_min_match, config.speculative_ngram_max_match)
+        self.budget = DraftBudget(config.max_drafts)
+
+
+class Speculator:
+    """Drafts, and the accounting of what was accepted (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, pages: PageManager,
+                 drafter: Drafter | None = None, draft_model: DraftModel | None = None) -> None:
+        self.config = config
+        self.draft_model = draft_model
+        # with a draft model, sampled requests speculate too (its drafts come with their distribution)
+        self.samples = draft_model is not None
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.scheduler = scheduler
+        self.pages = pages
+        self.stats = SpeculativeStats()
+        self._requests: dict[str, _RequestDrafts] = {}
+        self._drafter = drafter or self._ngram
+
+    def _state(self, room: str) -> _RequestDrafts:
+        state = self._requests.get(room)
+        if state is None:
+            state = self._requests[room] = _RequestDrafts(self.config)
+        return state
+
+    def _ngram(self, request: Request, max_drafts: int) -> list[int]:
+        return self._state(request.room).index.propose(request.token_ids, max_drafts)
+
+    def propose(self, batch: SchedulerOutput, policy: Callable[[Request], DraftPolicy]) -> None:
+        """Turn the batch's decode rows that draft into verify chunks (step 1 of the protocol)."""
+        kept: list[ScheduledChunk] = []
+        for chunk in batch.decodes:
+            request = self.scheduler.requests[chunk.room]
+            drafts = self._drafts(request, policy(request)) if chunk.multimodal is None else []
+            if drafts and self.pages.grow(request.page_ids, request.num_tokens + len(drafts),
+                                          keep_free=len(self.scheduler.running)):
+                batch.extends.append(ScheduledChunk(
+                    room=chunk.room, token_ids=chunk.token_ids + drafts, start_pos=chunk.start_pos,
+                    page_ids=request.page_ids, sample=True, num_drafts=len(drafts)))
+            else:
+                kept.append(chunk)
+        batch.decodes = kept
+
+    def _drafts(self, request: Request, policy: DraftPolicy) -> list[int]:
+        most = min(policy.most, self.config.max_drafts)
+        if most <= 0:
+            return []
+        allowed = min(most, self._state(request.room).budget.next())
+        if allowed <= 0:
+            return []
+        if self.draft_model is None:
+            return self._drafter(request, allowed)
+        drafts = self.draft_model.propose(request, allowed, policy.params, policy.generator)
+        if drafts.probs is not None:
+            self._draft_probs[request.room] = drafts.probs
+        return drafts.tokens
+
+    def accept(self, chunk: ScheduledChunk, row_tokens: list[int]) -> list[int]:
+        """The tokens a verify chunk yields: the drafts matching the target's tokens at their
+        positions, then the target's token after the last match (step 2; greedy)."""
+        drafts = chunk.token_ids[1:]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == row_tokens[accepted]:
+            accepted += 1
+        self.stats.drafted_tokens += len(drafts)
+        self.stats.accepted_tokens += accepted
+        self.stats.verify_rows += 1
+        self._state(chunk.room).budget.record(len(drafts), accepted)
+        return row_tokens[:accepted + 1]
+
+    def accept_sampled(self, chunk: ScheduledChunk, target_probs: torch.Tensor,
+                       generator: torch.Generator | None) -> list[int]:
+        """`accept` for a sampled request: rejection sampling against the drafts' distribution, so the
+        tokens are distributed as the target's alone would be."""
+        drafts = chunk.token_ids[1:]
+        tokens = rejection_sample(target_probs, self._draft_probs.pop(chunk.room), drafts, generator)
+        accepted = len(tokens) - 1
+        self.stats.drafted_tokens += len(drafts)
+        self.stats.accepted_tokens += accepted
+        self.stats.verify_rows += 1
+        self._state(chunk.room).budget.record(len(drafts), accepted)
+        return tokens
+
+    def settle(self, request: Request) -> None:
+        """After a still-running request's accepted tokens were appended: its K/V is that of every
+        token but the newest (step 3); pages beyond its tokens go back to the pool."""
+        request.num_computed = request.num_tokens - 1
+        needed = self.pages.pages_for(request.num_tokens)
+        if len(request.page_ids) > needed:
+            extra = request.page_ids[needed:]
+            del request.page_ids[needed:]
+            self.pages.free(extra)
+
+    def forget(self, room: str) -> None:
+        self._requests.pop(room, None)
+        self._draft_probs.pop(room, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(room)

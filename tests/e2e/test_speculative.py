@@ -1,0 +1,69 @@
+"""Speculative decoding (NGRAM) on real workers: greedy output identical to HF transformers (and so to
+speculation off) colocated and through PD, where decode drafts and verifies; the decode log line
+carries SGLang's `accept len`; every KV page is back after the requests.
+
+Prompts: mixed lengths of random tokens (drafts mostly rejected), and prompts that repeat a short
+run (the tiny model's answers to those repeat too, so drafts are accepted), decoded in one batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.cluster import Cluster, worker_args
+from tests.e2e.hf import hf_greedy
+from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
+from tests.e2e.worker_client import run_all
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+NEW_TOKENS = 16
+SPEC = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+        "--chunked-prefill-size", "64", "--num-pages", "256", "--decode-log-interval", "0.2")
+
+
+def _prompts() -> list[list[int]]:
+    runs = prompts_of([1, 4, 8], seed=5)
+    return prompts_of([3, 17, 70, 130], seed=4) + [(run * 40)[:n] for run, n in zip(runs, [30, 48, 90],
+                                                                                     strict=True)]
+
+
+def _check(got, prompts, tiny_model) -> None:
+    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS)
+    for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
+        assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: NGRAM output differs from HF"
+
+
+@pytest.mark.parametrize("layout", ["colocated", "mooncake", pytest.param("nixl", marks=pytest.mark.long)])
+def test_ngram_greedy_output_matches_hf(layout, cluster: Cluster, tiny_model):
+    prompts = _prompts()
+    if layout == "colocated":
+        decode = cluster.worker("colocated", tiny_model, "null", extra=SPEC)
+        workers = [decode]
+        got = run_all(decode.address, prompts, max_new_tokens=NEW_TOKENS)
+    else:
+        bootstrap = cluster.bootstrap()
+        prefill, decode = cluster.start_many([
+            ("prefill", worker_args(tiny_model, "prefill", backend=layout, bootstrap=bootstrap, extra=SPEC)),
+            ("decode", worker_args(tiny_model, "decode", backend=layout, bootstrap=bootstrap, extra=SPEC)),
+        ])
+        workers = [prefill, decode]
+        got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    _check(got, prompts, tiny_model)
+    accepted = decode.metric("pdserve:spec_accepted_tokens_total")
+    assert 0 < accepted < decode.metric("pdserve:spec_drafted_tokens_total")
+    if layout != "colocated":
+        assert "accept len: " in decode.log()
+    assert_pages_idle(*workers)
+
+
+def test_decode_with_another_draft_config_is_refused_naming_the_field(cluster: Cluster, tiny_model):
+    bootstrap = cluster.bootstrap()
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(tiny_model, "prefill", backend="mooncake", bootstrap=bootstrap)),
+        ("decode", worker_args(tiny_model, "decode", backend="mooncake", bootstrap=bootstrap, extra=SPEC)),
+    ])
+    (result,) = run_all(decode.address, [[5, 6, 7, 8]], [prefill.address], max_new_tokens=4)
+    assert result.code is not None and "speculative_algorithm: None vs 'NGRAM'" in result.details, result
+    assert_pages_idle(prefill, decode)
