@@ -14,6 +14,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
 if TYPE_CHECKING:
+    from engine.lora.slots import LoraSlots
     from engine.tp.pipeline import PipelineStage
 
 
@@ -26,8 +27,10 @@ class ModelRunner:
     0, runs `forward`, which always has them.
     """
 
-    def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None) -> None:
+    def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None,
+                 lora: LoraSlots | None = None) -> None:
         self.model = model
+        self.lora = lora  # --enable-lora: told each step's rows' adapter slots
         self.pool = pool
         self.stage = stage
         self.device = pool.device
@@ -82,6 +85,9 @@ class ModelRunner:
             if chunk.sample:
                 logit_rows.append(len(input_ids) - 1)
 
+        if self.lora is not None:
+            self.lora.set_rows([c.lora_slot for c in batch.decodes]
+                               + [c.lora_slot for c in batch.extends for _ in c.token_ids])
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)
