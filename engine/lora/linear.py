@@ -22,11 +22,11 @@ class LoraLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        rows = x.reshape(-1, self.in_features)
-        delta = self.slots.delta(self.lora, rows)
-        if delta is None:
+        if self.slots.row_slots is None:  # a step of the base model only
             return out
-        return out.add_(delta.view(out.shape))
+        rows = x.reshape(-1, self.in_features)
+        self.slots.add_delta(self.lora, rows, out.view(-1, self.out_features))
+        return out
 
 
 def wrap_model(model: DecoderModel, slots: LoraSlots) -> None:

@@ -43,7 +43,7 @@ def attach_lora(config: EngineConfig, model_config: ModelConfig, model: DecoderM
     check_lora_flags(config)
     check_servable(model_config)
     slots = LoraSlots(model_config, config.max_loras_per_batch, config.max_lora_rank, target_modules(config),
-                      dtype, device)
+                      dtype, device, cpu_kernel=config.cpu_kernels != "off")
     for name, path in parse_lora_paths(config.lora_paths).items():
         slots.register(load_adapter(name, path, model_config, config.max_lora_rank, slots.target_modules))
     wrap_model(model, slots)

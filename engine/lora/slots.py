@@ -21,6 +21,7 @@ import torch
 from engine.lora.adapter import LoraAdapter, LoraLoadError, dense_mlp_layers, module_shape
 from engine.lora.ops import lora_delta, slot_mask
 from engine.models.config import ModelConfig
+from kernels import cpu_kernels
 
 # Each of the decoder's projections and the PEFT modules fused in it, in the order of its rows.
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -59,7 +60,7 @@ class LoraSlots:
     """Registered adapters, the slot pool, and the current step's rows (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, target_modules: frozenset[str],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, cpu_kernel: bool = False) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be positive")
         self.config = config
@@ -68,6 +69,9 @@ class LoraSlots:
         self.target_modules = target_modules
         self.dtype = dtype
         self.device = device
+        # kernels/csrc/lora.cpp where asked for and built (CPU, fp32 or bf16), else ops.lora_delta
+        self.cpu_kernel = (cpu_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                           and cpu_kernels.available())
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_names: list[str | None] = [None] * num_slots
         self.slot_refs = [0] * num_slots
@@ -174,12 +178,16 @@ class LoraSlots:
             return
         self.row_slots = torch.tensor(row_slots, dtype=torch.long).to(self.device)
 
-    def delta(self, projection: ProjectionLora, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA delta of this step's rows `x` [T, in] for one projection; None when no row has one."""
+    def add_delta(self, projection: ProjectionLora, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` [T, out] (the base projection of this step's rows `x` [T, in]) plus each row's
+        adapter delta, in place."""
         if self.row_slots is None:
-            return None
+            return out
+        if self.cpu_kernel:
+            return cpu_kernels.lora_delta_add(out, x.contiguous(), projection.a, projection.b, self.row_slots,
+                                              self.scales)
         mask = self._masks.get(projection.width)
         if mask is None:
             mask = self._masks[projection.width] = slot_mask(self.row_slots, self.scales, projection.width,
                                                              x.dtype)
-        return lora_delta(x, projection.a, projection.b, mask)
+        return out.add_(lora_delta(x, projection.a, projection.b, mask))

@@ -19,6 +19,7 @@ from engine.lora.slots import LoraSlots
 from engine.models.config import ModelConfig
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
+from kernels import cpu_kernels
 from tests.engine.conftest import generate, random_prompts, start_engine
 from tests.engine.lora_adapters import SPECS, AdapterSpec, merged_reference, write_adapter
 
@@ -49,14 +50,43 @@ def test_batched_delta_matches_per_row_reference():
     torch.testing.assert_close(got[0], by_hand, rtol=1e-5, atol=1e-4)
 
 
-async def test_three_adapters_and_base_in_one_batch_match_merged_peft(qwen3_ckpt, adapters):
-    prompts = random_prompts([9, 40], seed=3)  # one prompt under a page, one over two pages
-    names: list[str | None] = [None, *adapters]
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ CPU kernels are not built (make setup)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_reference(dtype):
+    generator = torch.Generator().manual_seed(1)
+    slots, width, rows = 4, 24, 9  # width not a multiple of 16: the vector tails
+    a = (torch.randn(slots * width, 40, generator=generator) * 0.3).to(dtype)
+    b = (torch.randn(72, slots * width, generator=generator) * 0.3).to(dtype)
+    x = torch.randn(rows, 40, generator=generator).to(dtype)
+    base = torch.randn(rows, 72, generator=generator).to(dtype)
+    row_slots = torch.tensor([3, -1, 0, 0, 1, -1, 2, 3, 3])
+    scales = torch.tensor([0.5, 2.0, 1.5, 0.25])
+    got = cpu_kernels.lora_delta_add(base.clone(), x, a, b, row_slots, scales)
+    want = base.float() + lora_delta_reference(x, a, b, row_slots, scales).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[1], base[1]) and torch.equal(got[5], base[5])  # base rows untouched
+
+
+PROMPTS = random_prompts([9, 40], seed=3)  # one prompt under a page, one over two pages
+
+
+@pytest.fixture(scope="module")
+def merged_answers(qwen3_ckpt, adapters) -> dict[str | None, list[list[int]]]:
+    """HF's greedy tokens for PROMPTS on the base (None) and on each adapter merged by PEFT."""
     specs: dict[str | None, AdapterSpec | None] = {None: None, **{s.name: s for s in SPECS}}
-    want = {name: merged_reference(qwen3_ckpt, specs[name], prompts, NEW_TOKENS) for name in names}
+    return {name: merged_reference(qwen3_ckpt, spec, PROMPTS, NEW_TOKENS) for name, spec in specs.items()}
+
+
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])  # kernels/csrc/lora.cpp, then ops.lora_delta
+async def test_three_adapters_and_base_in_one_batch_match_merged_peft(qwen3_ckpt, adapters, merged_answers,
+                                                                      cpu_kernels):
+    prompts, want = PROMPTS, merged_answers
+    names: list[str | None] = [None, *adapters]
     assert len({tuple(want[name][1]) for name in names}) == len(names)  # every adapter changes the answer
     engine = start_engine(qwen3_ckpt, enable_lora=True, max_loras_per_batch=3, max_lora_rank=16,
-                          lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()))
+                          lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()), cpu_kernels=cpu_kernels)
+    assert engine.lora is not None and engine.lora.cpu_kernel == (cpu_kernels == "on")
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
     async def run(tag: str, name: str | None, index: int) -> list[int]:
