@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pdserve's tensor-parallel ranks; --threads is shared out between them")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N: where pdserve and HF run (vLLM picks its own)")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="also run pdserve with this many random LoRA adapters (rank --lora-rank, every "
+                             "projection), the batch's requests spread over them round robin, and report its "
+                             "decode tok/s over the base model's alone")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -76,7 +81,8 @@ class PdserveSystem:
     """The engine, loaded once; each round generates for every prompt at once."""
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
-                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> None:
+                 dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+                 lora_paths: tuple[str, ...] = ()) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
@@ -90,7 +96,9 @@ class PdserveSystem:
             cpu_kernels=cpu_kernels, tp_size=tp_size, device=device,
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
-            disable_radix_cache=True))
+            disable_radix_cache=True, **_lora_flags(lora_paths)))
+        # request i runs under adapter i mod N (none: the base model)
+        self.adapters = [path.partition("=")[0] for path in lora_paths]
         self.engine.start()
 
     def round(self, index: int) -> dict:
@@ -105,7 +113,9 @@ class PdserveSystem:
         tokens: list[list[int]] = [[] for _ in self.prompts]
 
         async def one(index: int) -> None:
-            request = self.engine.check(EngineRequest(f"{tag}-{index}", self.prompts[index], params))
+            adapter = self.adapters[index % len(self.adapters)] if self.adapters else None
+            request = self.engine.check(EngineRequest(f"{tag}-{index}", self.prompts[index], params,
+                                                      lora=adapter))
             async for batch in self.engine.generate(request):
                 now = time.perf_counter()
                 for output in batch:
@@ -122,6 +132,16 @@ class PdserveSystem:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _lora_flags(lora_paths: tuple[str, ...]) -> dict:
+    """The engine flags serving `lora_paths` (NAME=PATH) all in one batch."""
+    if not lora_paths:
+        return {}
+    folders = [Path(p.partition("=")[2]) for p in lora_paths]
+    ranks = [json.loads((folder / "adapter_config.json").read_text())["r"] for folder in folders]
+    return {"enable_lora": True, "lora_paths": lora_paths, "max_loras_per_batch": len(lora_paths),
+            "max_lora_rank": max(ranks)}
 
 
 class HfSystem:
@@ -270,14 +290,18 @@ def _summary(rounds: list[dict], peak_rss_mib: float | None) -> dict:
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, repeats: int,
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
-        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu") -> dict[str, dict]:
+        cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
+        lora_paths: tuple[str, ...] = ()) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
-    a change of load on a shared machine hits all alike. One warm-up round each is discarded."""
-    systems = {"pdserve": PdserveSystem} | ({"hf": HfSystem} if with_hf else {})
+    a change of load on a shared machine hits all alike. One warm-up round each is discarded.
+    `lora_paths`: also pdserve with these adapters (system "pdserve_lora")."""
+    systems = ({"pdserve": PdserveSystem} | ({"pdserve_lora": PdserveSystem} if lora_paths else {})
+               | ({"hf": HfSystem} if with_hf else {}))
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
+        extra = (lora_paths,) if name == "pdserve_lora" else ()
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device))
+                                      device, *extra))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -316,9 +340,15 @@ def main(args: argparse.Namespace) -> int:
     floor = None
     if args.device == "cpu":  # measured first, with no engine process busy
         floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads)
-    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-lora-") as adapters:
+        lora_paths = _write_adapters(args.model, Path(adapters), args.lora_adapters, args.lora_rank)
+        results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
+                      args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device, lora_paths)
     report.update(results)
+    if "pdserve_lora" in results:
+        report["lora_adapters"], report["lora_rank"] = args.lora_adapters, args.lora_rank
+        report["base_over_lora"] = (results["pdserve"]["decode_tokens_per_s"]
+                                    / results["pdserve_lora"]["decode_tokens_per_s"])
     if floor is not None:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
@@ -331,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
         if peer in results:
             compared = _compare(results["pdserve"], results[peer])
             report.update({prefix + key: value for key, value in compared.items()})
-    for system in ("pdserve", "hf", "vllm"):
+    for system in ("pdserve", "pdserve_lora", "hf", "vllm"):
         if system in report:
             report[system].pop("tokens")
     if args.json:
@@ -339,6 +369,14 @@ def main(args: argparse.Namespace) -> int:
     else:
         print_table(report)
     return 0
+
+
+def _write_adapters(model: str, folder: Path, count: int, rank: int) -> tuple[str, ...]:
+    """`count` random adapters NAME=PATH (tools.models.lora_adapter) in `folder`."""
+    from tools.models.lora_adapter import write_random_adapter
+
+    return tuple(f"bench{i}={write_random_adapter(model, folder / f'bench{i}', rank=rank, seed=i)}"
+                 for i in range(count))
 
 
 def _compare(pdserve: dict, peer: dict) -> dict:
@@ -357,13 +395,16 @@ def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
               f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")
-    for system in ("pdserve", "hf", "vllm"):
+    for system in ("pdserve", "pdserve_lora", "hf", "vllm"):
         if system in report:
             r = report[system]
             out.write(f"  {system:8s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
                       f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
                       + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
                       + "\n")
+    if "base_over_lora" in report:
+        out.write(f"  pdserve_lora: {report['lora_adapters']} adapters of rank {report['lora_rank']} mixed "
+                  f"in the batch; base alone / with them: {report['base_over_lora']:.2f}x\n")
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
         if prefix + "ratio" in report:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "
