@@ -334,8 +334,8 @@ class DPEngine:
         if member is not None:
             self._forget(room, member)
 
-    def prompt_hashes(self, prompt_ids: list[int], images=()) -> list[int] | None:
-        return self.members[0].prompt_hashes(prompt_ids, images)
+    def prompt_hashes(self, prompt_ids: list[int], images=(), lora: str | None = None) -> list[int] | None:
+        return self.members[0].prompt_hashes(prompt_ids, images, lora)
 
     def stats(self) -> EngineStats:
         each = [member.stats() for member in self.members]

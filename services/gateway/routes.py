@@ -72,11 +72,19 @@ def gateway_state(request: Request) -> GatewayState:
 
 
 def served_model(state: GatewayState, requested: str | None) -> str:
-    """The served model name if `requested` names it (or is omitted where that is allowed)."""
-    if requested is None or requested == state.model_name:
+    """The served model name if `requested` names it (or is omitted where that is allowed), or names
+    a LoRA adapter of it (--enable-lora: the workers say whether they have it)."""
+    if requested is None or requested == state.model_name or state.config.enable_lora:
         return state.model_name
     raise GatewayError(404, f"The model `{requested}` does not exist (this gateway serves "
                             f"`{state.model_name}`).", param="model", code="model_not_found")
+
+
+def requested_adapter(state: GatewayState, requested: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    if not state.config.enable_lora or requested is None or requested == state.model_name:
+        return None
+    return requested
 
 
 def check_limits(state: GatewayState, sampling: SamplingFields, prefix: str = "",
@@ -130,7 +138,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                  max_tokens_param=max_tokens_param)
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
-    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images))
+    lora = requested_adapter(state, body.model)
+    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images), lora)
             for i in range(body.n)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
@@ -205,8 +214,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     top_n = body.logprobs or 0
     want_logprobs = body.logprobs is not None
     request_id = new_request_id("cmpl")
+    lora = requested_adapter(state, body.model)
     jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids,
-                      body.sampling(j))
+                      body.sampling(j), lora=lora)
             for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
@@ -332,8 +342,9 @@ async def generate(body: NativeGenerateRequest, request: Request):
     # The room is always the gateway's own unique id: a client's rid could collide with another
     # request's room on the workers (by accident or on purpose); it is only shown back.
     request_id = new_request_id("gen")
+    lora = body.lora_path or requested_adapter(state, body.model)
     jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids,
-                      sampling, tuple(images[i]))
+                      sampling, tuple(images[i]), lora)
             for i, prompt_ids in enumerate(prompts)]
     shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
                  for job in jobs]
