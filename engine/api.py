@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.lora.slots import LoraSlots
     from engine.models.config import ModelConfig
     from engine.models.moe import ExpertLoad
     from engine.multimodal.inputs import ImageInput
@@ -68,6 +69,9 @@ class EngineAPI(Protocol):
 
     @property
     def kv_layout(self) -> KVLayout: ...
+
+    @property
+    def lora(self) -> LoraSlots | None: ...
 
     @property
     def pages(self) -> PageView: ...

@@ -188,6 +188,7 @@ class DPEngine:
         self.config, self.model_config, self.model = first.config, first.model_config, first.model
         self.tokenizer, self.pool, self.kv_layout = first.tokenizer, first.pool, first.kv_layout
         self.pages = DPPages(members)
+        self.lora = None  # --enable-lora runs without DP attention (engine.lora.setup)
         self._rooms: dict[str, Engine] = {}
         self.placed = [0] * len(members)  # requests placed on each group since start
         self._next_turn = 0  # the group a tie goes to next

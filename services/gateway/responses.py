@@ -191,6 +191,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's own name (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
 
 class ModelList(BaseModel):

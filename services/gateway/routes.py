@@ -28,6 +28,7 @@ from starlette.responses import Response
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.images import image_loader, image_urls
+from services.gateway.lora_routes import served_adapters
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import (
@@ -108,8 +109,11 @@ def _usage(prompt_lengths: Sequence[int], completion_tokens: Sequence[int]) -> U
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state = gateway_state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                     max_model_len=state.model_files.context_length)])
+    base = ModelCard(id=state.model_name, created=state.created,
+                     max_model_len=state.model_files.context_length)
+    adapters = [ModelCard(id=name, created=state.created, max_model_len=base.max_model_len, root=name,
+                          parent=state.model_name) for name in await served_adapters(state)]
+    return ModelList(data=[base, *adapters])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)

@@ -8,6 +8,7 @@ request's adapter refuses it naming the adapter; the gateway picks the adapter b
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from protos.v1 import worker_pb2_grpc
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
-from tests.e2e.cluster import Cluster, worker_args
+from tests.e2e.cluster import Cluster, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import Result, generate
 from tests.engine.lora_adapters import SPECS, write_adapter
@@ -24,6 +25,8 @@ from tests.engine.lora_adapters import SPECS, write_adapter
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NEW_TOKENS = 8
+KEY = "lora-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 POOL = ("--num-pages", "256", "--chunked-prefill-size", "64")
 
 
@@ -55,7 +58,8 @@ def test_adapters_colocated_pd_and_gateway(cluster: Cluster, tiny_model, tmp_pat
                                extra=(*POOL, *every))),
     ])
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
-                                        "--worker", f"http://{colocated.address}", "--enable-lora"])
+                                        "--worker", f"http://{colocated.address}", "--enable-lora",
+                                        "--api-key", KEY])
     prompts = prompts_of([9, 40], seed=3)
     jobs = [(prompt, name) for name in ("", "qv4", "all8", "mlp16") for prompt in prompts]
     expected = run(colocated.address, jobs)
@@ -74,7 +78,7 @@ def test_adapters_colocated_pd_and_gateway(cluster: Cluster, tiny_model, tmp_pat
     assert unknown.code == grpc.StatusCode.NOT_FOUND and "nope" in unknown.details
 
     url = f"http://{gateway.address}"
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=AUTH) as client:
         for index, name in ((2, "qv4"), (6, "mlp16"), (0, "")):
             sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
             body = {"input_ids": prompts[0], "sampling_params": sampling}
@@ -89,4 +93,37 @@ def test_adapters_colocated_pd_and_gateway(cluster: Cluster, tiny_model, tmp_pat
                               json={"model": "nope", "prompt": "hi", "max_tokens": 2})
         assert missing.status_code == 404, missing.text
         assert missing.json()["error"]["code"] == "model_not_found"
+        models = client.get(f"{url}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [tiny_model.name, "all8", "mlp16", "qv4"]
+        assert {m.get("parent") for m in models[1:]} == {tiny_model.name}
+        check_load_and_unload(client, url, colocated, adapters["qv4"], prompts[0], expected[2].tokens)
     assert_pages_idle(colocated, prefill, decode)
+
+
+def check_load_and_unload(client: httpx.Client, url: str, colocated, qv4_path, prompt: list[int],
+                          qv4_tokens: list[int]):
+    """Load a copy of qv4 as `late` at run time (behind the API key), use it, see its unload refused
+    while a request runs under it and the running request unaffected, then unload it: 404 after."""
+    load = {"lora_name": "late", "lora_path": str(qv4_path)}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 401  # no key
+    response = client.post(f"{url}/v1/load_lora_adapter", json=load)
+    assert response.status_code == 200, response.text
+    assert client.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 400  # the name is taken
+    bad = client.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
+    assert bad.status_code == 400 and "missing" in bad.json()["error"]["message"]
+
+    def long_run() -> dict:
+        body = {"input_ids": prompt, "lora_path": "late",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}
+        return client.post(f"{url}/generate", json=body).json()
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(long_run)
+        wait_until(lambda: colocated.metric("pdserve:num_running_reqs") > 0, 30, "the request under `late`")
+        refused = client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert refused.status_code == 409, refused.text
+        result = running.result()
+    assert result["output_ids"][:NEW_TOKENS] == qv4_tokens  # the same weights as qv4
+    assert client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    gone = client.post(f"{url}/generate", json={"input_ids": prompt, "lora_path": "late"})
+    assert gone.status_code == 404, gone.text
