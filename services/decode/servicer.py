@@ -62,7 +62,7 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
                                 f"room {exc.room.id} is already in use on this worker")
         try:
             parsed = await self._run_prompt(room, parsed, request, prefill_address)
-            async for response in relay(self.engine.generate(parsed), self.metrics, arrival):
+            async for response in relay(self.engine.generate(parsed), self.metrics, arrival, parsed.lora):
                 yield response
         except Refused as exc:
             await abort_with(context, exc)

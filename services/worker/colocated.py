@@ -39,7 +39,8 @@ class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"room {exc.room.id} is already in use on this worker")
         try:
-            async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival):
+            async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival,
+                                        parsed.lora):
                 yield response
         finally:
             self.rooms.close(room)

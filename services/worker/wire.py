@@ -114,11 +114,12 @@ def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
 
 
 async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetrics,
-                arrival: float) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                arrival: float, lora: str | None = None) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """One GenerateResponse per batch of engine outputs (Engine.generate): the tokens that were
     ready together travel in one message. The last response carries finish_reason and usage; an
     abort output (token_id -1) adds no token, only the finish reason. Tokens after the first of a
-    batch arrive with it, so their inter-token latency is observed as 0."""
+    batch arrive with it, so their inter-token latency is observed as 0. `lora`: the request's
+    adapter, counted per adapter at its end."""
     last = None
     async for batch in batches:
         now = time.perf_counter()
@@ -139,6 +140,8 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
                 metrics.prompt_tokens.inc(out.prompt_tokens)
                 metrics.request_success.labels(**metrics.labels, finish_reason=out.finish_reason).inc()
                 metrics.e2e.observe(now - arrival)
+                if lora is not None:
+                    metrics.lora.finished(lora, out.prompt_tokens, out.completion_tokens)
         yield response
 
 

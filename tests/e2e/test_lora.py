@@ -65,6 +65,9 @@ def test_adapters_colocated_pd_and_gateway(cluster: Cluster, tiny_model, tmp_pat
     expected = run(colocated.address, jobs)
     assert all(r.code is None for r in expected), [r.details for r in expected]
     assert len({tuple(r.tokens) for r in expected[1::2]}) == 4  # each adapter answers its own way
+    for name in ("qv4", "all8", "mlp16"):  # per-adapter counters (the base's requests are not counted)
+        assert colocated.metric("pdserve:lora_requests_total", adapter=name) == 2
+        assert colocated.metric("pdserve:lora_generation_tokens_total", adapter=name) == 2 * NEW_TOKENS
 
     pd_jobs = jobs[:6]  # the base, qv4 and all8: what the prefill holds
     for _ in range(2):  # the second round hits the pages the first cached, on both sides
