@@ -246,7 +246,8 @@ class Engine:
         if images and image_token_id is not None:  # a text-only model's images are refused by `check`
             salts = page_salts(prompt_ids, images, image_token_id, tower_merge_size(self.model_config),
                                self.pages.page_size)
-        return page_hashes(prompt_ids, self.pages.page_size, salts=with_adapter(salts, lora))
+        key = self.lora.cache_key(lora) if lora is not None and self.lora is not None else lora
+        return page_hashes(prompt_ids, self.pages.page_size, salts=with_adapter(salts, key))
 
     def pool_for(self, room: str):
         """The KV pool holding `room`'s pages: the engine's one pool (engine.dp_engine.DPEngine has

@@ -82,6 +82,7 @@ class Request:
     lora: str | None = None
     lora_slot: int = -1
     lora_held: bool = False
+    lora_key: str | None = None  # the adapter's key in page hashes (LoraSlots.cache_key), set with the hold
 
     @property
     def num_tokens(self) -> int:
@@ -207,6 +208,7 @@ class Scheduler:
             raise ValueError(f"LoRA adapter {request.lora!r} asked of an engine without --enable-lora")
         self.lora.hold(request.lora)
         request.lora_held = True
+        request.lora_key = self.lora.cache_key(request.lora)
         if running and not self._acquire_lora(request):
             self.unhold_lora(request)
             raise ValueError(f"no LoRA slot free for adapter {request.lora!r}: all {self.lora.num_slots} "
@@ -412,4 +414,4 @@ def _salts(request: Request) -> list[int]:
     """The request's per-page hash salts: its images' digests and its LoRA adapter
     (pdserve.page_hash.page_hash)."""
     salts = request.multimodal.page_salts if request.multimodal is not None else []
-    return with_adapter(salts, request.lora) if request.lora is not None else salts
+    return with_adapter(salts, request.lora_key) if request.lora_key is not None else salts

@@ -59,8 +59,8 @@ def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] =
 
 
 def adapter_salt(name: str) -> int:
-    """The salt of every prompt run under the LoRA adapter `name` (non-zero): its K/V differs from
-    the base model's and from every other adapter's for the same tokens."""
+    """The salt of every prompt run under the LoRA adapter `name` (its key: name and weights'
+    digest; non-zero): its K/V differs from the base model's and every other adapter's."""
     digest = hashlib.blake2b(b"lora:" + name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
 

@@ -9,6 +9,7 @@ model lacks or --lora-target-modules excludes, and weights whose shapes are anot
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -53,6 +54,12 @@ class LoraAdapter:
     scaling: float
     target_modules: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""  # of its files: names its K/V in page hashes (a reloaded name may be other weights)
+
+    @property
+    def cache_key(self) -> str:
+        """What the prefix cache keys this adapter's pages by (pdserve.page_hash.with_adapter)."""
+        return f"{self.name}@{self.digest}"
 
 
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -102,7 +109,16 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     for module in sorted(targets - allowed_modules):
         raise LoraLoadError(f"LoRA adapter {name!r} targets {module}, which --lora-target-modules "
                             f"({', '.join(sorted(allowed_modules))}) leaves out")
-    return LoraAdapter(name, str(folder), rank, scaling, targets, weights)
+    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file))
+
+
+def _digest(*files: Path) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _check_peft_options(name: str, peft: dict) -> None:

@@ -128,6 +128,12 @@ class LoraSlots:
     def has(self, name: str) -> bool:
         return name in self.adapters
 
+    def cache_key(self, name: str) -> str:
+        """The adapter's key in page hashes: its name and its files' digest, so pages computed under
+        an unloaded adapter are never reused for another one loaded later under the same name."""
+        adapter = self.adapters.get(name)
+        return adapter.cache_key if adapter is not None else name
+
     # ---- requests (engine thread) ---------------------------------------------------------------
     def hold(self, name: str) -> None:
         """A request of `name` entered the scheduler (it cannot be unloaded until `drop`)."""

@@ -155,5 +155,9 @@ def test_slot_pool_evicts_idle_adapters_only(qwen3_ckpt, adapters):
     with pytest.raises(LoraLoadError, match="in use"):
         slots.unregister("all8")
     slots.drop("all8")
+    key = slots.cache_key("all8")
     slots.unregister("all8")
     assert slots.names() == ["mlp16", "qv4"]
+    # other weights loaded later under the same name never meet the old one's cached pages
+    slots.register(load_adapter("all8", adapters["qv4"], config, 16, ALL_MODULES))
+    assert slots.cache_key("all8") != key
