@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.lora.slots import LoraSlots
     from engine.models.config import ModelConfig
     from engine.models.moe import ExpertLoad
     from engine.multimodal.inputs import ImageInput
@@ -70,6 +71,9 @@ class EngineAPI(Protocol):
     def kv_layout(self) -> KVLayout: ...
 
     @property
+    def lora(self) -> LoraSlots | None: ...
+
+    @property
     def pages(self) -> PageView: ...
 
     @property
@@ -94,7 +98,8 @@ class EngineAPI(Protocol):
     def reserve_prompt(self, room: str, prompt_ids: list[int],
                        hashes: list[int] | None = None) -> Reservation | None: ...
 
-    def prompt_hashes(self, prompt_ids: list[int], images: Sequence[ImageInput] = ()) -> list[int] | None: ...
+    def prompt_hashes(self, prompt_ids: list[int], images: Sequence[ImageInput] = (),
+                      lora: str | None = None) -> list[int] | None: ...
 
     def pages_freed(self) -> AbstractContextManager[asyncio.Event]: ...
 

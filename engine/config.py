@@ -140,6 +140,16 @@ class EngineConfig:
     sim_profile: str | None = field(default=None, metadata=_help(
         "with --engine sim: a JSON step-time table ({\"decode_ms\": [[batch, ms], ...], \"prefill_ms\": "
         "[[tokens, ms], ...]}); unset: the built-in one, an H100 serving a 4B model (engine/sim/profile.py)"))
+    enable_lora: bool = field(default=False, metadata=_help(
+        "serve LoRA adapters over the base model (SGLang's flag; engine.lora): requests pick one by name"))
+    lora_paths: tuple[str, ...] = field(default=(), metadata=_help(
+        "PEFT adapter folders to load at start, NAME=PATH (or PATH, named by itself)"))
+    max_loras_per_batch: int = field(default=8, metadata=_help(
+        "LoRA slots: the most adapters one step mixes, and the adapters kept in the model's weights"))
+    max_lora_rank: int = field(default=16, metadata=_help("the largest LoRA rank an adapter may have"))
+    lora_target_modules: tuple[str, ...] = field(default=(), metadata=_help(
+        "the projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; "
+        "default all of them): fewer cost less per step"))
     profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
         "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
         "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))

@@ -188,6 +188,7 @@ class DPEngine:
         self.config, self.model_config, self.model = first.config, first.model_config, first.model
         self.tokenizer, self.pool, self.kv_layout = first.tokenizer, first.pool, first.kv_layout
         self.pages = DPPages(members)
+        self.lora = None  # --enable-lora runs without DP attention (engine.lora.setup)
         self._rooms: dict[str, Engine] = {}
         self.placed = [0] * len(members)  # requests placed on each group since start
         self._next_turn = 0  # the group a tie goes to next
@@ -334,8 +335,8 @@ class DPEngine:
         if member is not None:
             self._forget(room, member)
 
-    def prompt_hashes(self, prompt_ids: list[int], images=()) -> list[int] | None:
-        return self.members[0].prompt_hashes(prompt_ids, images)
+    def prompt_hashes(self, prompt_ids: list[int], images=(), lora: str | None = None) -> list[int] | None:
+        return self.members[0].prompt_hashes(prompt_ids, images, lora)
 
     def stats(self) -> EngineStats:
         each = [member.stats() for member in self.members]

@@ -33,6 +33,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_thread import Abort, Add, Emit, EngineThread, Finish, RequestIO, Stop, Wake
 from engine.loading import LoadedModel, load
+from engine.lora.adapter import UnknownLoraAdapter
 from engine.models.moe import ExpertLoad, expert_load
 from engine.models.vision import tower_merge_size
 from engine.multimodal.inputs import ImageInput
@@ -46,7 +47,7 @@ from engine.speculative.build import build_speculator
 from engine.stream import OutputStream, text_stream
 from libkv.pool import KVPool
 from libkv.store import StoreIdentity, StoreTier, create_client, model_digest
-from pdserve.page_hash import page_hashes
+from pdserve.page_hash import page_hashes, with_adapter
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Engine:
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
         self.scheduler.store = self.hicache
+        self.lora = loaded.lora  # --enable-lora: the adapters this engine serves
+        self.scheduler.lora = loaded.lora
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -160,6 +163,8 @@ class Engine:
         self.scheduler.check_fits(len(request.prompt_ids), new_tokens)
         if request.images:
             self._multimodal(request, checking=True)  # raises ValueError saying what does not match
+        if request.lora is not None and (self.lora is None or not self.lora.has(request.lora)):
+            raise UnknownLoraAdapter(request.lora)
         return request
 
     def _multimodal(self, request: EngineRequest, checking: bool = False) -> MultimodalState | None:
@@ -233,17 +238,19 @@ class Engine:
         page hashes (`prompt_hashes`), for a caller that tries again until pages are free."""
         return self.pages.reserve_prompt(room, prompt_ids, hashes)
 
-    def prompt_hashes(self, prompt_ids: list[int], images: Sequence[ImageInput] = ()) -> list[int] | None:
+    def prompt_hashes(self, prompt_ids: list[int], images: Sequence[ImageInput] = (),
+                      lora: str | None = None) -> list[int] | None:
         """The chained hashes of the prompt's full pages, salted by its `images` (expanded prompt)
-        as the scheduler salts them; None when the prefix cache is off."""
+        and its LoRA adapter as the scheduler salts them; None when the prefix cache is off."""
         if self.pages.cache is None:
             return None
         image_token_id = self.model_config.image_token_id
-        if not images or image_token_id is None:  # a text-only model's images are refused by `check`
-            return page_hashes(prompt_ids, self.pages.page_size)
-        salts = page_salts(prompt_ids, images, image_token_id, tower_merge_size(self.model_config),
-                           self.pages.page_size)
-        return page_hashes(prompt_ids, self.pages.page_size, salts=salts)
+        salts: list[int] = []
+        if images and image_token_id is not None:  # a text-only model's images are refused by `check`
+            salts = page_salts(prompt_ids, images, image_token_id, tower_merge_size(self.model_config),
+                               self.pages.page_size)
+        key = self.lora.cache_key(lora) if lora is not None and self.lora is not None else lora
+        return page_hashes(prompt_ids, self.pages.page_size, salts=with_adapter(salts, key))
 
     def pool_for(self, room: str):
         """The KV pool holding `room`'s pages: the engine's one pool (engine.dp_engine.DPEngine has
@@ -292,7 +299,7 @@ class Engine:
         """The scheduler's record of a caller's request (ValueError for images it cannot take)."""
         state = Request(room=request.room, token_ids=list(request.prompt_ids),
                         num_prompt=len(request.prompt_ids), prefill_only=request.prefill_only,
-                        multimodal=self._multimodal(request))
+                        multimodal=self._multimodal(request), lora=request.lora)
         if request.first_token is not None:
             state.token_ids.append(request.first_token.token_id)
             state.num_computed = state.num_prompt

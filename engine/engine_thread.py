@@ -207,9 +207,11 @@ class EngineThread:
         try:
             if room in self.scheduler.requests or (first_token is None and self.pages.has_room(room)):
                 raise ValueError(f"room {room!r} is already in use")
+            self.scheduler.hold_lora(request, running=first_token is not None)
             if first_token is not None:
                 request.page_ids = self._take_reservation(request)
         except (KeyError, ValueError) as refused:
+            self.scheduler.unhold_lora(request)
             if first_token is not None:
                 self.pages.release(room)
             io.emit(refused)  # the caller's stream raises it

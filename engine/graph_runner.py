@@ -70,7 +70,7 @@ class GraphPlan:
 
 def plan_graphs(*, device: torch.device, disabled: bool, max_bs: int | None, sizes: tuple[int, ...],
                 max_running_requests: int, world_size: int, multimodal: bool,
-                routed_or_latent: bool) -> GraphPlan:
+                routed_or_latent: bool, lora: bool = False) -> GraphPlan:
     """Decide from the engine's flags and model. On CUDA graphs are on unless --disable-cuda-graph;
     on CPU the eager replay runs only when asked for (--cuda-graph-max-bs or --cuda-graph-bs): it
     saves nothing there, it exists to prove the GPU path's padding on machines without one."""
@@ -84,6 +84,8 @@ def plan_graphs(*, device: torch.device, disabled: bool, max_bs: int | None, siz
         return GraphPlan((), False, "several ranks (graphs run on one rank so far)")
     if multimodal:
         return GraphPlan((), False, "a vision-language model (its steps carry per-request positions)")
+    if lora:
+        return GraphPlan((), False, "LoRA adapters (their per-row slots are not in the static buffers yet)")
     if device.type == "cuda" and routed_or_latent:
         # Their torch paths read expert counts and sequence lengths back to the host each layer.
         return GraphPlan((), False, "MoE and MLA layers are not graph-capturable yet")

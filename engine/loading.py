@@ -14,6 +14,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.graph_runner import DecodeGraphRunner, plan_graphs
+from engine.lora.setup import attach_lora, check_lora_flags
+from engine.lora.slots import LoraSlots
 from engine.memory import kv_pages
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
@@ -55,6 +57,7 @@ class LoadedModel:
     runner: StepRunner
     followers: FollowerRanks | None = None  # ranks 1..N-1 when tensor-parallel
     graphs: DecodeGraphRunner | None = None  # decode steps at fixed sizes (engine.graph_runner)
+    lora: LoraSlots | None = None  # --enable-lora: the adapters and their slots
 
 
 def load(config: EngineConfig) -> LoadedModel:
@@ -71,6 +74,7 @@ def load(config: EngineConfig) -> LoadedModel:
     layer_ops = select_layer_ops(config.cpu_kernels, device)
     a2a_backend.announce(config.moe_a2a_backend, config.elastic_ep_backend,
                          "nccl" if device.type == "cuda" else "gloo")
+    check_lora_flags(config)
     if config.world_size > 1:
         if model_config.is_multimodal:
             raise ValueError(f"{model_config.architecture} is served on one rank only so far "
@@ -80,29 +84,31 @@ def load(config: EngineConfig) -> LoadedModel:
     plan = plan_graphs(device=device, disabled=config.disable_cuda_graph, max_bs=config.cuda_graph_max_bs,
                        sizes=config.cuda_graph_bs, max_running_requests=config.max_running_requests,
                        world_size=config.world_size, multimodal=model_config.is_multimodal,
-                       routed_or_latent=model_config.moe is not None or model_config.mla is not None)
+                       routed_or_latent=model_config.moe is not None or model_config.mla is not None,
+                       lora=config.enable_lora)
     log.info("decode steps: %s", plan.reason)
     # The graphs' padded rows write one scratch page past the page manager's pages.
     scratch_pages = 1 if plan.sizes else 0
 
-    def load_tensors() -> tuple[DecoderModel, KVPool]:
+    def load_tensors() -> tuple[DecoderModel, KVPool, LoraSlots | None]:
         model = DecoderModel.load(config.model_path, model_config, dtype, device, layer_ops)
         if model_config.is_multimodal and not config.language_only:
             model.vision = load_vision_tower(config.model_path, model_config, dtype, device)
+        lora = attach_lora(config, model_config, model, dtype, device) if config.enable_lora else None
         pool = KVPool(layout, kv_pages(config, layout, device) + scratch_pages, device)
-        return model, pool
+        return model, pool, lora
 
     # The copies of loading run as parallel (OpenMP) regions, and the first one in a thread
     # gives that thread a pool of OpenMP workers for as long as it lives. Two such pools (the
     # caller's and the engine thread's) on a small machine make libgomp throttle its spinning:
     # a bf16 decode step of the small preset measured 25.9 ms instead of 21 ms. So the loading
     # happens in a short-lived thread whose workers go away with it.
-    model, pool = _in_short_lived_thread(load_tensors)
+    model, pool, lora = _in_short_lived_thread(load_tensors)
     graphs = DecodeGraphRunner(model, pool, plan.sizes, model_config.max_position_embeddings,
                                scratch_page=pool.num_pages - 1, capture=plan.capture) if plan.sizes else None
     return LoadedModel(config, model_config, model, _tokenizer(config), pool,
                        _page_manager(config, pool, pool.num_pages - scratch_pages),
-                       ModelRunner(model, pool, graphs=graphs), graphs=graphs)
+                       ModelRunner(model, pool, graphs=graphs, lora=lora), graphs=graphs, lora=lora)
 
 
 def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig,

@@ -15,6 +15,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 from libkv.pool import KVPool
 
 if TYPE_CHECKING:
+    from engine.lora.slots import LoraSlots
     from engine.tp.pipeline import PipelineStage
 
 
@@ -28,8 +29,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderModel, pool: KVPool, stage: PipelineStage | None = None,
-                 graphs: DecodeGraphRunner | None = None) -> None:
+                 graphs: DecodeGraphRunner | None = None, lora: LoraSlots | None = None) -> None:
         self.model = model
+        self.lora = lora  # --enable-lora: told each step's rows' adapter slots
         self.pool = pool
         self.stage = stage
         self.graphs = graphs  # runs the decode-only steps it takes (engine.graph_runner)
@@ -90,6 +92,9 @@ class ModelRunner:
             if chunk.sample:  # a verify chunk: its last token's and every draft's
                 logit_rows.extend(range(len(input_ids) - chunk.num_drafts - 1, len(input_ids)))
 
+        if self.lora is not None:
+            self.lora.set_rows([c.lora_slot for c in batch.decodes]
+                               + [c.lora_slot for c in batch.extends for _ in c.token_ids])
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),
                                  decode_page_table=page_table, decode_seq_lens=seq_lens, extends=spans)
         every_row = len(logit_rows) == len(input_ids)

@@ -52,3 +52,5 @@ class EngineRequest:
     # EPD: the images' embedding rows [sum of their tokens, hidden], in prompt order, made by an
     # encoder service; the engine then runs no vision tower (a --language-only worker has none).
     image_embeddings: torch.Tensor | None = None
+    # The LoRA adapter to run under (its name on an --enable-lora engine); None: the base model.
+    lora: str | None = None

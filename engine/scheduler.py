@@ -33,9 +33,10 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from engine.page_manager import PageManager
-from pdserve.page_hash import page_hashes
+from pdserve.page_hash import page_hashes, with_adapter
 
 if TYPE_CHECKING:
+    from engine.lora.slots import LoraSlots
     from engine.multimodal.state import MultimodalState
     from libkv.store import StoreTier
 
@@ -77,6 +78,11 @@ class Request:
     # Images: its M-RoPE positions, image embeddings, and the page salts that put each image's
     # digest into its pages' hashes.
     multimodal: MultimodalState | None = None
+    # LoRA: the adapter's name (None: the base model) and, while running, its slot (engine.lora.slots).
+    lora: str | None = None
+    lora_slot: int = -1
+    lora_held: bool = False
+    lora_key: str | None = None  # the adapter's key in page hashes (LoraSlots.cache_key), set with the hold
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +122,7 @@ class ScheduledChunk:
     sample: bool
     multimodal: MultimodalState | None = None  # the request's, if it has images
     num_drafts: int = 0
+    lora_slot: int = -1  # the request's LoRA slot; -1: the base model
 
     @property
     def end_pos(self) -> int:
@@ -170,6 +177,7 @@ class Scheduler:
         self.num_retractions = 0
         self._admissions = 0
         self.store: StoreTier | None = None  # --enable-hierarchical-cache: set by the engine
+        self.lora: LoraSlots | None = None  # --enable-lora: set by the engine
 
     # ---- entry and exit -------------------------------------------------------------------------
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -196,6 +204,43 @@ class Scheduler:
         self._register(request)
         self._admit(request)
 
+    def hold_lora(self, request: Request, running: bool) -> None:
+        """A new request's adapter, held until it finishes (so it is not unloaded under it); a
+        request put straight into the running batch (`running`) takes its slot now. ValueError
+        for an adapter not loaded, or no free slot for a running one."""
+        if request.lora is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora!r} asked of an engine without --enable-lora")
+        self.lora.hold(request.lora)
+        request.lora_held = True
+        request.lora_key = self.lora.cache_key(request.lora)
+        if running and not self._acquire_lora(request):
+            self.unhold_lora(request)
+            raise ValueError(f"no LoRA slot free for adapter {request.lora!r}: all {self.lora.num_slots} "
+                             "hold running requests of other adapters")
+
+    def unhold_lora(self, request: Request) -> None:
+        """Undo `hold_lora` (a request leaving, or refused after it)."""
+        self._release_lora_slot(request)
+        if self.lora is not None and request.lora is not None and request.lora_held:
+            self.lora.drop(request.lora)
+        request.lora_held = False
+
+    def _acquire_lora(self, request: Request) -> bool:
+        if request.lora is None or self.lora is None or request.lora_slot >= 0:
+            return True
+        slot = self.lora.acquire(request.lora)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if self.lora is not None and request.lora_slot >= 0:
+            self.lora.release(request.lora_slot)
+        request.lora_slot = -1
+
     def _register(self, request: Request) -> None:
         if request.room in self.requests:
             raise ValueError(f"room {request.room!r} is already in use")
@@ -216,6 +261,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.unhold_lora(request)
         self.requests.pop(request.room, None)
         self._cache_computed(request)
         if request.prefill_only and (reason != "abort" or keep_pages):
@@ -236,6 +282,7 @@ class Scheduler:
         self.running.remove(request)
         self._cache_computed(request)
         self.pages.free(request.page_ids)
+        self._release_lora_slot(request)
         request.pages_cached = 0
         request.num_computed = 0
         request.status = RequestStatus.WAITING
@@ -260,7 +307,10 @@ class Scheduler:
                 budget -= self._add_chunk(batch, request, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
+            if not self._acquire_lora(request):
+                break  # every LoRA slot holds running requests of other adapters
             if not self._allocate(request):
+                self._release_lora_slot(request)
                 break
             self.waiting.popleft()
             self._admit(request)
@@ -333,7 +383,8 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 batch.decodes.append(ScheduledChunk(
                     room=request.room, token_ids=request.token_ids[-1:], start_pos=request.num_computed,
-                    page_ids=request.page_ids, sample=True, multimodal=request.multimodal))
+                    page_ids=request.page_ids, sample=True, multimodal=request.multimodal,
+                    lora_slot=request.lora_slot))
 
     def _retraction_victim(self, needy: Request) -> Request:
         # The newest request loses least work. Requests iterate oldest first, so the victim is
@@ -349,7 +400,7 @@ class Scheduler:
         batch.extends.append(ScheduledChunk(
             room=request.room, token_ids=request.token_ids[request.num_computed:end],
             start_pos=request.num_computed, page_ids=request.page_ids, sample=end == request.num_tokens,
-            multimodal=request.multimodal))
+            multimodal=request.multimodal, lora_slot=request.lora_slot))
         return end - request.num_computed
 
     def advance(self, batch: SchedulerOutput) -> None:
@@ -366,5 +417,7 @@ class Scheduler:
 
 
 def _salts(request: Request) -> list[int]:
-    """The request's per-page hash salts: its images' digests (pdserve.page_hash.page_hash)."""
-    return request.multimodal.page_salts if request.multimodal is not None else []
+    """The request's per-page hash salts: its images' digests and its LoRA adapter
+    (pdserve.page_hash.page_hash)."""
+    salts = request.multimodal.page_salts if request.multimodal is not None else []
+    return with_adapter(salts, request.lora_key) if request.lora_key is not None else salts

@@ -126,3 +126,10 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     """y = x @ W.T + bias for a contiguous 2-d bf16 x and W packed by pack_bf16_gemm_weight: fp32 sums
     in a fixed order per output (a row's result never depends on the other rows), one bf16 rounding."""
     return torch.ops.pdserve_cpu.bf16_gemm(x, packed, bias, out_features)
+
+
+def lora_delta_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   row_slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """out[t] += scales[s] * B_s @ A_s @ x[t] in place for each row t of slot s = row_slots[t] >= 0
+    (engine.lora.ops's slot layout; its `lora_delta_reference` is the reference)."""
+    return torch.ops.pdserve_cpu.lora_delta_add(out, x, a, b, row_slots, scales)

@@ -56,3 +56,21 @@ def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] =
         parent = page_hash(parent, token_ids[index * page_size:(index + 1) * page_size], salt)
         hashes.append(parent)
     return hashes
+
+
+def adapter_salt(name: str) -> int:
+    """The salt of every prompt run under the LoRA adapter `name` (its key: name and weights'
+    digest; non-zero): its K/V differs from the base model's and every other adapter's."""
+    digest = hashlib.blake2b(b"lora:" + name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def with_adapter(salts: Sequence[int], adapter: str | None) -> list[int]:
+    """`salts` with the adapter's salt mixed into the first page's (the chain carries it to the
+    rest), so no page is shared across adapters or with the base; unchanged for the base model."""
+    if adapter is None:
+        return list(salts)
+    mixed = list(salts) or [0]
+    digest = hashlib.blake2b(struct.pack("<QQ", mixed[0], adapter_salt(adapter)), digest_size=8).digest()
+    mixed[0] = int.from_bytes(digest, "little") or 1
+    return mixed

@@ -27,18 +27,20 @@ KV_MEDIUM_DEVICE: KvMedium
 KV_MEDIUM_STORE: KvMedium
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images", "lora_adapter")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_address: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -79,7 +81,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "speculative")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "speculative", "lora_adapter")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class PrefillRequest(_message.Message):
     SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -104,7 +107,8 @@ class PrefillRequest(_message.Message):
     skip_pages: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
     speculative: SpeculativeConfig
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Union[SpeculativeConfig, _Mapping]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Union[SpeculativeConfig, _Mapping]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class SpeculativeConfig(_message.Message):
     __slots__ = ("algorithm", "num_draft_tokens", "num_steps", "eagle_topk")
@@ -185,3 +189,27 @@ class ModelInfo(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
     files_sha256: str
     def __init__(self, served_model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., files_sha256: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapters(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...

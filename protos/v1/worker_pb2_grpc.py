@@ -55,6 +55,21 @@ class WorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Worker/LoadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Worker/UnloadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pdserve.v1.Worker/ListLoraAdapters',
+                request_serializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +105,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (workers started with --enable-lora; FAILED_PRECONDITION otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +146,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +281,87 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/LoadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/UnloadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/ListLoraAdapters',
+            protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillStub:
     """Missing associated documentation comment in .proto file."""
@@ -256,6 +386,21 @@ class PrefillStub:
                 '/pdserve.v1.Prefill/GetModelInfo',
                 request_serializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/LoadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/UnloadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pdserve.v1.Prefill/ListLoraAdapters',
+                request_serializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
                 _registered_method=True)
 
 
@@ -289,6 +434,25 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Same as Worker's: a prefill serves the adapters its decode workers ask it for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -306,6 +470,21 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +568,87 @@ class Prefill:
             '/pdserve.v1.Prefill/GetModelInfo',
             protos_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/LoadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/UnloadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/ListLoraAdapters',
+            protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
             options,
             channel_credentials,
             insecure,

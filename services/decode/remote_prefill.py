@@ -74,10 +74,10 @@ class PreallocQueue:
         self._turn = asyncio.Lock()
 
     async def reserve(self, room: str, prompt_ids: list[int], timeout_s: float,
-                      images: Sequence[ImageInput] = ()) -> Reservation:
+                      images: Sequence[ImageInput] = (), lora: str | None = None) -> Reservation:
         """Pages for the prompt under `room`, its leading full pages from the prefix cache when
         there (those need no transfer: `Reservation.tail` is what prefill must write). `images`
-        salt the page hashes, as the prefill's scheduler salts them."""
+        and the LoRA adapter `lora` salt the page hashes, as the prefill's scheduler salts them."""
         deadline = time.monotonic() + timeout_s
         timeout = PreallocTimeout(f"no KV pages for {len(prompt_ids)} tokens within {timeout_s:.0f}s")
         try:
@@ -85,7 +85,7 @@ class PreallocQueue:
         except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11 on
             raise timeout from None
         try:
-            hashes = self.engine.prompt_hashes(prompt_ids, images)  # once, not at every try
+            hashes = self.engine.prompt_hashes(prompt_ids, images, lora)  # once, not at every try
             with self.engine.pages_freed() as freed:
                 while True:
                     freed.clear()  # before trying: pages freed during the try wake the wait below
@@ -143,7 +143,8 @@ class RemotePrefill:
         or released); a cancellation cleans up the same way and propagates."""
         try:
             room.reservation = await self.prealloc.reserve(room.id, request.prompt_ids,
-                                                           self.config.waiting_timeout, request.images)
+                                                           self.config.waiting_timeout, request.images,
+                                                           request.lora)
         except PreallocTimeout as exc:
             self.metrics.failure("prealloc")
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room.id}: {exc}") from None
@@ -179,7 +180,8 @@ class RemotePrefill:
             decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
             skip_pages=reservation.cached_pages,
-            speculative=speculative_to_proto(self.config.engine.speculative))
+            speculative=speculative_to_proto(self.config.engine.speculative),
+            lora_adapter=request.lora or "")
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(

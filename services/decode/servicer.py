@@ -50,7 +50,7 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
         prefill_address = request.prefill_address if request.HasField("prefill_address") else ""
         try:
             parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                 request.images)
+                                 request.images, lora=request.lora_adapter)
             if not prefill_address and not self.local_prefill.enabled:
                 raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the "
                                  "prompt on (or --conditional-disaggregation to run it here)")
@@ -63,7 +63,7 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
         try:
             parsed = await self._run_prompt(room, parsed, request, prefill_address)
             async for response in relay(self.engine.generate(parsed), self.metrics, arrival,
-                                              self.runtime.config.stream_interval):
+                                              self.runtime.config.stream_interval, parsed.lora):
                 yield response
         except Refused as exc:
             await abort_with(context, exc)

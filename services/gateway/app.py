@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from services.gateway import routes
+from services.gateway import lora_routes, routes
 from services.gateway.errors import error_body, install_error_handlers
 from services.gateway.images import ImageLoader
 from services.gateway.media_limits import MediaLimits
@@ -72,6 +72,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.images = images
     install_error_handlers(app)
     app.include_router(routes.router)
+    app.include_router(lora_routes.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -145,6 +145,9 @@ class GatewayConfig:
         envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
         "seconds a worker stays routable after a restarted registry came back without it (workers "
         "register again within one heartbeat interval); default: heartbeat interval x (max failures + 1)"))
+    enable_lora: bool = field(default=False, metadata=_help(
+        "the workers serve LoRA adapters (--enable-lora): a `model` other than the base's names an adapter "
+        "(as in vLLM), and /generate takes SGLang's `lora_path`; a worker without it answers 404"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
 
     def __post_init__(self) -> None:

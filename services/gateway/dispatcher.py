@@ -148,8 +148,9 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
-                       sampling: common_pb2.SamplingParams,
-                       images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
+                       sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),
+                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        """`lora`: the LoRA adapter every attempt and migration runs under (None: the base model)."""
         if self.synced is not None and not self.synced.is_set():
             try:
                 await asyncio.wait_for(self.synced.wait(), self.settings.sync_wait_s)
@@ -164,7 +165,7 @@ class Dispatcher:
         while True:
             try:
                 async with contextlib.aclosing(self._attempts(attempt_room, model, prompt, params,
-                                                              exclude, images)) as chunks:
+                                                              exclude, images, lora)) as chunks:
                     async for chunk in chunks:
                         if migrations:
                             chunk = _continued(chunk, text, len(prompt_token_ids), carried, delivered)
@@ -211,7 +212,8 @@ class Dispatcher:
 
     async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
                         sampling: common_pb2.SamplingParams, exclude: set[str],
-                        images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
+                        images: Sequence[bytes] = (),
+                        lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -231,7 +233,7 @@ class Dispatcher:
                 self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
                 async with contextlib.aclosing(self._attempt(attempt_room, route, prompt_token_ids,
-                                                             sampling, images)) as chunks:
+                                                             sampling, images, lora)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -253,11 +255,11 @@ class Dispatcher:
                 backoff_s *= 2
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
-                       sampling: common_pb2.SamplingParams,
-                       images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
+                       sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),
+                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """One attempt on `route`. Raises _Retryable for a failure before the first token."""
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
-                                             sampling=sampling, images=list(images))
+                                             sampling=sampling, images=list(images), lora_adapter=lora or "")
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs

@@ -307,6 +307,7 @@ class NativeGenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), AS_INT] = 0
     model: Text | None = None
+    lora_path: Text | None = None  # SGLang's: the LoRA adapter to run under, by its name
     # SGLang's: one prompt's image (a string) or images (a list); for a batch, a list with one
     # entry per prompt (null, a string or a list). Each: a data: URL, base64, or an allowed http(s) URL.
     image_data: NonEmptyText | list[NonEmptyText | list[NonEmptyText] | None] | None = None

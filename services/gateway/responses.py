@@ -191,6 +191,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's own name (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
 
 class ModelList(BaseModel):
@@ -259,6 +261,7 @@ class ChoiceJob:
     prompt_token_ids: Sequence[int]
     sampling: common_pb2.SamplingParams
     images: tuple[bytes, ...] = ()  # encoded images (services.gateway.images), for the worker
+    lora: str | None = None  # the LoRA adapter to run under; None: the base model
 
 
 @dataclass
@@ -297,7 +300,7 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
     async def pump(position: int, job: ChoiceJob) -> None:
         try:
             async for chunk in dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling,
-                                                   job.images):
+                                                   job.images, lora=job.lora):
                 await queue.put((position, chunk))
             await queue.put((position, _FINISHED))
         except asyncio.CancelledError:

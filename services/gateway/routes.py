@@ -28,6 +28,7 @@ from starlette.responses import Response
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.images import image_loader, image_urls
+from services.gateway.lora_routes import served_adapters
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
 from services.gateway.protocol import (
@@ -72,11 +73,19 @@ def gateway_state(request: Request) -> GatewayState:
 
 
 def served_model(state: GatewayState, requested: str | None) -> str:
-    """The served model name if `requested` names it (or is omitted where that is allowed)."""
-    if requested is None or requested == state.model_name:
+    """The served model name if `requested` names it (or is omitted where that is allowed), or names
+    a LoRA adapter of it (--enable-lora: the workers say whether they have it)."""
+    if requested is None or requested == state.model_name or state.config.enable_lora:
         return state.model_name
     raise GatewayError(404, f"The model `{requested}` does not exist (this gateway serves "
                             f"`{state.model_name}`).", param="model", code="model_not_found")
+
+
+def requested_adapter(state: GatewayState, requested: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    if not state.config.enable_lora or requested is None or requested == state.model_name:
+        return None
+    return requested
 
 
 def check_limits(state: GatewayState, sampling: SamplingFields, prefix: str = "",
@@ -100,8 +109,11 @@ def _usage(prompt_lengths: Sequence[int], completion_tokens: Sequence[int]) -> U
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state = gateway_state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                     max_model_len=state.model_files.context_length)])
+    base = ModelCard(id=state.model_name, created=state.created,
+                     max_model_len=state.model_files.context_length)
+    adapters = [ModelCard(id=name, created=state.created, max_model_len=base.max_model_len, root=name,
+                          parent=state.model_name) for name in await served_adapters(state)]
+    return ModelList(data=[base, *adapters])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
@@ -130,7 +142,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                  max_tokens_param=max_tokens_param)
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
-    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images))
+    lora = requested_adapter(state, body.model)
+    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images), lora)
             for i in range(body.n)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
@@ -205,8 +218,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response | C
     top_n = body.logprobs or 0
     want_logprobs = body.logprobs is not None
     request_id = new_request_id("cmpl")
+    lora = requested_adapter(state, body.model)
     jobs = [ChoiceJob(p * candidates + j, f"{request_id}-{p * candidates + j}", model, prompt_ids,
-                      body.sampling(j))
+                      body.sampling(j), lora=lora)
             for p, prompt_ids in enumerate(prompts) for j in range(candidates)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
@@ -332,8 +346,9 @@ async def generate(body: NativeGenerateRequest, request: Request):
     # The room is always the gateway's own unique id: a client's rid could collide with another
     # request's room on the workers (by accident or on purpose); it is only shown back.
     request_id = new_request_id("gen")
+    lora = body.lora_path or requested_adapter(state, body.model)
     jobs = [ChoiceJob(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", model, prompt_ids,
-                      sampling, tuple(images[i]))
+                      sampling, tuple(images[i]), lora)
             for i, prompt_ids in enumerate(prompts)]
     shown_ids = [job.room if body.rid is None else (body.rid if len(jobs) == 1 else f"{body.rid}-{job.index}")
                  for job in jobs]

@@ -30,7 +30,7 @@ class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
         arrival = time.perf_counter()
         try:
             parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                 request.images)
+                                 request.images, lora=request.lora_adapter)
             parsed = await self.with_embeddings(parsed, list(request.images))  # --language-only: EPD
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
         except Refused as exc:
@@ -40,7 +40,7 @@ class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
                                 f"room {exc.room.id} is already in use on this worker")
         try:
             async for response in relay(self.engine.generate(parsed), self.runtime.metrics, arrival,
-                                      self.runtime.config.stream_interval):
+                                      self.runtime.config.stream_interval, parsed.lora):
                 yield response
         finally:
             self.rooms.close(room)

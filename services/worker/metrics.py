@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from services.common.metrics import metric_name as m
+from services.worker.lora_metrics import LoraMetrics
 
 if TYPE_CHECKING:  # the engine's dataclass only; this module must not import torch
     from engine.models.moe import ExpertLoad
@@ -75,6 +76,7 @@ class WorkerMetrics:
                                        "Decode: requests whose prompt ran on this decode worker instead of a "
                                        "prefill worker (conditional disaggregation), by rule",
                                        labelnames=[*labels, "reason"], registry=r)
+        self.lora = LoraMetrics(r, labels)  # per adapter, --enable-lora
         self._gauges: dict[str, Gauge] = {}
         self._read_counters: dict[str, _ReadCounter] = {}
         # at 0 from the start: a rate over a series that does not exist yet is no data, not 0

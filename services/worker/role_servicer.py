@@ -12,6 +12,7 @@ from engine.models.vision import tower_merge_size
 from engine.request import EngineRequest
 from protos.v1 import worker_pb2
 from services.common.model_info import ModelInfoError, read_model_info
+from services.worker import lora_admin
 from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.rooms import R, RoomTable
 from services.worker.runtime import WorkerRuntime
@@ -26,7 +27,8 @@ def _cached_model_info(model_path: str, served_model_name: str) -> worker_pb2.Mo
 class RoleServicer(Generic[R]):
     """The parts of the worker's runtime a servicer uses, by name, the role's room table (of its own
     kind of room, `room_type`; the runtime reads it through RoomView), and GetModelInfo (answered
-    from the worker's checkpoint folder), which every worker's gRPC services share."""
+    from the worker's checkpoint folder) and the LoRA adapter calls (services.worker.lora_admin), which
+every worker's gRPC services share."""
 
     def __init__(self, runtime: WorkerRuntime, room_type: type[R]) -> None:
         self.runtime = runtime
@@ -47,6 +49,25 @@ class RoleServicer(Generic[R]):
         except OSError as exc:
             await abort_with(context, Refused(grpc.StatusCode.INTERNAL,
                                               f"cannot read the model's tokenizer files: {exc}"))
+
+    async def LoadLoraAdapter(self, request: worker_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
+        try:
+            return await lora_admin.load(self.engine, request)
+        except Refused as exc:
+            await abort_with(context, exc)
+
+    async def UnloadLoraAdapter(self, request: worker_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
+        try:
+            return lora_admin.unload(self.engine, request)
+        except Refused as exc:
+            await abort_with(context, exc)
+
+    async def ListLoraAdapters(self, request: worker_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
+        lora = self.engine.lora
+        return worker_pb2.LoraAdapters(names=lora.names() if lora is not None else [])
 
     async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service

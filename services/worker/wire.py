@@ -22,6 +22,7 @@ from typing import NoReturn
 import grpc
 
 from engine.api import EngineAPI
+from engine.lora.adapter import UnknownLoraAdapter
 from engine.multimodal.decode import prepare as prepare_images
 from engine.multimodal.inputs import ImageInput
 from engine.outputs import TokenOutput
@@ -63,23 +64,24 @@ async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoR
 
 async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                 sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (), *,
-                prefill_only: bool = False) -> EngineRequest:
+                prefill_only: bool = False, lora: str = "") -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
     if images:
         return await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
-                                       prefill_only=prefill_only, images=list(images))
-    return parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only)
+                                       prefill_only=prefill_only, images=list(images), lora=lora)
+    return parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only, lora=lora)
 
 
 def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                   sampling: common_pb2.SamplingParams, *, prefill_only: bool = False,
-                  images: Sequence[bytes] = ()) -> EngineRequest:
+                  images: Sequence[bytes] = (), lora: str = "") -> EngineRequest:
     """The request as `engine` will run it, checked against its model and KV pool (`Engine.check`:
     the one check of a request in this process); BadRequest names what is wrong. A missing room
     gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request.
     `images`: encoded images (engine.multimodal.decode; decoding them is CPU work, so a caller on
-    the event loop runs this in a thread when there are any)."""
+    the event loop runs this in a thread when there are any). `lora`: the LoRA adapter's name ("" the
+    base model); one this worker has not loaded is NOT_FOUND, naming it."""
     model = engine.model_config
     prompt = list(prompt_token_ids)
     if not prompt:
@@ -101,15 +103,20 @@ def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                          f"{model.max_position_embeddings} tokens")
     request = EngineRequest(room=room or uuid.uuid4().hex, prompt_ids=prompt,
-                            params=sampling_from_proto(sampling), prefill_only=prefill_only, images=decoded)
+                            params=sampling_from_proto(sampling), prefill_only=prefill_only, images=decoded,
+                            lora=lora or None)
     try:
         return engine.check(request)
+    except UnknownLoraAdapter as exc:
+        raise Refused(grpc.StatusCode.NOT_FOUND, f"{exc} (no LoRA adapter of that name is loaded on this "
+                      f"{'prefill' if prefill_only else 'worker'})") from None
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
 
 
 async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetrics,
-                arrival: float, stream_interval: int = 1) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                arrival: float, stream_interval: int = 1,
+                lora: str | None = None) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """GenerateResponses over the batches of engine outputs (Engine.generate): the tokens that were
     ready together travel in one message, and with `stream_interval` N > 1 (SGLang's
     --stream-interval) tokens after the first wait until N of them fill a message, so every hop
@@ -117,7 +124,7 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
     The first token goes out at once (time to first token is not traded away). The last response
     carries finish_reason and usage; an abort output (token_id -1) adds no token, only the finish
     reason. Tokens after the first of a batch arrive with it, so their inter-token latency is
-    observed as 0."""
+    observed as 0. `lora`: the request's adapter, counted per adapter at its end."""
     last = None
     response = worker_pb2.GenerateResponse()
     async for batch in batches:
@@ -139,6 +146,8 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
                 metrics.prompt_tokens.inc(out.prompt_tokens)
                 metrics.request_success.labels(**metrics.labels, finish_reason=out.finish_reason).inc()
                 metrics.e2e.observe(now - arrival)
+                if lora is not None:
+                    metrics.lora.finished(lora, out.prompt_tokens, out.completion_tokens)
         if response.finish_reason or len(response.outputs) >= stream_interval or \
                 (first_token and response.outputs):
             yield response

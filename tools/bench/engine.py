@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eager-baseline", action="store_true",
                         help="also run pdserve with --disable-cuda-graph, rounds alternating, and print the "
                              "step time with graphs (on CPU: the padded replay) over the eager one's")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="also run pdserve with this many random LoRA adapters (rank --lora-rank, every "
+                             "projection), the batch's requests spread over them round robin, and report its "
+                             "decode tok/s over the base model's alone")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"], default=None,
                         help="also run pdserve with speculative decoding and print its ratios to spec off")
@@ -113,7 +118,8 @@ class PdserveSystem:
 
     def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, threads: int,
                  dtype: str, cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
-                 graphs: GraphFlags = NO_GRAPH_FLAGS, speculative: dict | None = None) -> None:
+                 graphs: GraphFlags = NO_GRAPH_FLAGS, speculative: dict | None = None,
+                 lora_paths: tuple[str, ...] = ()) -> None:
         from engine.config import EngineConfig
         from engine.engine import Engine
         from engine.speculative.config import SpeculativeConfig
@@ -130,9 +136,12 @@ class PdserveSystem:
             # Every round repeats the same prompts: with the prefix cache, rounds after the first would
             # skip their prefill, which the systems compared with do not.
             disable_radix_cache=True,
-            speculative=SpeculativeConfig(**{k: v for k, v in (speculative or {}).items() if k != "never"})))
+            speculative=SpeculativeConfig(**{k: v for k, v in (speculative or {}).items() if k != "never"}),
+            **_lora_flags(lora_paths)))
         if speculative and speculative.get("never"):
             _install_never_accepted_drafter(self.engine)
+        # request i runs under adapter i mod N (none: the base model)
+        self.adapters = [path.partition("=")[0] for path in lora_paths]
         self.engine.start()
 
     def round(self, index: int) -> dict:
@@ -147,7 +156,9 @@ class PdserveSystem:
         tokens: list[list[int]] = [[] for _ in self.prompts]
 
         async def one(index: int) -> None:
-            request = self.engine.check(EngineRequest(f"{tag}-{index}", self.prompts[index], params))
+            adapter = self.adapters[index % len(self.adapters)] if self.adapters else None
+            request = self.engine.check(EngineRequest(f"{tag}-{index}", self.prompts[index], params,
+                                                      lora=adapter))
             async for batch in self.engine.generate(request):
                 now = time.perf_counter()
                 for output in batch:
@@ -190,6 +201,16 @@ def _install_never_accepted_drafter(engine) -> None:
     speculator = Speculator(engine.config.speculative, engine.scheduler, engine.pages,
                             lambda request, n: [3] * n)
     engine.thread.speculator = engine.speculator = speculator
+
+
+def _lora_flags(lora_paths: tuple[str, ...]) -> dict:
+    """The engine flags serving `lora_paths` (NAME=PATH) all in one batch."""
+    if not lora_paths:
+        return {}
+    folders = [Path(p.partition("=")[2]) for p in lora_paths]
+    ranks = [json.loads((folder / "adapter_config.json").read_text())["r"] for folder in folders]
+    return {"enable_lora": True, "lora_paths": lora_paths, "max_loras_per_batch": len(lora_paths),
+            "max_lora_rank": max(ranks)}
 
 
 class HfSystem:
@@ -352,22 +373,26 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, rep
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
         cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
         graphs: GraphFlags = NO_GRAPH_FLAGS, eager_baseline: bool = False,
-        speculative: dict | None = None) -> dict[str, dict]:
+        speculative: dict | None = None, lora_paths: tuple[str, ...] = ()) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits all alike. One warm-up round each is discarded.
     `speculative` (SpeculativeConfig's fields, and "never": the never-accepted drafter): pdserve
-    also runs with it, as "pdserve_spec"."""
+    also runs with it, as "pdserve_spec". `lora_paths`: also pdserve with these adapters
+    ("pdserve_lora")."""
     systems: dict[str, type] = {"pdserve": PdserveSystem}
     if eager_baseline:
         systems["pdserve_eager"] = PdserveEagerSystem
     if speculative:
         systems["pdserve_spec"] = PdserveSystem
+    if lora_paths:
+        systems["pdserve_lora"] = PdserveSystem
     if with_hf:
         systems["hf"] = HfSystem
     children: dict = {}
     for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
         children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device, graphs, speculative if name == "pdserve_spec" else None))
+                                      device, graphs, speculative if name == "pdserve_spec" else None,
+                                      lora_paths if name == "pdserve_lora" else ()))
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -414,15 +439,21 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cpu" or args.tp_size == 1:  # measured first, with no engine process busy
         floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads,
                            args.device)
-    results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
-                  args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device,
-                  (args.disable_cuda_graph, args.cuda_graph_max_bs, tuple(args.cuda_graph_bs)),
-                  args.eager_baseline, speculative)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-lora-") as adapters:
+        lora_paths = _write_adapters(args.model, Path(adapters), args.lora_adapters, args.lora_rank)
+        results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
+                      args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device,
+                      (args.disable_cuda_graph, args.cuda_graph_max_bs, tuple(args.cuda_graph_bs)),
+                      args.eager_baseline, speculative, lora_paths)
     report.update(results)
     if speculative:
         report["speculative"] = speculative | {"workload": args.workload}
         compared = _compare(results["pdserve_spec"], results["pdserve"])
         report.update({"spec_" + key: value for key, value in compared.items()})
+    if "pdserve_lora" in results:
+        report["lora_adapters"], report["lora_rank"] = args.lora_adapters, args.lora_rank
+        report["base_over_lora"] = (results["pdserve"]["decode_tokens_per_s"]
+                                    / results["pdserve_lora"]["decode_tokens_per_s"])
     if floor is not None:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
@@ -445,7 +476,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-SYSTEMS = ("pdserve", "pdserve_eager", "pdserve_spec", "hf", "vllm")
+SYSTEMS = ("pdserve", "pdserve_eager", "pdserve_spec", "pdserve_lora", "hf", "vllm")
+
+
+def _write_adapters(model: str, folder: Path, count: int, rank: int) -> tuple[str, ...]:
+    """`count` random adapters NAME=PATH (tools.models.lora_adapter) in `folder`."""
+    from tools.models.lora_adapter import write_random_adapter
+
+    return tuple(f"bench{i}={write_random_adapter(model, folder / f'bench{i}', rank=rank, seed=i)}"
+                 for i in range(count))
 
 
 def _compare(pdserve: dict, peer: dict) -> dict:
@@ -478,6 +517,9 @@ def print_table(report: dict) -> None:
                       f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
                       + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
                       + "\n")
+    if "base_over_lora" in report:
+        out.write(f"  pdserve_lora: {report['lora_adapters']} adapters of rank {report['lora_rank']} mixed "
+                  f"in the batch; base alone / with them: {report['base_over_lora']:.2f}x\n")
     for peer, prefix in (("hf", ""), ("vllm", "vllm_")):
         if prefix + "ratio" in report:
             out.write(f"  pdserve / {peer}: {report[prefix + 'ratio']:.2f}x (median of paired rounds "

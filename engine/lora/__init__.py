@@ -1,0 +1,6 @@
+"""Multi-LoRA serving: PEFT adapters over one base model, rows of different adapters in one step.
+
+adapter.py reads and checks a PEFT folder; ops.py is the batched LoRA product; slots.py the
+bounded pool of adapters resident in the model's LoRA weights; linear.py the projection wrapper
+that adds each row's adapter delta to the base output.
+"""

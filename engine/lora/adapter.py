@@ -1,0 +1,193 @@
+"""A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors), read and checked
+against the base model it is meant for.
+
+Everything that would make an adapter run wrongly is refused here, at load, with a message naming
+why: a file missing, a PEFT feature the batched product does not implement (DoRA, trained biases,
+modules_to_save, per-module rank/alpha patterns), a rank over --max-lora-rank, a target module the
+model lacks or --lora-target-modules excludes, and weights whose shapes are another base's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig
+
+# PEFT's module names, in the order the fused projections concatenate them (engine.models.decoder:
+# q/k/v into one matrix, gate/up into another).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])\.weight$")
+
+
+class LoraLoadError(ValueError):
+    """An adapter that cannot be served on this model, with the reason."""
+
+
+class UnknownLoraAdapter(ValueError):
+    """A request for an adapter this engine has not loaded (a 404 at the HTTP front end)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights on the host: (layer, module) -> (A [r, in], B [out, r]) and its scaling
+    (lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    target_modules: frozenset[str]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""  # of its files: names its K/V in page hashes (a reloaded name may be other weights)
+
+    @property
+    def cache_key(self) -> str:
+        """What the prefix cache keys this adapter's pages by (pdserve.page_hash.with_adapter)."""
+        return f"{self.name}@{self.digest}"
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(out_features, in_features) of a projection of the base model."""
+    hidden, width = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}[module]
+
+
+def dense_mlp_layers(config: ModelConfig) -> set[int]:
+    """Layers whose MLP is a dense SwiGLU (every layer, but a MoE model's routed layers)."""
+    sparse = set(config.moe.sparse_layers) if config.moe is not None else set()
+    return {i for i in range(config.num_layers) if i not in sparse}
+
+
+def check_servable(config: ModelConfig) -> None:
+    """Refuse --enable-lora on a model whose projections the LoRA wrappers do not cover."""
+    if config.mla is not None:
+        raise LoraLoadError(f"LoRA is not supported on {config.architecture}: its multi-head latent "
+                            "attention has no q/k/v/o projections to adapt")
+    if config.is_multimodal:
+        raise LoraLoadError(f"LoRA is not supported on vision-language models ({config.architecture}) yet")
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int,
+                 allowed_modules: frozenset[str]) -> LoraAdapter:
+    """Read and check the PEFT folder `path` for the base model `config`."""
+    folder = Path(path)
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise LoraLoadError(f"LoRA adapter {name!r}: {file} is missing")
+    try:
+        peft = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise LoraLoadError(f"LoRA adapter {name!r}: {config_file} is not JSON ({exc})") from None
+    _check_peft_options(name, peft)
+    rank, alpha = int(peft.get("r", 0)), float(peft.get("lora_alpha", 0))
+    if rank <= 0:
+        raise LoraLoadError(f"LoRA adapter {name!r}: rank r={rank} must be positive")
+    if rank > max_rank:
+        raise LoraLoadError(f"LoRA adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
+    scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    weights = _read_weights(name, weights_file, config, rank)
+    targets = frozenset(module for _, module in weights)
+    for module in sorted(targets - allowed_modules):
+        raise LoraLoadError(f"LoRA adapter {name!r} targets {module}, which --lora-target-modules "
+                            f"({', '.join(sorted(allowed_modules))}) leaves out")
+    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file))
+
+
+def _digest(*files: Path) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_peft_options(name: str, peft: dict) -> None:
+    if peft.get("peft_type", "LORA") != "LORA":
+        raise LoraLoadError(f"LoRA adapter {name!r}: peft_type {peft.get('peft_type')!r} is not LORA")
+    if peft.get("use_dora"):
+        raise LoraLoadError(f"LoRA adapter {name!r}: DoRA (use_dora) is not supported")
+    if peft.get("bias", "none") != "none":
+        raise LoraLoadError(f"LoRA adapter {name!r}: trained biases (bias={peft['bias']!r}) are not "
+                            "supported")
+    if peft.get("modules_to_save"):
+        raise LoraLoadError(f"LoRA adapter {name!r}: modules_to_save {peft['modules_to_save']} replace base "
+                            "weights, which a shared base cannot do")
+    if peft.get("rank_pattern") or peft.get("alpha_pattern"):
+        raise LoraLoadError(f"LoRA adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
+    if peft.get("fan_in_fan_out"):
+        raise LoraLoadError(f"LoRA adapter {name!r}: fan_in_fan_out (Conv1D bases) is not supported")
+
+
+def _read_weights(name: str, file: Path, config: ModelConfig,
+                  rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    dense_mlp = dense_mlp_layers(config)
+    with safe_open(str(file), framework="pt") as tensors:
+        for key in tensors.keys():
+            match = _KEY.match(key)
+            if match is None:
+                raise LoraLoadError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A/B matrix of a "
+                                    f"decoder layer's projection ({', '.join(SUPPORTED_MODULES)})")
+            layer, block, module, half = int(match[1]), match[2], match[3], match[4]
+            if module not in SUPPORTED_MODULES or (block == "self_attn") != (module in ATTENTION_MODULES):
+                raise LoraLoadError(f"LoRA adapter {name!r} targets {block}.{module}, which "
+                                    f"{config.architecture} does not have (weight {key})")
+            if layer >= config.num_layers:
+                raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} is past the model's "
+                                    f"{config.num_layers} layers (another base model?)")
+            if block == "mlp" and layer not in dense_mlp:
+                raise LoraLoadError(f"LoRA adapter {name!r} targets mlp.{module} of layer {layer}, a routed "
+                                    "MoE layer: LoRA on experts is not supported")
+            halves.setdefault((layer, module), {})[half] = tensors.get_tensor(key).float()
+    weights = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{next(iter(pair))} "
+                                "without its other half")
+        out_features, in_features = module_shape(config, module)
+        a, b = pair["A"], pair["B"]
+        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise LoraLoadError(
+                f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}, "
+                f"this model needs A ({rank}, {in_features}) and B ({out_features}, {rank}) "
+                "(an adapter of another base model?)")
+        weights[(layer, module)] = (a, b)
+    if not weights:
+        raise LoraLoadError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
+    return weights
+
+
+def parse_lora_paths(values: tuple[str, ...]) -> dict[str, str]:
+    """SGLang's --lora-paths: NAME=PATH, or a bare PATH named by itself."""
+    paths: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = value, value
+        if not name or not path:
+            raise ValueError(f"--lora-paths entry {value!r} is not NAME=PATH")
+        if name in paths:
+            raise ValueError(f"--lora-paths names adapter {name!r} twice")
+        paths[name] = path
+    return paths

@@ -1,0 +1,50 @@
+"""LoRA adapters loaded and unloaded at run time (the LoadLoraAdapter and UnloadLoraAdapter RPCs
+every worker role answers; the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter call
+them on each worker)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.api import EngineAPI
+from engine.lora.adapter import LoraLoadError, load_adapter
+from engine.lora.slots import LoraSlots
+from protos.v1 import worker_pb2
+from services.worker.wire import Refused
+
+
+def _slots(engine: EngineAPI) -> LoraSlots:
+    if engine.lora is None:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "this worker was started without --enable-lora")
+    return engine.lora
+
+
+async def load(engine: EngineAPI, request: worker_pb2.LoadLoraAdapterRequest) -> worker_pb2.LoraAdapters:
+    """Read, check and register the adapter (reading runs off the event loop)."""
+    slots = _slots(engine)
+    if not request.lora_name or not request.lora_path:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required")
+    if slots.has(request.lora_name):
+        raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
+    try:
+        adapter = await asyncio.to_thread(load_adapter, request.lora_name, request.lora_path,
+                                          engine.model_config, slots.max_rank, slots.target_modules)
+        slots.register(adapter)
+    except LoraLoadError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    return worker_pb2.LoraAdapters(names=slots.names())
+
+
+def unload(engine: EngineAPI, request: worker_pb2.UnloadLoraAdapterRequest) -> worker_pb2.LoraAdapters:
+    """Forget the adapter, unless a request still runs (or waits) under it."""
+    slots = _slots(engine)
+    try:
+        slots.unregister(request.lora_name)
+    except KeyError:
+        raise Refused(grpc.StatusCode.NOT_FOUND,
+                      f"LoRA adapter {request.lora_name!r} is not loaded") from None
+    except LoraLoadError as exc:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+    return worker_pb2.LoraAdapters(names=slots.names())
