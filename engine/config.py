@@ -164,8 +164,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # sent to a TP rank as JSON (engine.tp.ranks): rebuilt here
             object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
-        if isinstance(self.cuda_graph_bs, list):  # JSON, as above, has no tuples
-            object.__setattr__(self, "cuda_graph_bs", tuple(self.cuda_graph_bs))
+        for name, value in vars(self).items():  # JSON, as above, has no tuples: the list fields are tuples
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.page_size <= 0:
