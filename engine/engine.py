@@ -28,12 +28,13 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractContextManager, aclosing, contextmanager
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine_thread import Abort, Add, Emit, EngineThread, Finish, RequestIO, Stop, Wake
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, GrammarStats
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
 from engine.models.vision import tower_merge_size
@@ -291,7 +292,14 @@ class Engine:
             cached_pages=cache.num_pages if cache else 0,
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
-            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0,
+            **self._grammar_stats())
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        compiled = self._grammars.stats if self._grammars is not None else GrammarStats()
+        return {"grammar_compiles": compiled.compiles, "grammar_compile_seconds": compiled.compile_seconds,
+                "grammar_cache_hits": compiled.cache_hits, "grammar_refused": compiled.refused,
+                "constrained_steps": self.thread.constraints.stats.constrained_steps}
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed to each expert since load (summed over layers) and the last step's
