@@ -35,6 +35,7 @@ class LogitsConstraints:
               ios: Sequence[RequestIO]) -> torch.Tensor:
         self._last_rows = [i for i, io in enumerate(ios) if io.params.penalized]
         self._last_slots = None
+        raw = logits
         if self._last_rows:
             logits = self._penalize(logits, requests, ios)
         self._last_grammars = [i for i, io in enumerate(ios) if io.grammar is not None
@@ -45,6 +46,11 @@ class LogitsConstraints:
             rows = torch.tensor(self._last_grammars, device=logits.device)
             logits = apply_masks(logits, rows, bitmask)
             self.stats.constrained_steps += len(grammars)
+            dead = torch.isneginf(logits[rows]).all(dim=1)
+            if self._last_rows and bool(dead.any()):
+                # min_tokens banned every token the grammar allows (it can only end now): the
+                # grammar wins, on the row's unpenalized logits
+                logits[rows[dead]] = apply_masks(raw, rows[dead], bitmask[dead])[rows[dead]]
         return logits
 
     def _penalize(self, logits: torch.Tensor, requests: Sequence[Request],

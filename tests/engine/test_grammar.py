@@ -154,6 +154,12 @@ async def test_constrained_greedy_is_the_same_colocated_disaggregated_and_migrat
                            frequency_penalty=0.5), "m", carried_tokens=carried)]
         assert rest == colocated[carried:]
         assert prefill.stats().constrained_steps >= 1 and decode.stats().constrained_steps >= len(colocated)
+        # min_tokens cannot hold eos off a grammar that can only end: the grammar wins
+        short = SamplingParams(temperature=0.8, seed=3, max_new_tokens=20, min_tokens=15,
+                               structured=StructuredOutput("choice", ("yes", "no")))
+        outputs = [o async for o in generate(prefill, prompt, short, "short")]
+        assert outputs[-1].finish_reason == "stop" and outputs[-1].token_id == EOS
+        assert tokenizer.decode([o.token_id for o in outputs[:-1]]) in ("yes", "no")
     finally:
         prefill.shutdown()
         decode.shutdown()
