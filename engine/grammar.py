@@ -32,6 +32,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -211,14 +212,17 @@ def fill_masks(grammars: Sequence[RequestGrammar], vocab_size: int) -> torch.Ten
     return bitmask
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` with the tokens a row's bitmask forbids set to -inf (one op over the masked rows)."""
+    """`logits` with the tokens a row's bitmask forbids set to -inf (one op over the masked rows).
+
+    The bits are unpacked with numpy's unpackbits (bit i of word w is token 32 w + i, little-endian
+    bytes): shifting an int32 tensor by 32 positions took 100 ms for 16 x 32k tokens on a loaded
+    2-core machine, unpackbits well under a millisecond."""
     vocab = logits.shape[1]
-    bitmask = bitmask.to(logits.device)
-    allowed = ((bitmask.unsqueeze(2) >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
-    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    forbidden = torch.from_numpy(bits == 0).to(logits.device)
+    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
+        return logits.float().masked_fill(forbidden, float("-inf"))  # every row masked: one op
+    out = logits.float().clone()
+    out[rows] = out[rows].masked_fill(forbidden, float("-inf"))
     return out
