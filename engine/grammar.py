@@ -202,13 +202,28 @@ class RequestGrammar:
             self.failed = True
 
 
+_executor: Any = None
+
+
+def _parallel() -> Any:
+    """llguidance's thread pool for a batch's masks, as many threads as the engine's torch pool
+    (idle while the masks are computed: they sit between the forward pass and the sampler)."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    return _executor
+
+
 def fill_masks(grammars: Sequence[RequestGrammar], vocab_size: int) -> torch.Tensor:
-    """The allowed-token bitmask [R, ceil(V / 32)] int32 of each grammar's next token."""
+    """The allowed-token bitmask [R, ceil(V / 32)] int32 of each grammar's next token, the rows
+    computed in parallel."""
     words = (vocab_size + 31) // 32
     bitmask = torch.zeros((len(grammars), words), dtype=torch.int32)
-    pointer, row_bytes = bitmask.data_ptr(), words * 4
-    for row, grammar in enumerate(grammars):
-        grammar.matcher.unsafe_compute_mask_ptr(pointer + row * row_bytes, row_bytes)
+    if len(grammars) == 1:
+        grammars[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+    else:
+        _parallel().unsafe_compute_mask_ptr([(g.matcher, row) for row, g in enumerate(grammars)],
+                                            bitmask.data_ptr(), words * 4, len(grammars))
     return bitmask
 
 
