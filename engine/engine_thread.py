@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.constraints import LogitsConstraints
+from engine.grammar import RequestGrammar
 from engine.outputs import FirstToken, TokenOutput
 from engine.page_manager import PageManager
 from engine.profiling import StepProfiler
@@ -50,6 +52,8 @@ class RequestIO:
     generator: torch.Generator | None = None  # a seeded request's, reseeded per token (step_seed)
     on_pages_filled: PagesFilled | None = None  # a prefill-only request's progress hook
     pages_reported: int = 0  # pages handed to on_pages_filled so far
+    grammar: RequestGrammar | None = None  # a structured output's state (engine.grammar)
+    carried_tokens: int = 0  # EngineRequest.carried_tokens
 
 
 # ---- inbox commands (caller thread -> engine thread) ------------------------------------------
@@ -119,6 +123,7 @@ class EngineThread:
         self.profiler = profiler
         self.num_threads = num_threads
         self.step_clock = StepClock()
+        self.constraints = LogitsConstraints(device)
         self.generated_tokens = 0
         self.steps = 0
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -264,9 +269,14 @@ class EngineThread:
             if io.generator is not None and io.params.seed is not None:
                 io.generator.manual_seed(step_seed(io.params.seed, request.num_generated))
         rows = [c.num_drafts + 1 for c in chunks]  # a verify chunk has a row per position
-        result = sample(logits, [io.params for io, n in zip(ios, rows, strict=True) for _ in range(n)],
-                        [io.generator for io, n in zip(ios, rows, strict=True) for _ in range(n)])
+        # Verify rows belong to requests without penalties or a grammar (_draft_policy), which the
+        # constraints pass over; a constrained request has its one row.
+        row_requests = [r for r, n in zip(requests, rows, strict=True) for _ in range(n)]
+        row_ios = [io for io, n in zip(ios, rows, strict=True) for _ in range(n)]
+        logits = self.constraints.apply(logits, row_requests, row_ios)
+        result = sample(logits, [io.params for io in row_ios], [io.generator for io in row_ios])
         token_ids = result.token_ids.tolist()
+        self.constraints.accept(row_ios, result.token_ids, token_ids)
         row = 0
         for chunk, request, io in zip(chunks, requests, ios, strict=True):
             row += chunk.num_drafts + 1
@@ -311,6 +321,10 @@ class EngineThread:
         left = min(params.max_new_tokens - request.num_generated,
                    self.scheduler.config.max_seq_len - request.num_tokens)
         if not params.greedy and (not self.speculator.samples or params.logprobs):
+            return DraftPolicy(0, params)
+        if params.penalized or self._io[request.room].grammar is not None:
+            # Penalties and a grammar's mask at a position depend on the tokens before it, which a
+            # verify's rows would not see: such a request decodes a token a step.
             return DraftPolicy(0, params)
         generator = None
         if params.seed is not None and not params.greedy:  # its own stream, apart from the verify's
@@ -372,6 +386,7 @@ class EngineThread:
         self.scheduler.finish(request, reason, keep_pages=keep_pages)
         if self.speculator is not None:
             self.speculator.forget(request.room)
+        self.constraints.release(request.room)
         return self._io.pop(request.room)
 
     def _abort(self, room: str) -> None:

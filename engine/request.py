@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import CompiledGrammar
 from engine.multimodal.inputs import ImageInput
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
@@ -54,3 +55,8 @@ class EngineRequest:
     image_embeddings: torch.Tensor | None = None
     # The LoRA adapter to run under (its name on an --enable-lora engine); None: the base model.
     lora: str | None = None
+    # params.structured compiled off the engine thread (Engine.prepare); compiled on first use if not
+    grammar: CompiledGrammar | None = None
+    # A migrated continuation: the prompt's last carried_tokens ids are output delivered by an
+    # earlier attempt; penalties and the grammar count them as output (engine.constraints).
+    carried_tokens: int = 0

@@ -26,6 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "KV bytes prefill ships per prompt token, model against model"),
     "bench parallel": ("tools.bench.parallel",
                        "decode tokens/s and collective bytes per step, rank layout against layout"),
+    "bench grammar": ("tools.bench.grammar",
+                      "structured outputs: xgrammar against llguidance, compile time and per-step mask cost"),
+    "bench structured": ("tools.bench.structured",
+                         "decode tok/s with a JSON schema on every request against none; a 50-property "
+                         "schema's compile time"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
     "bench registry-scale": ("tools.bench.registry_scale", "many workers heartbeating and gateways watching: "
                              "registry CPU, time for a killed worker to leave every view"),

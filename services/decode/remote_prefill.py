@@ -181,7 +181,7 @@ class RemotePrefill:
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
             skip_pages=reservation.cached_pages,
             speculative=speculative_to_proto(self.config.engine.speculative),
-            lora_adapter=request.lora or "")
+            lora_adapter=request.lora or "", carried_tokens=request.carried_tokens)
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(

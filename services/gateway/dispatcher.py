@@ -165,7 +165,8 @@ class Dispatcher:
         while True:
             try:
                 async with contextlib.aclosing(self._attempts(attempt_room, model, prompt, params,
-                                                              exclude, images, lora)) as chunks:
+                                                              exclude, images, lora,
+                                                              carried)) as chunks:
                     async for chunk in chunks:
                         if migrations:
                             chunk = _continued(chunk, text, len(prompt_token_ids), carried, delivered)
@@ -213,7 +214,7 @@ class Dispatcher:
     async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
                         sampling: common_pb2.SamplingParams, exclude: set[str],
                         images: Sequence[bytes] = (),
-                        lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+                        lora: str | None = None, carried: int = 0) -> AsyncGenerator[GenerationChunk, None]:
         """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -233,7 +234,8 @@ class Dispatcher:
                 self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
                 async with contextlib.aclosing(self._attempt(attempt_room, route, prompt_token_ids,
-                                                             sampling, images, lora)) as chunks:
+                                                             sampling, images, lora,
+                                                             carried)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -256,10 +258,12 @@ class Dispatcher:
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
                        sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),
-                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
-        """One attempt on `route`. Raises _Retryable for a failure before the first token."""
+                       lora: str | None = None, carried: int = 0) -> AsyncGenerator[GenerationChunk, None]:
+        """One attempt on `route`. Raises _Retryable for a failure before the first token. `carried`:
+        the prompt's last tokens that a migrated generation delivered already (GenerateRequest)."""
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
-                                             sampling=sampling, images=list(images), lora_adapter=lora or "")
+                                             sampling=sampling, images=list(images), lora_adapter=lora or "",
+                                             carried_tokens=carried)
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs

@@ -17,6 +17,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -31,6 +32,7 @@ from engine.sampling import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from libkv.layout import KVLayout
 from libkv.transfer import TransferEndpoint
+from pdserve.sampling_params import StructuredOutput
 from protos.v1 import common_pb2, worker_pb2
 from services.common.failed_peer import failed_peer_metadata
 from services.worker.metrics import WorkerMetrics
@@ -64,13 +66,24 @@ async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoR
 
 async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                 sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (), *,
-                prefill_only: bool = False, lora: str = "") -> EngineRequest:
+                prefill_only: bool = False, lora: str = "", carried_tokens: int = 0) -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
     if images:
-        return await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
-                                       prefill_only=prefill_only, images=list(images), lora=lora)
-    return parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only, lora=lora)
+        request = await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
+                                          prefill_only=prefill_only, images=list(images), lora=lora)
+    else:
+        request = parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only,
+                                lora=lora)
+    if carried_tokens:
+        if not 0 < carried_tokens < len(request.prompt_ids):
+            raise BadRequest(f"carried_tokens {carried_tokens} must be below the prompt's "
+                             f"{len(request.prompt_ids)} tokens")
+        request = replace(request, carried_tokens=carried_tokens)
+    try:  # a structured output compiles off the engine thread, bounded in time
+        return await engine.prepare(request)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
@@ -245,11 +258,38 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         "ignore_eos": message.ignore_eos,
         "logprobs": message.logprobs,
         "top_logprobs": message.top_logprobs,
+        "presence_penalty": message.presence_penalty,
+        "frequency_penalty": message.frequency_penalty,
+        "logit_bias": dict(message.logit_bias),
+        "min_tokens": message.min_tokens,
+        "structured": structured_from_proto(message.structured) if message.HasField("structured") else None,
     }
-    for name in ("temperature", "top_p", "seed", "max_new_tokens"):
+    for name in ("temperature", "top_p", "seed", "max_new_tokens", "repetition_penalty"):
         if message.HasField(name):
             values[name] = getattr(message, name)
     return SamplingParams(**values)
+
+
+def structured_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput:
+    """A StructuredOutput with no kind set keeps kind "" (refused by validate())."""
+    kind = message.WhichOneof("kind") or ""
+    spec: str | tuple[str, ...] = ""
+    if kind == "choice":
+        spec = tuple(message.choice.choices)
+    elif kind in ("json_schema", "regex", "ebnf"):
+        spec = getattr(message, kind)
+    return StructuredOutput(kind=kind, spec=spec, start_after=message.start_after, strict=message.strict)
+
+
+def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    message = common_pb2.StructuredOutput(start_after=structured.start_after, strict=structured.strict)
+    if structured.kind == "choice":
+        message.choice.choices.extend(structured.spec)
+    elif structured.kind == "json_object":
+        message.json_object = True
+    else:
+        setattr(message, structured.kind, structured.spec)
+    return message
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -257,7 +297,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         max_new_tokens=params.max_new_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-        top_logprobs=params.top_logprobs)
+        top_logprobs=params.top_logprobs, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens)
     if params.seed is not None:
         message.seed = params.seed
+    if params.repetition_penalty != 1.0:
+        message.repetition_penalty = params.repetition_penalty
+    if params.structured is not None:
+        message.structured.CopyFrom(structured_to_proto(params.structured))
     return message

@@ -76,6 +76,17 @@ def _pd_panels() -> list[Panel | Row]:
             Target(f"sum by (role, instance) (increase(pdserve:kv_leak_detections_total{RATE}))", PER_WORKER),
         ),
         timeseries(
+            "Structured outputs",
+            "Grammars compiled and served from the cache per second, refusals (did not compile, or not in"
+            " time), seconds spent compiling per second, and tokens sampled under a grammar mask.",
+            "short",
+            Target(f"sum(rate(pdserve:grammar_compiles_total{RATE}))", "compiles/s"),
+            Target(f"sum(rate(pdserve:grammar_cache_hits_total{RATE}))", "cache hits/s"),
+            Target(f"sum(rate(pdserve:grammar_refused_total{RATE}))", "refused/s"),
+            Target(f"sum(rate(pdserve:grammar_compile_seconds_total{RATE}))", "compile s/s"),
+            Target(f"sum(rate(pdserve:grammar_constrained_steps_total{RATE}))", "masked tokens/s"),
+        ),
+        timeseries(
             "Quarantined rooms (decode)",
             "Failed requests whose pages wait for their prefill to confirm no KV write can still land.",
             "short",

@@ -7,6 +7,7 @@ import pytest
 from engine.sampling import SamplingParams
 from libkv.layout import KVLayout
 from libkv.transfer import TransferEndpoint
+from pdserve.sampling_params import StructuredOutput
 from protos.v1 import common_pb2
 from services.worker.wire import (
     endpoint_from_proto,
@@ -99,3 +100,43 @@ def test_out_of_range_sampling_is_left_to_validate() -> None:
         sampling_from_proto(common_pb2.SamplingParams(top_p=1.5)).validate()
     with pytest.raises(ValueError, match="top_k must be -1"):
         sampling_from_proto(common_pb2.SamplingParams(top_k=-5)).validate()
+
+
+@pytest.mark.parametrize("structured", [
+    StructuredOutput("json_schema", '{"type": "object"}', start_after="</think>", strict=True),
+    StructuredOutput("json_object"), StructuredOutput("regex", "[a-z]+"),
+    StructuredOutput("ebnf", 'root ::= "yes" | "no"'), StructuredOutput("choice", ("red", "blue")), None])
+def test_penalties_biases_and_structured_outputs_round_trip(structured: StructuredOutput | None) -> None:
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.5,
+                            logit_bias={7: 5.0, 3: -100.0}, min_tokens=4, structured=structured)
+    message = common_pb2.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())
+    assert sampling_from_proto(message) == params
+    assert params.logit_bias == ((3, -100.0), (7, 5.0))
+
+
+def test_repetition_penalty_unset_is_off() -> None:
+    params = sampling_from_proto(common_pb2.SamplingParams())
+    assert (params.repetition_penalty, params.logit_bias, params.structured) == (1.0, (), None)
+    assert not params.penalized
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty must be in"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"logit_bias": {5: 101.0}}, "logit_bias values must be in"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be non-negative"),
+    ({"min_tokens": 200, "max_new_tokens": 100}, "min_tokens must be in"),
+    ({"structured": StructuredOutput("regex", "")}, "regex must be a non-empty string"),
+    ({"structured": StructuredOutput("choice", ())}, "choice needs"),
+    ({"structured": StructuredOutput("")}, "structured output kind must be one of"),
+])
+def test_out_of_range_penalties_and_constraints_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**changes).validate()
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
+    SamplingParams(logit_bias={99: 1.0}).check_vocab(100)
+    with pytest.raises(ValueError, match="below the vocabulary size 100"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
