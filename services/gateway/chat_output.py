@@ -132,6 +132,10 @@ class ChatMessageParts:
     reasoning_content: str | None
     tool_calls: list[ToolCall] | None
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's `tool_calls` when a choice that stopped by itself called tools."""
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+
 
 def message(parser: ChoiceParser, text: str) -> ChatMessageParts:
     """The whole choice's message fields (content None when calls replace it, as OpenAI sends)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from pdserve import envs
 from services.common.keepalive import MAX_MESSAGE_BYTES, MESSAGE_ROOM_BYTES
 from services.common.security import GrpcSecurity
+from services.common.text_parsers import TextParsers
 from services.gateway.addresses import grpc_address
 from services.gateway.media_limits import parse_domains, parse_limit_mm_per_prompt
 
@@ -139,6 +140,8 @@ class GatewayConfig:
         "seconds a worker stays routable after a restarted registry came back without it (workers "
         "register again within one heartbeat interval); default: heartbeat interval x (max failures + 1)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
+    # over the names the workers report (services.common.text_parsers)
+    text_parsers: TextParsers = field(default_factory=TextParsers)
 
     def __post_init__(self) -> None:
         if self.model_path and not Path(self.model_path, "tokenizer.json").is_file():

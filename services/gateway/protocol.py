@@ -49,6 +49,7 @@ from services.gateway.fields import (
     TopK,
     check_json_unicode,
 )
+from services.gateway.tool_choice import ToolChoice
 
 
 def _only_zero(name: str, value: float) -> float:
@@ -216,6 +217,8 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
     tools: list[JsonObject] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def max_new_tokens(self) -> int | None:
