@@ -87,7 +87,7 @@ class ChoiceParser:
         reasoning, answer = self.reasoning.split(text, final) if self.reasoning is not None else ("", text)
         parts = MessageParts(reasoning=reasoning)
         if self.plan.mode == "named":
-            parts.calls = [_named_call(self.plan.function or "", answer, final)]
+            parts.content, parts.calls = _named_call(self.plan.function or "", answer, final)
         elif self.plan.mode == "required":
             parts.content, parts.calls = _required_calls(answer, final)
         elif self.parse_tools is not None:
@@ -98,10 +98,18 @@ class ChoiceParser:
         return parts
 
 
-def _named_call(function: str, answer: str, final: bool) -> ScannedCall:
-    # the constrained output is the arguments object; trailing whitespace may still be followed by text
-    arguments = answer.strip() if final else answer.lstrip().rstrip()
-    return ScannedCall(name=function, arguments=arguments, end=len(answer) if final else None)
+def _named_call(function: str, answer: str, final: bool) -> tuple[str, list[ScannedCall]]:
+    """The constrained output is the arguments object (trailing whitespace may still be followed by
+    text); one that ends as anything else (cut off, or unconstrained) is text."""
+    if not final:
+        return "", [ScannedCall(name=function, arguments=answer.strip())]
+    try:
+        valid = isinstance(json.loads(answer), dict)
+    except ValueError:
+        valid = False
+    if not valid:
+        return answer, []
+    return "", [ScannedCall(name=function, arguments=answer.strip(), end=len(answer))]
 
 
 def _required_calls(answer: str, final: bool) -> tuple[str, list[ScannedCall]]:
