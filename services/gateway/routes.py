@@ -123,7 +123,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     model = served_model(state, body.model)
     check_limits(state, body, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens)
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
-    tool_plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = [tool.template_dict() for tool in body.tools] if body.tools is not None else None
+    tool_plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls)
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
     images = await image_loader(request).load(image_urls(body), multimodal=state.model_files.multimodal,

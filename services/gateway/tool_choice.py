@@ -14,20 +14,45 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.errors import bad_request
-from services.gateway.fields import NonEmptyText
+from services.gateway.fields import JsonObject, Text
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# OpenAI's rule for function names
+FunctionNameText = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
 class FunctionName(_Body):
-    name: NonEmptyText
+    name: FunctionNameText
+
+
+class Function(_Body):
+    """A tool's function: `parameters` is the JSON Schema of its arguments (an object of anything
+    when absent)."""
+
+    name: FunctionNameText
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    """One entry of `tools` (OpenAI's only kind: a function)."""
+
+    type: Literal["function"]
+    function: Function
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates read it (transformers passes the request's dicts)."""
+        return self.model_dump(exclude_none=True)
 
 
 class NamedToolChoice(_Body):
@@ -38,6 +63,13 @@ class NamedToolChoice(_Body):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+# The document's half of plan_tools' checks: `required` and a named function need tools. That the
+# named function is one of them stays outside it (JSON Schema cannot compare two fields' values).
+TOOL_CHOICE_NEEDS_TOOLS: dict[str, Any] = {"allOf": [{
+    "if": {"required": ["tool_choice"],
+           "properties": {"tool_choice": {"not": {"enum": ["none", "auto", None]}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}]}
 
 # a function without a parameters schema takes an object of anything
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -81,7 +113,7 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoic
     functions = _functions(tools or ())
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
-    if tool_choice == "none":
+    if tool_choice == "none" or (tool_choice == "auto" and not tools):
         return ToolPlan("none")
     if not tools:
         raise bad_request(f"tool_choice {_shown(tool_choice)} needs tools", param="tool_choice")
