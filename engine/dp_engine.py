@@ -234,6 +234,9 @@ class DPEngine:
     def check(self, request: EngineRequest) -> EngineRequest:
         return self.members[0].check(request)
 
+    async def prepare(self, request: EngineRequest) -> EngineRequest:
+        return await self.members[0].prepare(request)  # a compiled grammar serves every member
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenOutput]]:
         """On the group holding the room's reservation (a prefilled request on a decode worker),
         else on the group `_place` picks."""

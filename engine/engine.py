@@ -27,11 +27,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractContextManager, aclosing, contextmanager
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine_thread import Abort, Add, Emit, EngineThread, Finish, RequestIO, Stop, Wake
+from engine.grammar import GrammarCompiler, GrammarStats
 from engine.loading import LoadedModel, load
 from engine.models.moe import ExpertLoad, expert_load
 from engine.models.vision import tower_merge_size
@@ -107,6 +110,7 @@ class Engine:
         self.hicache = open_store_tier(self.config, self.pool, self.pages) \
             if self.config.enable_hierarchical_cache else None
         self.scheduler.store = self.hicache
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -146,7 +150,7 @@ class Engine:
         sampling params, kinds mixed up (engine.request), or a prompt that could never fit the
         context or the KV pool. Thread-safe (it reads only what never changes)."""
         try:
-            request.params.validate()
+            request.params.validate().check_vocab(self.model_config.vocab_size)
         except ValueError as exc:
             raise ValueError(f"invalid sampling params: {exc}") from None
         if request.prefill_only and request.first_token is not None:
@@ -158,6 +162,22 @@ class Engine:
         if request.images:
             self._multimodal(request, checking=True)  # raises ValueError saying what does not match
         return request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             self.model_config.eos_token_ids[0])
+        return self._grammars
+
+    async def prepare(self, request: EngineRequest) -> EngineRequest:
+        """`request` with its structured output compiled, off the engine thread and bounded in time
+        (engine.grammar); ValueError saying why a constraint cannot be used."""
+        structured = request.params.structured
+        if structured is None or request.grammar is not None:
+            return request
+        return replace(request, grammar=await self.grammars.prepare(structured))
 
     def _multimodal(self, request: EngineRequest, checking: bool = False) -> MultimodalState | None:
         """The request's multimodal state (None without images); ValueError for images this
@@ -272,7 +292,14 @@ class Engine:
             cached_pages=cache.num_pages if cache else 0,
             prefix_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_hit_tokens=cache.stats.hit_tokens if cache else 0,
-            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0)
+            prefix_evicted_pages=cache.stats.evicted_pages if cache else 0,
+            **self._grammar_stats())
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        compiled = self._grammars.stats if self._grammars is not None else GrammarStats()
+        return {"grammar_compiles": compiled.compiles, "grammar_compile_seconds": compiled.compile_seconds,
+                "grammar_cache_hits": compiled.cache_hits, "grammar_refused": compiled.refused,
+                "constrained_steps": self.thread.constraints.stats.constrained_steps}
 
     def expert_load(self) -> ExpertLoad | None:
         """Tokens routed to each expert since load (summed over layers) and the last step's
@@ -296,4 +323,8 @@ class Engine:
         stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids))
         generator = torch.Generator(device=self.pool.device) if params.seed is not None else None
-        return RequestIO(emit, params, stop_token_ids, generator, request.on_pages_filled)
+        grammar = request.grammar
+        if grammar is None and params.structured is not None:  # a caller that did not `prepare`
+            grammar = self.grammars.compile(params.structured)
+        return RequestIO(emit, params, stop_token_ids, generator, request.on_pages_filled,
+                         grammar=grammar.new_request() if grammar is not None else None)

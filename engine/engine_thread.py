@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.constraints import LogitsConstraints
+from engine.grammar import RequestGrammar
 from engine.outputs import FirstToken, TokenOutput
 from engine.page_manager import PageManager
 from engine.profiling import StepProfiler
@@ -49,6 +51,7 @@ class RequestIO:
     generator: torch.Generator | None = None  # a seeded request's, reseeded per token (step_seed)
     on_pages_filled: PagesFilled | None = None  # a prefill-only request's progress hook
     pages_reported: int = 0  # pages handed to on_pages_filled so far
+    grammar: RequestGrammar | None = None  # a structured output's state (engine.grammar)
 
 
 # ---- inbox commands (caller thread -> engine thread) ------------------------------------------
@@ -117,6 +120,7 @@ class EngineThread:
         self.profiler = profiler
         self.num_threads = num_threads
         self.step_clock = StepClock()
+        self.constraints = LogitsConstraints(device)
         self.generated_tokens = 0
         self.steps = 0
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -256,8 +260,10 @@ class EngineThread:
         for request, io in zip(requests, ios, strict=True):
             if io.generator is not None and io.params.seed is not None:
                 io.generator.manual_seed(step_seed(io.params.seed, request.num_generated))
+        logits = self.constraints.apply(logits, requests, ios)
         result = sample(logits, [io.params for io in ios], [io.generator for io in ios])
         token_ids = result.token_ids.tolist()
+        self.constraints.accept(ios, result.token_ids, token_ids)
         for row, (request, io) in enumerate(zip(requests, ios, strict=True)):
             logprob, top = result.logprobs_of(row, io.params)
             request.token_ids.append(token_ids[row])
@@ -319,6 +325,7 @@ class EngineThread:
         """Take a request out of the scheduler (engine.scheduler.Scheduler.finish); its IO, which
         the thread forgets."""
         self.scheduler.finish(request, reason, keep_pages=keep_pages)
+        self.constraints.release(request.room)
         return self._io.pop(request.room)
 
     def _abort(self, room: str) -> None:

@@ -55,6 +55,12 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_pages: int = 0
+    # Structured outputs (engine.grammar): running totals.
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_refused: int = 0
+    constrained_steps: int = 0  # request-steps sampled under a grammar mask
 
 
 class RequestAborted(Exception):

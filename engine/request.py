@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import CompiledGrammar
 from engine.multimodal.inputs import ImageInput
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
@@ -52,3 +53,5 @@ class EngineRequest:
     # EPD: the images' embedding rows [sum of their tokens, hidden], in prompt order, made by an
     # encoder service; the engine then runs no vision tower (a --language-only worker has none).
     image_embeddings: torch.Tensor | None = None
+    # params.structured compiled off the engine thread (Engine.prepare); compiled on first use if not
+    grammar: CompiledGrammar | None = None

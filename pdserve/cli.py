@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "KV bytes prefill ships per prompt token, model against model"),
     "bench parallel": ("tools.bench.parallel",
                        "decode tokens/s and collective bytes per step, rank layout against layout"),
+    "bench grammar": ("tools.bench.grammar",
+                      "structured outputs: xgrammar against llguidance, compile time and per-step mask cost"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
     "bench epd": ("tools.bench.epd",
                   "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),

@@ -23,14 +23,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic.json_schema import JsonDict
 
-from pdserve.sampling_params import MAX_TOP_LOGPROBS
+from pdserve.sampling_params import MAX_PENALTY, MAX_TOP_LOGPROBS
 from protos.v1 import common_pb2
+from services.gateway.constraints import NativeConstraints, OpenAIConstraints
 from services.gateway.fields import (
     AS_INT,
     FLOAT32_MAX,
@@ -50,17 +49,6 @@ from services.gateway.fields import (
     check_json_unicode,
 )
 from services.gateway.tool_choice import TOOL_CHOICE_NEEDS_TOOLS, Tool, ToolChoice
-
-
-def _only_zero(name: str, value: float) -> float:
-    # Silently ignoring a penalty would return text the client did not ask for.
-    if value != 0:
-        raise ValueError(f"{name} is not supported by pdserve workers (only 0)")
-    return value
-
-
-# The schema says "only this value"; the validator says why in words.
-_ONLY_ZERO: JsonDict = {"minimum": 0, "maximum": 0}
 
 
 class _Body(BaseModel):
@@ -142,6 +130,8 @@ class SamplingFields(_Body):
     stop: NonEmptyText | StopList | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -154,7 +144,8 @@ class SamplingFields(_Body):
         params = common_pb2.SamplingParams(
             top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
+            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         if temperature is not None:
             params.temperature = temperature
         if self.top_p is not None:
@@ -184,21 +175,12 @@ class _OpenAIHead(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
 
 
-class _OpenAISampling(SamplingFields, _OpenAIHead):
+class _OpenAISampling(SamplingFields, OpenAIConstraints, _OpenAIHead):
     """Sampling and streaming fields shared by chat and text completions."""
 
-    presence_penalty: float = Field(default=0.0, json_schema_extra=_ONLY_ZERO)
-    frequency_penalty: float = Field(default=0.0, json_schema_extra=_ONLY_ZERO)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float, info: ValidationInfo) -> float:
-        if info.field_name is None:  # pydantic names the field in a field validator's info
-            raise TypeError("_no_penalties runs as a field validator only")
-        return _only_zero(info.field_name, value)
 
     @property
     def include_usage(self) -> bool:
@@ -232,8 +214,9 @@ class ChatCompletionRequest(_OpenAISampling):
         return (self.top_logprobs or 0) if self.logprobs else 0
 
     def sampling(self, choice: int) -> common_pb2.SamplingParams:
-        return self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                             logprobs=self.logprobs, top_logprobs=self.top_logprobs_wanted, choice=choice)
+        return self.fill(self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                                       logprobs=self.logprobs, top_logprobs=self.top_logprobs_wanted,
+                                       choice=choice))
 
 
 class CompletionRequest(_OpenAISampling):
@@ -272,9 +255,9 @@ class CompletionRequest(_OpenAISampling):
 
     def sampling(self, candidate: int) -> common_pb2.SamplingParams:
         """Candidate `candidate` of each prompt; best_of ranks candidates by their logprobs."""
-        return self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                             logprobs=self.logprobs is not None or self.candidates > self.n,
-                             top_logprobs=self.logprobs or 0, choice=candidate)
+        return self.fill(self.to_proto(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                                       logprobs=self.logprobs is not None or self.candidates > self.n,
+                                       top_logprobs=self.logprobs or 0, choice=candidate))
 
     def prompt_count(self) -> int:
         """How many prompts the body holds (a flat id list or a string is one)."""
@@ -290,7 +273,7 @@ class _NativeHead(_Body):
     max_new_tokens: MaxTokens | None = None
 
 
-class NativeSamplingParams(SamplingFields, _NativeHead):
+class NativeSamplingParams(SamplingFields, NativeConstraints, _NativeHead):
     """`sampling_params` of the native /generate body (SGLang's names)."""
 
     # SGLang takes n here; one sample per prompt is supported
@@ -343,8 +326,9 @@ class NativeGenerateRequest(_Body):
     def sampling(self) -> common_pb2.SamplingParams:
         """Every prompt's sampling (one sample per prompt: no per-choice seeds)."""
         params = self.sampling_params
-        return params.to_proto(temperature=params.temperature, max_new_tokens=params.max_new_tokens,
-                               logprobs=self.return_logprob, top_logprobs=self.top_logprobs_num)
+        return params.fill(params.to_proto(temperature=params.temperature,
+                                           max_new_tokens=params.max_new_tokens,
+                                           logprobs=self.return_logprob, top_logprobs=self.top_logprobs_num))
 
     @property
     def batched(self) -> bool:

@@ -122,6 +122,26 @@ def _add_step_metrics(metrics: WorkerMetrics, clock: StepClock) -> None:
                          lambda: clock.decode_token_seconds)
 
 
+def _add_grammar_metrics(metrics: WorkerMetrics, engine: EngineAPI) -> None:
+    """Structured outputs (engine/grammar.py): compile cost, cache reuse, refusals, masked steps."""
+    for name, stat, doc in (
+            ("grammar_compiles_total", "grammar_compiles",
+             "Structured-output grammars compiled (cache misses)"),
+            ("grammar_compile_seconds_total", "grammar_compile_seconds",
+             "Seconds spent compiling structured-output grammars (off the engine thread)"),
+            ("grammar_cache_hits_total", "grammar_cache_hits",
+             "Structured outputs served by a cached grammar"),
+            ("grammar_refused_total", "grammar_refused",
+             "Structured outputs refused: they did not compile, or not in time"),
+            ("grammar_constrained_steps_total", "constrained_steps",
+             "Tokens sampled under a structured-output mask")):
+        metrics.counter_from(name, doc, functools.partial(_stat, engine, stat))
+
+
+def _stat(engine: EngineAPI, name: str) -> float:
+    return getattr(engine.stats(), name)
+
+
 def _add_dp_metrics(metrics: WorkerMetrics, engine: DPEngine) -> None:
     for g, member in enumerate(engine.members):
         metrics.counter_from("dp_rank_requests_total", "Requests placed on each DP attention group "
@@ -187,6 +207,7 @@ class WorkerRuntime:
                              lambda: engine.stats().prefix_evicted_pages)
         metrics.gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (in use or idle)",
                       lambda: engine.stats().cached_pages)
+        _add_grammar_metrics(metrics, engine)
         if engine.model_config.moe is not None:
             metrics.expert_load(engine.expert_load)
         if engine.hicache is not None:

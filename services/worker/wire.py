@@ -67,9 +67,14 @@ async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
     if images:
-        return await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
-                                       prefill_only=prefill_only, images=list(images))
-    return parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only)
+        request = await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
+                                          prefill_only=prefill_only, images=list(images))
+    else:
+        request = parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only)
+    try:  # a structured output compiles off the engine thread, bounded in time
+        return await engine.prepare(request)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],

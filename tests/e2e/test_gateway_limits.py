@@ -127,7 +127,7 @@ CORPUS: list[tuple[str, bytes, str | None]] = [
     ("/v1/completions", raw({**TEXT, "best_of": 0}), "best_of"),
     ("/v1/completions", raw({**TEXT, "best_of": 128, "prompt": ["a", "b", "c"]}), "best_of"),
     ("/v1/completions", raw({**TEXT, "echo": True}), "echo"),
-    ("/v1/completions", raw({**TEXT, "presence_penalty": 0.5}), "presence_penalty"),
+    ("/v1/completions", raw({**TEXT, "presence_penalty": 2.5}), "presence_penalty"),
     ("/v1/completions", raw({**TEXT, "prompt": "\ud800"}), "prompt"),
     ("/generate", raw({"text": "\ud800", "sampling_params": {"max_new_tokens": 2}}), "text"),
     ("/generate", raw({"text": "hi", "rid": "\ud800"}), "rid"),

@@ -46,7 +46,7 @@ def test_bounds_come_from_the_model_and_the_protobuf_fields(document: dict) -> N
     assert completion["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 4095  # the vocabulary
     ids = next(m for m in completion["prompt"]["oneOf"] if m.get("items", {}).get("type") == "integer")
     assert ids["maxItems"] == 4095 and ids["items"]["maximum"] == 4095 and ids["minItems"] == 1
-    assert completion["presence_penalty"]["minimum"] == completion["presence_penalty"]["maximum"] == 0
+    assert (completion["presence_penalty"]["minimum"], completion["presence_penalty"]["maximum"]) == (-2, 2)
     assert completion["echo"]["enum"] == [False]
 
 

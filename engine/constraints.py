@@ -1,0 +1,74 @@
+"""What changes a batch's logits between the forward pass and the sampler: penalties, biases and
+min_tokens (engine.penalties) and structured-output masks (engine.grammar), for the rows that ask
+for them; rows that ask for nothing cost nothing.
+
+The engine thread calls `apply` before sampling and `accept` with the sampled tokens. State is
+rebuilt from each request's tokens the first time it samples here (see engine.penalties and
+engine.grammar), so nothing of it travels between processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.grammar import GrammarStats, apply_masks, fill_masks
+from engine.penalties import PenaltyTable, apply_penalties
+
+if TYPE_CHECKING:
+    from engine.engine_thread import RequestIO
+    from engine.scheduler import Request
+
+
+class LogitsConstraints:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.table: PenaltyTable | None = None
+        self.stats = GrammarStats()  # constrained_steps (compile counters: GrammarCompiler.stats)
+        self._last_slots: torch.Tensor | None = None
+        self._last_rows: list[int] = []
+        self._last_grammars: list[int] = []
+
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request],
+              ios: Sequence[RequestIO]) -> torch.Tensor:
+        self._last_rows = [i for i, io in enumerate(ios) if io.params.penalized]
+        self._last_slots = None
+        if self._last_rows:
+            logits = self._penalize(logits, requests, ios)
+        self._last_grammars = [i for i, io in enumerate(ios)
+                               if io.grammar is not None and io.grammar.sync(requests[i].output_ids)]
+        if self._last_grammars:
+            grammars = [ios[i].grammar for i in self._last_grammars]
+            bitmask = fill_masks(grammars, logits.shape[1])  # type: ignore[arg-type]
+            rows = torch.tensor(self._last_grammars, device=logits.device)
+            logits = apply_masks(logits, rows, bitmask)
+            self.stats.constrained_steps += len(grammars)
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, requests: Sequence[Request],
+                  ios: Sequence[RequestIO]) -> torch.Tensor:
+        if self.table is None:
+            self.table = PenaltyTable(logits.shape[1], logits.device)
+        table = self.table
+        rows = self._last_rows
+        slots = [table.slot(requests[i].room, requests[i].token_ids, requests[i].num_prompt) for i in rows]
+        self._last_slots = torch.tensor(slots, dtype=torch.int64, device=logits.device)
+        return apply_penalties(logits, torch.tensor(rows, device=logits.device), self._last_slots, table,
+                               [ios[i].params for i in rows], [requests[i].num_generated for i in rows],
+                               [ios[i].stop_token_ids for i in rows])
+
+    def accept(self, ios: Sequence[RequestIO], token_ids: torch.Tensor, token_list: Sequence[int]) -> None:
+        """Count the sampled tokens of the rows `apply` penalized; advance the grammars it masked."""
+        if self._last_slots is not None and self.table is not None:
+            rows = torch.tensor(self._last_rows, device=token_ids.device)
+            self.table.add_tokens(self._last_slots, token_ids[rows])
+        for i in self._last_grammars:
+            grammar = ios[i].grammar
+            if grammar is not None:
+                grammar.accept(token_list[i])
+
+    def release(self, room: str) -> None:
+        if self.table is not None:
+            self.table.release(room)
