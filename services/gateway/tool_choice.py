@@ -132,10 +132,11 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoic
 
 def required_schema(functions: Mapping[str, dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
     """The schema of `required`'s output: [{"name": N, "parameters": {...}}, ...], each item one of
-    the functions with its own parameters schema."""
+    the functions with its own parameters schema and nothing else (another key would let a weak
+    model ramble inside the call until max_tokens)."""
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
-              "required": ["name", "parameters"]}
+              "required": ["name", "parameters"], "additionalProperties": False}
              for name, parameters in functions.items()]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}

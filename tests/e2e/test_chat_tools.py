@@ -207,7 +207,7 @@ def grammar(deployment: Deployment) -> None:
 def test_auto_parses_a_call_written_in_each_format(deployment: Deployment, grammar: None,
                                                    parser: str) -> None:
     forced = {**NO_THINKING, "structured_outputs": {"choice": [FORCED[parser]]}}
-    request = {"model": deployment.model_dir.name, "messages": ASK, "tools": TOOLS, "max_tokens": 80,
+    request = {"model": deployment.model_dir.name, "messages": ASK, "tools": TOOLS, "max_tokens": 240,
                "temperature": 0, "extra_body": forced}
     whole = _whole(deployment.client(parser), **request)
     assert whole["calls"] == [{"name": "get_weather", "arguments": CALL_ARGS}], whole

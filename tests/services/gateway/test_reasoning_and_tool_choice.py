@@ -88,6 +88,7 @@ def test_required_schema_accepts_calls_of_each_tool_and_only_them() -> None:
     jsonschema.validate([{"name": "weather", "parameters": {"city": "Oslo"}}], plan.schema)
     jsonschema.validate([{"name": "time", "parameters": {}}], plan.schema)
     for wrong in ([], [{"name": "weather", "parameters": {}}], [{"name": "other", "parameters": {}}],
+                  [{"name": "time", "parameters": {}, "note": "extra"}],
                   [{"name": "time", "parameters": {}}, {"name": "time", "parameters": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, plan.schema)
