@@ -242,3 +242,27 @@ def test_named_call_validates_against_its_tool(deployment: Deployment, grammar: 
     # with thinking on, the constraint starts after </think>, which the random model never writes
     thinking = _whole(deployment.client(), **{**request, "extra_body": {}, "max_tokens": 8})
     assert thinking["calls"] == [] and thinking["reasoning"]
+
+
+@pytest.mark.long
+def test_pd_answers_tool_calls_as_colocated(deployment: Deployment, grammar: None,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A prefill and a decode worker (mooncake) with the same parser flags behind a gateway that learns
+    them: greedy required and named calls, streamed and not, equal the colocated ones."""
+    with Cluster(tmp_path_factory.mktemp("chat-tools-pd")) as cluster:
+        flags = ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"]
+        prefill, decode = cluster.start_many([
+            ("prefill", [*worker_args(deployment.model_dir, "prefill", None), *flags]),
+            ("decode", [*worker_args(deployment.model_dir, "decode", None), *flags])])
+        gateway = cluster.start("gateway", ["launch-router", "--port", "0",
+                                            "--prefill", f"http://{prefill.address}",
+                                            "--decode", f"http://{decode.address}"])
+        pd = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            request = {"model": deployment.model_dir.name, "messages": ASK, "tools": TOOLS,
+                       "tool_choice": choice, "max_tokens": 160, "temperature": 0, "extra_body": NO_THINKING}
+            colocated = _whole(deployment.client(), **request)
+            assert colocated["calls"]
+            assert _whole(pd, **request) == colocated
+            assert _stream(pd, **request) == colocated
