@@ -23,7 +23,13 @@ from services.gateway.errors import bad_request
 from services.gateway.reasoning_parsers import REASONING_PARSERS, ReasoningSplit
 from services.gateway.tool_choice import ToolPlan
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParse
-from services.gateway.tool_parsers.json_scan import NotACall, ScannedCall, scan_call_array, skip_whitespace
+from services.gateway.tool_parsers.json_scan import (
+    JsonScanner,
+    NotACall,
+    ScannedCall,
+    scan_call_array,
+    skip_whitespace,
+)
 
 # -- wire shapes --------------------------------------------------------------------------------
 
@@ -76,6 +82,7 @@ class ChoiceParser:
         self.reasoning = reasoning
         self.plan = plan
         self.parse_tools = parse_tools if plan.mode == "auto" else None
+        self.scanner = JsonScanner()
 
     @property
     def plain(self) -> bool:
@@ -89,9 +96,9 @@ class ChoiceParser:
         if self.plan.mode == "named":
             parts.content, parts.calls = _named_call(self.plan.function or "", answer, final)
         elif self.plan.mode == "required":
-            parts.content, parts.calls = _required_calls(answer, final)
+            parts.content, parts.calls = _required_calls(answer, final, self.scanner)
         elif self.parse_tools is not None:
-            parsed = self.parse_tools(answer, final)
+            parsed = self.parse_tools(answer, final, self.scanner)
             parts.content, parts.calls = parsed.content, parsed.calls
         else:
             parts.content = answer
@@ -112,12 +119,12 @@ def _named_call(function: str, answer: str, final: bool) -> tuple[str, list[Scan
     return "", [ScannedCall(name=function, arguments=answer.strip(), end=len(answer))]
 
 
-def _required_calls(answer: str, final: bool) -> tuple[str, list[ScannedCall]]:
+def _required_calls(answer: str, final: bool, scanner: JsonScanner) -> tuple[str, list[ScannedCall]]:
     start = skip_whitespace(answer, 0)
     if start >= len(answer):
         return (answer if final else ""), []
     try:
-        calls, end = scan_call_array(answer, start)
+        calls, end = scan_call_array(answer, start, scanner)
         if final and (end is None or not calls):
             raise NotACall("cut off inside the calls")
     except NotACall:

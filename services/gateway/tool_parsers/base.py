@@ -1,11 +1,12 @@
 """What every tool call format's parser returns, and the helpers they share.
 
-A format's parser is a function `parse(text, final) -> ParsedTools` over a choice's whole text so
-far (the text after any reasoning). It must be monotone: for a longer text its `content` extends the
-previous `content` and each call's `arguments` extends the previous ones, so streaming can send the
-differences (services/gateway/chat_output.py). With `final=False` it holds back what may still turn
-into a call (a partial start marker); with `final=True` a call that is not well formed is given
-back as content, as the model wrote it.
+A format's parser is a function `parse(text, final, scanner) -> ParsedTools` over a choice's whole
+text so far (the text after any reasoning; `scanner` is the choice's JsonScanner). It must be
+monotone: for a longer text its `content` extends the previous `content` and each call's
+`arguments` extends the previous ones, so streaming can send the differences
+(services/gateway/chat_output.py). With `final=False` it holds back what may still turn into a call
+(a partial start marker); with `final=True` a call that is not well formed is given back as
+content, as the model wrote it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.gateway.tool_parsers.json_scan import ScannedCall, held_back
+from services.gateway.tool_parsers.json_scan import JsonScanner, ScannedCall, held_back
 
 
 @dataclass
@@ -24,7 +25,8 @@ class ParsedTools:
     calls: list[ScannedCall] = field(default_factory=list)
 
 
-ToolCallParse = Callable[[str, bool], ParsedTools]
+# parse(text, final, scanner): `scanner` is the choice's own (it remembers unfinished JSON values)
+ToolCallParse = Callable[[str, bool, JsonScanner], ParsedTools]
 
 
 def text_until(text: str, marker: str, final: bool) -> tuple[str, int]:

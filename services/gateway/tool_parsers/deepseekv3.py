@@ -7,7 +7,13 @@ from __future__ import annotations
 import json
 
 from services.gateway.tool_parsers.base import ParsedTools, text_until
-from services.gateway.tool_parsers.json_scan import NotACall, ScannedCall, skip_whitespace, value_end
+from services.gateway.tool_parsers.json_scan import (
+    JsonScanner,
+    NotACall,
+    ScannedCall,
+    skip_whitespace,
+    value_end,
+)
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -18,7 +24,7 @@ FENCE_OPEN = "```json"
 FENCE_CLOSE = "```"
 
 
-def parse_deepseekv3(text: str, final: bool) -> ParsedTools:
+def parse_deepseekv3(text: str, final: bool, scanner: JsonScanner) -> ParsedTools:
     content, begin = text_until(text, CALLS_BEGIN, final)
     if begin < 0:
         return ParsedTools(content=content)
@@ -33,7 +39,7 @@ def parse_deepseekv3(text: str, final: bool) -> ParsedTools:
                 break
             if not text.startswith(CALL_BEGIN, index):
                 raise NotACall("expected a tool call")
-            call, index = _call(text, index + len(CALL_BEGIN))
+            call, index = _call(text, index + len(CALL_BEGIN), scanner)
             calls.append(call)
             if call.end is None:
                 break
@@ -50,7 +56,7 @@ def _pending(text: str, index: int, marker: str) -> bool:
     return len(rest) < len(marker) and marker.startswith(rest)
 
 
-def _call(text: str, index: int) -> tuple[ScannedCall, int]:
+def _call(text: str, index: int, scanner: JsonScanner) -> tuple[ScannedCall, int]:
     """One call from after its begin marker: the call so far and the index after it."""
     call = ScannedCall()
     sep = text.find(SEP, index)
@@ -77,7 +83,7 @@ def _call(text: str, index: int) -> tuple[ScannedCall, int]:
         return call, len(text)
     if text[start] != "{":
         raise NotACall("a tool call's arguments are an object")
-    end = value_end(text, start)
+    end = value_end(text, start, scanner)
     call.arguments = text[start:end] if end is not None else text[start:]
     if end is None:
         return call, len(text)

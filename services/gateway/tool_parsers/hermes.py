@@ -4,13 +4,13 @@ is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, with text around 
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import ParsedTools, text_until
-from services.gateway.tool_parsers.json_scan import NotACall, scan_call, skip_whitespace
+from services.gateway.tool_parsers.json_scan import JsonScanner, NotACall, scan_call, skip_whitespace
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
 
-def parse_hermes(text: str, final: bool) -> ParsedTools:
+def parse_hermes(text: str, final: bool, scanner: JsonScanner) -> ParsedTools:
     parsed = ParsedTools()
     position = 0
     while True:
@@ -23,7 +23,7 @@ def parse_hermes(text: str, final: bool) -> ParsedTools:
         try:
             if body >= len(text):
                 raise NotACall("empty tool call")
-            call = scan_call(text, body)
+            call = scan_call(text, body, scanner)
         except NotACall:
             # not a call: the block's text is content once its end shows (all of it at the end)
             close = text.find(CLOSE, block)

@@ -10,6 +10,7 @@ non-streamed answer exactly.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
@@ -46,49 +47,88 @@ def skip_whitespace(text: str, index: int) -> int:
 def string_end(text: str, index: int) -> int | None:
     """Index past the JSON string starting at `index` (a '"'); None if it is not closed yet."""
     index += 1
-    while index < len(text):
-        char = text[index]
-        if char == "\\":
-            index += 2
-            continue
-        if char == '"':
-            return index + 1
-        index += 1
-    return None
+    while True:
+        stop = _STRING_STOP.search(text, index)
+        if stop is None:
+            return None
+        if text[stop.start()] == '"':
+            return stop.start() + 1
+        index = stop.start() + 2  # past the escaped character
 
 
-def value_end(text: str, index: int) -> int | None:
+def value_end(text: str, index: int, scanner: JsonScanner | None = None) -> int | None:
     """Index past the JSON value starting at `index`; None if the text ends inside it (a number or a
     literal at the very end may go on). Raises NotACall on a character no value starts with; the
-    value's inner syntax is checked by json.loads once it is complete."""
+    value's inner syntax is checked by json.loads once it is complete. Objects and arrays are scanned
+    by `scanner` when given (resuming where it stopped on a shorter text)."""
     if index >= len(text):
         return None
     first = text[index]
     if first == '"':
         return string_end(text, index)
     if first in "{[":
-        depth = 0
-        while index < len(text):
-            char = text[index]
-            if char == '"':
-                end = string_end(text, index)
-                if end is None:
-                    return None
-                index = end
-                continue
-            if char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    return index + 1
-            index += 1
-        return None
+        return (scanner or JsonScanner()).container_end(text, index)
     if first in "-0123456789tfn":
         while index < len(text) and text[index] not in ",}] \t\r\n":
             index += 1
         return index if index < len(text) else None
     raise NotACall(f"no JSON value starts with {first!r}")
+
+
+_STRUCTURE = re.compile(r'[{}\[\]"]')
+_STRING_STOP = re.compile(r'["\\]')
+
+
+class JsonScanner:
+    """Finds where JSON objects and arrays end, remembering how far it got in each unfinished one.
+
+    Parsers run over a choice's whole text after every chunk; a stream's text only grows, so an
+    arguments object thousands of characters long would otherwise be rescanned from its start at
+    every token (seconds of the gateway's event loop for one long call). Each unfinished value
+    keeps the text it scanned, its nesting depth and whether it stopped inside a string; a longer
+    text that starts with that text resumes there. One scanner per choice."""
+
+    def __init__(self) -> None:
+        self._unfinished: dict[int, tuple[str, int, bool]] = {}  # start -> (text scanned, depth, in a string)
+
+    def container_end(self, text: str, start: int) -> int | None:
+        position, depth, in_string = start, 0, False
+        saved = self._unfinished.get(start)
+        if saved is not None and text.startswith(saved[0]):
+            position, depth, in_string = len(saved[0]), saved[1], saved[2]
+        while position < len(text):
+            if in_string:
+                stop = _STRING_STOP.search(text, position)
+                if stop is None:
+                    position = len(text)
+                    break
+                position = stop.start()
+                if text[position] == "\\":
+                    if position + 1 >= len(text):
+                        break  # the escaped character is still to come: resume at the backslash
+                    position += 2
+                    continue
+                in_string = False
+                position += 1
+                continue
+            found = _STRUCTURE.search(text, position)
+            if found is None:
+                position = len(text)
+                break
+            position = found.start()
+            char = text[position]
+            position += 1
+            if char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    self._unfinished.pop(start, None)
+                    return position
+        self._unfinished[start] = (text[:position], depth, in_string)
+        return None
 
 
 def _loads(raw: str) -> object:
@@ -98,7 +138,7 @@ def _loads(raw: str) -> object:
         raise NotACall(f"not valid JSON: {exc}") from None
 
 
-def scan_call(text: str, start: int) -> ScannedCall:
+def scan_call(text: str, start: int, scanner: JsonScanner | None = None) -> ScannedCall:
     """The tool call object starting at text[start] ('{'): keys `name` and `arguments` (or
     `parameters`) in either order. Raises NotACall when the text cannot be one: not an object, a
     name that is not a string, arguments that are not an object (or a string holding one), or, once
@@ -126,7 +166,7 @@ def scan_call(text: str, start: int) -> ScannedCall:
         if text[index] != ":":
             raise NotACall("expected ':' after a key")
         value_start = skip_whitespace(text, index + 1)
-        end = value_end(text, value_start)
+        end = value_end(text, value_start, scanner)
         if key in NAME_KEYS:
             if value_start < len(text) and text[value_start] != '"':
                 raise NotACall("a tool call's name is a string")
@@ -175,7 +215,8 @@ def _arguments(text: str, start: int, end: int | None) -> str:
     raise NotACall("a tool call's arguments are an object")
 
 
-def scan_call_array(text: str, start: int) -> tuple[list[ScannedCall], int | None]:
+def scan_call_array(text: str, start: int,
+                    scanner: JsonScanner | None = None) -> tuple[list[ScannedCall], int | None]:
     """The calls of a JSON array of call objects starting at text[start] ('['), and the index past
     the array (None while unfinished). Raises NotACall as scan_call does, or for other items."""
     if text[start:start + 1] != "[":
@@ -188,7 +229,7 @@ def scan_call_array(text: str, start: int) -> tuple[list[ScannedCall], int | Non
         index = skip_whitespace(text, index)
         if index >= len(text):
             return calls, None
-        call = scan_call(text, index)
+        call = scan_call(text, index, scanner)
         calls.append(call)
         if call.end is None:
             return calls, None

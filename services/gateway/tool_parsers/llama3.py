@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.gateway.tool_parsers.base import ParsedTools, text_until
 from services.gateway.tool_parsers.json_scan import (
+    JsonScanner,
     NotACall,
     ScannedCall,
     held_back,
@@ -16,7 +17,7 @@ from services.gateway.tool_parsers.json_scan import (
 PYTHON_TAG = "<|python_tag|>"
 
 
-def parse_llama3(text: str, final: bool) -> ParsedTools:
+def parse_llama3(text: str, final: bool, scanner: JsonScanner) -> ParsedTools:
     before, tag = text_until(text, PYTHON_TAG, final)
     if tag >= 0:
         content, start = before, tag + len(PYTHON_TAG)
@@ -28,12 +29,12 @@ def parse_llama3(text: str, final: bool) -> ParsedTools:
             return ParsedTools(content=before)
         content, start = "", first
     try:
-        return ParsedTools(content=content, calls=_calls(text, start, final))
+        return ParsedTools(content=content, calls=_calls(text, start, final, scanner))
     except NotACall:
         return ParsedTools(content=text)  # a call cannot start this way: all of it is text
 
 
-def _calls(text: str, index: int, final: bool) -> list[ScannedCall]:
+def _calls(text: str, index: int, final: bool, scanner: JsonScanner) -> list[ScannedCall]:
     calls: list[ScannedCall] = []
     while True:
         index = skip_whitespace(text, index)
@@ -41,7 +42,7 @@ def _calls(text: str, index: int, final: bool) -> list[ScannedCall]:
             if final and not calls:
                 raise NotACall("no call after the python tag")
             return calls
-        call = scan_call(text, index)
+        call = scan_call(text, index, scanner)
         if call.end is None and final:
             raise NotACall("cut off inside a call")
         calls.append(call)

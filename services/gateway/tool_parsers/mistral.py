@@ -5,12 +5,12 @@ so an answer that starts with `[{` is read as the array too."""
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import ParsedTools, text_until
-from services.gateway.tool_parsers.json_scan import NotACall, scan_call_array, skip_whitespace
+from services.gateway.tool_parsers.json_scan import JsonScanner, NotACall, scan_call_array, skip_whitespace
 
 TOOL_CALLS = "[TOOL_CALLS]"
 
 
-def parse_mistral(text: str, final: bool) -> ParsedTools:
+def parse_mistral(text: str, final: bool, scanner: JsonScanner) -> ParsedTools:
     before, tag = text_until(text, TOOL_CALLS, final)
     if tag >= 0:
         content, start = before, skip_whitespace(text, tag + len(TOOL_CALLS))
@@ -29,7 +29,7 @@ def parse_mistral(text: str, final: bool) -> ParsedTools:
     if start >= len(text):
         return ParsedTools(content=text if final else content)
     try:
-        calls, end = scan_call_array(text, start)
+        calls, end = scan_call_array(text, start, scanner)
         if final and (end is None or not calls):
             raise NotACall("cut off inside the calls")
     except NotACall:

@@ -11,6 +11,7 @@ import pytest
 from services.common.text_parsers import TOOL_CALL_PARSER_NAMES
 from services.gateway.chat_output import ChoiceParser, StreamedChoice
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS
+from services.gateway.tool_parsers.json_scan import JsonScanner
 from tests.services.gateway.chat_streams import AUTO, check_every_split, pieces_at, stream, whole
 
 WEATHER = '{"city": "Paris \\"FR\\"", "days": [1, 2], "unit": {"c": true}}'
@@ -114,3 +115,13 @@ def test_llama3_without_the_python_tag_and_mistral_without_its_token() -> None:
         [("time", TIME)]
     assert calls(check_every_split(parser("mistral"), f'[{{"name": "time", "arguments": {TIME}}}]')) == \
         [("time", TIME)]
+
+
+def test_scanner_resumes_on_a_growing_text_as_a_fresh_scan_would() -> None:
+    text = '{"a": [1, {"b": "x\\\\\\"}]{["}], "c": "\\u00e9"}  trailing'
+    scanner = JsonScanner()
+    for end in range(1, len(text) + 1):
+        assert scanner.container_end(text[:end], 0) == JsonScanner().container_end(text[:end], 0), end
+    # a text that does not extend the one scanned is scanned afresh
+    assert scanner.container_end('{"a": 1}', 0) == 8
+    assert scanner.container_end('{"a": "}"', 0) is None and scanner.container_end('{"b": 2}', 0) == 8
