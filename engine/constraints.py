@@ -35,16 +35,22 @@ class LogitsConstraints:
               ios: Sequence[RequestIO]) -> torch.Tensor:
         self._last_rows = [i for i, io in enumerate(ios) if io.params.penalized]
         self._last_slots = None
+        raw = logits
         if self._last_rows:
             logits = self._penalize(logits, requests, ios)
-        self._last_grammars = [i for i, io in enumerate(ios)
-                               if io.grammar is not None and io.grammar.sync(requests[i].output_ids)]
+        self._last_grammars = [i for i, io in enumerate(ios) if io.grammar is not None
+                               and io.grammar.sync(requests[i].token_ids[_output_start(requests[i], io):])]
         if self._last_grammars:
             grammars = [ios[i].grammar for i in self._last_grammars]
             bitmask = fill_masks(grammars, logits.shape[1])  # type: ignore[arg-type]
             rows = torch.tensor(self._last_grammars, device=logits.device)
             logits = apply_masks(logits, rows, bitmask)
             self.stats.constrained_steps += len(grammars)
+            dead = torch.isneginf(logits[rows]).all(dim=1)
+            if self._last_rows and bool(dead.any()):
+                # min_tokens banned every token the grammar allows (it can only end now): the
+                # grammar wins, on the row's unpenalized logits
+                logits[rows[dead]] = apply_masks(raw, rows[dead], bitmask[dead])[rows[dead]]
         return logits
 
     def _penalize(self, logits: torch.Tensor, requests: Sequence[Request],
@@ -53,7 +59,8 @@ class LogitsConstraints:
             self.table = PenaltyTable(logits.shape[1], logits.device)
         table = self.table
         rows = self._last_rows
-        slots = [table.slot(requests[i].room, requests[i].token_ids, requests[i].num_prompt) for i in rows]
+        slots = [table.slot(requests[i].room, requests[i].token_ids, _output_start(requests[i], ios[i]))
+                 for i in rows]
         self._last_slots = torch.tensor(slots, dtype=torch.int64, device=logits.device)
         return apply_penalties(logits, torch.tensor(rows, device=logits.device), self._last_slots, table,
                                [ios[i].params for i in rows], [requests[i].num_generated for i in rows],
@@ -72,3 +79,9 @@ class LogitsConstraints:
     def release(self, room: str) -> None:
         if self.table is not None:
             self.table.release(room)
+
+
+def _output_start(request: Request, io: RequestIO) -> int:
+    """Where the request's output begins in its tokens: a migrated continuation's carried tokens
+    (the end of its prompt) are output too."""
+    return request.num_prompt - io.carried_tokens

@@ -327,4 +327,5 @@ class Engine:
         if grammar is None and params.structured is not None:  # a caller that did not `prepare`
             grammar = self.grammars.compile(params.structured)
         return RequestIO(emit, params, stop_token_ids, generator, request.on_pages_filled,
-                         grammar=grammar.new_request() if grammar is not None else None)
+                         grammar=grammar.new_request() if grammar is not None else None,
+                         carried_tokens=request.carried_tokens)

@@ -52,6 +52,7 @@ class RequestIO:
     on_pages_filled: PagesFilled | None = None  # a prefill-only request's progress hook
     pages_reported: int = 0  # pages handed to on_pages_filled so far
     grammar: RequestGrammar | None = None  # a structured output's state (engine.grammar)
+    carried_tokens: int = 0  # EngineRequest.carried_tokens
 
 
 # ---- inbox commands (caller thread -> engine thread) ------------------------------------------

@@ -181,6 +181,8 @@ class RequestGrammar:
 
     def sync(self, output_ids: Sequence[int]) -> bool:
         """Catch up with the request's output tokens; whether the constraint applies to the next token."""
+        if self.start is None and not self.start_ids:
+            self.start = 0  # from the first output token (which may be here already: PD decode)
         while self.seen < len(output_ids):
             if self.start is None:
                 self.seen += 1
@@ -189,8 +191,6 @@ class RequestGrammar:
                     self.start = self.seen
                 continue
             self.accept(output_ids[self.seen])
-        if self.start is None and not self.start_ids:
-            self.start = self.seen
         return self.start is not None and not self.failed
 
     def accept(self, token_id: int) -> None:

@@ -55,3 +55,6 @@ class EngineRequest:
     image_embeddings: torch.Tensor | None = None
     # params.structured compiled off the engine thread (Engine.prepare); compiled on first use if not
     grammar: CompiledGrammar | None = None
+    # A migrated continuation: the prompt's last carried_tokens ids are output delivered by an
+    # earlier attempt; penalties and the grammar count them as output (engine.constraints).
+    carried_tokens: int = 0

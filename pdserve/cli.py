@@ -28,6 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "decode tokens/s and collective bytes per step, rank layout against layout"),
     "bench grammar": ("tools.bench.grammar",
                       "structured outputs: xgrammar against llguidance, compile time and per-step mask cost"),
+    "bench structured": ("tools.bench.structured",
+                         "decode tok/s with a JSON schema on every request against none; a 50-property "
+                         "schema's compile time"),
     "bench gateway": ("tools.bench.gateway", "latency the gateway adds over a direct worker call"),
     "bench epd": ("tools.bench.epd",
                   "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),

@@ -27,18 +27,20 @@ KV_MEDIUM_DEVICE: KvMedium
 KV_MEDIUM_STORE: KvMedium
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images", "carried_tokens")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_address: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    carried_tokens: int
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., carried_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -79,7 +81,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "carried_tokens")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,7 @@ class PrefillRequest(_message.Message):
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -102,7 +105,8 @@ class PrefillRequest(_message.Message):
     page_checksums: bool
     skip_pages: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    carried_tokens: int
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., carried_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_pages_written", "bytes_transferred", "transfer_seconds", "page_checksums", "tp_size", "num_pages_skipped")

@@ -178,7 +178,7 @@ class RemotePrefill:
             images=wire.images, sampling=wire.sampling, dst_page_ids=pages, dst=self._endpoint_for(room.id),
             decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
-            skip_pages=reservation.cached_pages)
+            skip_pages=reservation.cached_pages, carried_tokens=request.carried_tokens)
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(

@@ -50,7 +50,7 @@ class DecodeServicer(RoleServicer[DecodeRoom], worker_pb2_grpc.WorkerServicer):
         prefill_address = request.prefill_address if request.HasField("prefill_address") else ""
         try:
             parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                 request.images)
+                                 request.images, carried_tokens=request.carried_tokens)
             if not prefill_address and not self.local_prefill.enabled:
                 raise BadRequest("a decode worker needs prefill_address: the prefill worker to run the "
                                  "prompt on (or --conditional-disaggregation to run it here)")

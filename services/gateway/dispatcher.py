@@ -163,7 +163,7 @@ class Dispatcher:
         while True:
             try:
                 async with contextlib.aclosing(self._attempts(attempt_room, model, prompt, params,
-                                                              exclude, images)) as chunks:
+                                                              exclude, images, carried)) as chunks:
                     async for chunk in chunks:
                         if migrations:
                             chunk = _continued(chunk, text, len(prompt_token_ids), carried, delivered)
@@ -210,7 +210,8 @@ class Dispatcher:
 
     async def _attempts(self, room: str, model: str, prompt_token_ids: Sequence[int],
                         sampling: common_pb2.SamplingParams, exclude: set[str],
-                        images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
+                        images: Sequence[bytes] = (),
+                        carried: int = 0) -> AsyncGenerator[GenerationChunk, None]:
         """Attempts on routes not in `exclude` until one yields a token (retries, backoff)."""
         backoff_s = self.settings.retry_backoff_s
         last_failure: _Retryable | None = None
@@ -228,7 +229,7 @@ class Dispatcher:
                 self.metrics.routed.labels(worker=worker.address, role=worker.role).inc()
             try:
                 async with contextlib.aclosing(self._attempt(attempt_room, route, prompt_token_ids,
-                                                             sampling, images)) as chunks:
+                                                             sampling, images, carried)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -250,11 +251,12 @@ class Dispatcher:
                 backoff_s *= 2
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
-                       sampling: common_pb2.SamplingParams,
-                       images: Sequence[bytes] = ()) -> AsyncGenerator[GenerationChunk, None]:
-        """One attempt on `route`. Raises _Retryable for a failure before the first token."""
+                       sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),
+                       carried: int = 0) -> AsyncGenerator[GenerationChunk, None]:
+        """One attempt on `route`. Raises _Retryable for a failure before the first token. `carried`:
+        the prompt's last tokens that a migrated generation delivered already (GenerateRequest)."""
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
-                                             sampling=sampling, images=list(images))
+                                             sampling=sampling, images=list(images), carried_tokens=carried)
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs

@@ -39,14 +39,16 @@ if TYPE_CHECKING:
 def continuation_sampling(sampling: common_pb2.SamplingParams,
                           generated: int) -> common_pb2.SamplingParams | None:
     """`sampling` for the rest of a generation that has `generated` tokens already; None when its
-    token budget is spent. Everything else (stop strings and ids, ignore_eos, logprobs, seed) is
-    kept; SamplingParams has no min_tokens to reduce."""
+    token budget is spent. min_tokens is reduced likewise; everything else (stop strings and ids,
+    ignore_eos, logprobs, seed, penalties, structured output) is kept: the worker continues the
+    penalty counts and the grammar from the carried tokens (GenerateRequest.carried_tokens)."""
     budget = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     if budget - generated <= 0:
         return None
     rest = common_pb2.SamplingParams()
     rest.CopyFrom(sampling)
     rest.max_new_tokens = budget - generated
+    rest.min_tokens = max(0, sampling.min_tokens - generated)
     return rest
 
 

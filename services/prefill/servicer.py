@@ -44,7 +44,7 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
         arrival = time.perf_counter()
         try:
             parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                 request.images, prefill_only=True)
+                                 request.images, prefill_only=True, carried_tokens=request.carried_tokens)
             if not request.room:
                 raise BadRequest("room is required")
             if request.model != self.model_name:

@@ -30,7 +30,7 @@ class ColocatedServicer(RoleServicer[Room], worker_pb2_grpc.WorkerServicer):
         arrival = time.perf_counter()
         try:
             parsed = await parse(self.engine, request.room, request.prompt_token_ids, request.sampling,
-                                 request.images)
+                                 request.images, carried_tokens=request.carried_tokens)
             parsed = await self.with_embeddings(parsed, list(request.images))  # --language-only: EPD
             room = self.rooms.open(parsed.room, Stage.RUNNING, asyncio.current_task())
         except Refused as exc:

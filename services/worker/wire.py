@@ -17,6 +17,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -63,7 +64,7 @@ async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoR
 
 async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                 sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (), *,
-                prefill_only: bool = False) -> EngineRequest:
+                prefill_only: bool = False, carried_tokens: int = 0) -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
     if images:
@@ -71,6 +72,11 @@ async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                                           prefill_only=prefill_only, images=list(images))
     else:
         request = parse_request(engine, room, prompt_token_ids, sampling, prefill_only=prefill_only)
+    if carried_tokens:
+        if not 0 < carried_tokens < len(request.prompt_ids):
+            raise BadRequest(f"carried_tokens {carried_tokens} must be below the prompt's "
+                             f"{len(request.prompt_ids)} tokens")
+        request = replace(request, carried_tokens=carried_tokens)
     try:  # a structured output compiles off the engine thread, bounded in time
         return await engine.prepare(request)
     except ValueError as exc:

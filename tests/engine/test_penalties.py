@@ -9,6 +9,7 @@ from OpenAI's formula (logit -= count * frequency + (count > 0) * presence, over
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -101,10 +102,27 @@ async def test_penalties_match_hf_colocated_and_disaggregated(qwen3_ckpt, refere
                                     for i, (case, _) in enumerate(CASES)))
         for i, (case, _) in enumerate(CASES):
             assert [token for token, _, _ in pd[i]] == reference[i], f"disaggregated, {case}"
+        # a migrated continuation: the delivered tokens end its prompt, counted as output
+        carried = 5
+        rest = await asyncio.gather(*(
+            colocated_continuation(engine, i, continuation(params_of(case), carried), reference[i][:carried])
+            for i, (case, _) in enumerate(CASES) if len(reference[i]) > carried))
+        assert rest == [r[carried:] for r in reference if len(r) > carried]
         assert engine.thread.constraints.table is not None and len(engine.thread.constraints.table) == 0
     finally:
         engine.shutdown()
         decode.shutdown()
+
+
+def continuation(params: SamplingParams, carried: int) -> SamplingParams:
+    """What the gateway's migration sends on (services/gateway/migration.py continuation_sampling)."""
+    return replace(params, max_new_tokens=params.max_new_tokens - carried,
+                   min_tokens=max(0, params.min_tokens - carried))
+
+
+async def colocated_continuation(engine, i: int, params: SamplingParams, delivered: list[int]) -> list[int]:
+    return [o.token_id async for o in generate(engine, PROMPTS[i] + delivered, params, f"m{i}",
+                                               carried_tokens=len(delivered))]
 
 
 def test_penalty_rows_leave_other_rows_alone_and_slots_are_reused() -> None:

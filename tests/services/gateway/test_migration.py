@@ -136,6 +136,7 @@ async def test_a_mid_stream_failure_continues_on_another_pair() -> None:
     assert continuation.prefill_address == "127.0.0.1:1" and continuation.room == "r.m1"
     expected = sampling(max_new_tokens=3)  # the rest of the budget, every other setting as asked
     assert continuation.sampling == expected
+    assert continuation.carried_tokens == 3 and first.requests[0].carried_tokens == 0
     assert len(first.requests) == 1  # the failed worker is not tried again by this request
     assert migrations(metrics, "unavailable") == 1
 
@@ -230,6 +231,8 @@ async def test_the_continuation_that_cannot_start_is_an_error_after_the_first_to
 def test_continuation_sampling() -> None:
     assert continuation_sampling(sampling(max_new_tokens=6), 4).max_new_tokens == 2
     assert continuation_sampling(sampling(max_new_tokens=6), 6) is None
+    assert continuation_sampling(sampling(max_new_tokens=6, min_tokens=5), 4).min_tokens == 1
+    assert continuation_sampling(sampling(max_new_tokens=6, min_tokens=3), 4).min_tokens == 0
     unset = common_pb2.SamplingParams(temperature=0.0)
     rest = continuation_sampling(unset, 100)
     assert rest.max_new_tokens == 28 and rest.temperature == 0.0  # the worker's default budget, 128
