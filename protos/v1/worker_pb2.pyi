@@ -183,16 +183,20 @@ class ModelFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "context_length", "files", "files_sha256")
+    __slots__ = ("served_model_name", "context_length", "files", "files_sha256", "tool_call_parser", "reasoning_parser")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     FILES_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     context_length: int
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
     files_sha256: str
-    def __init__(self, served_model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., files_sha256: _Optional[str] = ...) -> None: ...
+    tool_call_parser: str
+    reasoning_parser: str
+    def __init__(self, served_model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., files_sha256: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from protos.v1 import worker_pb2
+from services.common.text_parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, TextParsers
 
 # What services.gateway.prompts.ModelFiles reads, plus the files HF tokenizers may split their settings into.
 GATEWAY_FILES = ("chat_template.jinja", "config.json", "generation_config.json", "special_tokens_map.json",
@@ -59,8 +60,10 @@ def _json(content: bytes | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def read_model_info(folder: str | Path, served_model_name: str) -> worker_pb2.ModelInfo:
-    """The ModelInfo of a checkpoint folder. Raises ModelInfoError when its files exceed the bound."""
+def read_model_info(folder: str | Path, served_model_name: str,
+                    text_parsers: TextParsers = TextParsers()) -> worker_pb2.ModelInfo:
+    """The ModelInfo of a checkpoint folder, with the worker's `text_parsers`. Raises ModelInfoError
+    when its files exceed the bound."""
     files: dict[str, bytes] = {}
     total = 0
     for name in GATEWAY_FILES:
@@ -76,7 +79,15 @@ def read_model_info(folder: str | Path, served_model_name: str) -> worker_pb2.Mo
     return worker_pb2.ModelInfo(
         served_model_name=served_model_name, context_length=length or 0,
         files=[worker_pb2.ModelFile(name=name, content=files[name]) for name in sorted(files)],
-        files_sha256=files_digest(files))
+        files_sha256=files_digest(files), tool_call_parser=text_parsers.tool_call_parser or "",
+        reasoning_parser=text_parsers.reasoning_parser or "")
+
+
+def reported_text_parsers(info: worker_pb2.ModelInfo) -> TextParsers:
+    """The parser names a ModelInfo reports (names this gateway does not know are dropped)."""
+    tool_call = info.tool_call_parser if info.tool_call_parser in TOOL_CALL_PARSER_NAMES else None
+    reasoning = info.reasoning_parser if info.reasoning_parser in REASONING_PARSER_NAMES else None
+    return TextParsers(tool_call, reasoning)
 
 
 def write_model_files(info: worker_pb2.ModelInfo, folder: Path) -> None:

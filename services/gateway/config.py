@@ -15,6 +15,7 @@ from pathlib import Path
 from pdserve import envs
 from services.common.keepalive import MAX_MESSAGE_BYTES, MESSAGE_ROOM_BYTES
 from services.common.security import GrpcSecurity
+from services.common.text_parsers import TextParsers
 from services.gateway.addresses import grpc_address
 from services.gateway.media_limits import parse_domains, parse_limit_mm_per_prompt
 
@@ -149,6 +150,8 @@ class GatewayConfig:
         "the workers serve LoRA adapters (--enable-lora): a `model` other than the base's names an adapter "
         "(as in vLLM), and /generate takes SGLang's `lora_path`; a worker without it answers 404"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
+    # over the names the workers report (services.common.text_parsers)
+    text_parsers: TextParsers = field(default_factory=TextParsers)
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -130,7 +130,8 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
                 return
             model = learning.result()
             state = build_state(config, (), model_files=ModelFiles(folder), model_name=model.name,
-                                worker_check=RegistryWorkerCheck(model, config.security))
+                                worker_check=RegistryWorkerCheck(model, config.security),
+                                reported_parsers=model.text_parsers)
             check = StaticWorkerCheck(state.pool, workers, model, config.security)
             check.start()
             try:

@@ -4,7 +4,9 @@ The seeds' router is started with worker addresses only. The gateway still token
 chat templates, so at start-up it asks the workers it is given (or, with none, the registry's) for
 their ModelInfo over gRPC (Worker.GetModelInfo / Prefill.GetModelInfo) until one answers, writes
 that worker's tokenizer files into a private folder and serves that model under the name the
-worker reports (or --served-model-name, which the worker must then report too).
+worker reports (or --served-model-name, which the worker must then report too), reading tool calls
+and thinking with the parsers it reports (--tool-call-parser, --reasoning-parser; the gateway's own
+flags win).
 
 From then on a static worker is routed to only once it has reported the same model: same served
 name and the same files digest (a worker with another tokenizer would get token ids it reads as
@@ -26,9 +28,15 @@ import grpc
 
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
-from services.common.model_info import MAX_MODEL_INFO_MESSAGE_BYTES, ModelInfoError, write_model_files
+from services.common.model_info import (
+    MAX_MODEL_INFO_MESSAGE_BYTES,
+    ModelInfoError,
+    reported_text_parsers,
+    write_model_files,
+)
 from services.common.registry_client import RegistryClient
 from services.common.security import GrpcSecurity
+from services.common.text_parsers import TextParsers
 from services.gateway.config import StaticWorker
 from services.gateway.discovery import stop_task
 from services.gateway.workers import ROLE_FROM_PROTO, WorkerPool
@@ -51,6 +59,7 @@ class ServedModel:
     files_sha256: str
     context_length: int
     source: str  # the worker it was learned from, for logs
+    text_parsers: TextParsers = TextParsers()  # the names that worker reports
 
     def disagreement(self, info: worker_pb2.ModelInfo) -> str | None:
         """Why a worker reporting `info` may not serve this gateway's requests (None: it may)."""
@@ -119,7 +128,7 @@ async def learn_model(workers: Sequence[StaticWorker], registry: str | None, sec
                      info.served_model_name, worker.role, worker.address, info.context_length or "unknown",
                      info.files_sha256[:12])
             return ServedModel(info.served_model_name, info.files_sha256, info.context_length,
-                               f"{worker.role} {worker.address}")
+                               f"{worker.role} {worker.address}", reported_text_parsers(info))
         now = time.monotonic()
         if now >= deadline:
             raise ModelUnknown(f"no worker reported its model within {timeout_s:g}s "

@@ -239,6 +239,10 @@ class ModelFiles:
             return 0
         return math.ceil(len(text) / self._bytes_per_token_bound)  # a character is at least one byte
 
+    def text_of(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens included (as a chat template wrote them)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def token_text(self, token_id: int) -> TokenText:
         """The text of one token on its own (byte-level pieces of a multi-byte character decode to
         U+FFFD, as vLLM shows them) and its bytes."""
@@ -272,9 +276,9 @@ class PromptEncoder:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
-    async def chat(self, body: ChatCompletionRequest) -> list[int]:
-        """Render the checkpoint's chat template over the messages and tokenize (no special tokens
-        added: the template wrote them)."""
+    async def chat(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
+        """Render the checkpoint's chat template over the messages and `tools` (what tool_choice lets
+        the model see) and tokenize (no special tokens added: the template wrote them)."""
         template = self.model_files.chat_template
         if template is None:
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -282,9 +286,9 @@ class PromptEncoder:
 
         def render() -> str:
             return template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                   tools=body.tools, extra=body.chat_template_kwargs)
+                                   tools=tools, extra=body.chat_template_kwargs)
 
-        size = sum(len(str(message.get("content", ""))) for message in messages) + len(str(body.tools or ""))
+        size = sum(len(str(message.get("content", ""))) for message in messages) + len(str(tools or ""))
         try:
             text = await self._run(render, size)
         except ChatTemplateError as exc:

@@ -48,6 +48,7 @@ from services.gateway.fields import (
     TopK,
     check_json_unicode,
 )
+from services.gateway.tool_choice import TOOL_CHOICE_NEEDS_TOOLS, Tool, ToolChoice
 
 
 class _Body(BaseModel):
@@ -189,6 +190,8 @@ class _OpenAISampling(SamplingFields, OpenAIConstraints, _OpenAIHead):
 class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra=TOOL_CHOICE_NEEDS_TOOLS)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -197,7 +200,9 @@ class ChatCompletionRequest(_OpenAISampling):
         "ignored)")), AS_INT] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
-    tools: list[JsonObject] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from protos.v1 import common_pb2
+from services.gateway.chat_output import ToolCall, ToolCallDelta
 from services.gateway.dispatcher import Dispatcher, GeneratedToken, GenerationChunk
 from services.gateway.errors import GatewayError, error_body
 from services.gateway.metrics import GatewayMetrics
@@ -114,6 +115,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking, split off by a --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -136,6 +139,8 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from services.gateway.chat_output import ChoiceParser, StreamedChoice, chat_parsing, message
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.images import image_loader, image_urls
@@ -45,6 +46,7 @@ from services.gateway.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     ChoiceJob,
     ChoiceResult,
@@ -64,6 +66,7 @@ from services.gateway.responses import (
     stream_response,
 )
 from services.gateway.state import GatewayState
+from services.gateway.tool_choice import plan_tools
 
 router = APIRouter()
 
@@ -132,19 +135,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     model = served_model(state, body.model)
     check_limits(state, body, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens)
     guards.check_fanout(1, body.n, prompt_param="messages", count_param="n")
+    tools = [tool.template_dict() for tool in body.tools] if body.tools is not None else None
+    tool_plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls)
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
     images = await image_loader(request).load(image_urls(body), multimodal=state.model_files.multimodal,
                                               param="messages")
-    prompt_ids = await guards.encoder.chat(body)
+    prompt_ids = await guards.encoder.chat(body, tool_plan.template_tools)
+    parsers = state.text_parsers
+    # the prompt's end says whether the template opened the thinking (only a reasoning parser asks)
+    prompt_tail = state.model_files.text_of(prompt_ids[-8:]) if parsers.reasoning_parser else ""
+    parsing = chat_parsing(tool_plan, parsers.tool_call_parser, parsers.reasoning_parser,
+                           body.chat_template_kwargs, prompt_tail)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
                  max_tokens_param=max_tokens_param)
     top_n = body.top_logprobs_wanted
     request_id = new_request_id("chatcmpl")
     lora = requested_adapter(state, body.model)
-    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, body.sampling(i), tuple(images), lora)
-            for i in range(body.n)]
+    jobs = [ChoiceJob(i, f"{request_id}-{i}", model, prompt_ids, parsing.constrain(body.sampling(i)),
+                      tuple(images), lora) for i in range(body.n)]
     timers = [RequestTimer(state.metrics) for _ in jobs]
     created = int(time.time())
 
@@ -160,13 +170,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             return [chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
                     for job in jobs]
 
-        def token_event(position: int, item: GenerationChunk, _: ChoiceResult) -> str | None:
-            if not item.text and item.finish_reason is None and not (body.logprobs and item.tokens):
-                return None  # a token whose text the detokenizer holds back: nothing to show yet
-            delta = ChatDelta(content=item.text or None) if item.text else ChatDelta()
+        streams = [StreamedChoice(parsing.parser()) for _ in jobs]
+
+        def token_event(position: int, item: GenerationChunk, so_far: ChoiceResult) -> str | None:
+            finish_reason = item.finish_reason
+            if streams[position].parser.plain:
+                delta = ChatDelta(content=item.text or None)
+            else:  # the text so far, parsed: only what is new is sent
+                parsed = streams[position].step(so_far.text, final=finish_reason is not None)
+                delta = ChatDelta(content=parsed.content, reasoning_content=parsed.reasoning,
+                                  tool_calls=parsed.tool_calls or None)
+                finish_reason = streams[position].finish_reason(finish_reason)
+            if (delta.content is None and delta.reasoning_content is None and delta.tool_calls is None
+                    and finish_reason is None and not (body.logprobs and item.tokens)):
+                return None  # text the detokenizer or a parser holds back: nothing to show yet
             return chunk([ChatChunkChoice(index=jobs[position].index, delta=delta,
                                           logprobs=logprobs_of(item.tokens) if item.tokens else None,
-                                          finish_reason=item.finish_reason)])
+                                          finish_reason=finish_reason)])
 
         usage_event = _usage_event(chunk, lambda results: _chat_prompt_tokens(prompt_ids, results),
                                    body.include_usage)
@@ -176,12 +196,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     results = await collect_choices(request, state.dispatcher, jobs, timers)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    choices = [ChatChoice(index=r.index, message=ChatMessageOut(content=r.text),
-                          logprobs=logprobs_of(r.tokens), finish_reason=r.finish_reason)
-               for r in results]
+    choices = [_chat_choice(r, parsing.parser(), logprobs_of(r.tokens)) for r in results]
     return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
                           usage=_usage([_chat_prompt_tokens(prompt_ids, results)],
                                        [r.completion_tokens for r in results]))
+
+
+def _chat_choice(result: ChoiceResult, parser: ChoiceParser, logprobs: ChatLogprobs | None) -> ChatChoice:
+    if parser.plain:
+        return ChatChoice(index=result.index, message=ChatMessageOut(content=result.text), logprobs=logprobs,
+                          finish_reason=result.finish_reason)
+    parts = message(parser, result.text)
+    return ChatChoice(index=result.index, message=ChatMessageOut(
+        content=parts.content, reasoning_content=parts.reasoning_content, tool_calls=parts.tool_calls),
+        logprobs=logprobs, finish_reason=parts.finish_reason(result.finish_reason))
 
 
 def _chat_prompt_tokens(prompt_ids: Sequence[int], results: Sequence[ChoiceResult]) -> int:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.text_parsers import TextParsers
 from services.gateway.config import GatewayConfig, StaticWorker
 from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
@@ -30,6 +31,7 @@ class GatewayState:
     discovery: RegistryDiscovery | None = None
     prober: HealthProber | None = None
     kv_events: KvEventSubscriptions | None = None
+    text_parsers: TextParsers = field(default_factory=TextParsers)  # how chat output is read
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
@@ -67,10 +69,12 @@ class GatewayState:
 
 def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = (), *,
                 model_files: ModelFiles | None = None, model_name: str | None = None,
-                worker_check: WorkerCheck | None = None) -> GatewayState:
+                worker_check: WorkerCheck | None = None,
+                reported_parsers: TextParsers = TextParsers()) -> GatewayState:
     """The gateway's objects. `model_files`/`model_name`: the model learned from the workers when
     there is no --model-path (services.gateway.model_source), and `worker_check` admits registry
-    workers only once they report that model; default: read from --model-path."""
+    workers only once they report that model; default: read from --model-path. `reported_parsers`:
+    the parser names that model's worker reported (the gateway's flags win)."""
     model_name = model_name or config.served_model_name
     if model_name is None or (model_files is None and not config.model_path):
         raise ValueError("the gateway needs --model-path, or a model learned from its workers")
@@ -96,4 +100,5 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
                                                                 config.decode_policy_name) else None
     return GatewayState(config=config, model_name=model_name, model_files=model_files,
                         pool=pool, router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery,
-                        prober=prober, kv_events=kv_events)
+                        prober=prober, kv_events=kv_events,
+                        text_parsers=config.text_parsers.over(reported_parsers))

@@ -22,6 +22,7 @@ from libkv.transfer import BACKEND_NAMES as BACKENDS
 from pdserve import envs
 from services.common.security import GrpcSecurity
 from services.common.server_config import ServerConfig
+from services.common.text_parsers import TextParsers
 from services.worker.epd_config import EpdConfig
 
 MODES = ("prefill", "decode", "null")
@@ -134,6 +135,7 @@ class WorkerConfig:
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
     epd: EpdConfig = field(default_factory=EpdConfig)
+    text_parsers: TextParsers = field(default_factory=TextParsers)  # reported to gateways, not used here
 
     def __post_init__(self) -> None:
         if not Path(self.engine.model_path, "config.json").is_file():

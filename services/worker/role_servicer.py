@@ -12,6 +12,7 @@ from engine.models.vision import tower_merge_size
 from engine.request import EngineRequest
 from protos.v1 import worker_pb2
 from services.common.model_info import ModelInfoError, read_model_info
+from services.common.text_parsers import TextParsers
 from services.worker import lora_admin
 from services.worker.encoders import EncoderRefused, EncoderUnavailable
 from services.worker.rooms import R, RoomTable
@@ -20,8 +21,9 @@ from services.worker.wire import Refused, abort_with
 
 
 @functools.cache
-def _cached_model_info(model_path: str, served_model_name: str) -> worker_pb2.ModelInfo:
-    return read_model_info(model_path, served_model_name)  # the folder does not change while serving
+def _cached_model_info(model_path: str, served_model_name: str,
+                       text_parsers: TextParsers) -> worker_pb2.ModelInfo:
+    return read_model_info(model_path, served_model_name, text_parsers)  # the folder does not change
 
 
 class RoleServicer(Generic[R]):
@@ -43,7 +45,8 @@ every worker's gRPC services share."""
     async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.ModelInfo:
         try:
-            return _cached_model_info(self.config.engine.model_path, self.model_name)
+            return _cached_model_info(self.config.engine.model_path, self.model_name,
+                                      self.config.text_parsers)
         except ModelInfoError as exc:
             await abort_with(context, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except OSError as exc:

@@ -104,7 +104,9 @@ CORPUS: list[tuple[str, bytes, str | None]] = [
     ("/v1/chat/completions", raw({**CHAT, "user": "\udfff"}), "user"),
     ("/v1/chat/completions", raw({**CHAT, "model": "\ud800"}), "model"),
     ("/v1/chat/completions", raw({**CHAT, "tools": [{"type": "function", "function": {"name": "\ud800"}}]}),
-     "tools.0"),
+     "tools.0.function.name"),
+    ("/v1/chat/completions", raw({**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"\ud800": {}}}}]}), "tools.0.function.parameters"),
     ("/v1/chat/completions", raw({**CHAT, "chat_template_kwargs": {"\ud800": True}}), "chat_template_kwargs"),
     ("/v1/chat/completions", raw({**CHAT, "max_tokens": 2**40}), "max_tokens"),
     ("/v1/chat/completions", raw({**CHAT, "max_tokens": 5000}), "max_tokens"),  # past the context
