@@ -77,6 +77,9 @@ class PenaltyTable:
         self.counts.index_put_((slots, token_ids), torch.ones_like(slots, dtype=torch.int32), accumulate=True)
 
 
+_LOGIT_BOUND = 1e30
+
+
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, table: PenaltyTable,
                     params: Sequence[SamplingParams], num_generated: Sequence[int],
                     stop_ids: Sequence[frozenset[int]]) -> torch.Tensor:
@@ -103,6 +106,9 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
         seen = table.in_prompt[slots][:, :vocab] | (counts > 0)
         penalty = repetition.unsqueeze(1)
         penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        # a penalty near 0 overflows a positive logit to +inf, which makes the softmax NaN: a bound
+        # far above any logit (and below float32's largest after a temperature's division) keeps it
+        penalized = penalized.clamp(max=_LOGIT_BOUND)
         sub = torch.where(seen, penalized, sub)
     frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=device)
     presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=device)

@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdserve.sampling_params import MAX_LOGIT_BIAS
 from protos.v1 import common_pb2
-from services.gateway.fields import AS_INT, FLOAT32_MAX, INT32_MAX, JsonObject, NonEmptyText, Text
+from services.gateway.fields import (
+    AS_INT,
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    JsonObject,
+    NonEmptyText,
+    Text,
+)
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 256
@@ -128,7 +136,8 @@ class OpenAIConstraints(_Part):
         for key, bias in (self.logit_bias or {}).items():
             params.logit_bias[int(key)] = bias
         if self.repetition_penalty is not None:
-            params.repetition_penalty = self.repetition_penalty
+            # float32 on the wire: a value below its smallest positive one would arrive as 0
+            params.repetition_penalty = max(self.repetition_penalty, FLOAT32_TINY)
         params.min_tokens = self.min_tokens
         structured = self.structured()
         if structured is not None:
@@ -153,7 +162,8 @@ class NativeConstraints(_Part):
 
     def fill(self, params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
         if self.repetition_penalty is not None:
-            params.repetition_penalty = self.repetition_penalty
+            # float32 on the wire: a value below its smallest positive one would arrive as 0
+            params.repetition_penalty = max(self.repetition_penalty, FLOAT32_TINY)
         params.min_tokens = self.min_new_tokens
         kind: dict[str, Any] = {}
         if self.json_schema is not None:
