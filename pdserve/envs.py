@@ -114,6 +114,10 @@ MOONCAKE_MASTER = EnvVar(
     "SGLang's name for the Mooncake Store master (HOST:PORT), read when PDSERVE_HICACHE_MOONCAKE_MASTER "
     "and --hicache-mooncake-master are unset.")
 LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "INFO", "Log level of every pdserve process.")
+CPU_ISA = EnvVar(
+    "PDSERVE_CPU_ISA", "auto",
+    "Instruction set of the C++ CPU kernels a process loads: auto (the best this CPU runs), avx512, avx2 or "
+    "portable. A set the CPU lacks is refused; each is built once by `make setup`.")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 

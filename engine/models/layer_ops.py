@@ -186,7 +186,7 @@ def select_layer_ops(mode: str, device: torch.device) -> TorchLayerOps:
     if cpu_kernels.available():
         # Said at load, so a deployment's logs show which path its workers run (the
         # container images build the kernels too: tests/e2e/test_compose.py reads this line).
-        log.info("C++ CPU kernels loaded (%s)", cpu_ext.library_path().name)
+        log.info("C++ CPU kernels loaded (%s: %s)", cpu_ext.active_isa().name, cpu_ext.library_path().name)
         return CpuKernelLayerOps()
     reason = cpu_ext.unavailable_reason()
     if mode == "on":
