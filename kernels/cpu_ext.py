@@ -234,17 +234,22 @@ def unavailable_reason(variant: Isa | None = None) -> str | None:
     return _reasons.get(variant.name)
 
 
+def _named(name: str | None) -> Isa:
+    return active_isa() if name in (None, "active") else isa(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.cpu_ext", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["build", "path"])
-    parser.add_argument("--isa", help="one variant (default: every one this CPU runs, for build; the "
-                                      "active one, for path)")
+    parser.add_argument("--isa", help="one variant, or `active`: the one this process loads "
+                                      "(PDSERVE_CPU_ISA). Default: every one this CPU runs (build), the "
+                                      "active one (path)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "path":
-        print(library_path(isa(args.isa) if args.isa else None))
+        print(library_path(_named(args.isa)))
         return 0
-    variants = [isa(args.isa)] if args.isa else executable_isas()
+    variants = [_named(args.isa)] if args.isa else executable_isas()
     if not args.isa and active_isa() not in variants:  # PDSERVE_CPU_ISA=portable, say
         variants.append(active_isa())
     for variant in variants:
