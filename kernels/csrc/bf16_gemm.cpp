@@ -123,7 +123,8 @@ constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
 // One tile: RM rows x 16 of a group's 64 outputs (quarter q) over the input pairs [k0, k1). A 256-bit
 // load of W holds the weights of inputs k and k+1 for 8 outputs; a shift (k) and a mask (k+1) make
 // them fp32, as in the AVX-512 tile, and the FMAs run in the same order per output. 16 registers:
-// 6 rows x 2 accumulators, two weight vectors and a broadcast.
+// 4 rows x 2 accumulators, two weight vectors, a broadcast and the mask (at 6 rows, 12 accumulators,
+// gcc moved the accumulators through the stack on every input pair).
 template <int RM>
 void tile(const float* x, int64_t x_stride, const uint16_t* w, int quarter, int64_t k0, int64_t k1, float* acc_buf,
           bool first, bool last, int64_t pf_phase, int64_t pf_period, const float* bias, c10::BFloat16* out,
@@ -179,8 +180,8 @@ void tile(const float* x, int64_t x_stride, const uint16_t* w, int quarter, int6
 
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int, int64_t, int64_t, float*, bool, bool, int64_t,
                         int64_t, const float*, c10::BFloat16*, int64_t, int64_t);
-constexpr int kMaxTileRows = 6;
-constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr int kMaxTileRows = 4;
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
 
 #endif
 
