@@ -25,7 +25,7 @@ container_host() {
 # instruction sets their cache key differs: build them for this one first (a no-op when they match;
 # on failure the engine runs its torch ops and says so).
 if [ -f /app/kernels/cpu_ext.py ] && command -v g++ >/dev/null 2>&1; then
-    (cd /app && nice -n 10 python3 -m kernels.cpu_ext build >&2) || echo "[entrypoint] C++ kernels not built" >&2
+    (cd /app && nice -n 10 python3 -m kernels.cpu_ext build --isa active >&2) || echo "[entrypoint] C++ kernels not built" >&2
 fi
 
 [ "$#" -gt 0 ] || set -- pdserve --help

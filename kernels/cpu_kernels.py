@@ -5,7 +5,8 @@ kernels.torch_ops.paged_decode_attention_torch, `extend_attention` against torch
 gathered pages (engine.models.attention's torch extend path), `mla_attention` against
 engine.models.mla.MLAAttention.attend_torch, the layer ops against the torch op chains of
 engine.models.layer_ops.TorchLayerOps, `bf16_gemm` against the exact (fp64) product. Call
-`available()` first: without the built library `torch.ops.pdserve_cpu` has none of these ops.
+`available()` first: without the built library there are none of these ops. They run on the library of
+the process's instruction set (kernels.cpu_ext.active_isa(): PDSERVE_CPU_ISA, or the best the CPU runs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _int32(values: torch.Tensor) -> torch.Tensor:
 def paged_decode_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Same contract as kernels.ops.paged_decode_attention, read straight from the pages (no gather)."""
-    return torch.ops.pdserve_cpu.paged_decode_attention(q, buffer, layer, _int32(page_table),
+    return cpu_ext.ops().paged_decode_attention(q, buffer, layer, _int32(page_table),
                                                         _int32(seq_lens), scale)
 
 
@@ -35,7 +36,7 @@ def extend_attention(q: torch.Tensor, buffer: torch.Tensor, layer: int, page_ids
     """Causal attention of one extend span's queries q [L, Hq, D] (positions prefix_len ..
     prefix_len + L - 1) over the span's prefix_len + L keys, read straight from its pages
     `page_ids` (the new tokens' K/V already stored there). head_dim 32, 64, 128 or 256."""
-    return torch.ops.pdserve_cpu.extend_attention(q, buffer, layer, _int32(page_ids), prefix_len, scale)
+    return cpu_ext.ops().extend_attention(q, buffer, layer, _int32(page_ids), prefix_len, scale)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor, layer: int,
@@ -49,7 +50,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor
     v_head_dim]. The first decode_page_table.shape[0] rows are decode rows (one per sequence, seeing
     its seq_len keys); span i's rows [start, start + length) see its prefix and its own rows up to
     theirs. Same contract as MLAAttention.attend_torch."""
-    return torch.ops.pdserve_cpu.mla_attention(
+    return cpu_ext.ops().mla_attention(
         q_nope, q_pe, buffer, layer, k_up, v_up_t, scale,
         None if decode_page_table is None else _int32(decode_page_table),
         None if decode_seq_lens is None else _int32(decode_seq_lens),
@@ -58,12 +59,12 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, buffer: torch.Tensor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm of the rows of a contiguous 2-d x."""
-    return torch.ops.pdserve_cpu.rms_norm(x, weight, eps)
+    return cpu_ext.ops().rms_norm(x, weight, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place, rounded to its dtype), then return rms_norm(residual)."""
-    return torch.ops.pdserve_cpu.add_rms_norm(residual, x, weight, eps)
+    return cpu_ext.ops().add_rms_norm(residual, x, weight, eps)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -73,13 +74,13 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
     """From fused projections qkv [T, (Hq + 2 Hkv) * D]: q [T, Hq, D] and k [T, Hkv, D] after the
     optional per-head norms and rotary at `positions` (rows of the full cos/sin tables); K and V are
     also written to `slots` of `layer` in the pool."""
-    return torch.ops.pdserve_cpu.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, buffer,
+    return cpu_ext.ops().qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, buffer,
                                                     layer, slots, num_heads, num_kv_heads)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
-    return torch.ops.pdserve_cpu.silu_and_mul(gate_up)
+    return cpu_ext.ops().silu_and_mul(gate_up)
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -88,15 +89,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for x [T, H], ids/weights [T, k] and all
     experts' stacked gate_up [E, 2I, H] and down [E, H, I] in x's dtype; rounds where engine.models.moe's
     torch path does, and a token's sums never depend on the other rows."""
-    return torch.ops.pdserve_cpu.moe_experts(x, ids, weights, gate_up, down)
+    return cpu_ext.ops().moe_experts(x, ids, weights, gate_up, down)
 
 
 BF16_GEMM_GROUP = 64  # outputs per packed group of kernels/csrc/bf16_gemm.cpp
 
 
 def bf16_gemm_supported() -> bool:
-    """Whether the built library has the AVX512-BF16 GEMM (it is compiled only for CPUs that have it)."""
-    return available() and bool(torch.ops.pdserve_cpu.bf16_gemm_supported())
+    """Whether the built library has the bf16 GEMM: the avx512 variant on CPUs with AVX512-BF16, and the
+    avx2 variant."""
+    return available() and bool(cpu_ext.ops().bf16_gemm_supported())
 
 
 def bf16_gemm_preferred() -> bool:
@@ -125,11 +127,11 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
               out_features: int) -> torch.Tensor:
     """y = x @ W.T + bias for a contiguous 2-d bf16 x and W packed by pack_bf16_gemm_weight: fp32 sums
     in a fixed order per output (a row's result never depends on the other rows), one bf16 rounding."""
-    return torch.ops.pdserve_cpu.bf16_gemm(x, packed, bias, out_features)
+    return cpu_ext.ops().bf16_gemm(x, packed, bias, out_features)
 
 
 def lora_delta_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    row_slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """out[t] += scales[s] * B_s @ A_s @ x[t] in place for each row t of slot s = row_slots[t] >= 0
     (engine.lora.ops's slot layout; its `lora_delta_reference` is the reference)."""
-    return torch.ops.pdserve_cpu.lora_delta_add(out, x, a, b, row_slots, scales)
+    return cpu_ext.ops().lora_delta_add(out, x, a, b, row_slots, scales)

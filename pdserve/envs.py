@@ -119,6 +119,11 @@ GATEWAY_REUSE_PORT = EnvVar(
     "Set by `launch-router --workers N` for its gateway processes: bind the port with SO_REUSEPORT, "
     "beside the others; not for operators.")
 
+CPU_ISA = EnvVar(
+    "PDSERVE_CPU_ISA", "auto",
+    "Instruction set of the C++ CPU kernels a process loads: auto (the best this CPU runs), avx512, avx2 or "
+    "portable. A set the CPU lacks is refused; each is built once by `make setup`.")
+
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 
 

@@ -113,10 +113,11 @@ async def serve(runtime: WorkerRuntime, hooks: WorkerHooks = WorkerHooks()) -> N
         background = _background(runtime, binding.servicer)
         layout = runtime.engine.kv_layout
         # The pool's device names the GPU the worker ended up on (--device auto, --base-gpu-id).
+        ops = getattr(getattr(runtime.engine, "model", None), "ops", None)  # which kernels (and ISA) run
         log.info("%s worker listening on %s (metrics :%d), model %s, %d KV pages of %d tokens on %s, "
-                 "transfer backend %s, %s", config.role, server.address, metrics_server.port,
+                 "%s, transfer backend %s, %s", config.role, server.address, metrics_server.port,
                  config.model_name, runtime.engine.stats().total_pages, layout.page_size,
-                 runtime.engine.pool.device,
+                 runtime.engine.pool.device, ops.describe() if ops is not None else "kernels unknown",
                  config.disaggregation_transfer_backend if runtime.backend else "none",
                  config.security.describe())
         config.security.warn_if_open(config.server.host, f"this {config.role} worker")

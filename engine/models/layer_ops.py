@@ -62,6 +62,10 @@ class TorchLayerOps:
     # expert's weights stacked for the fused C++ op kernels.cpu_kernels.moe_experts.
     fused_moe_experts = False
 
+    def describe(self) -> str:
+        """Which kernels run, for a worker's start line and the benchmarks."""
+        return "torch ops"
+
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> Rotary:
         """Per-forward rotary inputs, passed to every layer's `qk_norm_rope_store`."""
         return table.lookup(positions, max_position)
@@ -127,6 +131,10 @@ class CpuKernelLayerOps(TorchLayerOps):
 
     fused_moe_experts = True
 
+    def describe(self) -> str:
+        linears = "C++ bf16 GEMM" if cpu_kernels.bf16_gemm_preferred() else "oneDNN"
+        return f"C++ CPU kernels {cpu_ext.active_isa().name} (bf16 linears: {linears})"
+
     def rotary(self, table: RotaryTable, positions: torch.Tensor, max_position: int) -> Rotary:
         return positions, *table.tables(max_position)
 
@@ -186,7 +194,7 @@ def select_layer_ops(mode: str, device: torch.device) -> TorchLayerOps:
     if cpu_kernels.available():
         # Said at load, so a deployment's logs show which path its workers run (the
         # container images build the kernels too: tests/e2e/test_compose.py reads this line).
-        log.info("C++ CPU kernels loaded (%s)", cpu_ext.library_path().name)
+        log.info("C++ CPU kernels loaded (%s: %s)", cpu_ext.active_isa().name, cpu_ext.library_path().name)
         return CpuKernelLayerOps()
     reason = cpu_ext.unavailable_reason()
     if mode == "on":

@@ -1,4 +1,4 @@
-// y = x @ W^T (+ bias) in bf16 for CPUs with AVX512-BF16, on a weight packed once at load.
+// y = x @ W^T (+ bias) in bf16 for CPUs with AVX-512 or AVX2 + FMA, on a weight packed once at load.
 //
 // Why: oneDNN's bf16 linears ran a decode step's weights at about 4 GB/s per thread (the small
 // preset, batch 16, 50 of a step's 60 ms). A decode GEMM has few rows, so it is a stream of the
@@ -14,17 +14,22 @@
 // increasing k, whatever the number of rows, the row tile, the thread split or the other rows; the
 // bias is added in fp32 after the sum and the result rounded to bf16 once (round to nearest even);
 // blocking over K only parks the fp32 sums in memory between blocks, which changes no bit.
-// So a row's result is bit-identical alone or in any batch, prefill or decode.
+// So a row's result is bit-identical alone or in any batch, prefill or decode. The AVX2 variant
+// (kernels.cpu_ext's `avx2` library: 8-lane registers, so a tile is 16 outputs wide, not 64) keeps
+// the same order per output and the same rounding: its results equal the AVX-512 one's bit for bit.
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#include "numerics.h"
+
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +47,7 @@ constexpr int64_t kBlockPairs = 64;
 constexpr int64_t kPrefetchPairs = kBlockPairs;
 
 bool supported() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__))
   return true;
 #else
   return false;
@@ -113,12 +118,77 @@ using TileFn = void (*)(const float*, int64_t, const __m512i*, int64_t, int64_t,
 constexpr int kMaxTileRows = 6;
 constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+
+// One tile: RM rows x 16 of a group's 64 outputs (quarter q) over the input pairs [k0, k1). A 256-bit
+// load of W holds the weights of inputs k and k+1 for 8 outputs; a shift (k) and a mask (k+1) make
+// them fp32, as in the AVX-512 tile, and the FMAs run in the same order per output. 16 registers:
+// 4 rows x 2 accumulators, two weight vectors, a broadcast and the mask (at 6 rows, 12 accumulators,
+// gcc moved the accumulators through the stack on every input pair).
+template <int RM>
+void tile(const float* x, int64_t x_stride, const uint16_t* w, int quarter, int64_t k0, int64_t k1, float* acc_buf,
+          bool first, bool last, int64_t pf_phase, int64_t pf_period, const float* bias, c10::BFloat16* out,
+          int64_t out_stride, int64_t valid_cols) {
+  __m256 acc[RM][2];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < 2; ++j)
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_buf + r * kGroupCols + 16 * quarter + 8 * j);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t pf = pf_phase;
+  for (int64_t k = k0; k < k1; ++k) {
+    // This quarter's 16 x 2 weights of pair k: one 64-byte line of the pair's 256.
+    const auto* wk = reinterpret_cast<const __m256i*>(w + (k * kGroupCols + 16 * quarter) * 2);
+    if (pf == 0) {  // W kPrefetchPairs ahead, into L2, shared among the row tiles (see the AVX-512 tile)
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchPairs * kGroupCols * 4, _MM_HINT_T1);
+      pf = pf_period;
+    }
+    --pf;
+    __m256 wf[2];
+    for (int j = 0; j < 2; ++j) wf[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wk + j), 16));
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + 2 * k);
+      for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_fmadd_ps(xr, wf[j], acc[r][j]);
+    }
+    for (int j = 0; j < 2; ++j) wf[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wk + j), high));
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + 2 * k + 1);
+      for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_fmadd_ps(xr, wf[j], acc[r][j]);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < RM; ++r)
+      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc_buf + r * kGroupCols + 16 * quarter + 8 * j, acc[r][j]);
+    return;
+  }
+  const int64_t cols = std::clamp<int64_t>(valid_cols - 16 * quarter, 0, 16);
+  if (cols == 0) return;
+  float b[16] = {};
+  if (bias) std::copy(bias + 16 * quarter, bias + 16 * quarter + cols, b);
+  const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+  for (int r = 0; r < RM; ++r) {
+    const __m256i y = avx2::to_bf16(_mm256_add_ps(acc[r][0], b0), _mm256_add_ps(acc[r][1], b1));
+    c10::BFloat16* dst = out + r * out_stride + 16 * quarter;
+    if (cols == 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), y);
+    } else {
+      uint16_t bits[16];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits), y);
+      std::memcpy(dst, bits, cols * sizeof(uint16_t));
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int, int64_t, int64_t, float*, bool, bool, int64_t,
+                        int64_t, const float*, c10::BFloat16*, int64_t, int64_t);
+constexpr int kMaxTileRows = 4;
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
+
 #endif
 
 // x [M, K] bf16 contiguous; packed [N / 64, K2, 64, 2] bf16; bias [N] or none -> [M, N] bf16.
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                      int64_t out_features) {
-  TORCH_CHECK(supported(), "bf16_gemm: this build has no AVX512-BF16 (keep oneDNN)");
+  TORCH_CHECK(supported(), "bf16_gemm: this build has neither AVX512-BF16 nor AVX2 + FMA (keep oneDNN)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_gemm: x must be a contiguous 2-d bf16 tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -166,13 +236,43 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
       }
     }
   });
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  const float* xp = xin.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const float* bp = bias32 ? bias32->data_ptr<float>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = 2 * k2;
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> acc(kRowBlock * kGroupCols);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t r1 = std::min(rows, r0 + kRowBlock);
+      for (int64_t g = first; g < last; ++g) {
+        const uint16_t* w = wp + g * k2 * kGroupCols * 2;
+        const int64_t col0 = g * kGroupCols;
+        const int64_t valid = std::min<int64_t>(kGroupCols, out_features - col0);
+        const int quarters = static_cast<int>((valid + 15) / 16);  // all-padding quarters compute nothing
+        for (int64_t k0 = 0; k0 < k2; k0 += kBlockPairs) {
+          const int64_t k1 = std::min(k2, k0 + kBlockPairs);
+          const int64_t tiles = (r1 - r0 + kMaxTileRows - 1) / kMaxTileRows;
+          for (int64_t r = r0; r < r1; r += kMaxTileRows) {
+            const int64_t rm = std::min<int64_t>(kMaxTileRows, r1 - r);
+            for (int q = 0; q < quarters; ++q) {
+              kTiles[rm](xp + r * x_stride, x_stride, w, q, k0, k1, acc.data() + (r - r0) * kGroupCols, k0 == 0,
+                         k1 == k2, (r - r0) / kMaxTileRows, tiles, bp ? bp + col0 : nullptr,
+                         op + r * out_features + col0, out_features, valid);
+            }
+          }
+        }
+      }
+    }
+  });
 #endif
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("bf16_gemm_supported() -> bool", &supported);
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor", &bf16_gemm);
 }

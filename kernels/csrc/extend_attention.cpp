@@ -333,7 +333,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& buffer, int64
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("extend_attention(Tensor q, Tensor buffer, int layer, Tensor page_ids, int prefix_len, float scale) "
         "-> Tensor",
         &extend_attention);

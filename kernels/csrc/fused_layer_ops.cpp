@@ -245,7 +245,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("qk_norm_rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor? q_norm, "

@@ -78,7 +78,7 @@ at::Tensor lora_delta_add(at::Tensor out, const at::Tensor& x, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("lora_delta_add(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor row_slots, Tensor scales) -> Tensor(a!)",
         &lora_delta_add);
 }

@@ -340,7 +340,7 @@ at::Tensor mla_attention(const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("mla_attention(Tensor q_nope, Tensor q_pe, Tensor buffer, int layer, Tensor k_up, Tensor v_up_t, "
         "float scale, Tensor? decode_page_table, Tensor? decode_seq_lens, Tensor[] span_page_ids, "
         "int[] span_starts, int[] span_lengths, int[] span_prefix_lens) -> Tensor",

@@ -243,7 +243,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down) -> Tensor", &moe_experts);
 }
 

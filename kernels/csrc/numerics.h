@@ -4,9 +4,10 @@
 // rounding a torch op in dtype T applies to its fp32 result, so a fused kernel rounds at the same
 // points as the chain of torch ops (and HF transformers) it replaces.
 //
-// Vec16 is an AVX-512 register when the library is compiled for a CPU that has it (the build
-// passes -march=native and keys the cached library by the CPU's flags), else an array the
-// compiler vectorizes as it can; kernels are written once against it.
+// Vec16 is an AVX-512 register in the library built for AVX-512 (kernels.cpu_ext's `avx512` variant,
+// -march=native), two AVX2 registers in the `avx2` one (fp32 FMAs, bf16 and fp16 widened in
+// registers), else an array the compiler vectorizes as it can; kernels are written once against it.
+// Each variant has one fixed order per reduction, so a row's result never depends on its batch.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,7 +19,17 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+// The torch.ops namespace the kernels register under: one per variant, so several can be loaded in
+// one process (kernels.cpu_ext passes it).
+#ifndef PDSERVE_OPS
+#define PDSERVE_OPS pdserve_cpu
+#endif
+
+#if defined(PDSERVE_ISA_AVX2) && defined(__AVX512F__)
+#error "the avx2 variant must be compiled without AVX-512 (kernels.cpu_ext passes its flags)"
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -138,6 +149,135 @@ inline Vec16 sum_each(const Vec16* v) {
   }
   return {_mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0b10001000),
                         _mm512_shuffle_f32x4(halves[0], halves[1], 0b11011101))};
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2 + FMA: lanes 0-7 in `lo`, 8-15 in `hi`.
+namespace avx2 {
+
+// fp32 bits rounded to nearest even at bit 16 (a quiet NaN stays a NaN), as c10 rounds to bf16.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan));
+}
+
+// Sixteen fp32 lanes (two vectors) -> 16 bf16 (round to nearest even), in order.
+inline __m256i to_bf16(__m256 lo, __m256 hi) {
+  const __m256i a = _mm256_srli_epi32(bf16_bits(lo), 16), b = _mm256_srli_epi32(bf16_bits(hi), 16);
+  // packus works per 128-bit half ([a0-3 b0-3 | a4-7 b4-7]): put the quarters back in order.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0b11011000);
+}
+
+inline __m256 widen_bf16(__m128i raw) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order sum_each uses too.
+inline float sum8(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 q = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));  // 0 below the clamp
+}
+
+// Lane t of the result: the sum of the eight lanes of v[t], in sum8's order.
+inline __m256 sum_each8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+}  // namespace avx2
+
+struct Vec16 {
+  __m256 lo, hi;
+  static Vec16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Vec16 fill(float x) {
+    const __m256 v = _mm256_set1_ps(x);
+    return {v, v};
+  }
+  static Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static Vec16 load(const c10::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {avx2::widen_bf16(_mm256_castsi256_si128(raw)), avx2::widen_bf16(_mm256_extracti128_si256(raw, 1))};
+  }
+  static Vec16 load(const c10::Half* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_cvtph_ps(_mm256_castsi256_si128(raw)), _mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1))};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  void store(c10::BFloat16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), avx2::to_bf16(lo, hi));
+  }
+  void store(c10::Half* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p) + 1, _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT));
+  }
+  template <typename T>
+  Vec16 round_as() const {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      return {_mm256_castsi256_ps(_mm256_and_si256(avx2::bf16_bits(lo), high)),
+              _mm256_castsi256_ps(_mm256_and_si256(avx2::bf16_bits(hi), high))};
+    } else if constexpr (std::is_same_v<T, c10::Half>) {
+      return {_mm256_cvtph_ps(_mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT)),
+              _mm256_cvtph_ps(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT))};
+    } else {
+      return *this;
+    }
+  }
+  float sum() const { return avx2::sum8(_mm256_add_ps(lo, hi)); }
+  float max() const {
+    __m256 m = _mm256_max_ps(lo, hi);
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(m);
+  }
+  Vec16 operator+(Vec16 o) const { return {_mm256_add_ps(lo, o.lo), _mm256_add_ps(hi, o.hi)}; }
+  Vec16 operator-(Vec16 o) const { return {_mm256_sub_ps(lo, o.lo), _mm256_sub_ps(hi, o.hi)}; }
+  Vec16 operator*(Vec16 o) const { return {_mm256_mul_ps(lo, o.lo), _mm256_mul_ps(hi, o.hi)}; }
+  Vec16 operator/(Vec16 o) const { return {_mm256_div_ps(lo, o.lo), _mm256_div_ps(hi, o.hi)}; }
+  Vec16 operator-() const { return {_mm256_sub_ps(_mm256_setzero_ps(), lo), _mm256_sub_ps(_mm256_setzero_ps(), hi)}; }
+  // a * b + this
+  Vec16 fma(Vec16 a, Vec16 b) const { return {_mm256_fmadd_ps(a.lo, b.lo, lo), _mm256_fmadd_ps(a.hi, b.hi, hi)}; }
+  static Vec16 max(Vec16 a, Vec16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+};
+
+inline Vec16 exp(Vec16 x) { return {avx2::exp8(x.lo), avx2::exp8(x.hi)}; }
+
+// Lane t of the result is v[t].sum(), bit for bit.
+inline Vec16 sum_each(const Vec16* v) {
+  __m256 folded[kLanes];
+  for (int t = 0; t < kLanes; ++t) folded[t] = _mm256_add_ps(v[t].lo, v[t].hi);
+  return {avx2::sum_each8(folded), avx2::sum_each8(folded + 8)};
 }
 
 #else  // portable fallback: plain arrays, vectorized by the compiler where it can

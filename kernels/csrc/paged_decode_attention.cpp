@@ -283,7 +283,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& buffer,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor buffer, int layer, Tensor page_table, Tensor seq_lens, "
         "float scale) -> Tensor",
         &paged_decode_attention);

@@ -9,7 +9,8 @@ projection reads more than 1024 inputs (where oneDNN's one-row fp32 kernel sums 
 the prompt is long enough that decode attention covers several of its 256-token spans. All prompts
 arrive at once and fit one prefill chunk, so each is prefilled as a span of its own in both runs.
 
-This holds on the engine's default CPU path, the C++ kernels (`make setup` builds them). The torch
+This holds on the engine's default CPU path, the C++ kernels (`make setup` builds them), on each of their
+instruction-set variants the CPU runs (the first test runs every one). The torch
 ops fallback (`--cpu-kernels off`) keeps per-sequence attention but is not batch-invariant in
 bf16: its tokens' logprobs differed in the fourth digit after a few steps, and swapping its
 RMSNorms for the kernels' made the runs identical (an isolated torch RMSNorm was invariant, so
@@ -23,6 +24,7 @@ import asyncio
 import pytest
 
 from engine.sampling import SamplingParams
+from tests.cpu_isa import cpu_isa  # noqa: F401  (the fixture)
 from tests.engine.conftest import generate, random_prompts, start_engine
 from tools.models.tiny_model import write_tiny_model
 
@@ -41,6 +43,7 @@ async def run(engine, prompt, room):
             async for o in generate(engine, prompt, GREEDY, room)]
 
 
+@pytest.mark.usefixtures("cpu_isa")  # once per kernel variant this CPU runs (avx512, avx2)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_alone_equals_in_a_batch(wide_mlp_ckpt, dtype):
     target, *others = random_prompts([300, 1, 40, 517, 90, 3], seed=5)

@@ -4,8 +4,8 @@ Both checkpoints (Qwen3 tiny preset; a Llama with head_dim 48, GQA 4:1, untied e
 llama3 rope scaling) are run with 16 prompts of 1..600 tokens submitted together, so decode
 batches and prefill chunks mix, with chunked_prefill_size 64 (a 600-token prompt spans 10 steps).
 The second run has a page budget so small that requests must be retracted and recomputed. The
-engine runs its fused C++ CPU kernels (kernels/csrc) by default; the first test also runs the torch
-ops they replace.
+engine runs its fused C++ CPU kernels (kernels/csrc) by default; the first test runs them once per
+instruction-set variant the CPU executes (kernels.cpu_ext), and also the torch ops they replace.
 HF generates each prompt alone (no padding) with eos disabled, matching the engine's ignore_eos.
 """
 
@@ -18,6 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.sampling import SamplingParams
+from kernels import cpu_ext
+from pdserve import envs
 from tests.engine.conftest import generate, random_prompts, start_engine
 
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 65, 100, 129, 250, 400, 600]
@@ -73,9 +75,13 @@ def check_equal(got, expected) -> None:
         assert worst < LOGPROB_TOLERANCE, f"prompt of {length} tokens: logprob off by {worst}"
 
 
-@pytest.mark.parametrize("cpu_kernels", ["on", "off"])  # the fused C++ kernels and the torch ops
-async def test_greedy_matches_hf_with_chunked_prefill(case, cpu_kernels):
+# The fused C++ kernels, once per variant this CPU runs (avx512, avx2), and the torch ops.
+@pytest.mark.parametrize("kernels", [*(f"on:{v.name}" for v in cpu_ext.executable_isas()), "off"])
+async def test_greedy_matches_hf_with_chunked_prefill(case, kernels, monkeypatch):
     model_dir, prompts, expected = case
+    cpu_kernels, _, isa = kernels.partition(":")
+    if isa:
+        monkeypatch.setenv(envs.CPU_ISA.name, isa)
     engine = start_engine(model_dir, chunked_prefill_size=64, num_pages=512, cpu_kernels=cpu_kernels)
     try:
         got = await engine_outputs(engine, prompts)

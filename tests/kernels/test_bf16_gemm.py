@@ -5,20 +5,30 @@ is off by at most one bf16 ulp of the result plus the fp32 summation's own error
 fp32 ulps of the sum of |x_k * w_k|). Batch invariance is tested bit for bit: a row's output must
 not depend on how many rows share the call, which rows they are, or the thread count.
 
-The kernel exists only where the CPU has AVX512-BF16 (the library is built with -march=native);
-elsewhere the Linear keeps oneDNN and these tests skip.
+Every test runs once per kernel variant the CPU executes (tests/cpu_isa.py): the avx512 library has
+the kernel where the CPU has AVX512-BF16, the avx2 one always (AVX2 + FMA). Where a variant has none,
+the Linear keeps oneDNN and its tests skip. Both variants sum each output in the same order and round
+once, so where both run their results are equal bit for bit.
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 from engine.models.linear import Linear
-from kernels import cpu_kernels
+from kernels import cpu_ext, cpu_kernels
+from tests.cpu_isa import cpu_isa  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemm_supported(),
-                                reason="no AVX512-BF16 GEMM in this build")
+
+@pytest.fixture(autouse=True)
+def gemm(cpu_isa):  # noqa: F811
+    if not cpu_kernels.bf16_gemm_supported():
+        pytest.skip(f"the {cpu_isa.name} kernels have no bf16 GEMM on this CPU (no AVX512-BF16)")
+    return cpu_isa
 
 
 def case(out_features: int, in_features: int, rows: int, bias: bool, seed: int = 0):
@@ -73,7 +83,6 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(in_features, out_features
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_gemm_preferred(), reason="no AVX512-BF16: the kernel is not built")
 def test_linear_uses_it_for_bf16_and_keeps_fp32_on_onednn():
     x, weight, b = case(300, 256, rows=5, bias=True)
     bf16 = Linear(weight, b)
@@ -95,3 +104,28 @@ def test_bad_input_is_a_clear_error():
         cpu_kernels.bf16_gemm(x, packed, None, 200)
     with pytest.raises(RuntimeError, match="bias"):
         cpu_kernels.bf16_gemm(x, packed, torch.zeros(3), 64)
+
+
+def test_every_variant_gives_the_same_bits():
+    variants = [v for v in cpu_ext.executable_isas()
+                if cpu_ext.load(v) and cpu_ext.ops(v).bf16_gemm_supported()]
+    if len(variants) < 2:
+        pytest.skip("one variant with the bf16 GEMM runs here")
+    for in_features, out_features in [(768, 2048), (2048, 768), (77, 100), (130, 16)]:
+        x, weight, b = case(out_features, in_features, rows=13, bias=True, seed=in_features)
+        packed, b32 = cpu_kernels.pack_bf16_gemm_weight(weight), b.float()
+        first, *others = [cpu_ext.ops(v).bf16_gemm(x, packed, b32, out_features) for v in variants]
+        for other in others:
+            assert torch.equal(other, first)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
+def test_the_avx2_library_has_no_avx512_instruction():
+    variant = cpu_ext.isa("avx2")
+    if not cpu_ext.runs_here(variant):
+        pytest.skip("this CPU has no AVX2")
+    assert cpu_ext.load(variant), cpu_ext.unavailable_reason(variant)
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(cpu_ext.library_path(variant))],
+                             capture_output=True, text=True, check=True).stdout
+    assert "ymm" in listing  # it is vectorized, with AVX registers
+    assert "zmm" not in listing and "%k1" not in listing  # and uses no 512-bit or mask register

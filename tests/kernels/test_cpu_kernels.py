@@ -20,9 +20,11 @@ from engine.models.layer_ops import CpuKernelLayerOps, HeadShape, TorchLayerOps,
 from engine.models.rope import RotaryTable
 from kernels import cpu_ext, cpu_kernels
 from kernels.torch_ops import paged_decode_attention_torch
+from tests.cpu_isa import cpu_isa  # noqa: F401  (the fixture)
 from tests.kernels.paged_case import dense_decode_attention, make_case
 
-pytestmark = pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler")
+pytestmark = [pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler"),
+              pytest.mark.usefixtures("cpu_isa")]  # once per kernel variant this CPU runs
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
              torch.float16: dict(rtol=1e-3, atol=1e-3)}

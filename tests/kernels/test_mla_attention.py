@@ -22,8 +22,10 @@ from engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 from engine.models.mla import MLAAttention
 from engine.models.mla_config import MLAConfig
 from kernels import cpu_ext, cpu_kernels
+from tests.cpu_isa import cpu_isa  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler")
+pytestmark = [pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler"),
+              pytest.mark.usefixtures("cpu_isa")]  # once per kernel variant this CPU runs
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
              torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}

@@ -18,8 +18,10 @@ import torch
 from engine.models.linear import Linear
 from engine.models.moe import routed_experts_torch
 from kernels import cpu_ext, cpu_kernels
+from tests.cpu_isa import cpu_isa  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler")
+pytestmark = [pytest.mark.skipif(shutil.which(cpu_ext.COMPILER) is None, reason="no C++ compiler"),
+              pytest.mark.usefixtures("cpu_isa")]  # once per kernel variant this CPU runs
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
              torch.float16: dict(rtol=5e-3, atol=5e-3)}

@@ -34,11 +34,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tools.bench.step_floor import step_floor
+
+if TYPE_CHECKING:
+    from tools.bench.engine_variants import Variant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine")
     parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
                         help="pdserve's fused C++ CPU kernels (engine config cpu_kernels)")
+    parser.add_argument("--cpu-isa", default=None,
+                        help="kernel variants, comma-separated (avx512, avx2, portable: PDSERVE_CPU_ISA): "
+                             "pdserve runs the first, each other one is measured beside it "
+                             "(tools/bench/engine_variants.py)")
+    parser.add_argument("--onednn-baselines", action="store_true",
+                        help="also measure pdserve with its linears on oneDNN, in this dtype (the C++ bf16 "
+                             "GEMM off) and in fp32")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="pdserve's tensor-parallel ranks; --threads is shared out between them")
     parser.add_argument("--device", default="cpu",
@@ -266,11 +278,20 @@ def _serve(system_cls, args, conn) -> None:
 
 
 class _Child:
-    def __init__(self, system_cls, args) -> None:
+    def __init__(self, system_cls, args, env: dict[str, str] | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=_serve, args=(system_cls, args, child_conn), daemon=True)
-        self.process.start()
+        saved = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})  # a spawned child starts with the parent's environment
+        try:
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         child_conn.close()
         self.name = system_cls.__name__
 
@@ -373,26 +394,32 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, threads: int, rep
         with_hf: bool, dtype: str = "float32", peer_python: str | None = None,
         cpu_kernels: str = "auto", tp_size: int = 1, device: str = "cpu",
         graphs: GraphFlags = NO_GRAPH_FLAGS, eager_baseline: bool = False,
-        speculative: dict | None = None, lora_paths: tuple[str, ...] = ()) -> dict[str, dict]:
+        speculative: dict | None = None, lora_paths: tuple[str, ...] = (), cpu_isa: str | None = None,
+        variants: Sequence[Variant] = ()) -> dict[str, dict]:
     """Rounds alternate between the systems (one child process each, only one busy at a time), so
     a change of load on a shared machine hits all alike. One warm-up round each is discarded.
     `speculative` (SpeculativeConfig's fields, and "never": the never-accepted drafter): pdserve
     also runs with it, as "pdserve_spec". `lora_paths`: also pdserve with these adapters
-    ("pdserve_lora")."""
-    systems: dict[str, type] = {"pdserve": PdserveSystem}
+    ("pdserve_lora"). `cpu_isa` is pdserve's kernel variant (PDSERVE_CPU_ISA); `variants` more pdserve
+    systems."""
+    from tools.bench.engine_variants import isa_env
+
+    main_env = isa_env(cpu_isa) if cpu_isa else {}
+    # (name, class, dtype, environment, speculative, lora paths)
+    systems: list[tuple[str, type, str, dict, dict | None, tuple[str, ...]]] = [
+        ("pdserve", PdserveSystem, dtype, main_env, None, ())]
     if eager_baseline:
-        systems["pdserve_eager"] = PdserveEagerSystem
+        systems.append(("pdserve_eager", PdserveEagerSystem, dtype, main_env, None, ()))
     if speculative:
-        systems["pdserve_spec"] = PdserveSystem
+        systems.append(("pdserve_spec", PdserveSystem, dtype, main_env, speculative, ()))
     if lora_paths:
-        systems["pdserve_lora"] = PdserveSystem
-    if with_hf:
-        systems["hf"] = HfSystem
+        systems.append(("pdserve_lora", PdserveSystem, dtype, main_env, None, lora_paths))
+    systems += [(v.name, v.system, v.dtype, isa_env(v.isa), None, ()) for v in variants]
+    systems += [("hf", HfSystem, dtype, {}, None, ())] if with_hf else []
     children: dict = {}
-    for name, cls in systems.items():  # loaded one after the other: peak RSS stays per system
-        children[name] = _Child(cls, (model, prompts, new_tokens, threads, dtype, cpu_kernels, tp_size,
-                                      device, graphs, speculative if name == "pdserve_spec" else None,
-                                      lora_paths if name == "pdserve_lora" else ()))
+    for name, cls, system_dtype, env, spec, adapters in systems:  # one after the other: peak RSS per system
+        children[name] = _Child(cls, (model, prompts, new_tokens, threads, system_dtype, cpu_kernels, tp_size,
+                                      device, graphs, spec, adapters), env)
         children[name].wait_ready()
     if peer_python:
         peer = _PeerChild(peer_python, model, prompts, new_tokens, threads, dtype)
@@ -435,6 +462,12 @@ def main(args: argparse.Namespace) -> int:
                     "dtype": args.dtype, "tp_size": args.tp_size, "device": args.device}
     if args.device.startswith("cuda"):
         report["seed_figure"] = SEED_FIGURE
+    from tools.bench import engine_variants
+
+    isas = engine_variants.parse_isas(args.cpu_isa)
+    extra = engine_variants.variants(isas, args.onednn_baselines, args.dtype)
+    if args.device == "cpu" and args.cpu_kernels != "off":
+        report["cpu_isa"] = _kernels_name(isas[0] if isas else None)
     floor = None
     if args.device == "cpu" or args.tp_size == 1:  # measured first, with no engine process busy
         floor = step_floor(args.model, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.threads,
@@ -444,7 +477,7 @@ def main(args: argparse.Namespace) -> int:
         results = run(args.model, prompts, args.new_tokens, args.threads, args.repeats, not args.skip_hf,
                       args.dtype, args.peer_python, args.cpu_kernels, args.tp_size, args.device,
                       (args.disable_cuda_graph, args.cuda_graph_max_bs, tuple(args.cuda_graph_bs)),
-                      args.eager_baseline, speculative, lora_paths)
+                      args.eager_baseline, speculative, lora_paths, isas[0] if isas else None, extra)
     report.update(results)
     if speculative:
         report["speculative"] = speculative | {"workload": args.workload}
@@ -454,6 +487,10 @@ def main(args: argparse.Namespace) -> int:
         report["lora_adapters"], report["lora_rank"] = args.lora_adapters, args.lora_rank
         report["base_over_lora"] = (results["pdserve"]["decode_tokens_per_s"]
                                     / results["pdserve_lora"]["decode_tokens_per_s"])
+    report["variants"] = [v.name for v in extra]
+    for variant in extra:
+        results[variant.name].update(engine_variants.compare(results["pdserve"], results[variant.name]))
+        results[variant.name]["cpu_isa"] = _kernels_name(variant.isa)
     if floor is not None:
         report["floor"] = floor.to_dict()
         report["pdserve_step_over_floor"] = results["pdserve"]["decode_ms_per_step"] / floor.ms
@@ -466,7 +503,7 @@ def main(args: argparse.Namespace) -> int:
         if peer in results:
             compared = _compare(results["pdserve"], results[peer])
             report.update({prefix + key: value for key, value in compared.items()})
-    for system in SYSTEMS:
+    for system in (*SYSTEMS, *report["variants"]):
         if system in report:
             report[system].pop("tokens")
     if args.json:
@@ -485,6 +522,12 @@ def _write_adapters(model: str, folder: Path, count: int, rank: int) -> tuple[st
 
     return tuple(f"bench{i}={write_random_adapter(model, folder / f'bench{i}', rank=rank, seed=i)}"
                  for i in range(count))
+
+
+def _kernels_name(isa: str | None) -> str:
+    from kernels import cpu_ext
+
+    return cpu_ext.active_isa().name if isa in (None, "auto") else str(isa)
 
 
 def _compare(pdserve: dict, peer: dict) -> dict:
@@ -510,12 +553,17 @@ def print_table(report: dict) -> None:
     out = sys.stdout
     out.write(f"batch {report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
               f"{report['threads']} threads, {report['dtype']}, {report['device']}\n")
-    for system in SYSTEMS:
+    if "cpu_isa" in report:
+        out.write(f"  pdserve runs the {report['cpu_isa']} C++ CPU kernels\n")
+    for system in (*SYSTEMS, *report.get("variants", [])):
         if system in report:
             r = report[system]
             out.write(f"  {system:13s} decode {r['decode_tokens_per_s']:8.1f} tok/s "
                       f"({r['decode_ms_per_step']:.1f} ms/step), prefill {r['prefill_s']:.2f} s"
                       + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] is not None else "")
+                      + (f"; step / pdserve's {r['step_over_pdserve']:.2f}x (median of paired rounds "
+                         f"{r['step_over_pdserve_median_of_paired_rounds']:.2f}x)"
+                         if "step_over_pdserve" in r else "")
                       + "\n")
     if "base_over_lora" in report:
         out.write(f"  pdserve_lora: {report['lora_adapters']} adapters of rank {report['lora_rank']} mixed "
