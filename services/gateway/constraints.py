@@ -20,7 +20,6 @@ from pdserve.sampling_params import MAX_LOGIT_BIAS
 from protos.v1 import common_pb2
 from services.gateway.fields import (
     AS_INT,
-    FLOAT32_MAX,
     FLOAT32_TINY,
     INT32_MAX,
     JsonObject,
@@ -31,7 +30,7 @@ from services.gateway.fields import (
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 256
 
-RepetitionPenalty = Annotated[float, Field(gt=0, le=FLOAT32_MAX)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=1e4)]  # the worker's bound (pdserve.sampling_params)
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX), AS_INT]
 
 
@@ -59,10 +58,24 @@ class ResponseFormat(_Part):
         return self
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def _exactly_one_kind(schema: dict) -> None:
+    """The OpenAPI document says what the validator checks: one kind given (not null), the others
+    absent or null."""
+    given, absent = {"not": {"type": "null"}}, {"type": "null"}
+    kinds = _STRUCTURED_KINDS
+    schema["anyOf"] = [{"required": [kind], "properties": {
+        other: given if other == kind else absent for other in kinds}} for kind in kinds]
+
+
 class StructuredOutputs(_Part):
     """vLLM's `structured_outputs`: exactly one of json (a schema, as an object or JSON text), regex,
     choice or grammar (EBNF)."""
 
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False,
+                              json_schema_extra=_exactly_one_kind)
     json_: JsonObject | NonEmptyText | None = Field(default=None, alias="json")
     regex: NonEmptyText | None = None
     choice: list[NonEmptyText] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)

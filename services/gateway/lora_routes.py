@@ -40,7 +40,8 @@ class UnloadLoraAdapterRequest(BaseModel):
 def _state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
     if not state.config.enable_lora:
-        raise GatewayError(400, "LoRA adapters are off: start the gateway (and workers) with --enable-lora",
+        # as vLLM, whose run-time adapter routes exist only when turned on: not found
+        raise GatewayError(404, "LoRA adapters are off: start the gateway (and workers) with --enable-lora",
                            code="lora_disabled")
     return state
 

@@ -337,7 +337,8 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
 
 async def _one_choice(dispatcher: Dispatcher, job: ChoiceJob,
                       timer: RequestTimer) -> AsyncGenerator[GenerationChunk, None]:
-    stream = dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling, job.images)
+    stream = dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling, job.images,
+                                 lora=job.lora)
     finished = False
     try:
         async for chunk in stream:
