@@ -137,9 +137,10 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {bias} for token {token_id}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+        # a minimum over the budget asks for the whole budget (the token limit still ends the request)
+        object.__setattr__(self, "min_tokens", min(self.min_tokens, self.max_new_tokens))
         if self.structured is not None:
             self.structured.validate()
         return self

@@ -72,7 +72,8 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.images = images
     install_error_handlers(app)
     app.include_router(routes.router)
-    app.include_router(lora_routes.router)
+    # listed in the OpenAPI document only where served (off: they answer 404 saying how to turn them on)
+    app.include_router(lora_routes.router, include_in_schema=state.config.enable_lora)
 
     @app.get("/health")
     async def health() -> JSONResponse:

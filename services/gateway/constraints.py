@@ -48,6 +48,11 @@ class JsonSchemaFormat(_Part):
 
 
 class ResponseFormat(_Part):
+    # the document says what _schema_given checks
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -151,6 +151,10 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
             if field in properties:
                 _set_in_members(properties[field], "maximum", max_new)
         _bound_stop_token_ids(properties["stop_token_ids"], vocab_max)
+        if "logit_bias" in properties:  # its keys are token ids, as text
+            for member in _members(properties["logit_bias"]):
+                if member.get("type") == "object":
+                    member["propertyNames"] = {"pattern": up_to_pattern(vocab_max)}
 
     completion = schemas["CompletionRequest"]
     properties = completion["properties"]
@@ -211,6 +215,21 @@ def _content_parts_of_the_model(schemas: dict[str, Any], *, multimodal: bool,
             member["items"] = {"$ref": "#/components/schemas/TextPart"}
     for unused in ("ImagePart", "ImageURL"):
         schemas.pop(unused, None)
+
+
+def up_to_pattern(largest: int) -> str:
+    """A regular expression for the decimal integers 0..largest, without leading zeros."""
+    digits = str(largest)
+    options = ["0"] if largest >= 0 else []
+    if len(digits) > 1:
+        options.append(f"[1-9][0-9]{{0,{len(digits) - 2}}}")  # the shorter numbers
+    for i, d in enumerate(digits):  # same length: equal up to position i, smaller there
+        low = 1 if i == 0 else 0
+        if int(d) > low:
+            options.append(f"{digits[:i]}[{low}-{int(d) - 1}][0-9]{{{len(digits) - i - 1}}}")
+    if largest > 0:
+        options.append(digits)
+    return "^(" + "|".join(options) + ")$"
 
 
 def _members(schema: dict[str, Any]) -> list[dict[str, Any]]:

@@ -64,12 +64,16 @@ class NamedToolChoice(_Body):
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
-# The document's half of plan_tools' checks: `required` and a named function need tools. That the
-# named function is one of them stays outside it (JSON Schema cannot compare two fields' values).
+# The document's half of plan_tools' checks: `required` and a named function need tools, and take
+# the output's one constraint (no response_format other than text, no structured_outputs). That the
+# named function is one of the tools stays outside it (JSON Schema cannot compare two fields' values).
 TOOL_CHOICE_NEEDS_TOOLS: dict[str, Any] = {"allOf": [{
     "if": {"required": ["tool_choice"],
            "properties": {"tool_choice": {"not": {"enum": ["none", "auto", None]}}}},
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}]}
+    "then": {"required": ["tools"], "properties": {
+        "tools": {"type": "array", "minItems": 1},
+        "structured_outputs": {"type": "null"},
+        "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}}]}
 
 # a function without a parameters schema takes an object of anything
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -31,12 +31,31 @@ def _small(body: dict[str, Any]) -> None:
         params["max_new_tokens"] = min(params.get("max_new_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
     elif "text" in body or "input_ids" in body:
         body["sampling_params"] = {"max_new_tokens": MAX_NEW_TOKENS}
+    # a minimum stays within the budget it was under
+    for holder, field in ((body, "min_tokens"), (params, "min_new_tokens"), (params, "min_tokens")):
+        value = holder.get(field) if isinstance(holder, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_NEW_TOKENS:
+            holder[field] = MAX_NEW_TOKENS  # type: ignore[index]
     for field in ("prompt", "input_ids"):
         ids = body.get(field)
         if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
             body[field] = ids[:MAX_PROMPT_IDS]
         elif isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids):
             body[field] = [inner[:MAX_PROMPT_IDS] for inner in ids]
+
+
+# A grammar, a regex or a JSON schema written as text is a language of its own that the OpenAPI
+# document can only call a string: a valid body keeps each such field, with a text that parses.
+_VALID_TEXT = {"grammar": 'root ::= "yes" | "no"', "ebnf": 'root ::= "yes" | "no"', "regex": "[a-z]{1,4}",
+               "json": '{"type": "object"}', "json_schema": '{"type": "object"}'}
+
+
+def _parsable_constraints(body: dict[str, Any]) -> None:
+    for holder in (body.get("structured_outputs"), body.get("sampling_params")):
+        if isinstance(holder, dict):
+            for field, text in _VALID_TEXT.items():
+                if isinstance(holder.get(field), str):
+                    holder[field] = text
 
 
 def _budget_if_absent(body: dict[str, Any]) -> None:
@@ -54,6 +73,7 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
         return case
     if meta.generation.mode.is_positive:
         _small(case.body)
+        _parsable_constraints(case.body)
     else:
         _budget_if_absent(case.body)
     return case

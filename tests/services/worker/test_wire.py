@@ -126,7 +126,7 @@ def test_repetition_penalty_unset_is_off() -> None:
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ({"logit_bias": {5: 101.0}}, "logit_bias values must be in"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be non-negative"),
-    ({"min_tokens": 200, "max_new_tokens": 100}, "min_tokens must be in"),
+    ({"min_tokens": -1}, "min_tokens must be at least 0"),
     ({"structured": StructuredOutput("regex", "")}, "regex must be a non-empty string"),
     ({"structured": StructuredOutput("choice", ())}, "choice needs"),
     ({"structured": StructuredOutput("")}, "structured output kind must be one of"),
