@@ -197,7 +197,7 @@ BAD = [
     ({"logit_bias": {"999999": 5}}, "vocabulary"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
 ]
 
 
