@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: setup run test test-all test-gpu lint typecheck protos check-protos unit e2e docker docker-smoke
+.PHONY: setup run test test-all test-spec test-gpu lint typecheck protos check-protos unit e2e docker docker-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -54,6 +54,16 @@ test: setup lint typecheck check-protos
 test-all: setup lint typecheck check-protos
 	$(PY) -m pytest -q -ra --durations=10 --long $(UNIT) tests
 	$(PY) -m pytest -q -ra --durations=25 --long -m e2e tests
+	$(MAKE) test-spec
+
+# The e2e tests of exactness again with n-gram speculative decoding on every worker they start:
+# greedy output must not change. Tests that forge control-plane calls by hand are left out (a forged
+# call carries no draft config, so the handshake refuses it first, rightly, for another reason).
+SPEC_E2E := test_pd_services test_migration test_prefix_cache_pd test_tp test_pp test_dp_attention \
+	test_moe_mla_pd test_expert_parallel_pd test_vl_pd test_multi_node test_kv_checksum test_saved_checkpoints
+test-spec: setup
+	$(PY) -m pytest -q -ra -m e2e -k "not forged" --worker-flags="--speculative-algorithm NGRAM" \
+		$(SPEC_E2E:%=tests/e2e/%.py)
 
 # On a machine with NVIDIA GPUs: its own venv (.venv-gpu, CUDA wheels), then the GPU suite (tests/gpu)
 # and the CUDA bench, with a summary table. Not part of `test`, and independent of `setup`.

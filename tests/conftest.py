@@ -15,6 +15,10 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="also run the tests marked long (make test-all)")
+    parser.addoption("--worker-flags", default="",
+                     help="flags added to every `launch-server` an e2e test starts through the launcher, "
+                          "e.g. --worker-flags='--speculative-algorithm NGRAM': the same exactness tests "
+                          "under another engine setting (make test-spec)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

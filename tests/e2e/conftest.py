@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import tools.launch
 from tests.e2e.cluster import Cluster
 from tools.models.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_flags(request) -> Iterator[tuple[str, ...]]:
+    """`--worker-flags`: added to every worker (not an encoder) the tests start through the launcher,
+    unless the test set that flag itself. Every module starts its processes through
+    tools.launch.spawn, so one wrapper reaches them all (`pdserve up`'s children are its own)."""
+    flags = tuple(shlex.split(request.config.getoption("--worker-flags")))
+    if not flags:
+        yield flags
+        return
+    plain_spawn = tools.launch.spawn
+    names = {flag for flag in flags if flag.startswith("--")}
+
+    def spawn_with_flags(name, args, log_path, **kwargs):
+        args = list(args)
+        if args[:1] == ["launch-server"] and "--encoder-only" not in args and not names & set(args):
+            args += flags
+        return plain_spawn(name, args, log_path, **kwargs)
+
+    tools.launch.spawn = spawn_with_flags
+    try:
+        yield flags
+    finally:
+        tools.launch.spawn = plain_spawn
 
 
 @pytest.fixture(scope="session")
