@@ -65,6 +65,18 @@ TOOLS = [
                                                                                "maximum": 9},
                                                    "minItems": 1, "maxItems": 3}},
         "required": ["terms"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "minLength": 2, "maxLength": 10},
+                                         "limit": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 5},
+                                                             {"type": "null"}]}},
+        "required": ["query", "limit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "properties": {"time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                                         "repeat": {"type": "boolean"},
+                                         "label": {"type": "object", "properties": {
+                                             "text": {"type": "string", "maxLength": 6}},
+                                             "required": ["text"], "additionalProperties": False}},
+        "required": ["time", "repeat", "label"], "additionalProperties": False}}},
 ]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -215,7 +227,7 @@ def test_auto_parses_a_call_written_in_each_format(deployment: Deployment, gramm
     assert _stream(deployment.client(parser), **request) == whole
 
 
-@pytest.mark.parametrize("tools", [2, 3])
+@pytest.mark.parametrize("tools", [2, 5])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_calls_validate_against_their_tools(deployment: Deployment, grammar: None, tools: int,
                                                      parallel: bool) -> None:
