@@ -16,7 +16,7 @@ from typing import Annotated
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_migration import KILL_AFTER, kill_serving
@@ -30,11 +30,15 @@ Line = Annotated[str, Field(min_length=10, max_length=16)]
 
 
 class Chapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # no properties beyond these: the answer has an end
+
     title: Line
     lines: Annotated[list[Line], Field(min_length=4, max_length=4)]
 
 
 class Story(BaseModel):  # long enough (15 strings of 10 or more characters) to be killed mid-answer
+    model_config = ConfigDict(extra="forbid")
+
     chapters: Annotated[list[Chapter], Field(min_length=3, max_length=3)]
 
 
@@ -85,11 +89,11 @@ def test_a_migrated_answer_keeps_its_grammar_and_penalties(cluster: Cluster, tin
     assert migrated == expected
     assert gateway.metric("pdserve:gateway_migrations_total") == 1
 
-    penalized = {"max_tokens": 200, "extra_body": {"ignore_eos": True}, **PENALTIES}
+    penalized = {"max_tokens": 120, "extra_body": {"ignore_eos": True}, **PENALTIES}
     expected = stream(gateway, **penalized)
-    unpenalized = stream(gateway, max_tokens=200, extra_body={"ignore_eos": True}, logit_bias={"100": 14})
+    unpenalized = stream(gateway, max_tokens=120, extra_body={"ignore_eos": True}, logit_bias={"100": 14})
     assert expected[0] != unpenalized[0]  # the penalties change this answer: the check below can fail
-    assert stream(gateway, decodes, **penalized) == expected == (expected[0], "length", 200)
+    assert stream(gateway, decodes, **penalized) == expected == (expected[0], "length", 120)
     assert gateway.metric("pdserve:gateway_migrations_total") == 2
     assert "migrating off" in gateway.log()
     assert_pages_idle(prefill, *decodes, timeout_s=BOUND_S)
