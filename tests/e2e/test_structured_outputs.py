@@ -192,6 +192,7 @@ BAD_GENERATE = [
     ({"json_schema": "{not json"}, "json_schema"),
     ({"json_schema": json.dumps({"type": "objectx"})}, "objectx"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"logit_bias": {"999999": 5}}, "vocabulary"),
 ]
 
 
