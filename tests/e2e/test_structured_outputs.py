@@ -1,11 +1,13 @@
 """Structured outputs, penalties and logit_bias end to end, through the official openai client:
 registry + prefill + decode (mooncake) + gateway, and a colocated worker behind its own gateway.
 
-The tiny model's weights are random, so only the grammar makes its output JSON: every schema must
-come back as a parsed object (`client.chat.completions.parse`), and greedy answers must be the
-same token for token colocated and PD (prefill samples the first token under the grammar and the
-penalties, decode rebuilds both from the tokens it holds). Bad input is a 400 naming the problem,
-and leaves no KV page in use. The tests share one deployment.
+The tiny model's weights are random, so only the grammar makes its output JSON: each of the twenty
+schemas (structured_schemas.py) must come back as a parsed object (`client.chat.completions.parse`),
+and greedy answers must be the same token for token colocated and PD (prefill samples the first
+token under the grammar and the penalties, decode rebuilds both from the tokens it holds).
+Penalties and logit_bias give HF generate's tokens on the colocated worker and through PD. Bad
+input is a 400 naming the problem, and leaves no KV page in use. The tests share one deployment;
+the schemas on more presets and over nixl are test_structured_presets.py (--long).
 """
 
 from __future__ import annotations
