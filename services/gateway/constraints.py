@@ -4,9 +4,10 @@ proto SamplingParams (`fill`): penalties' extensions, logit_bias, min_tokens and
 Names are each API's own: OpenAI's `logit_bias` (string token ids, values -100..100) and
 `response_format` (json_object, json_schema strict or not), vLLM's `repetition_penalty`,
 `min_tokens` and `structured_outputs` {json, regex, choice, grammar}, and SGLang's /generate
-sampling params `repetition_penalty`, `min_new_tokens`, `json_schema`, `regex`, `ebnf`. Everything
-that needs the model (a logit_bias id against the vocabulary, a schema or grammar that must compile
-against the tokenizer) is checked by the worker, whose refusal is the client's 400.
+sampling params `repetition_penalty`, `min_new_tokens`, `logit_bias`, `json_schema`, `regex`,
+`ebnf`. Everything that needs the model (a logit_bias id against the vocabulary, a schema or
+grammar that must compile against the tokenizer) is checked by the worker, whose refusal is the
+client's 400.
 """
 
 from __future__ import annotations
@@ -115,11 +116,20 @@ def _logit_bias(value: dict[str, float]) -> dict[str, float]:
     return value
 
 
+# OpenAI's logit_bias, which SGLang's /generate sampling params take too: token ids as text -> bias
+LogitBias = Annotated[dict[str, float] | None, Field(json_schema_extra={
+    "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})]
+
+
+def _fill_logit_bias(params: common_pb2.SamplingParams, logit_bias: dict[str, float] | None) -> None:
+    for key, bias in (logit_bias or {}).items():
+        params.logit_bias[int(key)] = bias
+
+
 class OpenAIConstraints(_Part):
     """OpenAI's and vLLM's fields of the chat and text completion bodies."""
 
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={
-        "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
+    logit_bias: LogitBias = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: MinTokens = 0
     response_format: ResponseFormat | None = None
@@ -151,8 +161,7 @@ class OpenAIConstraints(_Part):
         return common_pb2.StructuredOutput(json_schema=json.dumps(spec.schema_), strict=bool(spec.strict))
 
     def fill(self, params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-        for key, bias in (self.logit_bias or {}).items():
-            params.logit_bias[int(key)] = bias
+        _fill_logit_bias(params, self.logit_bias)
         if self.repetition_penalty is not None:
             # float32 on the wire: a value below its smallest positive one would arrive as 0
             params.repetition_penalty = max(self.repetition_penalty, FLOAT32_TINY)
@@ -168,9 +177,15 @@ class NativeConstraints(_Part):
 
     repetition_penalty: RepetitionPenalty | None = None
     min_new_tokens: MinTokens = 0
+    logit_bias: LogitBias = None
     json_schema: NonEmptyText | None = None
     regex: NonEmptyText | None = None
     ebnf: NonEmptyText | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return None if value is None else _logit_bias(value)
 
     @model_validator(mode="after")
     def _one_structure(self) -> NativeConstraints:
@@ -183,6 +198,7 @@ class NativeConstraints(_Part):
             # float32 on the wire: a value below its smallest positive one would arrive as 0
             params.repetition_penalty = max(self.repetition_penalty, FLOAT32_TINY)
         params.min_tokens = self.min_new_tokens
+        _fill_logit_bias(params, self.logit_bias)
         kind: dict[str, Any] = {}
         if self.json_schema is not None:
             kind["json_schema"] = self.json_schema

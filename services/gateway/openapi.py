@@ -151,10 +151,7 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
             if field in properties:
                 _set_in_members(properties[field], "maximum", max_new)
         _bound_stop_token_ids(properties["stop_token_ids"], vocab_max)
-        if "logit_bias" in properties:  # its keys are token ids, as text
-            for member in _members(properties["logit_bias"]):
-                if member.get("type") == "object":
-                    member["propertyNames"] = {"pattern": up_to_pattern(vocab_max)}
+        _bound_logit_bias(properties, vocab_max)
 
     completion = schemas["CompletionRequest"]
     properties = completion["properties"]
@@ -193,8 +190,16 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
     sampling = schemas["NativeSamplingParams"]["properties"]
     _set_in_members(sampling["max_new_tokens"], "maximum", max_new)
     _bound_stop_token_ids(sampling["stop_token_ids"], vocab_max)
+    _bound_logit_bias(sampling, vocab_max)
     _content_parts_of_the_model(schemas, multimodal=files.multimodal,
                                 allowed_domains=parse_domains(state.config.allowed_media_domains))
+
+
+def _bound_logit_bias(properties: dict[str, Any], vocab_max: int) -> None:
+    if "logit_bias" in properties:  # its keys are token ids, as text
+        for member in _members(properties["logit_bias"]):
+            if member.get("type") == "object":
+                member["propertyNames"] = {"pattern": up_to_pattern(vocab_max)}
 
 
 def _content_parts_of_the_model(schemas: dict[str, Any], *, multimodal: bool,

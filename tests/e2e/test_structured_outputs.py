@@ -1,11 +1,13 @@
 """Structured outputs, penalties and logit_bias end to end, through the official openai client:
 registry + prefill + decode (mooncake) + gateway, and a colocated worker behind its own gateway.
 
-The tiny model's weights are random, so only the grammar makes its output JSON: every schema must
-come back as a parsed object (`client.chat.completions.parse`), and greedy answers must be the
-same token for token colocated and PD (prefill samples the first token under the grammar and the
-penalties, decode rebuilds both from the tokens it holds). Bad input is a 400 naming the problem,
-and leaves no KV page in use. The tests share one deployment.
+The tiny model's weights are random, so only the grammar makes its output JSON: each of the twenty
+schemas (structured_schemas.py) must come back as a parsed object (`client.chat.completions.parse`),
+and greedy answers must be the same token for token colocated and PD (prefill samples the first
+token under the grammar and the penalties, decode rebuilds both from the tokens it holds).
+Penalties and logit_bias give HF generate's tokens on the colocated worker and through PD. Bad
+input is a 400 naming the problem, and leaves no KV page in use. The tests share one deployment;
+the schemas on more presets and over nixl are test_structured_presets.py (--long).
 """
 
 from __future__ import annotations
@@ -14,62 +16,21 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
-from typing import Annotated, Literal
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
 
+from protos.v1 import common_pb2
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
+from tests.e2e.hf import hf_generate
+from tests.e2e.structured_schemas import SCHEMAS, Person
+from tests.e2e.worker_client import run_all
+from tests.engine import test_penalties
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
-Short = Annotated[str, Field(min_length=1, max_length=12)]
-
-
-class Color(str, Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    city: Short
-    zip_code: Annotated[str, Field(pattern=r"^[0-9]{5}$")]
-
-
-class Person(BaseModel):  # nested object, string lengths, integer range, a pattern
-    name: Short
-    age: Annotated[int, Field(ge=0, le=120)]
-    address: Address
-
-
-class Palette(BaseModel):  # enums, a bounded array of them
-    colors: Annotated[list[Color], Field(min_length=1, max_length=3)]
-    favourite: Color
-
-
-class MaybeNote(BaseModel):  # anyOf with null
-    note: Short | None
-    score: Annotated[int, Field(ge=-5, le=5)] | None
-
-
-class Inventory(BaseModel):  # an array of bounded strings, a boolean
-    items: Annotated[list[Annotated[str, Field(max_length=6)]], Field(max_length=2)]
-    count: Annotated[int, Field(ge=0, le=99)]
-    in_stock: bool
-
-
-class Order(BaseModel):  # a literal, an array of objects, an optional nested object
-    kind: Literal["buy", "sell"]
-    lines: Annotated[list[Inventory], Field(min_length=1, max_length=2)]
-    buyer: Person | None
-
-
-SCHEMAS = [Person, Palette, MaybeNote, Inventory, Order]
 # A schema without "additionalProperties": false lets a random model add properties until max_tokens.
 CLOSED = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -82,6 +43,7 @@ class Deployment:
     colocated: Proc
     pd: Proc        # gateway over prefill + decode
     reference: Proc  # gateway over the colocated worker
+    model: str
 
     def client(self, gateway: Proc) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
@@ -113,7 +75,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                                  "--worker", f"http://{colocated.address}"])], 180)
             wait_until(lambda: httpx.get(f"http://{pd.address}/health", timeout=5).json().get("workers")
                        == {"prefill": 1, "decode": 1, "colocated": 0}, 30, "the gateway to find its workers")
-            yield Deployment(prefill, decode, colocated, pd, reference)
+            yield Deployment(prefill, decode, colocated, pd, reference, model)
         except BaseException:
             print(cluster.logs())
             raise
@@ -161,6 +123,27 @@ def test_penalties_and_logit_bias_pd_equal_colocated(deployment: Deployment) -> 
         assert pd != ask(deployment.pd, **baseline), f"{extra} changed nothing"
 
 
+def test_penalties_and_logit_bias_equal_hf_generate_pd_and_colocated(deployment: Deployment) -> None:
+    """The engine's penalty cases (tests/engine/test_penalties.py) sent to the colocated worker and
+    to the decode worker with the prefill's address, as the gateway sends them: the output ids equal
+    HF generate's with the equivalent logits processors."""
+    new_tokens = test_penalties.NEW_TOKENS
+    for prompt, (case, processors) in zip(test_penalties.PROMPTS, test_penalties.CASES, strict=True):
+        params = test_penalties.params_of(case)
+        expected = hf_generate(deployment.model, prompt, new_tokens, processors(len(prompt)),
+                               eos_token_id=None if params.ignore_eos else test_penalties.EOS)
+        sampling = common_pb2.SamplingParams(
+            temperature=0.0, max_new_tokens=new_tokens, ignore_eos=params.ignore_eos,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias),
+            min_tokens=params.min_tokens)
+        pd = (deployment.decode, deployment.prefill.address)
+        for worker, prefill in ((deployment.colocated, None), pd):
+            (result,) = run_all(worker.address, [prompt], [prefill], sampling=sampling)
+            assert result.code is None, (worker.name, case, result.details)
+            assert result.tokens == expected, (worker.name, case)
+
+
 def test_vllm_and_sglang_constraint_fields(deployment: Deployment) -> None:
     client = deployment.client(deployment.pd)
 
@@ -198,6 +181,20 @@ BAD = [
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "get_time", "parameters": CLOSED}}],
+      "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}}}, "get_stock_price"),
+]
+# SGLang's /generate sampling params: a bad constraint of each kind
+BAD_GENERATE = [
+    ({"regex": "(("}, "regex"),
+    ({"ebnf": "root ::= ("}, "grammar"),
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": json.dumps({"type": "objectx"})}, "objectx"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"logit_bias": {"999999": 5}}, "vocabulary"),
 ]
 
 
@@ -208,6 +205,17 @@ def test_bad_input_is_400_with_its_message_and_pages_go_back_to_idle(deployment:
             response = httpx.post(f"http://{gateway.address}/v1/chat/completions", json=body, timeout=60)
             assert response.status_code == 400, (extra, response.text)
             assert word in response.json()["error"]["message"], (extra, response.text)
+        for params, word in BAD_GENERATE:
+            body = {"text": "Answer:", "sampling_params": {"max_new_tokens": 10, **params}}
+            response = httpx.post(f"http://{gateway.address}/generate", json=body, timeout=60)
+            assert response.status_code == 400, (params, response.text)
+            assert word in response.json()["error"]["message"], (params, response.text)
+        # a grammar that cannot finish within max_tokens is cut there, as any answer
+        cut = deployment.client(gateway).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "Person",
+                                                                    "schema": Person.model_json_schema()}})
+        assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 6
     for worker in deployment.workers():
         wait_until(lambda worker=worker: worker.metric("pdserve:kv_pages_used") == 0, 30,
                    f"{worker.name}'s pages to be free")

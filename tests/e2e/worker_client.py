@@ -33,9 +33,11 @@ def greedy(max_new_tokens: int) -> common_pb2.SamplingParams:
 
 
 async def generate(stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], *, prefill: str | None = None,
-                   max_new_tokens: int = 16, timeout_s: float = 120.0, lora: str = "") -> Result:
+                   max_new_tokens: int = 16, timeout_s: float = 120.0, lora: str = "",
+                   sampling: common_pb2.SamplingParams | None = None) -> Result:
+    """One Generate call; `sampling` replaces the greedy default of `max_new_tokens` tokens."""
     request = worker_pb2.GenerateRequest(room=f"test-{next(_ROOMS)}", prompt_token_ids=list(prompt),
-                                         sampling=greedy(max_new_tokens), lora_adapter=lora)
+                                         sampling=sampling or greedy(max_new_tokens), lora_adapter=lora)
     if prefill is not None:
         request.prefill_address = prefill
     result = Result()

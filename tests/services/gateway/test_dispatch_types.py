@@ -23,6 +23,14 @@ def test_unset_sampling_fields_stay_unset_in_the_proto() -> None:
     assert explicit.logprobs and explicit.top_logprobs == 2  # top logprobs imply logprobs
 
 
+def test_generate_sampling_params_carry_sglang_constraints() -> None:
+    params = NativeSamplingParams.model_validate({"logit_bias": {"7": -100, "12": 2.5}, "min_new_tokens": 3,
+                                                  "repetition_penalty": 1.2, "regex": "[a-z]+"})
+    sampling = NativeGenerateRequest(text="hi", sampling_params=params).sampling()
+    assert dict(sampling.logit_bias) == {7: -100.0, 12: 2.5} and sampling.min_tokens == 3
+    assert abs(sampling.repetition_penalty - 1.2) < 1e-6 and sampling.structured.regex == "[a-z]+"
+
+
 def test_choices_get_distinct_seeds() -> None:
     seeded = ChatCompletionRequest.model_validate({**CHAT, "seed": 10})
     assert [seeded.sampling(i).seed for i in range(3)] == [10, 11, 12]

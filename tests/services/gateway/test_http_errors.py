@@ -93,6 +93,8 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
      "sampling_params.max_new_tokens", ""),
     ("/generate", {"text": ["a", "b"], "stream": True}, "stream", "one prompt at a time"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"5": -100.5}}},
+     "sampling_params.logit_bias", "must be in [-100, 100]"),
 ])
 async def test_invalid_requests_are_400(client: httpx.AsyncClient, path: str, body: dict, param: str | None,
                                         contains: str) -> None:
