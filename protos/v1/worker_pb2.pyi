@@ -217,7 +217,9 @@ class ListLoraAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoraAdapters(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "adapters")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapterRef]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapterRef, _Mapping]]] = ...) -> None: ...
