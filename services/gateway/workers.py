@@ -334,20 +334,31 @@ class UnknownAdapterError(NoWorkersError):
                               code="model_not_found")
 
 
-def pair_candidates(workers: Sequence[WorkerHandle]) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-    """(prefill workers, decode-or-colocated workers that can take a request) of `workers`: a decode
-    worker only while a prefill worker is among them or it runs prompts itself."""
+def pair_candidates(workers: Sequence[WorkerHandle], lora: str | None = None
+                    ) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    """(prefill workers, decode-or-colocated workers that can take a request under LoRA adapter
+    `lora`) of `workers`: a decode worker only while a prefill worker that holds the adapter from the
+    same files is among them, or it runs prompts itself."""
     prefills = [w for w in workers if w.role == PREFILL]
-    decodes = [w for w in workers
-               if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
+    decodes = [w for w in workers if w.role == COLOCATED or (
+        w.role == DECODE and (w.local_prefill or same_adapter_files(prefills, w, lora)))]
     return prefills, decodes
+
+
+def same_adapter_files(prefills: Sequence[WorkerHandle], decode: WorkerHandle, lora: str | None
+                       ) -> list[WorkerHandle]:
+    """The prefill workers that hold `lora` from the same files as `decode` (equal keys; a key not
+    known is taken to agree): another one would refuse decode's handshake."""
+    key = decode.lora_cache_key(lora)
+    return [p for p in prefills if key is None or p.lora_cache_key(lora) in (None, key)]
 
 
 def servable_adapters(workers: Sequence[WorkerHandle], names: Iterable[str]) -> set[str]:
     """The LoRA adapters of `names` that some route of `workers` serves whole: a colocated worker
-    holding it, or a decode worker holding it with a prefill worker that does (or running prompts
-    itself). A worker whose adapters are not known (static) counts as holding every one."""
-    return {name for name in names if pair_candidates([w for w in workers if w.serves(name)])[1]}
+    holding it, or a decode worker holding it with a prefill worker that holds it from the same
+    files (or running prompts itself). A worker whose adapters are not known (static) counts as
+    holding every one."""
+    return {name for name in names if pair_candidates([w for w in workers if w.serves(name)], name)[1]}
 
 
 def listed_adapters(workers: Iterable[WorkerHandle]) -> set[str]:
@@ -411,7 +422,7 @@ class Router:
         excluded = set(exclude)
         usable = [w for w in self.pool.routable(model)
                   if w.key not in excluded and w.breaker.available() and w.serves(lora)]
-        return pair_candidates(usable)
+        return pair_candidates(usable, lora)
 
     def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = (),
              lora: str | None = None) -> Route:
@@ -424,6 +435,7 @@ class Router:
                 raise UnknownAdapterError(lora)
             raise NoWorkersError(self._why_none(model, exclude))
         decode = self.decode_policy.choose(decodes, prompt_token_ids, lora)
+        prefills = same_adapter_files(prefills, decode, lora)
         prefill = (self.prefill_policy.choose(prefills, prompt_token_ids, lora)
                    if decode.role == DECODE and prefills else None)
         route = Route(decode=decode, prefill=prefill)

@@ -5,7 +5,8 @@ equal to prefill + decode on mooncake, and tests/engine/test_lora.py, equal to H
 - three adapters of different ranks and targets and the base model in one batch give HF
   transformers' greedy tokens on PEFT's merged weights through prefill + decode on nixl, twice (the
   second time with prefix hits);
-- decode and prefill each refuse, naming it, an adapter the other side lacks;
+- decode and prefill each refuse, naming it, an adapter the other side lacks, and the prefill one it
+  holds from other files than decode (naming both keys);
 - the gateway routes an adapter only to workers and pairs holding it (decode-b lacks mlp16: every
   mlp16 request succeeds, none reaches it), answers 404 in vLLM's words when no route holds it (an
   adapter only decode-a holds included), lists what the fleet serves in /v1/models, and loads and
@@ -17,6 +18,7 @@ Afterwards every surviving worker's pages are idle."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 
 import grpc
@@ -45,9 +47,14 @@ def lora_flags(adapters: dict, names) -> tuple[str, ...]:
             *(f"{name}={adapters[name]}" for name in names))
 
 
-async def _admin(address: str, method: str, message) -> None:
-    async with open_channel(address, GrpcSecurity()) as channel:
-        await getattr(worker_pb2_grpc.WorkerStub(channel), method)(message, timeout=60)
+def admin(worker: Proc, method: str, message) -> None:
+    """A LoRA admin call straight to one worker (the prefill serves them on its Prefill service)."""
+    async def call() -> None:
+        async with open_channel(worker.address, GrpcSecurity()) as channel:
+            stub = worker_pb2_grpc.PrefillStub if worker.name == "prefill" else worker_pb2_grpc.WorkerStub
+            await getattr(stub(channel), method)(message, timeout=60)
+
+    asyncio.run(call())
 
 
 def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, tmp_path):
@@ -97,14 +104,24 @@ def check_refusals(client: httpx.Client, url: str, prefill: Proc, decode_a: Proc
     (refused,) = run(decode_b.address, [(prompt, "mlp16")], prefill=prefill.address)
     assert refused.code == grpc.StatusCode.NOT_FOUND and "mlp16" in refused.details, refused.details
     solo = worker_pb2.LoadLoraAdapterRequest(lora_name="solo", lora_path=str(adapters["qv4"]))
-    asyncio.run(_admin(decode_a.address, "LoadLoraAdapter", solo))
+    admin(decode_a, "LoadLoraAdapter", solo)
     (refused,) = run(decode_a.address, [(prompt, "solo")], prefill=prefill.address)
     # the prefill's refusal, relayed by decode as retryable on another pair
     assert refused.code == grpc.StatusCode.UNAVAILABLE, (refused.code, refused.details)
     assert "The model `solo` does not exist" in refused.details and "prefill" in refused.details
     assert_unknown(client, url, "solo")
-    asyncio.run(_admin(decode_a.address, "UnloadLoraAdapter",
-                       worker_pb2.UnloadLoraAdapterRequest(lora_name="solo")))
+    # `twin`: one name, other files on each side: the prefill refuses decode's handshake, naming both
+    for worker, path in ((prefill, adapters["all8"]), (decode_a, adapters["qv4"])):
+        twin = worker_pb2.LoadLoraAdapterRequest(lora_name="twin", lora_path=str(path))
+        admin(worker, "LoadLoraAdapter", twin)
+    (refused,) = run(decode_a.address, [(prompt, "twin")], prefill=prefill.address)
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION, (refused.code, refused.details)
+    assert "LoRA adapter 'twin' differs between prefill and decode" in refused.details, refused.details
+    assert len(set(re.findall(r"twin@[0-9a-f]+", refused.details))) == 2, refused.details
+    assert_unknown(client, url, "twin")  # the gateway pairs neither
+    for worker, name in ((decode_a, "solo"), (decode_a, "twin"), (prefill, "twin")):
+        unload = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        admin(worker, "UnloadLoraAdapter", unload)
 
 
 def check_routing(client: httpx.Client, url: str, decode_b: Proc, prompts, expected):

@@ -91,6 +91,19 @@ def test_a_pd_pair_serves_an_adapter_only_when_both_sides_hold_it() -> None:
     assert servable_adapters(pool.all(), ["z"]) == {"z"}  # a decode that prefills itself serves it alone
 
 
+def test_a_decode_is_paired_only_with_prefills_holding_the_same_files() -> None:
+    pool = WorkerPool()
+    pool.add("127.0.0.1:1", "prefill", "m", lora_adapters={"x": "x@1"})
+    pool.add("127.0.0.1:2", "prefill", "m", lora_adapters={"x": "x@2"})
+    pool.add("127.0.0.1:3", "decode", "m", lora_adapters={"x": "x@2"})
+    router = Router(pool, RoundRobinPolicy(), RoundRobinPolicy())
+    routes = [router.pick("m", [1], lora="x") for _ in range(4)]
+    assert [r.prefill.address if r.prefill else None for r in routes] == ["127.0.0.1:2"] * 4
+    pool.remove("127.0.0.1:2")
+    with pytest.raises(UnknownAdapterError):  # the one prefill holding `x` would refuse decode's handshake
+        router.pick("m", [1], lora="x")
+
+
 def test_cache_aware_matches_pages_of_the_requests_adapter_only() -> None:
     page, prompt = 4, list(range(100, 120))
     base, under_a, under_b = workers(0, 0, 0)
