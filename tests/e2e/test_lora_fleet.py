@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 NEW_TOKENS = 8
 BACKEND = "nixl"
 POOL = ("--num-pages", "256", "--chunked-prefill-size", "64")
-LONG_TOKENS = 300  # the migrated stream: still running on its decode when the kill comes
-KILL_AFTER = 8  # chunks received before its decode is killed
+LONG_TOKENS = 400  # the migrated stream: still running on its decode when the kill comes
+KILL_FROM = 2  # the first chunk after which its decode is looked for (and killed)
 
 
 def lora_flags(adapters: dict, names) -> tuple[str, ...]:
@@ -99,8 +99,9 @@ def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, t
 def check_refusals(client: httpx.Client, url: str, prefill: Proc, decode_a: Proc, decode_b: Proc,
                    adapters: dict, prompt: list[int]):
     """decode-b lacks mlp16 (the prefill holds it); the prefill lacks `solo` (loaded on decode-a
-    alone): each side refuses naming the adapter, and the gateway does not route `solo` (no pair
-    holds it whole): its own 404."""
+    alone) and holds `twin` from other files than decode-a: each refusal names the adapter, the
+    gateway routes neither `solo` nor `twin` (no pair holds it whole: its own 404), and no refusal
+    keeps a page."""
     (refused,) = run(decode_b.address, [(prompt, "mlp16")], prefill=prefill.address)
     assert refused.code == grpc.StatusCode.NOT_FOUND and "mlp16" in refused.details, refused.details
     solo = worker_pb2.LoadLoraAdapterRequest(lora_name="solo", lora_path=str(adapters["qv4"]))
@@ -122,6 +123,7 @@ def check_refusals(client: httpx.Client, url: str, prefill: Proc, decode_a: Proc
     for worker, name in ((decode_a, "solo"), (decode_a, "twin"), (prefill, "twin")):
         unload = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
         admin(worker, "UnloadLoraAdapter", unload)
+    assert_pages_idle(prefill, decode_a, decode_b)  # no refusal kept a page
 
 
 def check_routing(client: httpx.Client, url: str, decode_b: Proc, prompts, expected):
@@ -169,7 +171,7 @@ def check_migration(client: httpx.Client, url: str, decodes: list[Proc]):
     def stream(model: str, kill: bool = False, max_tokens: int = LONG_TOKENS) -> str:
         body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        text, received = "", 0
+        text, received, killed = "", 0, not kill
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -179,10 +181,13 @@ def check_migration(client: httpx.Client, url: str, decodes: list[Proc]):
                 assert "error" not in chunk, chunk
                 text += chunk["choices"][0]["text"]
                 received += 1
-                if kill and received == KILL_AFTER:
+                if not killed and received >= KILL_FROM:
                     serving = [d for d in decodes if d.metric("pdserve:num_running_reqs") > 0]
-                    assert len(serving) == 1, [d.name for d in serving]
-                    serving[0].kill(signal.SIGKILL)
+                    assert len(serving) <= 1, [d.name for d in serving]
+                    if serving:
+                        serving[0].kill(signal.SIGKILL)
+                        killed = True
+        assert killed, "the stream ended before its decode could be killed"
         return text
 
     expected = stream("all8")
