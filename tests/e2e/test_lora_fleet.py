@@ -1,10 +1,10 @@
 """LoRA adapters across a fleet the registry lists: 1 prefill + 2 decodes on NIXL and a gateway
-watching the registry, one deployment for every check (colocated workers: tests/e2e/test_lora.py,
-equal to prefill + decode on mooncake, and tests/engine/test_lora.py, equal to HF):
+watching the registry (plus a colocated worker outside it, the reference), one deployment for
+every check:
 
 - three adapters of different ranks and targets and the base model in one batch give HF
-  transformers' greedy tokens on PEFT's merged weights through prefill + decode on nixl, twice (the
-  second time with prefix hits);
+  transformers' greedy tokens on PEFT's merged weights on the colocated worker and through prefill
+  + decode on nixl, twice (the second time with prefix hits);
 - decode and prefill each refuse, naming it, an adapter the other side lacks, and the prefill one it
   holds from other files than decode (naming both keys);
 - the gateway routes an adapter only to workers and pairs holding it (decode-b lacks mlp16: every
@@ -61,13 +61,14 @@ def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, t
     adapters = {spec.name: write_adapter(tiny_model, tmp_path / spec.name, spec) for spec in SPECS}
     every = lora_flags(adapters, adapters)
     bootstrap = cluster.bootstrap()
-    prefill, decode_a, decode_b = cluster.start_many([
+    prefill, decode_a, decode_b, colocated = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend=BACKEND, bootstrap=bootstrap,
                                 extra=(*POOL, *every))),
         ("decode-a", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap,
                                  extra=(*POOL, *every))),
         ("decode-b", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap,
                                  extra=(*POOL, *lora_flags(adapters, ("qv4", "all8"))))),
+        ("colocated", worker_args(tiny_model, "null", extra=(*POOL, *every))),  # unregistered: not routed to
     ])
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
                                         "--bootstrap", bootstrap.address, "--enable-lora",
@@ -83,6 +84,8 @@ def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, t
                 for tokens in merged_reference(tiny_model, specs.get(name), prompts, NEW_TOKENS)]
     jobs = [(prompt, name) for name in names for prompt in prompts]
     assert len({tuple(t) for t in expected[1::2]}) == 4  # each adapter answers its own way
+    got = run(colocated.address, jobs)
+    assert [r.tokens for r in got] == expected, [r.details for r in got]
     for _ in range(2):  # the second round hits the pages the first cached, on both sides
         got = run(decode_a.address, jobs, prefill=prefill.address)
         assert [r.tokens for r in got] == expected, [r.details for r in got]
@@ -93,7 +96,7 @@ def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, t
         check_routing(client, url, decode_b, prompts, expected)
         check_load_and_unload(client, url, adapters["qv4"], prompts[0], expected[2])
         check_migration(client, url, [decode_a, decode_b])
-    assert_pages_idle(*(proc for proc in (prefill, decode_a, decode_b) if proc.alive()))
+    assert_pages_idle(*(proc for proc in (prefill, decode_a, decode_b, colocated) if proc.alive()))
 
 
 def check_refusals(client: httpx.Client, url: str, prefill: Proc, decode_a: Proc, decode_b: Proc,
