@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/v1/bootstrap.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\xa2\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x37\n\x11transfer_endpoint\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rlocal_prefill\x18\t \x01(\x08\"9\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"R\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"G\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x05lease\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Lease\"J\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\"5\n\x11HeartbeatResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.Lease\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"B\n\x0bListRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\"7\n\x0cListResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"C\n\x0cWatchRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\"p\n\x0bWorkerEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.WorkerEventType\x12&\n\x06worker\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t*\xab\x01\n\x0fWorkerEventType\x12!\n\x1dWORKER_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WORKER_EVENT_TYPE_JOINED\x10\x01\x12\x1d\n\x19WORKER_EVENT_TYPE_UPDATED\x10\x02\x12\x1a\n\x16WORKER_EVENT_TYPE_LEFT\x10\x03\x12\x1c\n\x18WORKER_EVENT_TYPE_SYNCED\x10\x04\x32\xe2\x02\n\tBootstrap\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12\x39\n\x04List\x12\x17.pdserve.v1.ListRequest\x1a\x18.pdserve.v1.ListResponse\x12<\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x17.pdserve.v1.WorkerEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/v1/bootstrap.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\xd5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x37\n\x11transfer_endpoint\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rlocal_prefill\x18\t \x01(\x08\x12\x31\n\rlora_adapters\x18\n \x03(\x0b\x32\x1a.pdserve.v1.LoraAdapterRef\"9\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"R\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"G\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x05lease\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Lease\"}\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x31\n\rlora_adapters\x18\x03 \x03(\x0b\x32\x1a.pdserve.v1.LoraAdapterRef\"5\n\x11HeartbeatResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.Lease\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"B\n\x0bListRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\"7\n\x0cListResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"C\n\x0cWatchRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\"p\n\x0bWorkerEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.WorkerEventType\x12&\n\x06worker\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t*\xab\x01\n\x0fWorkerEventType\x12!\n\x1dWORKER_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WORKER_EVENT_TYPE_JOINED\x10\x01\x12\x1d\n\x19WORKER_EVENT_TYPE_UPDATED\x10\x02\x12\x1a\n\x16WORKER_EVENT_TYPE_LEFT\x10\x03\x12\x1c\n\x18WORKER_EVENT_TYPE_SYNCED\x10\x04\x32\xe2\x02\n\tBootstrap\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12\x39\n\x04List\x12\x17.pdserve.v1.ListRequest\x1a\x18.pdserve.v1.ListResponse\x12<\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x17.pdserve.v1.WorkerEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.v1.bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKEREVENTTYPE']._serialized_start=1075
-  _globals['_WORKEREVENTTYPE']._serialized_end=1246
+  _globals['_WORKEREVENTTYPE']._serialized_start=1177
+  _globals['_WORKEREVENTTYPE']._serialized_end=1348
   _globals['_WORKERINFO']._serialized_start=66
-  _globals['_WORKERINFO']._serialized_end=356
-  _globals['_REGISTERREQUEST']._serialized_start=358
-  _globals['_REGISTERREQUEST']._serialized_end=415
-  _globals['_LEASE']._serialized_start=417
-  _globals['_LEASE']._serialized_end=499
-  _globals['_REGISTERRESPONSE']._serialized_start=501
-  _globals['_REGISTERRESPONSE']._serialized_end=572
-  _globals['_HEARTBEATREQUEST']._serialized_start=574
-  _globals['_HEARTBEATREQUEST']._serialized_end=648
-  _globals['_HEARTBEATRESPONSE']._serialized_start=650
-  _globals['_HEARTBEATRESPONSE']._serialized_end=703
-  _globals['_DEREGISTERREQUEST']._serialized_start=705
-  _globals['_DEREGISTERREQUEST']._serialized_end=742
-  _globals['_DEREGISTERRESPONSE']._serialized_start=744
-  _globals['_DEREGISTERRESPONSE']._serialized_end=764
-  _globals['_LISTREQUEST']._serialized_start=766
-  _globals['_LISTREQUEST']._serialized_end=832
-  _globals['_LISTRESPONSE']._serialized_start=834
-  _globals['_LISTRESPONSE']._serialized_end=889
-  _globals['_WATCHREQUEST']._serialized_start=891
-  _globals['_WATCHREQUEST']._serialized_end=958
-  _globals['_WORKEREVENT']._serialized_start=960
-  _globals['_WORKEREVENT']._serialized_end=1072
-  _globals['_BOOTSTRAP']._serialized_start=1249
-  _globals['_BOOTSTRAP']._serialized_end=1603
+  _globals['_WORKERINFO']._serialized_end=407
+  _globals['_REGISTERREQUEST']._serialized_start=409
+  _globals['_REGISTERREQUEST']._serialized_end=466
+  _globals['_LEASE']._serialized_start=468
+  _globals['_LEASE']._serialized_end=550
+  _globals['_REGISTERRESPONSE']._serialized_start=552
+  _globals['_REGISTERRESPONSE']._serialized_end=623
+  _globals['_HEARTBEATREQUEST']._serialized_start=625
+  _globals['_HEARTBEATREQUEST']._serialized_end=750
+  _globals['_HEARTBEATRESPONSE']._serialized_start=752
+  _globals['_HEARTBEATRESPONSE']._serialized_end=805
+  _globals['_DEREGISTERREQUEST']._serialized_start=807
+  _globals['_DEREGISTERREQUEST']._serialized_end=844
+  _globals['_DEREGISTERRESPONSE']._serialized_start=846
+  _globals['_DEREGISTERRESPONSE']._serialized_end=866
+  _globals['_LISTREQUEST']._serialized_start=868
+  _globals['_LISTREQUEST']._serialized_end=934
+  _globals['_LISTRESPONSE']._serialized_start=936
+  _globals['_LISTRESPONSE']._serialized_end=991
+  _globals['_WATCHREQUEST']._serialized_start=993
+  _globals['_WATCHREQUEST']._serialized_end=1060
+  _globals['_WORKEREVENT']._serialized_start=1062
+  _globals['_WORKEREVENT']._serialized_end=1174
+  _globals['_BOOTSTRAP']._serialized_start=1351
+  _globals['_BOOTSTRAP']._serialized_end=1705
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ WORKER_EVENT_TYPE_LEFT: WorkerEventType
 WORKER_EVENT_TYPE_SYNCED: WorkerEventType
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_layout", "grpc_address", "metrics_address", "transfer_endpoint", "load", "local_prefill")
+    __slots__ = ("worker_id", "role", "model", "kv_layout", "grpc_address", "metrics_address", "transfer_endpoint", "load", "local_prefill", "lora_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class WorkerInfo(_message.Message):
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     model: str
@@ -41,7 +42,8 @@ class WorkerInfo(_message.Message):
     transfer_endpoint: _common_pb2.TransferEndpoint
     load: _common_pb2.WorkerLoad
     local_prefill: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transfer_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapterRef]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transfer_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapterRef, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
@@ -68,12 +70,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("lease_id", "load")
+    __slots__ = ("lease_id", "load", "lora_adapters")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     load: _common_pb2.WorkerLoad
-    def __init__(self, lease_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapterRef]
+    def __init__(self, lease_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapterRef, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease",)

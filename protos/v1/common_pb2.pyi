@@ -173,3 +173,11 @@ class WorkerLoad(_message.Message):
     free_pages: int
     total_pages: int
     def __init__(self, bootstrap: _Optional[int] = ..., waiting: _Optional[int] = ..., inflight: _Optional[int] = ..., prealloc: _Optional[int] = ..., transfer: _Optional[int] = ..., running: _Optional[int] = ..., retracted: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class LoraAdapterRef(_message.Message):
+    __slots__ = ("name", "cache_key")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    cache_key: str
+    def __init__(self, name: _Optional[str] = ..., cache_key: _Optional[str] = ...) -> None: ...

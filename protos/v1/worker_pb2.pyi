@@ -83,7 +83,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "speculative", "lora_adapter", "carried_tokens")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "dst_page_ids", "dst", "decode_worker_id", "model", "grant", "page_checksums", "skip_pages", "images", "speculative", "lora_adapter", "carried_tokens", "lora_adapter_key")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class PrefillRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CARRIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -112,7 +113,8 @@ class PrefillRequest(_message.Message):
     speculative: SpeculativeConfig
     lora_adapter: str
     carried_tokens: int
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Union[SpeculativeConfig, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., carried_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapter_key: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., dst: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., model: _Optional[str] = ..., grant: _Optional[bytes] = ..., page_checksums: _Optional[bool] = ..., skip_pages: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Union[SpeculativeConfig, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., carried_tokens: _Optional[int] = ..., lora_adapter_key: _Optional[str] = ...) -> None: ...
 
 class SpeculativeConfig(_message.Message):
     __slots__ = ("algorithm", "num_draft_tokens", "num_steps", "eagle_topk")
@@ -217,7 +219,9 @@ class ListLoraAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoraAdapters(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "adapters")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapterRef]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapterRef, _Mapping]]] = ...) -> None: ...

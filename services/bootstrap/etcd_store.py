@@ -11,8 +11,8 @@ attached to the worker's own etcd lease (services.bootstrap.etcd_records).
   "<role>-<etcd lease id in hex>" (unique in the etcd cluster, stable across registry processes).
 - Lease.lease_id handed to the worker is "<worker_id>:<token>"; the token is random and stored in
   the record, so guessing etcd's sequential lease ids gains nothing.
-- Heartbeat: an etcd lease keep-alive, plus a put when the load changed. Through any registry
-  process: a worker that fails over keeps its id and lease.
+- Heartbeat: an etcd lease keep-alive, plus a put when the load or the LoRA adapters changed.
+  Through any registry process: a worker that fails over keeps its id and lease.
 - Deregister / replaced: the record is rewritten with left_reason, then its lease revoked. A record
   deleted without one ran out of lease: etcd expires it, not this process.
 - Watch: each process keeps a cache of the workers, filled by one Range and kept current by one
@@ -34,7 +34,7 @@ import hmac
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -50,6 +50,7 @@ from services.bootstrap.registry import (
     InvalidWorker,
     LeaseNotFound,
     RegistrationRefused,
+    apply_heartbeat,
     check_consistent,
     describe_layout,
     validate_worker,
@@ -197,8 +198,8 @@ class EtcdStore:
         raise StoreUnavailable(f"registration of {info.grpc_address} kept racing other registrations "
                                f"({_TXN_ATTEMPTS} tries): try again")
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
-                        ) -> bootstrap_pb2.Lease:
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None,
+                        lora_adapters: Sequence[common_pb2.LoraAdapterRef] = ()) -> bootstrap_pb2.Lease:
         kv, record = await self._lookup(lease_id)
         try:
             ttl = await self.client.keep_alive(kv.lease)
@@ -206,8 +207,7 @@ class EtcdStore:
             raise _unavailable(exc) from exc
         if ttl <= 0:
             raise LeaseNotFound(f"lease {lease_id!r} expired: register again")
-        if load is not None and load != record.worker.load:
-            record.worker.load.CopyFrom(load)
+        if apply_heartbeat(record.worker, load, lora_adapters):
             # Lost to a concurrent write (deregister, another heartbeat): the next beat sends it again.
             await self._put_if_unchanged(kv, record)
         return self._lease(lease_id, ttl)

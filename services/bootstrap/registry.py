@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -175,12 +175,13 @@ class Registry:
         self._publish(JOINED, info)
         return info.worker_id, self._lease(lease_id)
 
-    def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None) -> bootstrap_pb2.Lease:
-        """Renew a lease and record the worker's load (watchers get UPDATED if it changed)."""
+    def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None,
+                  lora_adapters: Sequence[common_pb2.LoraAdapterRef] = ()) -> bootstrap_pb2.Lease:
+        """Renew a lease and record the worker's load and LoRA adapters (watchers get UPDATED if
+        either changed)."""
         entry = self._entry_for_lease(lease_id)
         entry.expires_at = self._clock() + self.ttl_s
-        if load is not None and load != entry.info.load:
-            entry.info.load.CopyFrom(load)
+        if apply_heartbeat(entry.info, load, lora_adapters):
             self._publish(UPDATED, entry.info)
         return self._lease(lease_id)
 
@@ -254,6 +255,21 @@ class Registry:
     def _publish(self, event_type: bootstrap_pb2.WorkerEventType, info: bootstrap_pb2.WorkerInfo,
                  reason: str = "") -> None:
         self._watchers.publish(event_type, info, reason)
+
+
+def apply_heartbeat(info: bootstrap_pb2.WorkerInfo, load: common_pb2.WorkerLoad | None,
+                    lora_adapters: Sequence[common_pb2.LoraAdapterRef]) -> bool:
+    """Record a heartbeat's load (when it sent one) and LoRA adapters (every heartbeat lists them
+    all: a worker without adapters sends none) in `info`; return whether anything changed."""
+    changed = False
+    if load is not None and load != info.load:
+        info.load.CopyFrom(load)
+        changed = True
+    if list(lora_adapters) != list(info.lora_adapters):
+        del info.lora_adapters[:]
+        info.lora_adapters.extend(lora_adapters)
+        changed = True
+    return changed
 
 
 def validate_worker(worker: bootstrap_pb2.WorkerInfo) -> None:

@@ -40,7 +40,8 @@ class BootstrapServicer(bootstrap_pb2_grpc.BootstrapServicer):
                         ) -> bootstrap_pb2.HeartbeatResponse:
         try:
             lease = await self._registry.heartbeat(request.lease_id,
-                                                   request.load if request.HasField("load") else None)
+                                                   request.load if request.HasField("load") else None,
+                                                   request.lora_adapters)
         except LeaseNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except StoreUnavailable as exc:

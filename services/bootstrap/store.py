@@ -11,6 +11,7 @@ watchers.py's (WatcherOverflow, StoreUnavailable); the servicer maps them to sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from protos.v1 import bootstrap_pb2, common_pb2
@@ -36,8 +37,8 @@ class RegistryStore(Protocol):
 
     async def register(self, worker: bootstrap_pb2.WorkerInfo) -> tuple[str, bootstrap_pb2.Lease]: ...
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
-                        ) -> bootstrap_pb2.Lease: ...
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None,
+                        lora_adapters: Sequence[common_pb2.LoraAdapterRef] = ()) -> bootstrap_pb2.Lease: ...
 
     async def deregister(self, lease_id: str) -> str: ...
 
@@ -83,9 +84,9 @@ class MemoryStore:
     async def register(self, worker: bootstrap_pb2.WorkerInfo) -> tuple[str, bootstrap_pb2.Lease]:
         return self.registry.register(worker)
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None
-                        ) -> bootstrap_pb2.Lease:
-        return self.registry.heartbeat(lease_id, load)
+    async def heartbeat(self, lease_id: str, load: common_pb2.WorkerLoad | None = None,
+                        lora_adapters: Sequence[common_pb2.LoraAdapterRef] = ()) -> bootstrap_pb2.Lease:
+        return self.registry.heartbeat(lease_id, load, lora_adapters)
 
     async def deregister(self, lease_id: str) -> str:
         return self.registry.deregister(lease_id)

@@ -4,6 +4,7 @@ Workers:
     registry = RegistryClient("127.0.0.1:8998")
     lease = await registry.register(worker_info)       # waits for the registry to come up
     registry.start_heartbeat(load=current_load)        # renews the lease, reports load
+    registry.report_now()                              # a heartbeat at once (its LoRA adapters changed)
     ...
     await registry.close()                             # stops heartbeats, deregisters
 
@@ -69,6 +70,10 @@ class RegistryClient:
         self.lease: bootstrap_pb2.Lease | None = None
         self._worker: bootstrap_pb2.WorkerInfo | None = None
         self._load: Callable[[], common_pb2.WorkerLoad] | None = None
+        self._lora_adapters: Callable[[], list[common_pb2.LoraAdapterRef]] | None = None
+        # one heartbeat at a time: the registry keeps the lists of the last one it gets
+        self._heartbeat_lock = asyncio.Lock()
+        self._report_tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
         self._channels = [open_channel(one, security or GrpcSecurity()) for one in self.addresses]
         self._stubs = [bootstrap_pb2_grpc.BootstrapStub(channel) for channel in self._channels]
@@ -128,6 +133,9 @@ class RegistryClient:
         request = bootstrap_pb2.RegisterRequest(worker=self._worker)
         if self._load is not None:
             request.worker.load.CopyFrom(self._current_load())
+        if self._lora_adapters is not None:
+            del request.worker.lora_adapters[:]
+            request.worker.lora_adapters.extend(self._lora_adapters())
         if len(self.addresses) == 1:
             response = await self._stub.Register(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         else:
@@ -155,31 +163,62 @@ class RegistryClient:
             self._fail_over()
             await asyncio.sleep(0.5)
 
-    def start_heartbeat(self, load: Callable[[], common_pb2.WorkerLoad] | None = None) -> None:
-        """Renew the lease every heartbeat interval from a background task, sending `load()`
-        each time (called on the event loop; it must be cheap and not block)."""
+    def start_heartbeat(self, load: Callable[[], common_pb2.WorkerLoad] | None = None,
+                        lora_adapters: Callable[[], list[common_pb2.LoraAdapterRef]] | None = None) -> None:
+        """Renew the lease every heartbeat interval from a background task, sending `load()` and
+        `lora_adapters()` each time (called on the event loop; they must be cheap and not block)."""
         if self.lease is None:
             raise RuntimeError("register() before start_heartbeat()")
         self._load = load
+        self._lora_adapters = lora_adapters
         if self._heartbeat_task is None or self._heartbeat_task.done():
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="registry-heartbeat")
 
     async def stop_heartbeat(self) -> None:
         """Stop renewing the lease (it will expire unless deregistered)."""
         task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
+        for one in [task, *self._report_tasks]:
+            if one is not None:
+                one.cancel()
+                try:
+                    await one
+                except asyncio.CancelledError:
+                    pass
+
+    def report_now(self) -> None:
+        """Heartbeat at once in the background (what it reports changed: a LoRA adapter was loaded
+        or unloaded), instead of at the next interval; failures are logged, as the loop's are."""
+        if self.lease is None:
+            return
+
+        async def beat() -> None:
             try:
-                await task
-            except asyncio.CancelledError:
+                await self.heartbeat()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat to registry %s failed: %s %s", self.address, exc.code().name,
+                            exc.details())
+            except RuntimeError:  # deregistered meanwhile: nothing to report
                 pass
 
+        task = asyncio.get_running_loop().create_task(beat(), name="registry-report")
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
     async def heartbeat(self) -> bootstrap_pb2.Lease:
-        """Renew the lease once; if the registry no longer knows it (NOT_FOUND), register again."""
-        assert self.lease is not None
+        """Renew the lease once; if the registry no longer knows it (NOT_FOUND), register again.
+        Heartbeats run one at a time, each reading the lists when it is sent, so the last one the
+        registry gets is the newest."""
+        async with self._heartbeat_lock:
+            return await self._heartbeat_once()
+
+    async def _heartbeat_once(self) -> bootstrap_pb2.Lease:
+        if self.lease is None:  # deregistered while this heartbeat waited for the one before it
+            raise RuntimeError("not registered")
         request = bootstrap_pb2.HeartbeatRequest(lease_id=self.lease.lease_id)
         if self._load is not None:
             request.load.CopyFrom(self._current_load())
+        if self._lora_adapters is not None:
+            request.lora_adapters.extend(self._lora_adapters())
         try:
             response = await self._unary("Heartbeat", request, timeout_s=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -181,7 +181,9 @@ class RemotePrefill:
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
             skip_pages=reservation.cached_pages,
             speculative=speculative_to_proto(self.config.engine.speculative),
-            lora_adapter=request.lora or "", carried_tokens=request.carried_tokens)
+            lora_adapter=request.lora or "", carried_tokens=request.carried_tokens,
+            lora_adapter_key=(self.engine.lora.cache_key(request.lora)
+                              if request.lora and self.engine.lora is not None else ""))
         room.prefill_address = prefill_address
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(

@@ -148,7 +148,8 @@ class GatewayConfig:
         "register again within one heartbeat interval); default: heartbeat interval x (max failures + 1)"))
     enable_lora: bool = field(default=False, metadata=_help(
         "the workers serve LoRA adapters (--enable-lora): a `model` other than the base's names an adapter "
-        "(as in vLLM), and /generate takes SGLang's `lora_path`; a worker without it answers 404"))
+        "(as in vLLM), and /generate takes SGLang's `lora_path`; such a request goes only to workers and "
+        "pairs the registry lists as holding the adapter (404 when none does)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
     # over the names the workers report (services.common.text_parsers)
     text_parsers: TextParsers = field(default_factory=TextParsers)

@@ -1,12 +1,12 @@
 """Fill the WorkerPool: static workers from the command line, live ones from the bootstrap registry.
 
 Registry: one Watch stream (RegistryClient.watch reconnects and reconciles by itself). JOINED and
-UPDATED add or refresh a worker (UPDATED carries its heartbeat load), LEFT removes it, so joins
-and leaves take effect without a restart. Only workers of the served model are routed to (the
-gateway tokenizes with that model's tokenizer); others are logged once and ignored. A static
-worker stays in the pool even if the registry reports it gone. With a `check` (a gateway that
-learned its model from the workers), a new worker joins the pool only once its GetModelInfo
-matches that model, tokenizer files included.
+UPDATED add or refresh a worker (UPDATED carries its heartbeat load and LoRA adapters), LEFT
+removes it, so joins and leaves take effect without a restart. Only workers of the served model
+are routed to (the gateway tokenizes with that model's tokenizer); others are logged once and
+ignored. A static worker stays in the pool even if the registry reports it gone. With a `check`
+(a gateway that learned its model from the workers), a new worker joins the pool only once its
+GetModelInfo matches that model, tokenizer files included.
 
 LEFT depends on its reason:
 - "lease expired": the worker stopped heartbeating (frozen, cut off). It is removed and the calls
@@ -61,6 +61,11 @@ async def stop_task(task: asyncio.Task | None) -> None:
 def add_static_workers(pool: WorkerPool, workers: Iterable[StaticWorker], model: str) -> None:
     for worker in workers:
         pool.add(worker.address, worker.role, model, static=True)
+
+
+def lora_adapters_of(info: bootstrap_pb2.WorkerInfo) -> dict[str, str]:
+    """A registered worker's LoRA adapters: name -> the key its pages are hashed under."""
+    return {adapter.name: adapter.cache_key for adapter in info.lora_adapters}
 
 
 class WorkerCheck(Protocol):
@@ -135,7 +140,8 @@ class RegistryDiscovery:
             # it joins once its model info matches
             self.check.submit(address, role, info.worker_id, lambda: self.pool.add(
                 address, role, info.model, worker_id=info.worker_id,
-                reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill))
+                reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill,
+                lora_adapters=lora_adapters_of(info)))
             return
         if event.type in (_JOINED, _UPDATED):
             pending = self._pending_removal.pop(address, None)
@@ -144,7 +150,7 @@ class RegistryDiscovery:
                 log.info("worker %s %s is back in the registry", role, address)
             self.pool.add(address, role, info.model, worker_id=info.worker_id,
                           reported=ReportedLoad.from_proto(info.load), local_prefill=info.local_prefill,
-                          page_size=info.kv_layout.page_size)
+                          page_size=info.kv_layout.page_size, lora_adapters=lora_adapters_of(info))
         elif event.type == _LEFT:
             if self.check is not None:
                 self.check.forget(address, info.worker_id)

@@ -221,7 +221,7 @@ class Dispatcher:
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
                 began = time.perf_counter()
-                route = self.router.pick(model, prompt_token_ids, exclude)
+                route = self.router.pick(model, prompt_token_ids, exclude, lora)
                 self.metrics.routing_decision.observe(time.perf_counter() - began)
             except NoWorkersError as exc:
                 if last_failure is None:

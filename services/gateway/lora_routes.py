@@ -1,8 +1,8 @@
 """LoRA adapters through the gateway (--enable-lora): vLLM's /v1/load_lora_adapter and
 /v1/unload_lora_adapter, applied to every worker the gateway knows (prefill ones too: a decode
-worker's prefill must hold the adapter of each request it runs), and the adapters the workers
-serve, for /v1/models. These calls sit behind the gateway's API key like every other non-open
-path; the workers' gRPC calls carry the deployment's secret."""
+worker's prefill must hold the adapter of each request it runs; a refusal names every worker that
+refused), and the adapters the fleet serves, for /v1/models. These calls sit behind the gateway's
+API key like every other non-open path; the workers' gRPC calls carry the deployment's secret."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from starlette.responses import PlainTextResponse
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.gateway.errors import GatewayError
 from services.gateway.state import GatewayState
-from services.gateway.workers import WorkerHandle
+from services.gateway.workers import WorkerHandle, listed_adapters, servable_adapters
 
 router = APIRouter()
 CALL_TIMEOUT_S = 60.0  # reading an adapter folder: seconds for a large one
+REGISTRY_WAIT_S = 5.0  # a worker reports a change of adapters at once: a heartbeat's round trip
 # A worker's refusal -> (HTTP status, error code)
 _REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_lora_adapter"),
              grpc.StatusCode.ALREADY_EXISTS: (400, "lora_adapter_exists"),
@@ -52,28 +53,47 @@ def _stub(worker: WorkerHandle) -> worker_pb2_grpc.WorkerStub | worker_pb2_grpc.
     return worker_pb2_grpc.WorkerStub(worker.channel)
 
 
-async def _on_every_worker(state: GatewayState, method: str, message) -> None:
-    """Call `method` on every known worker at once; the first refusal is the answer (naming the
-    worker), after all calls ended."""
+async def _on_every_worker(state: GatewayState, method: str, message) -> list[WorkerHandle]:
+    """Call `method` on every known worker at once and return them. When some refuse or fail, the
+    answer names each of those (and how many did it), with the first refusal's status."""
     workers = state.pool.routable(state.model_name)
     if not workers:
         raise GatewayError(503, "no worker is known to apply the call to", code="no_workers")
     results = await asyncio.gather(*(getattr(_stub(w), method)(message, timeout=CALL_TIMEOUT_S)
                                      for w in workers), return_exceptions=True)
+    failed: list[tuple[WorkerHandle, grpc.aio.AioRpcError]] = []
     for worker, result in zip(workers, results, strict=True):
-        if isinstance(result, grpc.aio.AioRpcError):
-            status, code = _REFUSALS.get(result.code(), (503, "worker_unavailable"))
-            raise GatewayError(status, f"{worker.role} worker {worker.address}: {result.details()}",
-                               code=code)
         if isinstance(result, BaseException):
-            raise result
+            if not isinstance(result, grpc.aio.AioRpcError):
+                raise result
+            failed.append((worker, result))
+    if failed:
+        status, code = _REFUSALS.get(failed[0][1].code(), (503, "worker_unavailable"))
+        named = "; ".join(f"{w.role} worker {w.address}: {exc.details()}" for w, exc in failed)
+        done = len(workers) - len(failed)
+        raise GatewayError(status, f"{named} ({done} of {len(workers)} workers did it)" if done else named,
+                           code=code)
+    return workers
+
+
+async def _until_registry_shows(workers: list[WorkerHandle], name: str, loaded: bool) -> None:
+    """Wait (bounded) until the registry's view of every registered worker of `workers` agrees that
+    it holds `name` (or not): the gateway routes on that view, so once the call answers, requests
+    for the adapter are routed to every worker that loaded it. Workers whose adapters the gateway
+    does not know from the registry (static ones) are not waited for."""
+    deadline = asyncio.get_running_loop().time() + REGISTRY_WAIT_S
+    while asyncio.get_running_loop().time() < deadline:
+        if all(w.lora_adapters is None or (name in w.lora_adapters) == loaded for w in workers):
+            return
+        await asyncio.sleep(0.02)
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
     state = _state(request)
     message = worker_pb2.LoadLoraAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
-    await _on_every_worker(state, "LoadLoraAdapter", message)
+    workers = await _on_every_worker(state, "LoadLoraAdapter", message)
+    await _until_registry_shows(workers, body.lora_name, True)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
@@ -81,17 +101,23 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> s
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
     state = _state(request)
     message = worker_pb2.UnloadLoraAdapterRequest(lora_name=body.lora_name)
-    await _on_every_worker(state, "UnloadLoraAdapter", message)
+    workers = await _on_every_worker(state, "UnloadLoraAdapter", message)
+    await _until_registry_shows(workers, body.lora_name, False)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
 async def served_adapters(state: GatewayState) -> list[str]:
-    """The adapters that decode or colocated workers serve (any of them), for /v1/models; a worker
-    that does not answer in time is left out."""
+    """The adapters a request can be routed with, for /v1/models: those the registry says some
+    route of workers holds whole (workers.servable_adapters), and those that static decode or
+    colocated workers, whose adapters the gateway does not follow, say they serve (a worker that
+    does not answer in time is left out)."""
     if not state.config.enable_lora:
         return []
-    workers = [w for w in state.pool.routable(state.model_name) if w.role != "prefill"]
+    workers = state.pool.routable(state.model_name)
+    names = servable_adapters(workers, listed_adapters(workers))
+    static = [w for w in workers if w.role != "prefill" and w.lora_adapters is None]
     results = await asyncio.gather(*(w.worker_stub().ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest(),
-                                                                      timeout=5.0) for w in workers),
+                                                                      timeout=5.0) for w in static),
                                    return_exceptions=True)
-    return sorted({name for r in results if isinstance(r, worker_pb2.LoraAdapters) for name in r.names})
+    names.update(name for r in results if isinstance(r, worker_pb2.LoraAdapters) for name in r.names)
+    return sorted(names)

@@ -166,6 +166,9 @@ class WorkerHandle:
     static: bool = False
     local_prefill: bool = False  # decode only: runs prompts itself when no prefill worker can
     page_size: int = 0  # tokens per KV page, from its registration (0: static, not known yet)
+    # LoRA adapters it serves, name -> the key its pages are hashed under, from its registration and
+    # heartbeats; None: not known (a static worker), so any adapter may be asked of it
+    lora_adapters: dict[str, str] | None = None
     kv_cache: KvCacheView = field(default_factory=KvCacheView)  # its prefix cache (kv_events.py)
     reported: ReportedLoad = field(default_factory=ReportedLoad)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -180,6 +183,14 @@ class WorkerHandle:
     @property
     def key(self) -> str:
         return self.address
+
+    def serves(self, lora: str | None) -> bool:
+        """May a request under LoRA adapter `lora` (None: the base model) be sent here?"""
+        return lora is None or self.lora_adapters is None or lora in self.lora_adapters
+
+    def lora_cache_key(self, lora: str | None) -> str | None:
+        """The key this worker hashes `lora`'s pages under (None: the base model, or not known)."""
+        return None if lora is None or self.lora_adapters is None else self.lora_adapters.get(lora)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -267,7 +278,7 @@ class WorkerPool:
 
     def add(self, address: str, role: str, model: str, *, worker_id: str = "", static: bool = False,
             reported: ReportedLoad | None = None, local_prefill: bool = False,
-            page_size: int = 0) -> WorkerHandle:
+            page_size: int = 0, lora_adapters: dict[str, str] | None = None) -> WorkerHandle:
         """Add a worker, or update the one at `address`. A different role or worker id at the same
         address is a new process there: its handle (breaker, channel) is replaced."""
         existing = self._workers.get(address)
@@ -279,12 +290,15 @@ class WorkerPool:
             existing.page_size = page_size or existing.page_size
             if reported is not None:
                 existing.reported = reported
+            if lora_adapters is not None:
+                existing.lora_adapters = lora_adapters
             return existing
         if existing is not None:
             self.remove(address, reason="replaced")
         handle = WorkerHandle(address=address, role=role, model=model, worker_id=worker_id, static=static,
                               local_prefill=local_prefill, reported=reported or ReportedLoad(),
-                              breaker=self._breaker_factory(), security=self._security, page_size=page_size)
+                              breaker=self._breaker_factory(), security=self._security, page_size=page_size,
+                              lora_adapters=lora_adapters)
         self._workers[address] = handle
         log.info("worker joined: %s %s (model %s%s)", role, address, model,
                  f", id {worker_id}" if worker_id else ", static")
@@ -310,6 +324,46 @@ class NoWorkersError(GatewayError):
 
     def __init__(self, message: str) -> None:
         super().__init__(503, message, code="no_healthy_workers")
+
+
+class UnknownAdapterError(NoWorkersError):
+    """No worker serves the LoRA adapter a request names (404, in vLLM's words)."""
+
+    def __init__(self, lora: str) -> None:
+        GatewayError.__init__(self, 404, f"The model `{lora}` does not exist.", param="model",
+                              code="model_not_found")
+
+
+def pair_candidates(workers: Sequence[WorkerHandle], lora: str | None = None
+                    ) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    """(prefill workers, decode-or-colocated workers that can take a request under LoRA adapter
+    `lora`) of `workers`: a decode worker only while a prefill worker that holds the adapter from the
+    same files is among them, or it runs prompts itself."""
+    prefills = [w for w in workers if w.role == PREFILL]
+    decodes = [w for w in workers if w.role == COLOCATED or (
+        w.role == DECODE and (w.local_prefill or same_adapter_files(prefills, w, lora)))]
+    return prefills, decodes
+
+
+def same_adapter_files(prefills: Sequence[WorkerHandle], decode: WorkerHandle, lora: str | None
+                       ) -> list[WorkerHandle]:
+    """The prefill workers that hold `lora` from the same files as `decode` (equal keys; a key not
+    known is taken to agree): another one would refuse decode's handshake."""
+    key = decode.lora_cache_key(lora)
+    return [p for p in prefills if key is None or p.lora_cache_key(lora) in (None, key)]
+
+
+def servable_adapters(workers: Sequence[WorkerHandle], names: Iterable[str]) -> set[str]:
+    """The LoRA adapters of `names` that some route of `workers` serves whole: a colocated worker
+    holding it, or a decode worker holding it with a prefill worker that holds it from the same
+    files (or running prompts itself). A worker whose adapters are not known (static) counts as
+    holding every one."""
+    return {name for name in names if pair_candidates([w for w in workers if w.serves(name)], name)[1]}
+
+
+def listed_adapters(workers: Iterable[WorkerHandle]) -> set[str]:
+    """Every LoRA adapter some worker of `workers` says it serves."""
+    return {name for w in workers for name in (w.lora_adapters or {})}
 
 
 @dataclass
@@ -361,23 +415,28 @@ class Router:
         if self.decode_policy is not self.prefill_policy:
             self.decode_policy.forget(worker)
 
-    def candidates(self, model: str,
-                   exclude: Iterable[str] = ()) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-        """(prefill candidates, decode-or-colocated candidates) available for `model` now."""
+    def candidates(self, model: str, exclude: Iterable[str] = (), lora: str | None = None
+                   ) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """(prefill candidates, decode-or-colocated candidates) available for `model` now, under
+        LoRA adapter `lora`: only workers that serve it (a decode one only with a prefill that does)."""
         excluded = set(exclude)
-        usable = [w for w in self.pool.routable(model) if w.key not in excluded and w.breaker.available()]
-        prefills = [w for w in usable if w.role == PREFILL]
-        decodes = [w for w in usable
-                   if w.role == COLOCATED or (w.role == DECODE and (prefills or w.local_prefill))]
-        return prefills, decodes
+        usable = [w for w in self.pool.routable(model)
+                  if w.key not in excluded and w.breaker.available() and w.serves(lora)]
+        return pair_candidates(usable, lora)
 
-    def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Route:
-        """A route for one attempt; raises NoWorkersError (503) when nothing can serve `model`."""
-        prefills, decodes = self.candidates(model, exclude)
+    def pick(self, model: str, prompt_token_ids: Sequence[int], exclude: Iterable[str] = (),
+             lora: str | None = None) -> Route:
+        """A route for one attempt under LoRA adapter `lora` (None: the base model); raises
+        UnknownAdapterError (404) when no worker serves the adapter, NoWorkersError (503) when
+        nothing can serve the request now."""
+        prefills, decodes = self.candidates(model, exclude, lora)
         if not decodes:
+            if lora is not None and not servable_adapters(self.pool.routable(model), [lora]):
+                raise UnknownAdapterError(lora)
             raise NoWorkersError(self._why_none(model, exclude))
-        decode = self.decode_policy.choose(decodes, prompt_token_ids)
-        prefill = (self.prefill_policy.choose(prefills, prompt_token_ids)
+        decode = self.decode_policy.choose(decodes, prompt_token_ids, lora)
+        prefills = same_adapter_files(prefills, decode, lora)
+        prefill = (self.prefill_policy.choose(prefills, prompt_token_ids, lora)
                    if decode.role == DECODE and prefills else None)
         route = Route(decode=decode, prefill=prefill)
         for worker in route.workers:

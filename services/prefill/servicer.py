@@ -60,6 +60,7 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"model mismatch (prefill vs decode): {self.model_name!r} vs {request.model!r}")
             self._check_speculative(request)
+            self._check_lora_adapter(request)
             # opened before the handshake, so an Abort that arrives during it finds the room
             room = self.rooms.open(request.room, Stage.HANDSHAKE, asyncio.current_task())
         except Refused as exc:
@@ -89,6 +90,18 @@ class PrefillServicer(RoleServicer[PrefillRoom], worker_pb2_grpc.PrefillServicer
             self.metrics.failure(HANDSHAKE)
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "speculative decoding config mismatch "
                           f"(prefill vs decode): {'; '.join(differences)}")
+
+    def _check_lora_adapter(self, request: worker_pb2.PrefillRequest) -> None:
+        """Refuse a request whose adapter decode holds from other files than ours (the same name
+        loaded from another folder, or reloaded), naming both keys: our K/V would not be its."""
+        if not request.lora_adapter_key or self.engine.lora is None:
+            return
+        mine = self.engine.lora.cache_key(request.lora_adapter)
+        if mine != request.lora_adapter_key:
+            self.metrics.failure(HANDSHAKE)
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"LoRA adapter {request.lora_adapter!r} differs between prefill and decode "
+                          f"(name@files digest, prefill vs decode): {mine} vs {request.lora_adapter_key}")
 
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:

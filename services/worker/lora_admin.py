@@ -1,6 +1,7 @@
 """LoRA adapters loaded and unloaded at run time (the LoadLoraAdapter and UnloadLoraAdapter RPCs
 every worker role answers; the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter call
-them on each worker)."""
+them on each worker), and the adapters a worker serves as it reports them (ListLoraAdapters, the
+registry's heartbeats)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import grpc
 from engine.api import EngineAPI
 from engine.lora.adapter import LoraLoadError, load_adapter
 from engine.lora.slots import LoraSlots
-from protos.v1 import worker_pb2
+from protos.v1 import common_pb2, worker_pb2
 from services.worker.wire import Refused
 
 
@@ -19,6 +20,22 @@ def _slots(engine: EngineAPI) -> LoraSlots:
     if engine.lora is None:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "this worker was started without --enable-lora")
     return engine.lora
+
+
+def adapter_refs(engine: EngineAPI) -> list[common_pb2.LoraAdapterRef]:
+    """Every adapter the worker serves, by name, with the key its pages are hashed under (none
+    without --enable-lora)."""
+    slots = engine.lora
+    if slots is None:
+        return []
+    with slots.lock:
+        return [common_pb2.LoraAdapterRef(name=name, cache_key=adapter.cache_key)
+                for name, adapter in sorted(slots.adapters.items())]
+
+
+def served(engine: EngineAPI) -> worker_pb2.LoraAdapters:
+    refs = adapter_refs(engine)
+    return worker_pb2.LoraAdapters(names=[ref.name for ref in refs], adapters=refs)
 
 
 async def load(engine: EngineAPI, request: worker_pb2.LoadLoraAdapterRequest) -> worker_pb2.LoraAdapters:
@@ -34,7 +51,7 @@ async def load(engine: EngineAPI, request: worker_pb2.LoadLoraAdapterRequest) ->
         slots.register(adapter)
     except LoraLoadError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-    return worker_pb2.LoraAdapters(names=slots.names())
+    return served(engine)
 
 
 def unload(engine: EngineAPI, request: worker_pb2.UnloadLoraAdapterRequest) -> worker_pb2.LoraAdapters:
@@ -47,4 +64,4 @@ def unload(engine: EngineAPI, request: worker_pb2.UnloadLoraAdapterRequest) -> w
                       f"LoRA adapter {request.lora_name!r} is not loaded") from None
     except LoraLoadError as exc:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-    return worker_pb2.LoraAdapters(names=slots.names())
+    return served(engine)

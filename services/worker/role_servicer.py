@@ -56,21 +56,24 @@ every worker's gRPC services share."""
     async def LoadLoraAdapter(self, request: worker_pb2.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
         try:
-            return await lora_admin.load(self.engine, request)
+            adapters = await lora_admin.load(self.engine, request)
         except Refused as exc:
             await abort_with(context, exc)
+        self.runtime.report_adapters()
+        return adapters
 
     async def UnloadLoraAdapter(self, request: worker_pb2.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
         try:
-            return lora_admin.unload(self.engine, request)
+            adapters = lora_admin.unload(self.engine, request)
         except Refused as exc:
             await abort_with(context, exc)
+        self.runtime.report_adapters()
+        return adapters
 
     async def ListLoraAdapters(self, request: worker_pb2.ListLoraAdaptersRequest,
                                context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
-        lora = self.engine.lora
-        return worker_pb2.LoraAdapters(names=lora.names() if lora is not None else [])
+        return lora_admin.served(self.engine)
 
     async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service

@@ -28,6 +28,7 @@ from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.registry_client import RegistryClient
+from services.worker import lora_admin
 from services.worker.config import WorkerConfig
 from services.worker.encoders import EncoderClient, add_embedding_metrics
 from services.worker.metrics import HANDSHAKE, WorkerMetrics
@@ -280,14 +281,21 @@ class WorkerRuntime:
             role=_ROLES[self.config.role], model=self.config.model_name,
             kv_layout=layout_to_proto(self.model_layout()), grpc_address=grpc_address,
             metrics_address=self.metrics_server.address if self.metrics_server else "",
-            load=self.load(), local_prefill=self.config.local_prefill_rule().enabled)
+            load=self.load(), local_prefill=self.config.local_prefill_rule().enabled,
+            lora_adapters=lora_admin.adapter_refs(self.engine))
         if self.backend is not None:
             worker.transfer_endpoint.CopyFrom(endpoint_to_proto(self.backend.endpoint()))
         self.registry = RegistryClient(self.config.bootstrap, security=self.config.security)
         await self.registry.register(worker)  # logs the worker id and lease
         if self.encoders is not None:
             self.encoders.registry = self.registry
-        self.registry.start_heartbeat(load=self.load)
+        self.registry.start_heartbeat(load=self.load,
+                                      lora_adapters=functools.partial(lora_admin.adapter_refs, self.engine))
+
+    def report_adapters(self) -> None:
+        """The worker's LoRA adapters changed: tell the registry now, not at the next heartbeat."""
+        if self.registry is not None:
+            self.registry.report_now()
 
     async def close(self, *, exiting: bool = False) -> None:
         """Deregister, stop the engine, then close the transfer backends, the encoder client and the

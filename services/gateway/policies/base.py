@@ -19,8 +19,10 @@ class Policy(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
-        """One of `candidates` (non-empty) for a request with this prompt."""
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
+        """One of `candidates` (non-empty) for a request with this prompt, run under LoRA adapter
+        `lora` (None: the base model; every candidate serves it)."""
 
     def forget(self, worker: WorkerHandle) -> None:  # noqa: B027 - optional hook, most policies keep no state
         """`worker` left the pool: drop any state kept for it."""

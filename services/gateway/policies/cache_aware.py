@@ -15,6 +15,12 @@ each on their own caches (one policy instance per role). Only for a worker whose
 (no stream yet, or one that publishes none) does the policy fall back to a guess: a prefix tree of
 the prompts routed to it, updated after every choice.
 
+LoRA: a prompt under an adapter is hashed with the key that worker hashes the adapter's pages under
+(from the registry, pdserve/page_hash.py with_adapter), so it matches only that adapter's pages
+there, never the base model's or another adapter's; the guessing tree keeps each adapter's prompts
+apart the same way (a leading token of the adapter's own). A worker whose adapter key is not known
+is scored by the guess.
+
 Tiers: a worker's own pool counts in full; pages after its local run that it could fetch from the
 cluster-wide store (--enable-hierarchical-cache: pages any candidate on the same store reports as
 in it, KV events of medium STORE) count `store_weight` (default 0.5) each. A fetch is cheaper than
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.page_hash import page_hashes
+from pdserve.page_hash import adapter_salt, page_hashes, with_adapter
 from services.gateway.kv_view import leading_run
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
@@ -54,10 +60,11 @@ class CacheAwarePolicy(Policy):
         highest, lowest = max(loads), min(loads)
         return highest - lowest > self.balance_abs_threshold and highest > self.balance_rel_threshold * lowest
 
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
-        chosen = self._pick(candidates, prompt_token_ids)
-        if not chosen.kv_cache.synced:  # its real state will not tell: remember the guess
-            self.tree.insert(prompt_token_ids, chosen.key)
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
+        chosen = self._pick(candidates, prompt_token_ids, lora)
+        if not _knows_cache(chosen, lora):  # its real state will not tell: remember the guess
+            self.tree.insert(_tree_tokens(prompt_token_ids, lora), chosen.key)
         return chosen
 
     def _cache_size(self, worker: WorkerHandle) -> int:
@@ -65,12 +72,16 @@ class CacheAwarePolicy(Policy):
         view = worker.kv_cache
         return len(view.hashes) * view.page_size if view.synced else self.tree.size(worker.key)
 
-    def _pick(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def _pick(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+              lora: str | None) -> WorkerHandle:
         least_loaded = min(candidates, key=lambda worker: (worker.load, self._cache_size(worker)))
         if len(candidates) == 1 or self.imbalanced(candidates):
             return least_loaded
-        matched: dict[str, float] = dict(self.tree.match(prompt_token_ids))
-        hashes_by_size: dict[int, list[int]] = {}
+        guessed = self.tree.match(_tree_tokens(prompt_token_ids, lora))
+        # (an adapter's leading token is no token of the prompt)
+        matched: dict[str, float] = {worker: max(length - (lora is not None), 0)
+                                     for worker, length in guessed.items()}
+        hashes_by_key: dict[tuple[int, str | None], list[int]] = {}
         stores: dict[str, list[set[int]]] = {}  # store -> what each synced candidate on it reports in it
         for worker in candidates:
             view = worker.kv_cache
@@ -78,11 +89,12 @@ class CacheAwarePolicy(Policy):
                 stores.setdefault(view.store, []).append(view.store_hashes)
         for worker in candidates:
             view = worker.kv_cache
-            if view.synced and view.page_size > 0:
-                size = view.page_size
-                if size not in hashes_by_size:
-                    hashes_by_size[size] = page_hashes(prompt_token_ids, size)
-                hashes = hashes_by_size[size]
+            if _knows_cache(worker, lora) and view.page_size > 0:
+                size, adapter_key = view.page_size, worker.lora_cache_key(lora)
+                if (size, adapter_key) not in hashes_by_key:
+                    hashes_by_key[size, adapter_key] = page_hashes(prompt_token_ids, size,
+                                                                   salts=with_adapter([], adapter_key))
+                hashes = hashes_by_key[size, adapter_key]
                 local = view.cached_pages(hashes)
                 fetchable = leading_run(hashes, stores[view.store], local) if view.store else 0
                 matched[worker.key] = (local + self.store_weight * fetchable) * size
@@ -95,3 +107,15 @@ class CacheAwarePolicy(Policy):
 
     def forget(self, worker: WorkerHandle) -> None:
         self.tree.remove_worker(worker.key)
+
+
+def _knows_cache(worker: WorkerHandle, lora: str | None) -> bool:
+    """Whether the worker's KV events tell what it caches of a prompt under `lora`: its stream is
+    synced and, for an adapter, the key its pages of that adapter are hashed under is known."""
+    return worker.kv_cache.synced and (lora is None or worker.lora_cache_key(lora) is not None)
+
+
+def _tree_tokens(prompt_token_ids: Sequence[int], lora: str | None) -> Sequence[int]:
+    """The prompt as the guessing tree keys it: under an adapter, after a token of the adapter's own
+    (negative: no vocabulary id), so no guess matches across adapters or with the base model."""
+    return prompt_token_ids if lora is None else [-1 - (adapter_salt(lora) >> 1), *prompt_token_ids]

@@ -20,7 +20,8 @@ class PowerOfTwoPolicy(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._random = random.Random(seed)
 
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
         if len(candidates) == 1:
             return candidates[0]
         first, second = self._random.sample(list(candidates), 2)

@@ -17,5 +17,6 @@ class RandomPolicy(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._random = random.Random(seed)
 
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
         return self._random.choice(list(candidates))

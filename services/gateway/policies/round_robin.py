@@ -17,7 +17,8 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
         chosen = candidates[self._next % len(candidates)]
         self._next += 1
         return chosen

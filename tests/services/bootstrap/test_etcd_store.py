@@ -80,8 +80,13 @@ async def test_two_stores_share_workers_heartbeats_and_events(stores) -> None:
     event = await next_event(watcher)
     assert (event.type, event.worker.load.running) == (UPDATED, 3)
     await first.heartbeat(lease.lease_id, common_pb2.WorkerLoad(running=3))  # unchanged: no event
+    # and the worker's LoRA adapters, when they change
+    adapters = [common_pb2.LoraAdapterRef(name="a", cache_key="a@0f")]
+    await first.heartbeat(lease.lease_id, common_pb2.WorkerLoad(running=3), adapters)
+    event = await next_event(watcher)
+    assert (event.type, list(event.worker.lora_adapters)) == (UPDATED, adapters)
     [listed] = await first.list(common_pb2.WORKER_ROLE_PREFILL, "tiny")
-    assert listed.load.running == 3
+    assert listed.load.running == 3 and list(listed.lora_adapters) == adapters
     assert await first.list(common_pb2.WORKER_ROLE_DECODE) == [] and await first.list(model="other") == []
 
     # the same grpc_address registering again replaces the old entry, atomically

@@ -34,7 +34,8 @@ CUT = "cut"  # a step of a fake stream: the registry cuts the call (the worker's
 class First(Policy):
     """Always the first candidate: a failed worker would be picked again unless excluded."""
 
-    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def choose(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+               lora: str | None = None) -> WorkerHandle:
         return candidates[0]
 
 
