@@ -142,6 +142,9 @@ class GatewayConfig:
         "own view of the registry, KV events and routing state; the kernel spreads connections over them"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
+    body_parse_processes: int = field(default=2, metadata=_help(
+        "processes that parse request bodies of 1 MiB or more and decode their base64 images, off the "
+        "event loop (services/gateway/large_bodies.py); 0 parses every body on the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
         envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
         "seconds a worker stays routable after a restarted registry came back without it (workers "
@@ -193,6 +196,8 @@ class GatewayConfig:
         parse_domains(self.allowed_media_domains)
         if self.queue_size < 0 or self.retry_after < 0:
             raise ValueError("--queue-size and --retry-after must be >= 0")
+        if self.body_parse_processes < 0:
+            raise ValueError(f"--body-parse-processes must be >= 0, got {self.body_parse_processes}")
 
     @property
     def served_model_name(self) -> str | None:
