@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.page_hash import page_hashes
-from services.gateway.kv_view import leading_run
+from services.gateway.kv_view import PageSet, leading_run
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
 from services.gateway.workers import WorkerHandle
@@ -71,7 +71,7 @@ class CacheAwarePolicy(Policy):
             return least_loaded
         matched: dict[str, float] = dict(self.tree.match(prompt_token_ids))
         hashes_by_size: dict[int, list[int]] = {}
-        stores: dict[str, list[set[int]]] = {}  # store -> what each synced candidate on it reports in it
+        stores: dict[str, list[PageSet]] = {}  # store -> what each synced candidate on it reports in it
         for worker in candidates:
             view = worker.kv_cache
             if view.synced and view.store:
