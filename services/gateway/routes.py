@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from services.gateway.chat_output import ChoiceParser, StreamedChoice, chat_parsing, message
+from services.gateway.chunk_templates import ContentChunks
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.images import image_loader, image_urls
@@ -172,10 +173,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     for job in jobs]
 
         streams = [StreamedChoice(parsing.parser()) for _ in jobs]
+        content_chunks = [ContentChunks(request_id, created, model, job.index) for job in jobs]
 
         def token_event(position: int, item: GenerationChunk, so_far: ChoiceResult) -> str | None:
             finish_reason = item.finish_reason
             if streams[position].parser.plain:
+                if item.text and finish_reason is None and not body.logprobs:  # most events: a template
+                    return content_chunks[position].event(item.text)
                 delta = ChatDelta(content=item.text or None)
             else:  # the text so far, parsed: only what is new is sent
                 parsed = streams[position].step(so_far.text, final=finish_reason is not None)
