@@ -135,8 +135,8 @@ class GatewayConfig:
         "refused with 413"))
     max_request_image_bytes: int = field(default=32 << 20, metadata=_help(
         "most image bytes in one request, all images together; more is refused with 413. A vision-language "
-        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body "
-        "holds the event loop: about 0.5 s for the 45 MB this default allows)"))
+        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (a body of 1 MiB "
+        "or more is parsed and its images decoded off the event loop: --body-parse-processes)"))
     workers: int = field(default=1, metadata=_help(
         "gateway processes serving this port (services/gateway/processes.py): each a whole gateway with its "
         "own view of the registry, KV events and routing state; the kernel spreads connections over them"))

@@ -10,52 +10,40 @@ longer counts (a missed cache hit, never a wrong answer).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 MAX_VIEW_PAGES = 1 << 16  # per worker and medium: 1M tokens of KV at 16-token pages
 
 
-class PageSet:
+class PageSet(OrderedDict[int, None]):
     """Page hashes in the order they were stored, at most `max_pages` of them (the earliest stored
-    are dropped first; `dropped` counts them). Membership and size as a set's."""
-
-    __slots__ = ("_order", "max_pages", "dropped")
+    are dropped first; `dropped` counts them). An OrderedDict, so membership, size and iteration stay
+    C calls on the routing path; equal to a set of the same hashes."""
 
     def __init__(self, hashes: Iterable[int] = (), max_pages: int = MAX_VIEW_PAGES) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+        super().__init__()
         self.max_pages = max_pages
         self.dropped = 0
         self.store(hashes)
 
     def store(self, hashes: Iterable[int]) -> None:
-        self._order.update(dict.fromkeys(hashes))  # C speed; a hash stored again keeps its place
-        overflow = len(self._order) - self.max_pages
+        self.update(dict.fromkeys(hashes))  # C speed; a hash stored again keeps its place
+        overflow = len(self) - self.max_pages
         if overflow > 0:
             self.dropped += overflow
             for _ in range(overflow):
-                self._order.popitem(last=False)
+                self.popitem(last=False)
 
     def remove(self, hashes: Iterable[int]) -> None:
-        pop = self._order.pop
+        pop = self.pop
         for digest in hashes:
             pop(digest, None)
 
-    def __contains__(self, digest: object) -> bool:
-        return digest in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._order)
-
     def __eq__(self, other: object) -> bool:  # against a set (tests) or another PageSet
-        if isinstance(other, PageSet):
-            return self._order.keys() == other._order.keys()
         if isinstance(other, (set, frozenset)):
-            return self._order.keys() == other
-        return NotImplemented
+            return self.keys() == other
+        return super().__eq__(other)
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
@@ -106,7 +94,15 @@ def leading_run(prompt_hashes: Sequence[int], held: Sequence[Container[int]], st
     """How many of `prompt_hashes[start:]` are in one of the sets `held`, counted until the first that
     is in none (membership per page: no union of the sets is built for one routing decision)."""
     count = 0
-    for digest in prompt_hashes[start:]:
+    if len(held) == 1:  # one medium (nearly every call): no generator per page
+        only = held[0]
+        for index in range(start, len(prompt_hashes)):
+            if prompt_hashes[index] not in only:
+                break
+            count += 1
+        return count
+    for index in range(start, len(prompt_hashes)):
+        digest = prompt_hashes[index]
         if not any(digest in hashes for hashes in held):
             break
         count += 1
