@@ -5,8 +5,9 @@ on 127.0.0.1, spread over `--publisher-processes` processes). Each worker caches
 hot documents (shared prefixes of `--doc-tokens` tokens, their real chained page hashes: sent in its
 snapshot and kept, as LRU keeps hot prefixes) and, every `--step-ms` (a GPU step), stores the pages
 its prefill made in that step (`--prefill-tokens-per-s`, default 40k: one H100's prefill rate; unique
-prompt suffixes) and evicts the oldest beyond `--worker-pages` (its pool), each step one batch
-stamped with the worker's clock.
+prompt suffixes) and evicts the oldest beyond `--worker-pages` (its pool). The events go through the
+worker's own subscription buffer: a batch per step while the gateway keeps up, everything that piled
+up in one batch when it falls behind, stamped with the worker's clock at its oldest event.
 
 Subscriber: this process stands in for one gateway: the gateway's own WorkerPool,
 KvEventSubscriptions (services/gateway/kv_events.py) and CacheAwarePolicy, on one event loop, each
@@ -39,6 +40,7 @@ from services.gateway.kv_events import KvEventSubscriptions
 from services.gateway.kv_view import MAX_VIEW_PAGES, KvCacheView
 from services.gateway.policies.cache_aware import CacheAwarePolicy
 from services.gateway.workers import WorkerPool
+from services.worker.kv_events import _KINDS, DEVICE, _Subscription
 
 PAGE = 16
 STORED, REMOVED = worker_pb2.KV_EVENT_KIND_STORED, worker_pb2.KV_EVENT_KIND_REMOVED
@@ -81,7 +83,9 @@ class Workload:
 
 
 class SimulatedEvents(worker_pb2_grpc.KvEventsServicer):
-    """One worker's KV events: the hot prefixes in the snapshot, then a batch per step."""
+    """One worker's KV events: the hot prefixes in the snapshot, then every step's stored and evicted
+    pages handed to the worker's own subscription buffer (services/worker/kv_events.py), which sends
+    whatever piled up as one batch whenever the stream can take it, as a worker does."""
 
     def __init__(self, worker: int, workload: Workload, args: argparse.Namespace) -> None:
         self.worker = worker
@@ -91,25 +95,38 @@ class SimulatedEvents(worker_pb2_grpc.KvEventsServicer):
         self.step_s = args.step_ms / 1000
         self.capacity = max(0, args.worker_pages - len(self.snapshot))
 
-    async def Subscribe(self, request, context):
+    async def _steps(self, subscription: _Subscription) -> None:
         rng = random.Random(self.worker)
         cached: deque[int] = deque()  # the unique pages, oldest first
-        yield worker_pb2.KvEventBatch(snapshot=True, page_size=PAGE, oldest_event_unix_s=time.time(), events=[
-            worker_pb2.KvEvent(kind=STORED, page_hashes=self.snapshot)])
         owed = 0.0
         next_step = time.monotonic()
         while True:
             next_step += self.step_s
             await asyncio.sleep(max(0.0, next_step - time.monotonic()))
-            stamp = time.time()
             owed += self.pages_per_step
             count, owed = int(owed), owed - int(owed)
             stored = [rng.getrandbits(64) for _ in range(count)]
             cached.extend(stored)
             removed = [cached.popleft() for _ in range(max(0, len(cached) - self.capacity))]
-            yield worker_pb2.KvEventBatch(page_size=PAGE, oldest_event_unix_s=stamp, events=[
-                worker_pb2.KvEvent(kind=STORED, page_hashes=stored),
-                worker_pb2.KvEvent(kind=REMOVED, page_hashes=removed)])
+            subscription.add("stored", DEVICE, stored)
+            if removed:
+                subscription.add("removed", DEVICE, removed)
+
+    async def Subscribe(self, request, context):
+        subscription = _Subscription(asyncio.get_running_loop(), max_pending=10_000_000)
+        steps = asyncio.create_task(self._steps(subscription))
+        try:
+            yield worker_pb2.KvEventBatch(snapshot=True, page_size=PAGE, oldest_event_unix_s=time.time(),
+                                          events=[worker_pb2.KvEvent(kind=STORED, page_hashes=self.snapshot)])
+            while True:
+                await subscription.ready.wait()
+                events, oldest_at = subscription.take()
+                if events:
+                    yield worker_pb2.KvEventBatch(page_size=PAGE, oldest_event_unix_s=oldest_at, events=[
+                        worker_pb2.KvEvent(kind=_KINDS[kind], medium=medium, page_hashes=hashes)
+                        for kind, medium, hashes in events])
+        finally:
+            steps.cancel()
 
 
 def _publish(workers: list[int], args: argparse.Namespace, ports, stop) -> None:
