@@ -176,6 +176,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
     await asyncio.sleep(2.0)  # warm-up: the streams reach their steady rate
     policy = CacheAwarePolicy()
     rng = random.Random(11)
+    held = sorted(holders)
     lags.clear()
     me = psutil.Process()
     rss0, cpu0 = me.memory_info().rss, me.cpu_times()
@@ -188,7 +189,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
     while time.monotonic() - began < args.seconds:
         next_at += interval
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        document = rng.randrange(len(workload.documents))
+        document = rng.choice(held)  # a prefix some worker caches
         suffix = [rng.randrange(1, 30_000) for _ in range(workload.suffix_tokens)]
         prompt = workload.documents[document] + suffix
         start = time.perf_counter()
