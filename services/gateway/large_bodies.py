@@ -8,12 +8,14 @@ is sent to a pool process instead, which parses the JSON, decodes every base64 i
 `image_url` data: URLs, /generate's `image_data` data: URLs and plain base64) and puts a short
 placeholder in each one's place. The event loop then validates a small body and ImageLoader takes
 the decoded bytes from the request's DecodedImages. What stays on the loop: reading the body
-(starlette joins its chunks with the GIL released) and taking the result back from the pool (a copy
-of the decoded bytes).
+(starlette joins its chunks with the GIL released) and, later, copying the images into the worker's
+protobuf message.
 
 Bounds: at most `max_bodies` large bodies per gateway process are read or parsed at once (a
 semaphore taken before the body is read when its Content-Length says it is large, so a flood of big
 bodies waits on the socket instead of in memory); the pool's queue never holds more than that.
+Bodies and images travel to and from the pool as files in memory
+(/dev/shm), written and read with the GIL released; each is removed once read.
 A placeholder names this request's random nonce, so one written into a body by a client is never
 taken for an image (it is refused as an unknown URL scheme).
 
@@ -26,9 +28,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import multiprocessing
+import os
 import secrets
+import tempfile
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +46,8 @@ from starlette.responses import Response
 LARGE_BODY_BYTES = 1 << 20  # smaller bodies parse on the loop in well under the pool's round trip
 LARGE_STRING_CHARS = 64 * 1024  # smaller base64 strings inside a large body stay as they are
 MAX_LARGE_BODIES = 4
+# Bodies and decoded images pass between the gateway and its pool as files here: memory, not disk.
+SPOOL_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PLACEHOLDER_SCHEME = "pdserve-decoded"
 _MIME_TYPES = ("image/png", "image/jpeg", "image/webp")  # images.MIME_TYPES, kept import-light for the pool
 
@@ -114,6 +121,57 @@ def parse_body(body: bytes, nonce: str) -> tuple[Any, dict[str, bytes | None]]:
     return value, decoded
 
 
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)  # one bytes object, filled with the GIL released
+        if len(data) < size:  # a short read (not on tmpfs in practice): the rest, joined off the GIL
+            parts = [data]
+            while sum(len(p) for p in parts) < size:
+                more = os.read(fd, size - sum(len(p) for p in parts))
+                if not more:
+                    raise OSError(f"{path} ended early")
+                parts.append(more)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def parse_body_file(path: str, nonce: str) -> tuple[Any, dict[str, str | None]]:
+    """parse_body over the body in `path` (removed once read); each decoded image is written to a
+    file beside it, and its path (None: not valid base64) stands for it in the answer."""
+    body = _read_file(path)
+    os.unlink(path)
+    value, decoded = parse_body(body, nonce)
+    paths: dict[str, str | None] = {}
+    try:
+        for number, (placeholder, blob) in enumerate(decoded.items()):
+            paths[placeholder] = None
+            if blob is not None:
+                blob_path = f"{path}.{number}"
+                _write_file(blob_path, blob)
+                paths[placeholder] = blob_path
+    except BaseException:  # the gateway never learns these paths: remove them here
+        for written in paths.values():
+            if written is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(written)
+        raise
+    return value, paths
+
+
 class LargeBodies:
     """The pool (`processes` processes, started on first use) and the semaphore over large bodies;
     one per gateway process (app.state.large_bodies), closed at shutdown."""
@@ -129,13 +187,31 @@ class LargeBodies:
         return self._pool
 
     async def parse(self, body: bytes) -> tuple[Any, DecodedImages]:
+        # The bytes travel through files in memory (tmpfs), written and read with os.write/os.read in
+        # threads: those release the GIL, where pickling the body for the pool (or unpickling the
+        # images) would hold it for a copy of every byte.
+        nonce = secrets.token_hex(8)
+        path = os.path.join(SPOOL_DIR, f"pdserve-body-{os.getpid()}-{nonce}")
         loop = asyncio.get_running_loop()
-        value, decoded = await loop.run_in_executor(self._executor(), parse_body, body, secrets.token_hex(8))
-        return value, DecodedImages(decoded)
+        written: dict[str, str | None] = {}
+        try:
+            await asyncio.to_thread(_write_file, path, body)
+            value, written = await loop.run_in_executor(self._executor(), parse_body_file, path, nonce)
+            decoded: dict[str, bytes | None] = {}
+            for placeholder, blob_path in written.items():
+                if blob_path is not None:
+                    decoded[placeholder] = await asyncio.to_thread(_read_file, blob_path)
+                else:
+                    decoded[placeholder] = None
+            return value, DecodedImages(decoded)
+        finally:
+            for leftover in [path, *(p for p in written.values() if p is not None)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)  # its workers end with the gateway
             self._pool = None
 
 

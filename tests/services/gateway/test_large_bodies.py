@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import glob
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from services.gateway.large_bodies import (
     LARGE_BODY_BYTES,
     LARGE_STRING_CHARS,
     PLACEHOLDER_SCHEME,
+    SPOOL_DIR,
     LargeBodies,
     LargeBodyRequest,
     parse_body,
@@ -134,3 +136,4 @@ async def test_large_image_bodies_through_the_gateway(client: httpx.AsyncClient)
     malformed = json.dumps(chat(data_url(BIG))).encode()[:-2]
     response = await client.post(path, content=malformed, headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"], response.text
+    assert not glob.glob(f"{SPOOL_DIR}/pdserve-body-{os.getpid()}-*")  # every body and image file removed
