@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "registry CPU, time for a killed worker to leave every view"),
     "bench fleet": ("tools.bench.fleet", "simulated prefill/decode workers and gateways at a target rate: "
                     "gateway CPU per token, routing decision, registry CPU, TTFT/TPOT vs the timing model"),
+    "bench big-bodies": ("tools.bench.big_bodies", "other streams' inter-token gap p99 idle and while "
+                         "clients send 40 MB image bodies, bodies parsed on the event loop vs in the pool"),
+    "bench kv-events": ("tools.bench.kv_events", "cache-aware routing fed by 64 workers' KV events at GPU "
+                        "rates: decision p50/p99, event lag, the views' memory bound"),
     "bench epd": ("tools.bench.epd",
                   "EPD: encoder images/s, embedding bytes per image, TTFT colocated vs EPD"),
     "bench chaos": ("tools.chaos.main", "faults under load on a real PD deployment: hung, wrong, leaked"),

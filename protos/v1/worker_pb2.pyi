@@ -161,16 +161,18 @@ class KvEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., page_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[_Union[KvMedium, str]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("snapshot", "events", "page_size", "store")
+    __slots__ = ("snapshot", "events", "page_size", "store", "oldest_event_unix_s")
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_EVENT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     snapshot: bool
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     page_size: int
     store: str
-    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ..., store: _Optional[str] = ...) -> None: ...
+    oldest_event_unix_s: float
+    def __init__(self, snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., page_size: _Optional[int] = ..., store: _Optional[str] = ..., oldest_event_unix_s: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from services.gateway import lora_routes, routes
 from services.gateway.errors import error_body, install_error_handlers
 from services.gateway.images import ImageLoader
+from services.gateway.large_bodies import LargeBodies
 from services.gateway.media_limits import MediaLimits
 from services.gateway.middleware import (
     AdmissionControl,
@@ -54,6 +55,7 @@ def make_guards(state: GatewayState) -> RequestGuards:
 def create_app(state: GatewayState) -> FastAPI:
     guards = make_guards(state)
     images = ImageLoader(MediaLimits.of(state.config))
+    large_bodies = LargeBodies(state.config.body_parse_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,12 +66,14 @@ def create_app(state: GatewayState) -> FastAPI:
             await state.close()
             guards.encoder.close()
             await images.close()
+            large_bodies.close()
 
     app = FastAPI(title="pdserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of pdserve prefill/decode workers")
     app.state.gateway = state
     app.state.guards = guards
     app.state.images = images
+    app.state.large_bodies = large_bodies
     install_error_handlers(app)
     app.include_router(routes.router)
     # listed in the OpenAPI document only where served (off: they answer 404 saying how to turn them on)

@@ -135,13 +135,16 @@ class GatewayConfig:
         "refused with 413"))
     max_request_image_bytes: int = field(default=32 << 20, metadata=_help(
         "most image bytes in one request, all images together; more is refused with 413. A vision-language "
-        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (parsing a body "
-        "holds the event loop: about 0.5 s for the 45 MB this default allows)"))
+        "model's request body limit is --max-request-body-bytes plus these bytes as base64 (a body of 1 MiB "
+        "or more is parsed and its images decoded off the event loop: --body-parse-processes)"))
     workers: int = field(default=1, metadata=_help(
         "gateway processes serving this port (services/gateway/processes.py): each a whole gateway with its "
         "own view of the registry, KV events and routing state; the kernel spreads connections over them"))
     tokenizer_threads: int = field(default=2, metadata=_help(
         "threads that render chat templates and tokenize prompts, off the event loop"))
+    body_parse_processes: int = field(default=2, metadata=_help(
+        "processes that parse request bodies of 1 MiB or more and decode their base64 images, off the "
+        "event loop (services/gateway/large_bodies.py); 0 parses every body on the event loop"))
     registry_rejoin_grace: float = field(default_factory=lambda: envs.HEARTBEAT_INTERVAL.get() * (
         envs.HEARTBEAT_MAX_FAILURE.get() + 1), metadata=_help(
         "seconds a worker stays routable after a restarted registry came back without it (workers "
@@ -194,6 +197,8 @@ class GatewayConfig:
         parse_domains(self.allowed_media_domains)
         if self.queue_size < 0 or self.retry_after < 0:
             raise ValueError("--queue-size and --retry-after must be >= 0")
+        if self.body_parse_processes < 0:
+            raise ValueError(f"--body-parse-processes must be >= 0, got {self.body_parse_processes}")
 
     @property
     def served_model_name(self) -> str | None:

@@ -8,7 +8,8 @@ be: too many images is 400, an image or a request's images over the byte limits 
 base64 length for inline images, while reading for remote ones). The bytes go to the worker
 unopened: it decodes and checks them (engine.multimodal.decode: not an image, truncated, too many
 pixels from the header, each a 400 through the worker's INVALID_ARGUMENT), off its event loop.
-Large base64 payloads are decoded off the gateway's event loop too.
+Large base64 payloads are decoded off the gateway's event loop too; in a large body they were
+already decoded in a pool process (large_bodies.py) and arrive here as `decoded`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.large_bodies import DecodedImages
 from services.gateway.media_fetch import MediaFetcher, payload_too_large
 from services.gateway.media_limits import MediaLimits
 from services.gateway.protocol import ChatCompletionRequest
@@ -43,6 +45,14 @@ class _Inline:
     index: int
     payload: str  # base64 text
     bare: bool = False  # plain base64, not a data: URL: a path like /etc/passwd is base64's alphabet too
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """An inline image a pool process decoded already (None: its payload was not valid base64)."""
+
+    index: int
+    blob: bytes | None
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,10 @@ class ImageLoader:
         await self.fetcher.close()
 
     async def load(self, sources: Sequence[str], *, multimodal: bool, param: str,
-                   plain_base64: bool = False) -> list[bytes]:
+                   plain_base64: bool = False, decoded: DecodedImages | None = None) -> list[bytes]:
         """The images in order (empty without any). `multimodal`: the model takes images;
-        `plain_base64`: a bare base64 string is an image too (/generate)."""
+        `plain_base64`: a bare base64 string is an image too (/generate); `decoded`: the images
+        large_bodies decoded out of this request's body, by the placeholders in `sources`."""
         if not sources:
             return []
         if not multimodal:
@@ -81,20 +92,25 @@ class ImageLoader:
             raise bad_request(f"{len(sources)} images in one request; at most {limits.max_images} "
                               "(--limit-mm-per-prompt)", param=param)
         try:
-            return await self._load(sources, plain_base64)
+            return await self._load(sources, plain_base64, decoded)
         except GatewayError as exc:
             exc.param = exc.param or param
             raise
 
-    async def _load(self, sources: Sequence[str], plain_base64: bool) -> list[bytes]:
+    async def _load(self, sources: Sequence[str], plain_base64: bool,
+                    decoded: DecodedImages | None) -> list[bytes]:
         limits = self.limits
-        parts = [self._classify(index, source, plain_base64) for index, source in enumerate(sources)]
+        parts = [self._classify(index, source, plain_base64, decoded) for index, source in enumerate(sources)]
         inline = [p for p in parts if isinstance(p, _Inline)]
+        ready = [p for p in parts if isinstance(p, _Decoded)]
+        for ready_part in ready:
+            if ready_part.blob is None:
+                raise bad_request(f"image {ready_part.index}: the data is not valid base64")
         total = 0
-        for inline_part in inline:
-            size = _decoded_size(inline_part.payload)
+        sizes = [(p.index, _decoded_size(p.payload)) for p in inline]
+        for index, size in sizes + [(p.index, len(p.blob or b"")) for p in ready]:
             if size > limits.max_image_bytes:
-                raise payload_too_large(f"image {inline_part.index}: {size} bytes; at most "
+                raise payload_too_large(f"image {index}: {size} bytes; at most "
                                         f"{limits.max_image_bytes} per image (--max-image-bytes)")
             total += size
         if total > limits.max_request_image_bytes:
@@ -106,7 +122,8 @@ class ImageLoader:
         else:
             blobs = await asyncio.to_thread(_decode, inline)
         images: dict[int, bytes] = dict(zip((p.index for p in inline), blobs, strict=True))
-        total = sum(len(b) for b in blobs)
+        images.update((p.index, p.blob) for p in ready if p.blob is not None)
+        total = sum(len(b) for b in images.values())
         deadline = time.monotonic() + limits.fetch_timeout_s
         for part in parts:  # one at a time: a request holds at most its byte budget in memory
             if isinstance(part, _Remote):
@@ -122,8 +139,13 @@ class ImageLoader:
                 total += len(blob)
         return [images[index] for index in range(len(parts))]
 
-    def _classify(self, index: int, source: str, plain_base64: bool) -> _Inline | _Remote:
+    def _classify(self, index: int, source: str, plain_base64: bool,
+                  decoded: DecodedImages | None) -> _Inline | _Decoded | _Remote:
         where = f"image {index}"
+        if decoded is not None:
+            found, blob = decoded.get(source)
+            if found:
+                return _Decoded(index, blob)
         if source.startswith("data:"):
             header, comma, payload = source[5:].partition(",")
             mime, _, encoding = header.partition(";")

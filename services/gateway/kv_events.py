@@ -6,13 +6,17 @@ with the store tier, pages in the cluster-wide store (the event's medium). When 
 the view is dropped (it may have missed events) and the task subscribes again after a pause; a
 worker that does not serve
 KvEvents (UNIMPLEMENTED) is left unknown. Workers joining and leaving are picked up by comparing
-the pool with the tasks every `reconcile_s`.
+the pool with the tasks every `reconcile_s`. Each delta batch's lag (this gateway's clock when it is
+applied minus the worker's stamp of its oldest event) goes to `on_lag`: the gateway's
+`gateway_kv_event_lag_seconds` histogram.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 
@@ -49,8 +53,10 @@ def apply_batch(worker: WorkerHandle, batch: worker_pb2.KvEventBatch) -> None:
 class KvEventSubscriptions:
     """Keeps one KvEvents subscription per worker of the pool."""
 
-    def __init__(self, pool: WorkerPool, *, retry_s: float = 1.0, reconcile_s: float = 0.5) -> None:
+    def __init__(self, pool: WorkerPool, *, retry_s: float = 1.0, reconcile_s: float = 0.5,
+                 on_lag: Callable[[float], None] | None = None) -> None:
         self.pool = pool
+        self.on_lag = on_lag
         self.retry_s = retry_s
         self.reconcile_s = reconcile_s
         self._tasks: dict[WorkerHandle, asyncio.Task] = {}
@@ -81,6 +87,8 @@ class KvEventSubscriptions:
                 stream = worker_pb2_grpc.KvEventsStub(worker.channel).Subscribe(worker_pb2.KvEventsRequest())
                 async for batch in stream:
                     apply_batch(worker, batch)
+                    if self.on_lag is not None and not batch.snapshot and batch.oldest_event_unix_s:
+                        self.on_lag(max(0.0, time.time() - batch.oldest_event_unix_s))
                 worker.kv_cache.forget()  # the worker ended the stream (shutting down)
             except grpc.aio.AioRpcError as exc:
                 worker.kv_cache.forget()

@@ -1,9 +1,54 @@
-"""KvCacheView: what the gateway knows of one worker's prefix cache, from its KV events."""
+"""KvCacheView: what the gateway knows of one worker's prefix cache, from its KV events.
+
+Memory is bounded per worker: each medium's hashes are a PageSet of at most MAX_VIEW_PAGES hashes
+(about 100 bytes each: 6.5 MB per worker and medium at the default), and past that the hash stored
+earliest is dropped first. A worker's own REMOVED events keep its view no larger than its cache, so
+the cap binds only for a worker caching more pages than that; a dropped hash is a page the policy no
+longer counts (a missed cache hit, never a wrong answer).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
+
+MAX_VIEW_PAGES = 1 << 16  # per worker and medium: 1M tokens of KV at 16-token pages
+
+
+class PageSet(OrderedDict[int, None]):
+    """Page hashes in the order they were stored, at most `max_pages` of them (the earliest stored
+    are dropped first; `dropped` counts them). An OrderedDict, so membership, size and iteration stay
+    C calls on the routing path; equal to a set of the same hashes."""
+
+    def __init__(self, hashes: Iterable[int] = (), max_pages: int = MAX_VIEW_PAGES) -> None:
+        super().__init__()
+        self.max_pages = max_pages
+        self.dropped = 0
+        self.store(hashes)
+
+    def store(self, hashes: Iterable[int]) -> None:
+        self.update(dict.fromkeys(hashes))  # C speed; a hash stored again keeps its place
+        overflow = len(self) - self.max_pages
+        if overflow > 0:
+            self.dropped += overflow
+            for _ in range(overflow):
+                self.popitem(last=False)
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        pop = self.pop
+        for digest in hashes:
+            pop(digest, None)
+
+    def __eq__(self, other: object) -> bool:  # against a set (tests) or another PageSet
+        if isinstance(other, (set, frozenset)):
+            return self.keys() == other
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"PageSet({len(self)} of at most {self.max_pages})"
 
 
 @dataclass(eq=False)
@@ -14,25 +59,30 @@ class KvCacheView:
     the cluster-wide store `store` (KV_MEDIUM_STORE, --enable-hierarchical-cache; "" without one),
     which every worker on that store can fetch. `synced` is true while the worker's event stream is
     up and its snapshot applied; otherwise the view says nothing (a stream that broke may have
-    missed events, so its hashes are dropped)."""
+    missed events, so its hashes are dropped). Each medium holds at most `max_pages` hashes (see the
+    module docstring)."""
 
     page_size: int = 0
-    hashes: set[int] = field(default_factory=set)
+    hashes: PageSet = field(default_factory=PageSet)
     store: str = ""
-    store_hashes: set[int] = field(default_factory=set)
+    store_hashes: PageSet = field(default_factory=PageSet)
     synced: bool = False
+    max_pages: int = MAX_VIEW_PAGES
 
     def apply(self, snapshot: bool, stored: Sequence[int] = (), removed: Sequence[int] = (), *,
               in_store: bool = False) -> None:
         """Apply one event (`in_store`: a KV_MEDIUM_STORE one); a snapshot clears both media first."""
         if snapshot:
-            self.hashes, self.store_hashes = set(), set()
+            self.hashes, self.store_hashes = self._empty(), self._empty()
         held = self.store_hashes if in_store else self.hashes
-        held.update(stored)
-        held.difference_update(removed)
+        held.store(stored)
+        held.remove(removed)
+
+    def _empty(self) -> PageSet:
+        return PageSet(max_pages=self.max_pages)
 
     def forget(self) -> None:
-        self.hashes, self.store_hashes = set(), set()
+        self.hashes, self.store_hashes = self._empty(), self._empty()
         self.synced = False
 
     def cached_pages(self, prompt_hashes: Sequence[int]) -> int:
@@ -40,11 +90,19 @@ class KvCacheView:
         return leading_run(prompt_hashes, [self.hashes])
 
 
-def leading_run(prompt_hashes: Sequence[int], held: Sequence[set[int]], start: int = 0) -> int:
+def leading_run(prompt_hashes: Sequence[int], held: Sequence[Container[int]], start: int = 0) -> int:
     """How many of `prompt_hashes[start:]` are in one of the sets `held`, counted until the first that
     is in none (membership per page: no union of the sets is built for one routing decision)."""
     count = 0
-    for digest in prompt_hashes[start:]:
+    if len(held) == 1:  # one medium (nearly every call): no generator per page
+        only = held[0]
+        for index in range(start, len(prompt_hashes)):
+            if prompt_hashes[index] not in only:
+                break
+            count += 1
+        return count
+    for index in range(start, len(prompt_hashes)):
+        digest = prompt_hashes[index]
         if not any(digest in hashes for hashes in held):
             break
         count += 1

@@ -25,6 +25,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
                     10.0, 30.0, 60.0, 120.0)
 # a policy's pick: tens of microseconds for few workers, a prefix-tree walk over many (the 1 ms mark is
 # what fleet-scale routing must stay under)
+_KV_LAG_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.5, 5.0)
@@ -109,6 +110,9 @@ class GatewayMetrics:
         self.routing_decision = Histogram(metric_name("gateway_routing_decision_seconds"),
                                           "Time the routing policy took to pick a route (per attempt)",
                                           buckets=_DECISION_BUCKETS, registry=self.registry)
+        self.kv_event_lag = Histogram(metric_name("gateway_kv_event_lag_seconds"),
+                                      "From a worker's KV event to this gateway applying it (clocks synced)",
+                                      buckets=_KV_LAG_BUCKETS, registry=self.registry)
         self.routed = Counter(metric_name("gateway_worker_requests"),
                               "Attempts routed to each worker (a retried request counts once per attempt)",
                               ["worker", "role"], registry=self.registry)

@@ -26,9 +26,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from services.gateway.chat_output import ChoiceParser, StreamedChoice, chat_parsing, message
+from services.gateway.chunk_templates import ContentChunks
 from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.images import image_loader, image_urls
+from services.gateway.large_bodies import LargeBodyRoute, decoded_images
 from services.gateway.lora_routes import served_adapters
 from services.gateway.middleware import request_guards
 from services.gateway.prompts import check_max_tokens, check_prompt, check_token_ids
@@ -68,7 +70,7 @@ from services.gateway.responses import (
 from services.gateway.state import GatewayState
 from services.gateway.tool_choice import plan_tools
 
-router = APIRouter()
+router = APIRouter(route_class=LargeBodyRoute)  # large bodies parse off the event loop
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -140,7 +142,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if not await guards.admit(request, model, body.n):
         return Response(status_code=CLIENT_CLOSED)
     images = await image_loader(request).load(image_urls(body), multimodal=state.model_files.multimodal,
-                                              param="messages")
+                                              param="messages", decoded=decoded_images(request))
     prompt_ids = await guards.encoder.chat(body, tool_plan.template_tools)
     parsers = state.text_parsers
     # the prompt's end says whether the template opened the thinking (only a reasoning parser asks)
@@ -171,10 +173,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     for job in jobs]
 
         streams = [StreamedChoice(parsing.parser()) for _ in jobs]
+        content_chunks = [ContentChunks(request_id, created, model, job.index) for job in jobs]
 
         def token_event(position: int, item: GenerationChunk, so_far: ChoiceResult) -> str | None:
             finish_reason = item.finish_reason
             if streams[position].parser.plain:
+                if item.text and finish_reason is None and not body.logprobs:  # most events: a template
+                    return content_chunks[position].event(item.text)
                 delta = ChatDelta(content=item.text or None)
             else:  # the text so far, parsed: only what is new is sent
                 parsed = streams[position].step(so_far.text, final=finish_reason is not None)
@@ -363,9 +368,9 @@ async def generate(body: NativeGenerateRequest, request: Request):
         raise bad_request(str(exc), param="image_data") from None
     if not await guards.admit(request, model, generations):
         return Response(status_code=CLIENT_CLOSED)
-    loader = image_loader(request)
+    loader, decoded = image_loader(request), decoded_images(request)
     images = [await loader.load(sources, multimodal=state.model_files.multimodal, param="image_data",
-                                plain_base64=True) for sources in image_sources]
+                                plain_base64=True, decoded=decoded) for sources in image_sources]
     prompts = await guards.encoder.prompts(body.prompt(), param=prompt_param)
     for prompt_ids in prompts:
         check_prompt(prompt_ids, params.max_new_tokens, state.model_files, param=prompt_param,

@@ -96,8 +96,8 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
         synced=discovery.synced if discovery is not None else None, tokenizer=model_files.tokenizer)
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
     # Only cache_aware reads the workers' KV events: other policies need no subscription.
-    kv_events = KvEventSubscriptions(pool) if "cache_aware" in (config.prefill_policy_name,
-                                                                config.decode_policy_name) else None
+    cache_aware = "cache_aware" in (config.prefill_policy_name, config.decode_policy_name)
+    kv_events = KvEventSubscriptions(pool, on_lag=metrics.kv_event_lag.observe) if cache_aware else None
     return GatewayState(config=config, model_name=model_name, model_files=model_files,
                         pool=pool, router=router, dispatcher=dispatcher, metrics=metrics, discovery=discovery,
                         prober=prober, kv_events=kv_events,

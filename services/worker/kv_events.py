@@ -9,7 +9,8 @@ the store (`store`: its master and key namespace), so the gateway can tell which
 The engine's PageManager calls a subscription's listener on every cache change (from the engine
 thread or a service thread, under its lock), so the listener only appends to a buffer and wakes
 the subscriber's event loop when the buffer was empty; the stream sends what piled up as one
-batch. A snapshot taken with the registration (PageManager.watch_cache) goes first, so the
+batch, stamped with the wall clock of its oldest event (`oldest_event_unix_s`: the subscriber's
+lag). A snapshot taken with the registration (PageManager.watch_cache) goes first, so the
 subscriber's view is exact from then on. A subscriber more than `max_pending` hashes behind is
 dropped with RESOURCE_EXHAUSTED: it resubscribes and gets a fresh snapshot, instead of the worker
 buffering without bound.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 
 import grpc
@@ -38,6 +40,7 @@ class _Subscription:
         # (kind, medium, page hashes)
         self._events: deque[tuple[str, worker_pb2.KvMedium, list[int]]] = deque()
         self._pending = 0
+        self.oldest_at = 0.0  # wall clock of the oldest event not sent yet (the batch's lag starts there)
         self.overflowed = False
         self.closed = False
         self.ready = asyncio.Event()
@@ -53,6 +56,8 @@ class _Subscription:
             if self.overflowed or self.closed:
                 return
             wake = not self._events
+            if wake:
+                self.oldest_at = time.time()
             self._events.append((kind, medium, list(hashes)))
             self._pending += len(hashes)
             if self._pending > self._max_pending:
@@ -63,13 +68,14 @@ class _Subscription:
             except RuntimeError:
                 pass  # the loop is closed: the worker is shutting down
 
-    def take(self) -> list[tuple[str, worker_pb2.KvMedium, list[int]]]:
+    def take(self) -> tuple[list[tuple[str, worker_pb2.KvMedium, list[int]]], float]:
+        """The events piled up, and the wall clock when the oldest of them happened."""
         with self._lock:
             events = list(self._events)
             self._events.clear()
             self._pending = 0
             self.ready.clear()
-        return events
+            return events, self.oldest_at
 
     def close(self) -> None:
         with self._lock:
@@ -103,7 +109,8 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
         stored = tier.watch(subscription.store_listener) if tier is not None else []
         self._subscriptions.add(subscription)
         try:
-            yield worker_pb2.KvEventBatch(snapshot=True, page_size=pages.page_size, store=store, events=[
+            yield worker_pb2.KvEventBatch(snapshot=True, page_size=pages.page_size, store=store,
+                                          oldest_event_unix_s=time.time(), events=[
                 worker_pb2.KvEvent(kind=worker_pb2.KV_EVENT_KIND_STORED, medium=medium, page_hashes=hashes)
                 for medium, hashes in ((DEVICE, snapshot), (STORE, stored)) if hashes])
             while True:
@@ -113,9 +120,10 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
                                         f"more than {self.max_pending} KV events behind: subscribe again")
                 if subscription.closed:
                     return
-                events = subscription.take()
+                events, oldest_at = subscription.take()
                 if events:
-                    yield worker_pb2.KvEventBatch(page_size=pages.page_size, store=store, events=[
+                    yield worker_pb2.KvEventBatch(page_size=pages.page_size, store=store,
+                                                  oldest_event_unix_s=oldest_at, events=[
                         worker_pb2.KvEvent(kind=_KINDS[kind], medium=medium, page_hashes=hashes)
                         for kind, medium, hashes in events])
         finally:

@@ -158,3 +158,45 @@ def test_bad_images_are_refused(servers):
     bad_request(servers, servers.vl, [data_url(big)], "pixels; at most")
     wait_until(lambda: servers.vl_worker.metric("pdserve:kv_pages_used") == 0, 30,
                "the worker's pages to be free")
+
+
+def with_private_chunk(png: bytes, size: int) -> bytes:
+    """`png` with a private ancillary chunk of `size` random bytes before its end: the same pixels,
+    a body big enough that the gateway parses it and decodes its image in its pool (large_bodies.py)."""
+    import os
+    import struct
+    import zlib
+
+    data = os.urandom(size)
+    chunk = struct.pack(">I", size) + b"prVt" + data + struct.pack(">I", zlib.crc32(b"prVt" + data))
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + chunk + png[end:]
+
+
+def test_a_large_image_body_and_a_concurrent_stream(servers):
+    import threading
+
+    picture = image(96, 64, 7)
+    small = data_url(picture)
+    large = "data:image/png;base64," + base64.b64encode(
+        with_private_chunk(base64.b64decode(small.split(",", 1)[1]), 6_000_000)).decode()
+    client = servers.client(servers.vl)
+    messages = [{"role": "user", "content": "tell me a story about a boat"}]
+    streamed: list[str] = []
+
+    def stream() -> None:
+        for chunk in client.chat.completions.create(model=gateway_model(servers.vl), messages=messages,
+                                                    max_tokens=48, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True}):
+            streamed.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    answer = chat(servers, servers.vl, ["what is it?", None], [large])  # an 8 MB body, while the stream runs
+    streaming.join(120)
+    assert not streaming.is_alive()
+    assert answer.choices[0].message.content == chat(servers, servers.vl, ["what is it?", None],
+                                                     [small]).choices[0].message.content
+    alone = client.chat.completions.create(model=gateway_model(servers.vl), messages=messages, max_tokens=48,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(streamed) == alone.choices[0].message.content and alone.usage.completion_tokens == 48

@@ -13,9 +13,11 @@ It prints, for the load window:
 - the registry's CPU share (its process's CPU seconds over the window);
 - client TTFT and TPOT (p50 / p99), against the timing model's own TPOT: the profile's step time at
   the mean decode batch the decode workers ran (their step counters), which is what TPOT would be
-  with nothing but the model's steps in the way.
+  with nothing but the model's steps in the way;
+- KV-event lag p50 / p99, from the gateways' `gateway_kv_event_lag_seconds` histograms (the
+  workers' stamp of each batch's oldest event to the gateway applying it).
 
-KV-event lag is not measured yet (events carry no timestamp). What this machine can run bounds the
+What this machine can run bounds the
 scale: each simulated worker is about 230 MB and its engine thread, gRPC and transfer cost CPU, so
 on a 2-core machine the workers' own CPU, not the modeled GPU time, caps the rate long before 32
 pairs at 4,500 tok/s each; the output says how busy the machine was.
@@ -191,6 +193,7 @@ def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float,
     profile = SimProfile.load(args.sim_profile)
     modeled_tpot = profile.step_seconds(max(1, round(mean_batch)), 0)
     decision = "pdserve:gateway_routing_decision_seconds"
+    lag = "pdserve:gateway_kv_event_lag_seconds"
     ms = 1000.0
     return {
         "workers": {"prefill": args.prefill, "decode": args.decode, "gateways": args.gateways,
@@ -207,6 +210,9 @@ def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float,
             "p99": _scaled(_histogram_quantile(routing, decision, 0.99), ms),
             "count": routing.get(decision + "_count", 0.0)},
         "registry": {"cpu_percent": round(100 * registry_cpu / wall, 2)},
+        "kv_event_lag_ms": {"p50": _scaled(_histogram_quantile(routing, lag, 0.5), ms),
+                            "p99": _scaled(_histogram_quantile(routing, lag, 0.99), ms),
+                            "batches": routing.get(lag + "_count", 0.0)},
         "client_ms": {"ttft_p50": _scaled(_percentile(ttfts, 0.5), ms),
                       "ttft_p99": _scaled(_percentile(ttfts, 0.99), ms),
                       "tpot_p50": _scaled(_percentile(tpots, 0.5), ms),

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 
@@ -28,6 +28,12 @@ class StreamTiming:
     tokens: int = 0  # completion tokens, from the usage event
     events: int = 0  # data events with content (several tokens each under --stream-interval)
     error: str | None = None
+    event_times: list[float] = field(default_factory=list)  # arrival of each data event
+
+    @property
+    def gaps(self) -> list[float]:
+        """Seconds between consecutive data events (the inter-token gaps at stream interval 1)."""
+        return [b - a for a, b in zip(self.event_times, self.event_times[1:], strict=False)]
 
     @property
     def ttft(self) -> float | None:
@@ -79,9 +85,11 @@ async def _read(reader: asyncio.StreamReader, timing: StreamTiming) -> None:
         if line.startswith(b"data: [DONE]"):
             timing.end = time.perf_counter()
             break
+        now = time.perf_counter()
         if timing.first is None:
-            timing.first = time.perf_counter()
+            timing.first = now
         timing.events += 1
+        timing.event_times.append(now)
         last_data = line
     if timing.end is None:
         raise ValueError("the stream ended without [DONE]")

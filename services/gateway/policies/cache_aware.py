@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.page_hash import adapter_salt, page_hashes, with_adapter
-from services.gateway.kv_view import leading_run
+from services.gateway.kv_view import PageSet, leading_run
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
 from services.gateway.workers import WorkerHandle
@@ -82,7 +82,7 @@ class CacheAwarePolicy(Policy):
         matched: dict[str, float] = {worker: max(length - (lora is not None), 0)
                                      for worker, length in guessed.items()}
         hashes_by_key: dict[tuple[int, str | None], list[int]] = {}
-        stores: dict[str, list[set[int]]] = {}  # store -> what each synced candidate on it reports in it
+        stores: dict[str, list[PageSet]] = {}  # store -> what each synced candidate on it reports in it
         for worker in candidates:
             view = worker.kv_cache
             if view.synced and view.store:

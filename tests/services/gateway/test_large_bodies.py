@@ -1,0 +1,139 @@
+"""Large bodies parsed in the pool (services/gateway/large_bodies.py): what the pool hands back, the
+semaphore over bodies in memory, and the gateway's answers for large image bodies, in-process over ASGI
+(no worker: a request that passed every check ends in 503 "no healthy workers")."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import glob
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.large_bodies import (
+    LARGE_BODY_BYTES,
+    LARGE_STRING_CHARS,
+    PLACEHOLDER_SCHEME,
+    SPOOL_DIR,
+    LargeBodies,
+    LargeBodyRequest,
+    parse_body,
+)
+from services.gateway.state import build_state
+
+BIG = os.urandom(LARGE_BODY_BYTES)  # its base64 is over the large-body size on its own
+SMALL = b"\x89PNG small"
+
+
+def data_url(blob: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(blob).decode()
+
+
+def chat(*urls: str) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    content = [*parts, {"type": "text", "text": "?"}]
+    return {"model": "tiny-vl", "messages": [{"role": "user", "content": content}]}
+
+
+def test_parse_body_decodes_large_images_and_leaves_the_rest():
+    bad_mime = data_url(BIG, "text/plain")
+    body = chat(data_url(BIG), data_url(SMALL), bad_mime, "data:image/png;base64," + "*" * LARGE_STRING_CHARS)
+    body["image_data"] = [base64.b64encode(BIG).decode(), ["/etc/passwd." * 10_000]]
+    value, decoded = parse_body(json.dumps(body).encode(), "n0nce")
+    urls = [part["image_url"]["url"] for part in value["messages"][0]["content"][:4]]
+    assert urls[0] == f"{PLACEHOLDER_SCHEME}:n0nce/0" and decoded[urls[0]] == BIG
+    assert urls[1:3] == [data_url(SMALL), bad_mime]  # small; not an image type: left for the loop's checks
+    assert decoded[urls[3]] is None  # an image type whose payload is not base64: refused later as such
+    bare = value["image_data"][0]
+    assert bare == f"{PLACEHOLDER_SCHEME}:n0nce/2" and decoded[bare] == BIG
+    assert value["image_data"][1] == ["/etc/passwd." * 10_000]  # not base64: left for the loop's message
+    with pytest.raises(json.JSONDecodeError):
+        parse_body(b'{"messages": [' + b" " * LARGE_BODY_BYTES, "n0nce")
+
+
+async def test_large_bodies_wait_for_a_slot_before_they_are_read():
+    bodies = LargeBodies(processes=1, max_bodies=1)
+    reads: list[str] = []
+    release = asyncio.Event()
+
+    def request(name: str) -> LargeBodyRequest:
+        async def receive() -> dict:
+            reads.append(name)
+            await release.wait()
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [
+            (b"content-length", str(LARGE_BODY_BYTES).encode())]}
+        from starlette.requests import Request
+        return LargeBodyRequest(Request(scope, receive), bodies)
+
+    first, second = request("first"), request("second")
+    first_body = asyncio.create_task(first.body())
+    second_body = asyncio.create_task(second.body())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert reads == ["first"]  # the second waits for the slot, its bytes still on the socket
+    release.set()
+    assert await first_body == b"{}"
+    first.release()
+    assert await second_body == b"{}" and reads == ["first", "second"]
+    second.release()
+    assert not bodies.slots.locked()
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint's gateway files, marked as a vision-language model's: the gateway reads
+    only the config's vision_config to take images (writing a real tiny-vl checkpoint takes 40 s)."""
+    folder = tmp_path_factory.mktemp("gateway") / "tiny-vl"
+    shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+        "{{ '<|image_pad|>' if p.type == 'image' else p.text }}{% endfor %}{% endif %}{% endfor %}")
+    return folder
+
+
+@pytest.fixture
+async def client(tiny_vl: Path) -> AsyncIterator[httpx.AsyncClient]:
+    state = build_state(GatewayConfig(model_path=str(tiny_vl), max_image_bytes=3 * LARGE_BODY_BYTES // 2))
+    app = create_app(state)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as http:
+        yield http
+    app.state.large_bodies.close()
+    state.pool.close()
+
+
+async def test_large_image_bodies_through_the_gateway(client: httpx.AsyncClient):
+    path = "/v1/chat/completions"
+    # a valid image in a large body passes every check (no worker: 503), as the same image does in a small one
+    answer = await client.post(path, json=chat(data_url(BIG)))
+    assert answer.status_code == 503, answer.text
+    answer = await client.post("/generate", json={"model": "tiny-vl", "text": "<|image_pad|>",
+                                                  "image_data": base64.b64encode(BIG).decode()})
+    assert answer.status_code == 503, answer.text
+    refusals = [
+        (chat(data_url(BIG), f"{PLACEHOLDER_SCHEME}:0000000000000000/0"), 400,
+         "image 1: expected a data: URL, an http(s) URL"),  # a client's own placeholder is no image
+        (chat("data:image/png;base64," + "*" * LARGE_BODY_BYTES), 400,
+         "image 0: the data is not valid base64"),
+        (chat(data_url(BIG + BIG)), 413, "--max-image-bytes"),
+    ]
+    for body, status, message in refusals:
+        response = await client.post(path, json=body)
+        assert (response.status_code, message in response.json()["error"]["message"]) == (status, True), \
+            response.text
+    malformed = json.dumps(chat(data_url(BIG))).encode()[:-2]
+    response = await client.post(path, content=malformed, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"], response.text
+    assert not glob.glob(f"{SPOOL_DIR}/pdserve-body-{os.getpid()}-*")  # every body and image file removed

@@ -1,0 +1,184 @@
+"""`pdserve bench big-bodies`: what clients sending 40 MB image bodies do to everyone else's stream.
+
+Starts one simulated colocated worker and two gateways in front of it, both told the model takes
+images (a copy of the checkpoint's gateway files with a `vision_config`): one parses every body on
+its event loop (`--body-parse-processes 0`, the baseline), the other parses large bodies in its pool
+(services/gateway/large_bodies.py). For each gateway in turn: `--streams` streamed chats of
+`--output-len` tokens at stream interval 1, first alone (idle), then while `--big-clients` clients
+each send one `--body-mb` MB body of two base64 PNG data URLs after another. It prints the p99 (and
+p50, max) of the gap between consecutive SSE events of the streams in each phase, the loaded p99 over
+the idle p99 (the target: at most 2), and how the big-body requests ended. The simulated worker has
+no vision tower, so a big-body request ends in its 400 for images sent to a text-only model: by then
+the gateway has read, parsed and decoded the body and sent the images to the worker, which is the
+work measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from tools.bench.sse_load import StreamTiming, chat_body, stream_one
+from tools.launch import ProcessGroup, Service
+from tools.up import DEFAULT_MODEL, ensure_model
+
+PROMPT = "Write a long story about a lighthouse keeper and the ships that pass in the night."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL,
+                        help="config.json and tokenizer to simulate (weights are not read; default: tiny)")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streamed chats measured")
+    parser.add_argument("--output-len", type=int, default=300, help="output tokens per stream")
+    parser.add_argument("--big-clients", type=int, default=4, help="clients sending big bodies back to back")
+    parser.add_argument("--body-mb", type=float, default=40.0, help="size of each big body (MB)")
+    parser.add_argument("--body-parse-processes", type=int, default=2,
+                        help="the measured gateway's --body-parse-processes (the baseline's is 0)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-bench-big-bodies"), help="logs")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def vision_files(model_path: Path, folder: Path) -> Path:
+    """The checkpoint's gateway files (no weights) under the same name, marked as a vision-language
+    model's, with a chat template that writes an image-pad token per image part."""
+    target = folder / model_path.name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(model_path, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+    (target / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+        "{% else %}{% for p in m.content %}{{ '<|image_pad|>' if p.type == 'image' else p.text }}"
+        "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    return target
+
+
+def big_body(model: str, megabytes: float) -> bytes:
+    """A chat body of about `megabytes` MB: two random-byte images as base64 PNG data URLs."""
+    image_bytes = int(megabytes * 1e6 * 3 / 8)  # two images, 4 base64 characters per 3 bytes
+    urls = ["data:image/png;base64," + base64.b64encode(os.urandom(image_bytes)).decode() for _ in range(2)]
+    content = [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
+               {"type": "text", "text": "what is in these?"}]
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 4}).encode()
+
+
+async def _post(url: str, body: bytes) -> int:
+    """POST `body` over a raw connection; the answer's status code (0: no answer)."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (parts.netloc.encode(), len(body)))
+        writer.write(body)
+        await writer.drain()
+        status = await reader.readline()
+        await reader.read()
+        fields = status.split()
+        return int(fields[1]) if len(fields) > 1 else 0
+    finally:
+        writer.close()
+
+
+async def _phase(url: str, stream: bytes, streams: int, big: bytes | None,
+                 big_clients: int) -> tuple[list[StreamTiming], dict[int, int]]:
+    """The streams, with `big_clients` clients sending `big` back to back until they end."""
+    done = asyncio.Event()
+    statuses: dict[int, int] = {}
+
+    async def sender() -> None:
+        while not done.is_set():
+            try:
+                status = await _post(url, big)  # type: ignore[arg-type]
+            except OSError:
+                status = 0
+            statuses[status] = statuses.get(status, 0) + 1
+
+    senders = [asyncio.create_task(sender()) for _ in range(big_clients if big else 0)]
+    if senders:
+        await asyncio.sleep(1.0)  # the bodies are in flight before the streams start
+    timings = await asyncio.gather(*(stream_one(url, stream) for _ in range(streams)))
+    done.set()
+    await asyncio.gather(*senders)
+    return list(timings), statuses
+
+
+def _gap_figures(timings: list[StreamTiming]) -> dict:
+    gaps = sorted(gap for t in timings if t.error is None for gap in t.gaps)
+    errors = [t.error for t in timings if t.error is not None]
+
+    def at(q: float) -> float | None:
+        return round(1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 2) if gaps else None
+
+    return {"gap_ms_p50": at(0.5), "gap_ms_p99": at(0.99), "gap_ms_max": at(1.0), "gaps": len(gaps),
+            "stream_errors": len(errors), "first_error": errors[0] if errors else None}
+
+
+def _measure(gateway: Service, model: str, args: argparse.Namespace, big: bytes) -> dict:
+    url = f"http://{gateway.address}"
+    stream = chat_body(model, PROMPT, args.output_len)
+    asyncio.run(_phase(url, stream, 4, None, 0))  # warm-up
+    idle, _ = asyncio.run(_phase(url, stream, args.streams, None, 0))
+    began = time.perf_counter()
+    loaded, statuses = asyncio.run(_phase(url, stream, args.streams, big, args.big_clients))
+    figures = {"idle": _gap_figures(idle), "big_bodies": _gap_figures(loaded),
+               "big_body_answers": {str(k): v for k, v in sorted(statuses.items())},
+               "loaded_seconds": round(time.perf_counter() - began, 1)}
+    idle_p99, loaded_p99 = figures["idle"]["gap_ms_p99"], figures["big_bodies"]["gap_ms_p99"]
+    figures["p99_loaded_over_idle"] = round(loaded_p99 / idle_p99, 2) if idle_p99 and loaded_p99 else None
+    return figures
+
+
+def run(args: argparse.Namespace) -> dict:
+    ensure_model(args.model_path)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    gateway_model = vision_files(args.model_path, args.workdir / "vision-files")
+    model = args.model_path.name
+    big = big_body(model, args.body_mb)
+    with ProcessGroup(args.workdir) as group:
+        # a simulated worker: no weights, tokens at the timing model's pace
+        sim = ["launch-server", "--engine", "sim", "--model-path", str(args.model_path), "--port", "0",
+               "--metrics-port", "0", "--num-threads", "1", "--decode-log-interval", "0"]
+        worker = group.start("worker", sim, timeout_s=600)
+        gateways = {
+            name: group.start(name, ["launch-router", "--model-path", str(gateway_model), "--port", "0",
+                                     "--worker", f"http://{worker.address}",
+                                     "--body-parse-processes", str(processes)], timeout_s=300)
+            for name, processes in (("on_loop", 0), ("pool", args.body_parse_processes))}
+        for gateway in gateways.values():
+            deadline = time.monotonic() + 60
+            while httpx.get(f"http://{gateway.address}/health", timeout=5).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"bench big-bodies: {gateway.name} did not become ready")
+                time.sleep(0.5)
+        return {"body_mb": round(len(big) / 1e6, 1), "streams": args.streams, "big_clients": args.big_clients,
+                **{name: _measure(gateway, model, args, big) for name, gateway in gateways.items()}}
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['streams']} streams at stream interval 1; {report['big_clients']} clients sending "
+              f"{report['body_mb']} MB image bodies")
+        for name in ("on_loop", "pool"):
+            figures = report[name]
+            where = "on the event loop (baseline)" if name == "on_loop" else "in the pool"
+            print(f"== bodies parsed {where}")
+            for phase in ("idle", "big_bodies"):
+                print(f"  {phase}: " + ", ".join(f"{k}={v}" for k, v in figures[phase].items()))
+            print(f"  big-body answers: {figures['big_body_answers']}; "
+                  f"p99 gap under big bodies / idle: {figures['p99_loaded_over_idle']}")
+    errors = sum(report[name][phase]["stream_errors"] for name in ("on_loop", "pool")
+                 for phase in ("idle", "big_bodies"))
+    return 0 if errors == 0 else 1
