@@ -257,6 +257,8 @@ class EngineThread:
     def _run_step(self, batch: SchedulerOutput) -> bool:
         """Forward, sample and emit one scheduled batch (inside `step`'s inference mode)."""
         logits = self.forward(batch)
+        if self.speculator is not None:
+            self.speculator.observe(batch)
         self.scheduler.advance(batch)
         self.steps += 1
         self._report_filled_pages(batch)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 # A verify chunk's positions all go through one forward: past this many drafts a CPU step stops being
 # memory-bound, and a long rejected draft wastes more than an accepted one saves.
 MAX_DRAFT_TOKENS = 16
-ALGORITHMS = ("NGRAM", "STANDALONE")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
 
 
 def _help(text: str) -> dict:
@@ -20,8 +20,10 @@ class SpeculativeConfig:
 
     speculative_algorithm: str | None = field(default=None, metadata=_help(
         "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own earlier tokens; "
-        "greedy requests speculate, sampled ones decode a token per step) or STANDALONE (a draft model, "
-        "--speculative-draft-model-path; sampled requests too, by rejection sampling); unset = off"))
+        "greedy requests speculate, sampled ones decode a token per step), STANDALONE (a draft model, "
+        "--speculative-draft-model-path; sampled requests too, by rejection sampling) or NEXTN "
+        "(DeepSeek-V3's MTP layer, stored in the checkpoint after its last layer, run once per draft; "
+        "greedy requests speculate); unset = off"))
     speculative_draft_model_path: str | None = field(default=None, metadata=_help(
         "STANDALONE: the draft model's HF checkpoint folder (the target's vocabulary; its own KV pages)"))
     speculative_num_steps: int | None = field(default=None, metadata=_help(
