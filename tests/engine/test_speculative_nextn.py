@@ -55,8 +55,8 @@ def test_the_deepseek_preset_stores_the_mtp_layer_after_the_last(deepseek_ckpt) 
     layer = f"model.layers.{config['num_hidden_layers']}."
     with safe_open(str(deepseek_ckpt / "model.safetensors"), "pt") as handle:
         names = set(handle.keys())
-    for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "self_attn.kv_a_proj_with_mqa",
-                 "mlp.gate"):
+    for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
+                 "self_attn.kv_a_proj_with_mqa", "mlp.gate"):
         assert f"{layer}{part}.weight" in names
 
 
