@@ -5,7 +5,9 @@ layer refused naming why. The checkpoint's MTP layer is made to nearly agree wit
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.speculative.config import SpeculativeConfig
+from pdserve.config_flags import add_config_arguments, config_from_args
 from tests.engine.conftest import random_prompts, start_engine
 from tests.engine.test_speculative import _outputs
 from tools.models.agreeing_mtp import make_mtp_agree
@@ -103,3 +106,30 @@ def test_nextn_without_the_mtp_layer_is_refused_naming_why(tmp_path) -> None:
     (ckpt / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=r"no model\.layers\.4\.eh_proj\.weight"):
         Engine.load(config)
+
+
+def test_vllm_speculative_config_maps_onto_the_flags_and_refuses_naming_the_key() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, SpeculativeConfig)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "deepseek_mtp", "num_speculative_tokens": 3}'])
+    config = config_from_args(SpeculativeConfig, args)
+    assert (config.speculative_algorithm, config.max_drafts) == ("NEXTN", 3)
+    assert config.agreed() == SpeculativeConfig(speculative_algorithm="NEXTN",
+                                                speculative_num_draft_tokens=4).agreed()
+    draft = SpeculativeConfig(speculative_config='{"method": "draft_model", "model": "/m", '
+                                                 '"num_speculative_tokens": 2}')
+    assert (draft.speculative_algorithm, draft.speculative_draft_model_path, draft.max_drafts) == \
+        ("STANDALONE", "/m", 2)
+    ngram = SpeculativeConfig(speculative_config='{"method": "ngram", "prompt_lookup_max": 3}')
+    assert (ngram.speculative_algorithm, ngram.speculative_ngram_max_match) == ("NGRAM", 3)
+    for text, named in [('{"method": "eagle3"}', "method 'eagle3'"),
+                        ('{"method": "ngram", "draft_tensor_parallel_size": 2}',
+                         "'draft_tensor_parallel_size'"),
+                        ('{"method": "deepseek_mtp", "model": "/m"}', "key 'model'"),
+                        ('{"method": "ngram", "num_speculative_tokens": 40}', "must be 2..16"),
+                        ("[1]", "JSON object")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            SpeculativeConfig(speculative_config=text)
+    with pytest.raises(ValueError, match="--speculative-algorithm NGRAM was given"):
+        SpeculativeConfig(speculative_algorithm="NGRAM", speculative_config='{"method": "deepseek_mtp"}')
