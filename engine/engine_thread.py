@@ -353,6 +353,8 @@ class EngineThread:
     def _finish_prefill(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
         """A prefill-only request sampled its first token: report all its pages, hold them under the
         room and emit the token as its one output."""
+        if self.speculator is not None:  # NEXTN's MTP K/V of the last position, before the pages go
+            self.speculator.prefilled(request)
         self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
                                 request.num_prompt)
         if request.room not in self.scheduler.requests:  # the hook failed: stopped, with an abort output

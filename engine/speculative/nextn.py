@@ -96,6 +96,28 @@ class NextNDrafter:
         self._untracked.discard(room)
         self._sequences.pop(room, None)
 
+    def write_prompt_kv(self, requests: list[Request]) -> None:
+        """PD prefill: write the MTP K/V of each prefill-only request's positions whose next token is
+        known (all but the last prompt position before its first token is sampled, then that one too),
+        so the pages it reports carry it to decode with the target's K/V."""
+        chunks, hidden = [], []
+        for request in requests:
+            sequence = self._sequences.get(request.room)
+            if sequence is None:
+                continue
+            until = min(sequence.held_until, request.num_tokens - 1)
+            if until <= sequence.done:
+                continue
+            count = until - sequence.done
+            chunks.append(ScheduledChunk(
+                room=request.room, token_ids=request.token_ids[sequence.done + 1:until + 1],
+                start_pos=sequence.done, page_ids=request.page_ids, sample=False))
+            hidden.append(sequence.hidden[:count])
+            sequence.done, sequence.hidden = until, sequence.hidden[count:]
+        if chunks:
+            self.mtp.hidden_in = torch.cat(hidden)
+            self.runner.step(SchedulerOutput(extends=chunks))
+
     def propose(self, wanted: list[tuple[Request, int]], keep_free: int) -> dict[str, list[int]]:
         """Drafts for each (decoding request, most drafts): `most` argmax drafts, or none where the
         request holds no new hidden state or its pages cannot grow for the verify."""

@@ -196,3 +196,11 @@ class Speculator:
         target's hidden states its MTP layer reads."""
         if self.nextn is not None:
             self.nextn.observe(batch)
+            prefilling = [self.scheduler.requests[c.room] for c in batch.extends]
+            self.nextn.write_prompt_kv([r for r in prefilling if r.prefill_only])
+
+    def prefilled(self, request: Request) -> None:
+        """A prefill-only request sampled its first token, before its pages are reported: NEXTN writes
+        the MTP K/V of its last prompt position (whose next token that is)."""
+        if self.nextn is not None:
+            self.nextn.write_prompt_kv([request])

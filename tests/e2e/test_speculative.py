@@ -1,6 +1,7 @@
-"""Speculative decoding (NGRAM) on real workers: greedy output identical to HF transformers (and so to
-speculation off) colocated and through PD, where decode drafts and verifies; the decode log line
-carries SGLang's `accept len`; every KV page is back after the requests.
+"""Speculative decoding (NGRAM; NEXTN on a DeepSeek checkpoint) on real workers: greedy output
+identical to HF transformers (and so to speculation off) colocated and through PD, where decode drafts
+and verifies; the decode log line carries SGLang's `accept len`; every KV page is back after the
+requests.
 
 Prompts: mixed lengths of random tokens (drafts mostly rejected), and prompts that repeat a short
 run (the tiny model's answers to those repeat too, so drafts are accepted), decoded in one batch.
@@ -14,6 +15,8 @@ from tests.e2e.cluster import Cluster, worker_args
 from tests.e2e.hf import hf_greedy
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
+from tools.models.agreeing_mtp import make_mtp_agree
+from tools.models.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -67,3 +70,43 @@ def test_decode_with_another_draft_config_is_refused_naming_the_field(cluster: C
     (result,) = run_all(decode.address, [[5, 6, 7, 8]], [prefill.address], max_new_tokens=4)
     assert result.code is not None and "speculative_algorithm: None vs 'NGRAM'" in result.details, result
     assert_pages_idle(prefill, decode)
+
+
+@pytest.fixture(scope="session")
+def mtp_model(tmp_path_factory):
+    """tiny-deepseek with its MTP layer made to nearly agree with the target (drafts mostly accepted)."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "deepseek-mtp", preset="tiny-deepseek",
+                              seed=3)
+    return make_mtp_agree(folder)
+
+
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "4",
+         "--chunked-prefill-size", "64", "--num-pages", "256", "--page-size", "16")
+
+
+def _accept_rate(worker) -> float:
+    drafted = worker.metric("pdserve:spec_drafted_tokens_total")
+    return worker.metric("pdserve:spec_accepted_tokens_total") / drafted
+
+
+@pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
+def test_nextn_greedy_output_identical_colocated_and_pd(backend, cluster: Cluster, mtp_model):
+    """Prefill writes the MTP layer's K/V of the prompt into the pages it sends: decode drafts from
+    the transferred K/V about as well as a colocated worker that computed it itself."""
+    prompts = prompts_of([3, 17, 70, 130], seed=4)
+    bootstrap = cluster.bootstrap()
+    colocated, prefill, decode = cluster.start_many([
+        ("colocated", worker_args(mtp_model, "null", extra=NEXTN)),
+        ("prefill", worker_args(mtp_model, "prefill", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
+        ("decode", worker_args(mtp_model, "decode", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
+    ])
+    alone = run_all(colocated.address, prompts, max_new_tokens=NEW_TOKENS)
+    pd = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    expected = hf_greedy(mtp_model, prompts, NEW_TOKENS)
+    for prompt, mine, theirs, hf_tokens in zip(prompts, alone, pd, expected, strict=True):
+        assert mine.code is None and theirs.code is None, (mine, theirs)
+        assert mine.tokens == hf_tokens and theirs.tokens == hf_tokens, f"prompt of {len(prompt)} tokens"
+    # decode skips drafting on its first step (no hidden state of the prompt's last position comes along)
+    assert _accept_rate(decode) > 0.8 * _accept_rate(colocated) > 0
+    assert "accept len: " in decode.log()
+    assert_pages_idle(colocated, prefill, decode)

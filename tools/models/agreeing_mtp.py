@@ -50,4 +50,5 @@ def make_mtp_agree(model_dir: str | Path) -> Path:
     weights[mtp + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
     weights[mtp + "shared_head.head.weight"] = weights.get("lm_head.weight", embed).clone()
     save_file(weights, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors creates it owner-only; as tools.models.tiny_model does
     return model_dir
