@@ -355,6 +355,8 @@ class EngineThread:
         room and emit the token as its one output."""
         if self.speculator is not None:  # NEXTN's MTP K/V of the last position, before the pages go
             self.speculator.prefilled(request)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # written before a transfer reads
         self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
                                 request.num_prompt)
         if request.room not in self.scheduler.requests:  # the hook failed: stopped, with an abort output

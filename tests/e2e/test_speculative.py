@@ -90,23 +90,23 @@ def _accept_rate(worker) -> float:
 
 
 @pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
-def test_nextn_greedy_output_identical_colocated_and_pd(backend, cluster: Cluster, mtp_model):
-    """Prefill writes the MTP layer's K/V of the prompt into the pages it sends: decode drafts from
-    the transferred K/V about as well as a colocated worker that computed it itself."""
+def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mtp_model):
+    """Through PD, NEXTN's greedy output is HF's (tests/engine/test_speculative_nextn.py shows the
+    colocated engine's is too). Prefill writes the MTP layer's K/V of the prompt into the pages it
+    sends, so decode drafts from it about as well as a colocated worker (which accepts about 80% of
+    this checkpoint's drafts); without it, decode's MTP layer attends to no prompt and about 10% are."""
     prompts = prompts_of([3, 17, 70, 130], seed=4)
     bootstrap = cluster.bootstrap()
-    colocated, prefill, decode = cluster.start_many([
-        ("colocated", worker_args(mtp_model, "null", extra=NEXTN)),
+    prefill, decode = cluster.start_many([
         ("prefill", worker_args(mtp_model, "prefill", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
         ("decode", worker_args(mtp_model, "decode", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
     ])
-    alone = run_all(colocated.address, prompts, max_new_tokens=NEW_TOKENS)
-    pd = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
     expected = hf_greedy(mtp_model, prompts, NEW_TOKENS)
-    for prompt, mine, theirs, hf_tokens in zip(prompts, alone, pd, expected, strict=True):
-        assert mine.code is None and theirs.code is None, (mine, theirs)
-        assert mine.tokens == hf_tokens and theirs.tokens == hf_tokens, f"prompt of {len(prompt)} tokens"
-    # decode skips drafting on its first step (no hidden state of the prompt's last position comes along)
-    assert _accept_rate(decode) > 0.8 * _accept_rate(colocated) > 0
+    for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
+        assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: NEXTN output differs from HF"
+    # decode skips drafting on a request's first step (the prompt's last hidden state stays on prefill)
+    assert _accept_rate(decode) > 0.5, _accept_rate(decode)
     assert "accept len: " in decode.log()
-    assert_pages_idle(colocated, prefill, decode)
+    assert_pages_idle(prefill, decode)
