@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from pdserve.config_flags import add_config_arguments, config_from_args
 from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.test_pd_hooks import colocated, disaggregated
 from tests.engine.test_speculative import _outputs
 from tools.models.agreeing_mtp import make_mtp_agree
 from tools.models.tiny_model import write_tiny_model
@@ -133,3 +134,23 @@ def test_vllm_speculative_config_maps_onto_the_flags_and_refuses_naming_the_key(
             SpeculativeConfig(speculative_config=text)
     with pytest.raises(ValueError, match="--speculative-algorithm NGRAM was given"):
         SpeculativeConfig(speculative_algorithm="NGRAM", speculative_config='{"method": "deepseek_mtp"}')
+
+
+async def test_nextn_decode_drafts_from_the_prompt_kv_prefill_sent(agreeing_ckpt) -> None:
+    """Prefill writes the MTP layer's prompt K/V into the pages it reports (copied here as the transfer
+    would): decode's output equals colocated, and its drafts are accepted about as often (without the
+    prompt's MTP K/V about a tenth are)."""
+    engines = [start_engine(agreeing_ckpt, chunked_prefill_size=32, num_pages=128, speculative=NEXTN)
+               for _ in range(2)]
+    prefill, decode = engines
+    try:
+        for i, prompt in enumerate(random_prompts([17, 70, 130], seed=11)):
+            got = await disaggregated(prefill, decode, prompt, GREEDY, f"pd{i}")
+            expected = await colocated(prefill, prompt, GREEDY, f"co{i}")
+            assert got == expected, f"prompt of {len(prompt)} tokens"
+        stats = decode.stats()
+        assert stats.spec_accepted_tokens > 0.6 * stats.spec_drafted_tokens
+        assert prefill.stats().used_pages == 0 and stats.used_pages == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()
