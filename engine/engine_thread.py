@@ -257,6 +257,8 @@ class EngineThread:
     def _run_step(self, batch: SchedulerOutput) -> bool:
         """Forward, sample and emit one scheduled batch (inside `step`'s inference mode)."""
         logits = self.forward(batch)
+        if self.speculator is not None:
+            self.speculator.observe(batch)
         self.scheduler.advance(batch)
         self.steps += 1
         self._report_filled_pages(batch)
@@ -351,6 +353,10 @@ class EngineThread:
     def _finish_prefill(self, request: Request, logprob: float | None, top: list[tuple[int, float]]) -> None:
         """A prefill-only request sampled its first token: report all its pages, hold them under the
         room and emit the token as its one output."""
+        if self.speculator is not None:  # NEXTN's MTP K/V of the last position, before the pages go
+            self.speculator.prefilled(request)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # written before a transfer reads
         self._call_pages_filled(request, request.page_ids[:self.pages.pages_for(request.num_prompt)],
                                 request.num_prompt)
         if request.room not in self.scheduler.requests:  # the hook failed: stopped, with an abort output

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -71,6 +71,9 @@ def load(config: EngineConfig) -> LoadedModel:
     model_config = ModelConfig.from_dir(config.model_path)
     dtype = resolve_dtype(config.dtype, model_config)
     layout = model_config.kv_layout(config.page_size, dtype)
+    if config.speculative.speculative_algorithm == "NEXTN":
+        # the MTP layer's K/V in the request's own pages (engine.speculative.nextn)
+        layout = replace(layout, num_layers=layout.num_layers + 1)
     layer_ops = select_layer_ops(config.cpu_kernels, device)
     a2a_backend.announce(config.moe_a2a_backend, config.elastic_ep_backend,
                          "nccl" if device.type == "cuda" else "gloo")
@@ -81,8 +84,11 @@ def load(config: EngineConfig) -> LoadedModel:
                              "(tp/pp/dp size 1)")
         return _load_tensor_parallel(config, model_config, device)
 
-    plan = plan_graphs(device=device, disabled=config.disable_cuda_graph, max_bs=config.cuda_graph_max_bs,
-                       sizes=config.cuda_graph_bs, max_running_requests=config.max_running_requests,
+    # NEXTN reads every row's hidden state after the forward, which the graphs' static buffers do not keep
+    nextn = config.speculative.speculative_algorithm == "NEXTN"
+    plan = plan_graphs(device=device, disabled=config.disable_cuda_graph or nextn,
+                       max_bs=config.cuda_graph_max_bs, sizes=config.cuda_graph_bs,
+                       max_running_requests=config.max_running_requests,
                        world_size=config.world_size, multimodal=model_config.is_multimodal,
                        routed_or_latent=model_config.moe is not None or model_config.mla is not None,
                        lora=config.enable_lora)

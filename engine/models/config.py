@@ -116,6 +116,9 @@ class ModelConfig:
     deepstack_layers: int = 0
     image_token_id: int | None = None
     vision_config: dict | None = field(default=None, compare=False, hash=False)
+    # DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer (the NEXTN
+    # drafter, engine.models.mtp); transformers and the target's forward ignore them.
+    num_nextn_predict_layers: int = 0
 
     @property
     def is_multimodal(self) -> bool:
@@ -199,6 +202,8 @@ class ModelConfig:
             moe=MoEConfig.from_dict(raw, arch),
             mla=mla,
             **_vision_fields(top, raw, arch),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0)
+            if arch == "DeepseekV3ForCausalLM" else 0,
         )
 
 

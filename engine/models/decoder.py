@@ -96,6 +96,9 @@ class DecoderModel:
         self.mrotary = MRotary(config.rope, config.head_dim, config.mrope_section, dtype, device,
                                config.mrope_interleaved) if config.mrope_section else None
         self.vision: Tower | None = None
+        # NEXTN (engine.speculative.nextn) reads every row's final-normed hidden state after a forward
+        self.keep_normed_hidden = False
+        self.normed_hidden: torch.Tensor | None = None
 
     @classmethod
     def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype,
@@ -146,6 +149,8 @@ class DecoderModel:
         token embeddings the vision tower's outputs replace.
         """
         hidden = self.forward_layers(input_ids, positions, max_position, meta, kv_buffer, image_embeds)
+        if self.keep_normed_hidden and self.final_norm is not None:
+            self.normed_hidden = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.final_logits(hidden, logit_rows)
 
     def forward_layers(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from engine.loading import LoadedModel
+from engine.models.mtp import MTPLayer
 from engine.scheduler import Scheduler
 from engine.speculative.draft_model import DraftModel, check_vocabulary
+from engine.speculative.nextn import NextNDrafter
 from engine.speculative.speculator import Speculator
 
 
@@ -14,6 +16,7 @@ def build_speculator(loaded: LoadedModel, scheduler: Scheduler) -> Speculator | 
     if not spec.enabled:
         return None
     draft_model = None
+    nextn = None
     if spec.speculative_algorithm == "STANDALONE":
         if loaded.model_config.is_multimodal:
             raise ValueError(f"--speculative-algorithm STANDALONE: {loaded.model_config.architecture} is a "
@@ -25,6 +28,10 @@ def build_speculator(loaded: LoadedModel, scheduler: Scheduler) -> Speculator | 
         except ValueError:
             draft_model.loaded.runner.close()
             raise
-    return Speculator(spec, scheduler, loaded.pages, draft_model=draft_model)
-
-
+    elif spec.speculative_algorithm == "NEXTN":
+        if loaded.config.world_size > 1:
+            raise ValueError("--speculative-algorithm NEXTN runs with one rank for now (--tp-size 1, "
+                             "--pp-size 1)")
+        mtp = MTPLayer.load(loaded.config.model_path, loaded.model_config, loaded.model)
+        nextn = NextNDrafter(loaded.model, mtp, loaded.pool, loaded.pages)
+    return Speculator(spec, scheduler, loaded.pages, draft_model=draft_model, nextn=nextn)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.speculative.vllm_config import fields_from_vllm_json
+
 # A verify chunk's positions all go through one forward: past this many drafts a CPU step stops being
 # memory-bound, and a long rejected draft wastes more than an accepted one saves.
 MAX_DRAFT_TOKENS = 16
-ALGORITHMS = ("NGRAM", "STANDALONE")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
 
 
 def _help(text: str) -> dict:
@@ -20,8 +22,10 @@ class SpeculativeConfig:
 
     speculative_algorithm: str | None = field(default=None, metadata=_help(
         "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own earlier tokens; "
-        "greedy requests speculate, sampled ones decode a token per step) or STANDALONE (a draft model, "
-        "--speculative-draft-model-path; sampled requests too, by rejection sampling); unset = off"))
+        "greedy requests speculate, sampled ones decode a token per step), STANDALONE (a draft model, "
+        "--speculative-draft-model-path; sampled requests too, by rejection sampling) or NEXTN "
+        "(DeepSeek-V3's MTP layer, stored in the checkpoint after its last layer, run once per draft; "
+        "greedy requests speculate); unset = off"))
     speculative_draft_model_path: str | None = field(default=None, metadata=_help(
         "STANDALONE: the draft model's HF checkpoint folder (the target's vocabulary; its own KV pages)"))
     speculative_num_steps: int | None = field(default=None, metadata=_help(
@@ -36,8 +40,20 @@ class SpeculativeConfig:
         "NGRAM: shortest suffix of the request's tokens looked up in its earlier tokens"))
     speculative_ngram_max_match: int = field(default=4, metadata=_help(
         "NGRAM: longest suffix looked up (the longest one found wins)"))
+    speculative_config: str | None = field(default=None, metadata=_help(
+        "vLLM's speculative config JSON, where it maps onto the flags above: method (ngram, draft_model, "
+        "deepseek_mtp), num_speculative_tokens (drafts per step), model (draft_model's checkpoint), "
+        "prompt_lookup_min/max; its values replace those flags'"))
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            mapped = fields_from_vllm_json(self.speculative_config)
+            algorithm = mapped["speculative_algorithm"]
+            if self.speculative_algorithm not in (None, algorithm):
+                raise ValueError(f"--speculative-config's method means --speculative-algorithm {algorithm}, "
+                                 f"but --speculative-algorithm {self.speculative_algorithm} was given")
+            for name, value in mapped.items():
+                object.__setattr__(self, name, value)
         if self.speculative_algorithm is None:
             return
         if self.speculative_algorithm not in ALGORITHMS:

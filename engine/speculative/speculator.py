@@ -18,6 +18,8 @@ Protocol, on the engine thread (engine/engine_thread.py), each step:
    (the rejected drafts' slots are simply overwritten later; pages the prefix cache holds are
    always full pages of computed tokens, never a rejected draft's).
 4. `forget(room)` when a request leaves.
+With NEXTN (engine.speculative.nextn) the thread also calls `observe(batch)` right after each
+forward, before the scheduler advances the batch: the MTP layer reads the target's hidden states.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine.scheduler import Request, ScheduledChunk, Scheduler, SchedulerOutput
 from engine.speculative.adaptive import DraftBudget
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import DraftModel
+from engine.speculative.nextn import NextNDrafter
 from engine.speculative.ngram import NgramIndex
 from engine.speculative.rejection import rejection_sample
 
@@ -69,9 +72,11 @@ class Speculator:
     """Drafts, and the accounting of what was accepted (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, pages: PageManager,
-                 drafter: Drafter | None = None, draft_model: DraftModel | None = None) -> None:
+                 drafter: Drafter | None = None, draft_model: DraftModel | None = None,
+                 nextn: NextNDrafter | None = None) -> None:
         self.config = config
         self.draft_model = draft_model
+        self.nextn = nextn  # NEXTN: drafts of every decode row come from one batched MTP pass
         # with a draft model, sampled requests speculate too (its drafts come with their distribution)
         self.samples = draft_model is not None
         self._draft_probs: dict[str, torch.Tensor] = {}
@@ -93,9 +98,13 @@ class Speculator:
     def propose(self, batch: SchedulerOutput, policy: Callable[[Request], DraftPolicy]) -> None:
         """Turn the batch's decode rows that draft into verify chunks (step 1 of the protocol)."""
         kept: list[ScheduledChunk] = []
+        nextn_drafts = self._nextn_drafts(batch, policy) if self.nextn is not None else {}
         for chunk in batch.decodes:
             request = self.scheduler.requests[chunk.room]
-            drafts = self._drafts(request, policy(request)) if chunk.multimodal is None else []
+            if self.nextn is not None:
+                drafts = nextn_drafts.get(chunk.room, [])
+            else:
+                drafts = self._drafts(request, policy(request)) if chunk.multimodal is None else []
             if drafts and self.pages.grow(request.page_ids, request.num_tokens + len(drafts),
                                           keep_free=len(self.scheduler.running)):
                 batch.extends.append(ScheduledChunk(
@@ -105,11 +114,28 @@ class Speculator:
                 kept.append(chunk)
         batch.decodes = kept
 
-    def _drafts(self, request: Request, policy: DraftPolicy) -> list[int]:
+    def _nextn_drafts(self, batch: SchedulerOutput, policy: Callable[[Request], DraftPolicy]
+                      ) -> dict[str, list[int]]:
+        assert self.nextn is not None
+        wanted: list[tuple[Request, int]] = []
+        for chunk in batch.decodes:
+            request = self.scheduler.requests[chunk.room]
+            request_policy = policy(request)
+            if request_policy.most <= 0:  # never drafts again (sampled, penalized, or at its end)
+                self.nextn.stop_tracking(chunk.room)
+                continue
+            wanted.append((request, self._allowed(request, request_policy)))
+        return self.nextn.propose(wanted, keep_free=len(self.scheduler.running))
+
+    def _allowed(self, request: Request, policy: DraftPolicy) -> int:
+        """Drafts the request may verify this step (its budget counts the step when it may draft)."""
         most = min(policy.most, self.config.max_drafts)
         if most <= 0:
-            return []
-        allowed = min(most, self._state(request.room).budget.next())
+            return 0
+        return min(most, self._state(request.room).budget.next())
+
+    def _drafts(self, request: Request, policy: DraftPolicy) -> list[int]:
+        allowed = self._allowed(request, policy)
         if allowed <= 0:
             return []
         if self.draft_model is None:
@@ -149,6 +175,8 @@ class Speculator:
         """After a still-running request's accepted tokens were appended: its K/V is that of every
         token but the newest (step 3); pages beyond its tokens go back to the pool."""
         request.num_computed = request.num_tokens - 1
+        if self.nextn is not None:
+            self.nextn.trim(request)
         needed = self.pages.pages_for(request.num_tokens)
         if len(request.page_ids) > needed:
             extra = request.page_ids[needed:]
@@ -160,3 +188,19 @@ class Speculator:
         self._draft_probs.pop(room, None)
         if self.draft_model is not None:
             self.draft_model.forget(room)
+        if self.nextn is not None:
+            self.nextn.forget(room)
+
+    def observe(self, batch: SchedulerOutput) -> None:
+        """After the target's forward, before the scheduler advances the batch: NEXTN keeps the
+        target's hidden states its MTP layer reads."""
+        if self.nextn is not None:
+            self.nextn.observe(batch)
+            prefilling = [self.scheduler.requests[c.room] for c in batch.extends]
+            self.nextn.write_prompt_kv([r for r in prefilling if r.prefill_only])
+
+    def prefilled(self, request: Request) -> None:
+        """A prefill-only request sampled its first token, before its pages are reported: NEXTN writes
+        the MTP K/V of its last prompt position (whose next token that is)."""
+        if self.nextn is not None:
+            self.nextn.write_prompt_kv([request])

@@ -1,6 +1,7 @@
-"""Speculative decoding (NGRAM) on real workers: greedy output identical to HF transformers (and so to
-speculation off) colocated and through PD, where decode drafts and verifies; the decode log line
-carries SGLang's `accept len`; every KV page is back after the requests.
+"""Speculative decoding (NGRAM; NEXTN on a DeepSeek checkpoint) on real workers: greedy output
+identical to HF transformers (and so to speculation off) colocated and through PD, where decode drafts
+and verifies; the decode log line carries SGLang's `accept len`; every KV page is back after the
+requests.
 
 Prompts: mixed lengths of random tokens (drafts mostly rejected), and prompts that repeat a short
 run (the tiny model's answers to those repeat too, so drafts are accepted), decoded in one batch.
@@ -14,6 +15,8 @@ from tests.e2e.cluster import Cluster, worker_args
 from tests.e2e.hf import hf_greedy
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
 from tests.e2e.worker_client import run_all
+from tools.models.agreeing_mtp import make_mtp_agree
+from tools.models.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -66,4 +69,44 @@ def test_decode_with_another_draft_config_is_refused_naming_the_field(cluster: C
     ])
     (result,) = run_all(decode.address, [[5, 6, 7, 8]], [prefill.address], max_new_tokens=4)
     assert result.code is not None and "speculative_algorithm: None vs 'NGRAM'" in result.details, result
+    assert_pages_idle(prefill, decode)
+
+
+@pytest.fixture(scope="session")
+def mtp_model(tmp_path_factory):
+    """tiny-deepseek with its MTP layer made to nearly agree with the target (drafts mostly accepted)."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "deepseek-mtp", preset="tiny-deepseek",
+                              seed=3)
+    return make_mtp_agree(folder)
+
+
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "4",
+         "--chunked-prefill-size", "64", "--num-pages", "256", "--page-size", "16")
+
+
+def _accept_rate(worker) -> float:
+    drafted = worker.metric("pdserve:spec_drafted_tokens_total")
+    return worker.metric("pdserve:spec_accepted_tokens_total") / drafted
+
+
+@pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
+def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mtp_model):
+    """Through PD, NEXTN's greedy output is HF's (tests/engine/test_speculative_nextn.py shows the
+    colocated engine's is too). Prefill writes the MTP layer's K/V of the prompt into the pages it
+    sends, so decode drafts from it about as well as a colocated worker (which accepts about 80% of
+    this checkpoint's drafts); without it, decode's MTP layer attends to no prompt and about 10% are."""
+    prompts = prompts_of([3, 17, 70, 130], seed=4)
+    bootstrap = cluster.bootstrap()
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(mtp_model, "prefill", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
+        ("decode", worker_args(mtp_model, "decode", backend=backend, bootstrap=bootstrap, extra=NEXTN)),
+    ])
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    expected = hf_greedy(mtp_model, prompts, NEW_TOKENS)
+    for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
+        assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: NEXTN output differs from HF"
+    # decode skips drafting on a request's first step (the prompt's last hidden state stays on prefill)
+    assert _accept_rate(decode) > 0.5, _accept_rate(decode)
+    assert "accept len: " in decode.log()
     assert_pages_idle(prefill, decode)

@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decode tok/s over the base model's alone")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"], default=None,
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE", "NEXTN"], default=None,
                         help="also run pdserve with speculative decoding and print its ratios to spec off")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=5,
                         help="the verified token plus drafts per step (engine flag of the same name)")

@@ -115,7 +115,7 @@ PRESETS: dict[str, TinyPreset] = {
                                            kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
                                            v_head_dim=64, rope_interleave=True, norm_topk_prob=True,
                                            routed_scaling_factor=2.5, scoring_func="sigmoid",
-                                           topk_method="noaux_tc")),
+                                           topk_method="noaux_tc", num_nextn_predict_layers=1)),
     # tiny-deepseek at small's width, depth and vocabulary (benchmarks): 16 routed experts of width
     # 192 in 4 groups, 4 per token from the 2 best groups, one shared expert, and DeepSeek-V3's own
     # latent (kv_lora_rank 512 + rope 64, the one shape vLLM's CPU MLA kernel is built for, so the two
@@ -130,7 +130,7 @@ PRESETS: dict[str, TinyPreset] = {
                                             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
                                             v_head_dim=64, rope_interleave=True, norm_topk_prob=True,
                                             routed_scaling_factor=2.5, scoring_func="sigmoid",
-                                            topk_method="noaux_tc")),
+                                            topk_method="noaux_tc", num_nextn_predict_layers=1)),
     # Qwen3-4B's dimensions (its published config.json), random bf16 weights: 4.0B parameters, 8 GB,
     # for decode throughput on a GPU beside the seeds' Qwen3-4B figures (scripts/test_gpu.sh writes it
     # there; it is never committed or downloaded). HF's init range, since nothing compares its tokens.
@@ -228,7 +228,32 @@ def _parameter_shapes(config_dir: Path) -> dict[str, tuple[tuple[int, ...], torc
     shapes.update({name: (tuple(b.shape), b.dtype) for name, b in model.named_buffers() if name in saved})
     if hf_config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
+    if hf_config.model_type == "deepseek_v3":
+        shapes.update(_mtp_shapes(shapes, hf_config.num_hidden_layers,
+                                  getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
     return shapes
+
+
+def _mtp_shapes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], num_layers: int,
+                num_mtp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """DeepSeek-V3's multi-token-prediction layers, which transformers does not build: each stored as
+    layer num_layers + i, a decoder layer shaped like the last one plus enorm, hnorm, eh_proj and
+    shared_head.{norm,head} (the embedding is the target's, not stored again)."""
+    last = f"model.layers.{num_layers - 1}."
+    hidden_shape, dtype = shapes["model.norm.weight"]
+    (hidden,) = hidden_shape
+    head_shape = shapes["lm_head.weight"][0] if "lm_head.weight" in shapes else shapes[
+        "model.embed_tokens.weight"][0]
+    out = {}
+    for i in range(num_mtp):
+        prefix = f"model.layers.{num_layers + i}."
+        out.update({prefix + name[len(last):]: shape for name, shape in shapes.items()
+                    if name.startswith(last)})
+        out.update({prefix + "enorm.weight": ((hidden,), dtype), prefix + "hnorm.weight": ((hidden,), dtype),
+                    prefix + "eh_proj.weight": ((hidden, 2 * hidden), dtype),
+                    prefix + "shared_head.norm.weight": ((hidden,), dtype),
+                    prefix + "shared_head.head.weight": (head_shape, dtype)})
+    return out
 
 
 def random_weights(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], std: float,
