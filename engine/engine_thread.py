@@ -151,6 +151,7 @@ class EngineThread:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.constraints.close()
         self._apply_inbox(block=False)
         self._abort_all()
         self.deliver()

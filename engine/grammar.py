@@ -217,27 +217,40 @@ def _parallel() -> Any:
 def fill_masks(grammars: Sequence[RequestGrammar], vocab_size: int) -> torch.Tensor:
     """The allowed-token bitmask [R, ceil(V / 32)] int32 of each grammar's next token, the rows
     computed in parallel."""
-    words = (vocab_size + 31) // 32
-    bitmask = torch.zeros((len(grammars), words), dtype=torch.int32)
-    if len(grammars) == 1:
-        grammars[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-    else:
-        _parallel().unsafe_compute_mask_ptr([(g.matcher, row) for row, g in enumerate(grammars)],
-                                            bitmask.data_ptr(), words * 4, len(grammars))
+    bitmask = torch.zeros((len(grammars), (vocab_size + 31) // 32), dtype=torch.int32)
+    fill_rows(grammars, bitmask, range(len(grammars)))
     return bitmask
+
+
+def fill_rows(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Rows `rows` of the contiguous `bitmask` [R, words]: the masks of `grammars`, in parallel."""
+    if not grammars:
+        return
+    words = bitmask.shape[1]
+    if len(grammars) == 1:
+        grammars[0].matcher.unsafe_compute_mask_ptr(bitmask[rows[0]].data_ptr(), words * 4)
+        return
+    _parallel().unsafe_compute_mask_ptr([(g.matcher, row) for g, row in zip(grammars, rows, strict=True)],
+                                        bitmask.data_ptr(), words * 4, bitmask.shape[0])
+
+
+# byte value -> what its 8 tokens add to their logits: 0 where the bit is set (allowed), -inf where not
+_BYTE_TO_BIAS = torch.where(
+    (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0, float("-inf")).numpy()
 
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` with the tokens a row's bitmask forbids set to -inf (one op over the masked rows).
 
-    The bits are unpacked with numpy's unpackbits (bit i of word w is token 32 w + i, little-endian
-    bytes): shifting an int32 tensor by 32 positions took 100 ms for 16 x 32k tokens on a loaded
-    2-core machine, unpackbits well under a millisecond."""
+    The mask is added as a bias of 0 or -inf, looked up 8 tokens at a time from each byte (bit i of
+    word w is token 32 w + i, little-endian bytes): on CPU the lookup and an add cost well under
+    half of unpacking the bits and a masked_fill, whose bool-mask kernel is slow. Allowed logits
+    keep their value (x + 0 == x; a -0.0 becomes 0.0, which compares and exponentiates the same)."""
     vocab = logits.shape[1]
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    forbidden = torch.from_numpy(bits == 0).to(logits.device)
+    bytes_ = bitmask.numpy().view(np.uint8)
+    bias = torch.from_numpy(_BYTE_TO_BIAS[bytes_].reshape(bytes_.shape[0], -1)[:, :vocab]).to(logits.device)
     if rows.numel() == logits.shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
-        return logits.float().masked_fill(forbidden, float("-inf"))  # every row masked: one op
+        return logits.float() + bias  # every row masked: one op
     out = logits.float().clone()
-    out[rows] = out[rows].masked_fill(forbidden, float("-inf"))
+    out[rows] = out[rows] + bias
     return out

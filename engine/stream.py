@@ -24,7 +24,7 @@ def text_stream(tokenizer: Decoder, params: SamplingParams, prompt_ids: Sequence
     ignores eos, the model's eos ids."""
     stop_ids = frozenset(params.stop_token_ids) | (
         frozenset() if params.ignore_eos else frozenset(eos_token_ids))
-    return TextStream(tokenizer, params.stop, stop_ids, prompt_ids)
+    return TextStream(tokenizer, params.stop, stop_ids, prompt_ids, params.kept_special_token_ids)
 
 
 def with_text(text: TextStream, output: TokenOutput) -> tuple[TokenOutput, bool]:

@@ -70,6 +70,8 @@ class SamplingParams:
     output; 1.0 = off), `logit_bias` (token id -> added value; a mapping is stored as sorted
     (id, bias) pairs) and `min_tokens` (EOS and stop tokens masked until that many are out).
     `structured` constrains the output to a grammar (None = free).
+    `kept_special_token_ids`: special tokens whose text the output text keeps (a tool call parser's
+    markers); the output text skips every other special token.
     """
 
     temperature: float = 1.0
@@ -89,9 +91,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    kept_special_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "kept_special_token_ids", tuple(self.kept_special_token_ids))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias: Mapping[int, float] | Iterable[tuple[int, float]] = self.logit_bias
         pairs = bias.items() if isinstance(bias, Mapping) else bias
@@ -125,6 +129,9 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {list(self.stop_token_ids)}")
+        if any(not isinstance(t, int) or t < 0 for t in self.kept_special_token_ids):
+            raise ValueError("kept_special_token_ids must be non-negative ints, "
+                             f"got {list(self.kept_special_token_ids)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:

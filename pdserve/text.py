@@ -16,7 +16,9 @@ emitted boundary before the previous one) to the end, and emits what it adds bey
 `prefix_offset:read_offset`. While the window's text ends in U+FFFD a character is still
 incomplete and nothing is emitted (the same method as vLLM and HF text-generation-inference).
 Contract: the concatenation of every `push` result and `flush()` equals
-`tokenizer.decode(generated_ids, skip_special_tokens=True)`.
+`tokenizer.decode(generated_ids, skip_special_tokens=True)`, except that the special tokens in
+`kept_special_ids` (a tool call parser's markers, which the gateway must see) keep their text: the
+ids around each such token are decoded as above, its own text is put between them.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class IncrementalDetokenizer:
     PROMPT_CONTEXT tokens are the left context of the first generated token.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (),
+                 kept_special_ids: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer
+        self._kept = frozenset(kept_special_ids)
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             # A prompt given as ids may end inside a character; its completion would then be
@@ -54,7 +58,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        if not self._kept or self._kept.isdisjoint(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=True)
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in self._kept:
+                parts.append(self._tokenizer.decode(run, skip_special_tokens=True) if run else "")
+                parts.append(self._tokenizer.decode([token_id], skip_special_tokens=False))
+                run = []
+            else:
+                run.append(token_id)
+        parts.append(self._tokenizer.decode(run, skip_special_tokens=True) if run else "")
+        return "".join(parts)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is incomplete)."""
@@ -144,8 +160,8 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), stop_token_ids: Collection[int] = (),
-                 prompt_ids: Sequence[int] = ()) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+                 prompt_ids: Sequence[int] = (), kept_special_ids: Collection[int] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, kept_special_ids)
         self._stop = StopChecker(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
         self.finished = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 
 from protos.v1 import common_pb2
 from services.gateway.errors import bad_request
+from services.gateway.marker_tokens import kept_marker_ids
 from services.gateway.reasoning_parsers import REASONING_PARSERS, ReasoningSplit
 from services.gateway.tool_choice import ToolPlan
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParse
@@ -226,10 +228,13 @@ class ChatParsing:
     plan: ToolPlan
     reasoning: ReasoningSplit | None
     parse_tools: ToolCallParse | None
+    kept_special_ids: tuple[int, ...] = ()  # the parsers' markers that are special tokens
 
     def constrain(self, params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
         """`params` with the tool schema as its structured output (400 if the body asked for
-        another one too), which starts after the thinking when the request thinks."""
+        another one too), which starts after the thinking when the request thinks, and with the
+        parsers' special-token markers kept in the text."""
+        params.kept_special_token_ids.extend(self.kept_special_ids)
         if self.plan.schema is not None:
             if params.HasField("structured"):
                 raise bad_request(f"tool_choice {self.plan.mode!r} constrains the output to a tool call; "
@@ -245,12 +250,16 @@ class ChatParsing:
 
 
 def chat_parsing(plan: ToolPlan, tool_call_parser: str | None, reasoning_parser: str | None,
-                 chat_template_kwargs: dict[str, Any] | None, prompt_tail: str) -> ChatParsing:
+                 chat_template_kwargs: dict[str, Any] | None, prompt_tail: str,
+                 special_tokens: Mapping[str, int] | None = None) -> ChatParsing:
     """The request's ChatParsing. `prompt_tail`: the end of the rendered prompt (a template that
-    opens the thinking in the prompt starts the answer inside it)."""
+    opens the thinking in the prompt starts the answer inside it). `special_tokens`: the
+    tokenizer's special tokens, text -> id (services.gateway.marker_tokens)."""
     reasoning = None
     if reasoning_parser:
         enable_thinking = (chat_template_kwargs or {}).get("enable_thinking")
         reasoning = REASONING_PARSERS[reasoning_parser].for_request(enable_thinking, prompt_tail)
     parse_tools = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
-    return ChatParsing(plan, reasoning, parse_tools)
+    kept = kept_marker_ids(special_tokens or {}, tool_call_parser if plan.mode == "auto" else None,
+                           reasoning_parser if reasoning is not None else None)
+    return ChatParsing(plan, reasoning, parse_tools, kept)

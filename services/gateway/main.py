@@ -37,6 +37,7 @@ from services.gateway.config import (
     with_env_api_key,
 )
 from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
+from services.gateway.parser_source import ParserLearner
 from services.gateway.prompts import ModelFiles
 from services.gateway.state import GatewayState, build_state
 
@@ -117,7 +118,13 @@ async def serve(config: GatewayConfig, workers: Sequence[StaticWorker] = ()) -> 
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-gateway-model-") as folder:
             if config.model_path:
-                await _serve(config, signal_task, sock, build_state(config, workers), workers)
+                state = build_state(config, workers)
+                learner = ParserLearner(state, workers, config.bootstrap, config.security)
+                learner.start()
+                try:
+                    await _serve(config, signal_task, sock, state, workers)
+                finally:
+                    await learner.close()
                 return
             learning = asyncio.create_task(learn_model(
                 workers, config.bootstrap, config.security, Path(folder), wanted_name=config.model_name,

@@ -73,7 +73,8 @@ class ContinuationText:
 
     def __init__(self, tokenizer: Decoder, sampling: common_pb2.SamplingParams, prompt_ids: Sequence[int],
                  delivered: Delivered) -> None:
-        self._text = TextStream(tokenizer, sampling.stop, sampling.stop_token_ids, prompt_ids)
+        self._text = TextStream(tokenizer, sampling.stop, sampling.stop_token_ids, prompt_ids,
+                                sampling.kept_special_token_ids)
         for token_id in delivered.token_ids:  # the worker's state when it failed: what it held back
             self._text.push(token_id)
 

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 
 from services.common.model_info import context_length
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.marker_tokens import special_token_ids
 from services.gateway.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
@@ -220,6 +221,8 @@ class ModelFiles:
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else \
             self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._token_text_cache: dict[int, TokenText] = {}
+        # text -> id of the tokens output text skips (services.gateway.marker_tokens)
+        self.special_token_ids = special_token_ids(self.tokenizer)
         self._bytes_per_token_bound = _bytes_per_token_bound(json.loads(self.tokenizer.to_str()))
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

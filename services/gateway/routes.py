@@ -148,7 +148,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # the prompt's end says whether the template opened the thinking (only a reasoning parser asks)
     prompt_tail = state.model_files.text_of(prompt_ids[-8:]) if parsers.reasoning_parser else ""
     parsing = chat_parsing(tool_plan, parsers.tool_call_parser, parsers.reasoning_parser,
-                           body.chat_template_kwargs, prompt_tail)
+                           body.chat_template_kwargs, prompt_tail, state.model_files.special_token_ids)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_prompt(prompt_ids, body.max_new_tokens, state.model_files, param="messages",
                  max_tokens_param=max_tokens_param)

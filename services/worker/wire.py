@@ -263,6 +263,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         "logit_bias": dict(message.logit_bias),
         "min_tokens": message.min_tokens,
         "structured": structured_from_proto(message.structured) if message.HasField("structured") else None,
+        "kept_special_token_ids": tuple(message.kept_special_token_ids),
     }
     for name in ("temperature", "top_p", "seed", "max_new_tokens", "repetition_penalty"):
         if message.HasField(name):
@@ -299,7 +300,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
         top_logprobs=params.top_logprobs, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias),
-        min_tokens=params.min_tokens)
+        min_tokens=params.min_tokens, kept_special_token_ids=list(params.kept_special_token_ids))
     if params.seed is not None:
         message.seed = params.seed
     if params.repetition_penalty != 1.0:
