@@ -141,7 +141,8 @@ def _load_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
     # The prefix cache lives in rank 0's page manager only: followers run rank 0's plan (page
     # ids and start positions), so a page cached here holds its K/V head slice on every rank.
     return LoadedModel(config, model_config, parts.model, tokenizer, parts.pool,
-                       _page_manager(config, parts.pool), DriverRunner(parts.runner, group), followers)
+                       _page_manager(config, parts.pool), DriverRunner(parts.runner, group), followers,
+                       lora=parts.lora)
 
 
 def _tokenizer(config: EngineConfig):

@@ -93,6 +93,7 @@ class ModelRunner:
                 logit_rows.extend(range(len(input_ids) - chunk.num_drafts - 1, len(input_ids)))
 
         if self.lora is not None:
+            self.lora.apply_loads(batch.lora_loads)
             self.lora.set_rows([c.lora_slot for c in batch.decodes]
                                + [c.lora_slot for c in batch.extends for _ in c.token_ids])
         meta = AttentionMetadata(slots=self._tensor(slots), num_decode=len(batch.decodes),

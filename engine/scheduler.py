@@ -36,7 +36,7 @@ from engine.page_manager import PageManager
 from pdserve.page_hash import page_hashes, with_adapter
 
 if TYPE_CHECKING:
-    from engine.lora.slots import LoraSlots
+    from engine.lora.slots import LoraSlots, SlotLoad
     from engine.multimodal.state import MultimodalState
     from libkv.store import StoreTier
 
@@ -139,6 +139,8 @@ class SchedulerOutput:
 
     decodes: list[ScheduledChunk] = field(default_factory=list)
     extends: list[ScheduledChunk] = field(default_factory=list)
+    # LoRA adapters copied into slots since the last step: tensor-parallel followers copy them too
+    lora_loads: list[SlotLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -315,6 +317,8 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(request)
             budget -= self._add_chunk(batch, request, budget)
+        if self.lora is not None:
+            batch.lora_loads = self.lora.take_loads()
         return batch
 
     def _allocate(self, request: Request) -> bool:

@@ -130,8 +130,11 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return cpu_ext.ops().bf16_gemm(x, packed, bias, out_features)
 
 
-def lora_delta_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   row_slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """out[t] += scales[s] * B_s @ A_s @ x[t] in place for each row t of slot s = row_slots[t] >= 0
-    (engine.lora.ops's slot layout; its `lora_delta_reference` is the reference)."""
-    return cpu_ext.ops().lora_delta_add(out, x, a, b, row_slots, scales)
+def lora_delta_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   row_slots: torch.Tensor, scales: torch.Tensor, ranks: torch.Tensor,
+                   bounds: tuple[int, ...]) -> torch.Tensor:
+    """out[t] += scales[s] * Bt_s^T @ A_s @ x[t] in place for each row t of slot s = row_slots[t] >= 0,
+    reading only the slot's `ranks[s]` rows of each sub-module and B's blocks of sub-module m on
+    columns [bounds[m], bounds[m+1]) (engine.lora.ops's slot layout; `lora_delta_reference` is the
+    reference)."""
+    return cpu_ext.ops().lora_delta_add(out, x, a, bt, row_slots, scales, ranks, bounds)

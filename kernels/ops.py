@@ -35,6 +35,7 @@ _TRITON_MODULES = {
     "gather_pages_triton": "kernels.triton_kv",
     "scatter_pages_triton": "kernels.triton_kv",
     "paged_decode_attention_triton": "kernels.triton_attention",
+    "lora_delta_add_triton": "kernels.triton_lora",
 }
 
 

@@ -31,6 +31,10 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|ml
                   r"\.lora_([AB])\.weight$")
 
 
+# A MoE layer's routed or shared experts (per-expert modules, or PEFT's fused-parameter wrappers).
+_EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.((?:shared_)?experts?)\b")
+
+
 class LoraLoadError(ValueError):
     """An adapter that cannot be served on this model, with the reason."""
 
@@ -62,12 +66,22 @@ class LoraAdapter:
         return f"{self.name}@{self.digest}"
 
 
-def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(out_features, in_features) of a projection of the base model."""
+# Under tensor parallelism (engine.tp.shard) these split their output features (B's rows) across
+# ranks, the others (o_proj, down_proj) their input features (A's columns; the base layer's all-reduce
+# then sums the partial deltas with the partial outputs).
+COLUMN_PARALLEL_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+
+
+def module_shape(config: ModelConfig, module: str, tp_size: int = 1) -> tuple[int, int]:
+    """(out_features, in_features) of a projection of the base model, on one of `tp_size` ranks."""
     hidden, width = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}[module]
+    out_features, in_features = {
+        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+        "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}[module]
+    if module in COLUMN_PARALLEL_MODULES:
+        return out_features // tp_size, in_features
+    return out_features, in_features // tp_size
 
 
 def dense_mlp_layers(config: ModelConfig) -> set[int]:
@@ -104,6 +118,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     if rank > max_rank:
         raise LoraLoadError(f"LoRA adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    _check_patterns(name, peft, weights_file)
     weights = _read_weights(name, weights_file, config, rank)
     targets = frozenset(module for _, module in weights)
     for module in sorted(targets - allowed_modules):
@@ -132,10 +147,35 @@ def _check_peft_options(name: str, peft: dict) -> None:
     if peft.get("modules_to_save"):
         raise LoraLoadError(f"LoRA adapter {name!r}: modules_to_save {peft['modules_to_save']} replace base "
                             "weights, which a shared base cannot do")
-    if peft.get("rank_pattern") or peft.get("alpha_pattern"):
-        raise LoraLoadError(f"LoRA adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
     if peft.get("fan_in_fan_out"):
         raise LoraLoadError(f"LoRA adapter {name!r}: fan_in_fan_out (Conv1D bases) is not supported")
+    if peft.get("target_parameters"):
+        # PEFT's way to adapt weights that are parameters, not Linear modules: a MoE model's fused
+        # expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
+        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {peft['target_parameters']} (LoRA on "
+                            "fused parameters such as routed experts' weights) is not supported; adapters "
+                            "may target the attention projections and dense MLPs")
+
+
+def _check_patterns(name: str, peft: dict, file: Path) -> None:
+    """Refuse per-module rank_pattern/alpha_pattern entries that apply to a weight of the file (one
+    rank and scaling per adapter here). PEFT writes some of its own that match nothing saved (on
+    transformers' fused MoE expert names, `.*\\.gate_up_proj`): those change nothing."""
+    patterns = {**(peft.get("rank_pattern") or {}), **(peft.get("alpha_pattern") or {})}
+    if not patterns:
+        return
+    with safe_open(str(file), framework="pt") as tensors:
+        modules = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in tensors.keys()}
+    for pattern in sorted(patterns):
+        # PEFT's match: the pattern against the end of a module's dotted name
+        try:
+            hit = next((m for m in sorted(modules) if re.match(rf"(.*\.)?({pattern})$", m)), None)
+        except re.error as exc:
+            raise LoraLoadError(f"LoRA adapter {name!r}: rank_pattern/alpha_pattern {pattern!r} is not a "
+                                f"regular expression ({exc})") from None
+        if hit is not None:
+            raise LoraLoadError(f"LoRA adapter {name!r}: rank_pattern/alpha_pattern {pattern!r} sets another "
+                                f"rank or alpha for {hit}; per-module ranks and alphas are not supported")
 
 
 def _read_weights(name: str, file: Path, config: ModelConfig,
@@ -144,6 +184,10 @@ def _read_weights(name: str, file: Path, config: ModelConfig,
     dense_mlp = dense_mlp_layers(config)
     with safe_open(str(file), framework="pt") as tensors:
         for key in tensors.keys():
+            expert = _EXPERT_KEY.match(key)
+            if expert is not None:
+                raise LoraLoadError(f"LoRA adapter {name!r} targets mlp.{expert[2]} of layer {expert[1]} "
+                                    f"(weight {key}): LoRA on MoE experts is not supported")
             match = _KEY.match(key)
             if match is None:
                 raise LoraLoadError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A/B matrix of a "

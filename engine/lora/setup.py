@@ -10,6 +10,7 @@ from engine.lora.linear import wrap_model
 from engine.lora.slots import LoraSlots
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderModel
+from engine.tp.shard import TPShard
 
 
 def target_modules(config: EngineConfig) -> frozenset[str]:
@@ -29,8 +30,9 @@ def check_lora_flags(config: EngineConfig) -> None:
         if config.lora_paths:
             raise ValueError("--lora-paths needs --enable-lora")
         return
-    if config.world_size > 1 or config.enable_dp_attention:
-        raise ValueError("--enable-lora runs on one rank for now (--tp-size 1, --pp-size 1, no DP attention)")
+    if config.pp_size > 1 or config.enable_dp_attention:
+        raise ValueError("--enable-lora runs on one pipeline stage without DP attention for now "
+                         "(--pp-size 1; --tp-size N shards the adapters like their base layers)")
     if config.max_loras_per_batch < 1 or config.max_lora_rank < 1:
         raise ValueError("--max-loras-per-batch and --max-lora-rank must be positive")
     target_modules(config)
@@ -38,12 +40,13 @@ def check_lora_flags(config: EngineConfig) -> None:
 
 
 def attach_lora(config: EngineConfig, model_config: ModelConfig, model: DecoderModel,
-                dtype: torch.dtype, device: torch.device) -> LoraSlots:
-    """The slot pool for `model` (wrapped in place) with the --lora-paths adapters registered."""
+                dtype: torch.dtype, device: torch.device, shard: TPShard | None = None) -> LoraSlots:
+    """The slot pool for `model` (wrapped in place; this rank's `shard` of it under tensor
+    parallelism) with the --lora-paths adapters registered."""
     check_lora_flags(config)
     check_servable(model_config)
     slots = LoraSlots(model_config, config.max_loras_per_batch, config.max_lora_rank, target_modules(config),
-                      dtype, device, cpu_kernel=config.cpu_kernels != "off")
+                      dtype, device, cpu_kernel=config.cpu_kernels != "off", shard=shard)
     for name, path in parse_lora_paths(config.lora_paths).items():
         slots.register(load_adapter(name, path, model_config, config.max_lora_rank, slots.target_modules))
     wrap_model(model, slots)

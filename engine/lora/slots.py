@@ -8,6 +8,12 @@ than num_slots adapters, and the device keeps only num_slots adapters' weights w
 
 Threads: the engine thread acquires and releases slots between forward passes; register and
 unregister come from the serving threads. One lock covers the bookkeeping.
+
+Tensor parallelism: every rank holds its shard of each slot (engine.lora.adapter's
+COLUMN_PARALLEL_MODULES split B's rows, the others A's columns). Rank 0 alone schedules, so only its
+pool decides which adapter a slot holds: each copy into a slot is recorded as a `SlotLoad`, which the
+scheduler puts in the step's plan, and the follower ranks (which run rank 0's plan) copy the same
+adapter, read from the same folder, into the same slot before the step runs.
 """
 
 from __future__ import annotations
@@ -18,14 +24,32 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.adapter import LoraAdapter, LoraLoadError, dense_mlp_layers, module_shape
+from engine.lora.adapter import (
+    COLUMN_PARALLEL_MODULES,
+    LoraAdapter,
+    LoraLoadError,
+    dense_mlp_layers,
+    load_adapter,
+    module_shape,
+)
 from engine.lora.ops import lora_delta, slot_mask
 from engine.models.config import ModelConfig
-from kernels import cpu_kernels
+from engine.tp.shard import TPShard
+from kernels import cpu_kernels, ops
 
 # Each of the decoder's projections and the PEFT modules fused in it, in the order of its rows.
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class SlotLoad:
+    """Rank 0 copied adapter `name` (its files at `path`, of digest `digest`) into `slot`."""
+
+    slot: int
+    name: str
+    path: str
+    digest: str
 
 
 @dataclass
@@ -34,15 +58,17 @@ class ProjectionLora:
 
     modules: tuple[str, ...]
     a: torch.Tensor  # [num_slots * width, in]
-    b: torch.Tensor  # [out, num_slots * width]
-    row_offsets: tuple[int, ...]  # each module's first row of the fused output
+    bt: torch.Tensor  # [num_slots * width, out]: B transposed
+    bounds: tuple[int, ...]  # each module's first column of the fused output, then its width
     width: int  # len(modules) * max_rank
 
-    def fill(self, slot: int, adapter: LoraAdapter | None, layer: int, max_rank: int) -> None:
-        """Copy `adapter`'s matrices of this projection into `slot` (zeros where it has none)."""
-        columns = slice(slot * self.width, (slot + 1) * self.width)
-        self.a[columns].zero_()
-        self.b[:, columns].zero_()
+    def fill(self, slot: int, adapter: LoraAdapter | None, layer: int, max_rank: int,
+             shard: TPShard | None = None) -> None:
+        """Copy `adapter`'s matrices of this projection (this rank's `shard` of them) into `slot`
+        (zeros where it has none)."""
+        rows = slice(slot * self.width, (slot + 1) * self.width)
+        self.a[rows].zero_()
+        self.bt[rows].zero_()
         if adapter is None:
             return
         for index, module in enumerate(self.modules):
@@ -50,23 +76,28 @@ class ProjectionLora:
             if pair is None:
                 continue
             a, b = pair
+            if shard is not None:
+                a, b = (a, shard.rows(b)) if module in COLUMN_PARALLEL_MODULES else (shard.columns(a), b)
             first = slot * self.width + index * max_rank
             self.a[first:first + a.shape[0]] = a.to(self.a.dtype)
-            row = self.row_offsets[index]
-            self.b[row:row + b.shape[0], first:first + b.shape[1]] = b.to(self.b.dtype)
+            column = self.bounds[index]
+            self.bt[first:first + b.shape[1], column:column + b.shape[0]] = b.t().to(self.bt.dtype)
 
 
 class LoraSlots:
     """Registered adapters, the slot pool, and the current step's rows (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, target_modules: frozenset[str],
-                 dtype: torch.dtype, device: torch.device, cpu_kernel: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, cpu_kernel: bool = False,
+                 shard: TPShard | None = None) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be positive")
         self.config = config
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.target_modules = target_modules
+        self.shard = shard  # this rank's slice under tensor parallelism
+        self.follower = shard is not None and shard.rank > 0  # takes rank 0's SlotLoads
         self.dtype = dtype
         self.device = device
         # kernels/csrc/lora.cpp where asked for and built (CPU, fp32 or bf16), else ops.lora_delta
@@ -78,7 +109,9 @@ class LoraSlots:
         self._last_used = [0] * num_slots
         self._clock = 0
         self.live: Counter[str] = Counter()  # requests in the scheduler per adapter
+        self._loads: list[SlotLoad] = []  # rank 0's copies since the last step's plan
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.ranks = torch.zeros(num_slots, dtype=torch.long, device=device)  # 0: an empty slot
         self.projections: dict[tuple[int, str], ProjectionLora] = self._allocate()
         self.row_slots: torch.Tensor | None = None  # this step's, None when no row has an adapter
         self._masks: dict[int, torch.Tensor] = {}
@@ -87,20 +120,21 @@ class LoraSlots:
     def _allocate(self) -> dict[tuple[int, str], ProjectionLora]:
         pools = {}
         dense_mlp = dense_mlp_layers(self.config)
+        tp_size = self.shard.size if self.shard is not None else 1
         for layer in range(self.config.num_layers):
             for name, modules in PROJECTIONS.items():
                 if not self.target_modules.intersection(modules):
                     continue
                 if modules[0] in ("gate_proj", "down_proj") and layer not in dense_mlp:
                     continue
-                shapes = [module_shape(self.config, m) for m in modules]
-                offsets = tuple(sum(s[0] for s in shapes[:i]) for i in range(len(shapes)))
+                shapes = [module_shape(self.config, m, tp_size) for m in modules]
+                bounds = tuple(sum(s[0] for s in shapes[:i]) for i in range(len(shapes) + 1))
                 width = len(modules) * self.max_rank
-                out_features, in_features = sum(s[0] for s in shapes), shapes[0][1]
-                columns = self.num_slots * width
+                out_features, in_features = bounds[-1], shapes[0][1]
+                rows = self.num_slots * width
                 pools[(layer, name)] = ProjectionLora(
-                    modules, torch.zeros(columns, in_features, dtype=self.dtype, device=self.device),
-                    torch.zeros(out_features, columns, dtype=self.dtype, device=self.device), offsets, width)
+                    modules, torch.zeros(rows, in_features, dtype=self.dtype, device=self.device),
+                    torch.zeros(rows, out_features, dtype=self.dtype, device=self.device), bounds, width)
         return pools
 
     # ---- registry (serving threads) -------------------------------------------------------------
@@ -171,9 +205,35 @@ class LoraSlots:
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         for (layer, _), projection in self.projections.items():
-            projection.fill(slot, adapter, layer, self.max_rank)
+            projection.fill(slot, adapter, layer, self.max_rank, self.shard)
         self.scales[slot] = adapter.scaling
+        self.ranks[slot] = adapter.rank
         self.slot_names[slot] = adapter.name
+        self._loads.append(SlotLoad(slot, adapter.name, adapter.path, adapter.digest))
+
+    # ---- tensor parallelism ---------------------------------------------------------------------
+    def take_loads(self) -> list[SlotLoad]:
+        """Rank 0: the slot copies made since the last call (the scheduler puts them in the step's plan)."""
+        with self.lock:
+            loads, self._loads = self._loads, []
+            return loads
+
+    def apply_loads(self, loads: list[SlotLoad]) -> None:
+        """A follower rank: make each slot hold what rank 0's does, in rank 0's order, before the step
+        runs (rank 0's own copies are already made: nothing to do there)."""
+        if not self.follower:
+            return
+        for load in loads:
+            adapter = self.adapters.get(load.name)
+            if adapter is None or adapter.digest != load.digest:
+                # loaded at run time on rank 0 (or reloaded under the name): read it from its folder
+                adapter = load_adapter(load.name, load.path, self.config, self.max_rank, self.target_modules)
+                if adapter.digest != load.digest:
+                    raise LoraLoadError(f"LoRA adapter {load.name!r}: {load.path} changed after rank 0 "
+                                        "read it")
+                self.adapters[load.name] = adapter
+            self._load(load.slot, adapter)
+        self._loads.clear()  # a follower's copies are rank 0's, sent nowhere
 
     # ---- one step -------------------------------------------------------------------------------
     def set_rows(self, row_slots: list[int]) -> None:
@@ -190,10 +250,13 @@ class LoraSlots:
         if self.row_slots is None:
             return out
         if self.cpu_kernel:
-            return cpu_kernels.lora_delta_add(out, x.contiguous(), projection.a, projection.b, self.row_slots,
-                                              self.scales)
+            return cpu_kernels.lora_delta_add(out, x.contiguous(), projection.a, projection.bt,
+                                              self.row_slots, self.scales, self.ranks, projection.bounds)
+        if self.device.type == "cuda":
+            return ops.lora_delta_add_triton(out, x.contiguous(), projection.a, projection.bt, self.row_slots,
+                                             self.scales, projection.bounds)
         mask = self._masks.get(projection.width)
         if mask is None:
             mask = self._masks[projection.width] = slot_mask(self.row_slots, self.scales, projection.width,
                                                              x.dtype)
-        return out.add_(lora_delta(x, projection.a, projection.b, mask))
+        return out.add_(lora_delta(x, projection.a, projection.bt, mask))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import EngineConfig
+from engine.lora.setup import attach_lora
+from engine.lora.slots import LoraSlots
 from engine.memory import kv_pages
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, resolve_dtype
@@ -32,6 +34,7 @@ class RankParts:
     model: DecoderModel
     pool: KVPool
     runner: ModelRunner
+    lora: LoraSlots | None = None  # --enable-lora: this rank's shard of the adapters' slots
 
 
 def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
@@ -91,4 +94,6 @@ def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,
     stage = None
     if topology.pp_size > 1:
         stage = PipelineStage(group, model_config.hidden_size, model_config.vocab_size, dtype, device)
-    return RankParts(model, pool, ModelRunner(model, pool, stage))
+    lora = (attach_lora(config, model_config, model, dtype, device, TPShard(group.tp_rank, group.tp_size))
+            if config.enable_lora else None)
+    return RankParts(model, pool, ModelRunner(model, pool, stage, lora=lora), lora)

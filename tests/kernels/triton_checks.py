@@ -150,6 +150,36 @@ def gather_scatter_pages_round_trip():
     assert torch.equal(target[dst], c.buffer[ids])
 
 
+def _check_lora(dtype, tol):
+    from engine.lora.ops import lora_delta_reference
+    from tests.kernels.lora_case import random_pool
+
+    # q/k/v-like sub-modules of unequal widths (none a multiple of a block), slot ranks under the pool's
+    bounds, rank = (0, 40, 58, 76), 8
+    a, bt = random_pool(4, rank, bounds, 70, [8, 3, 0, 5], seed=4, dtype=dtype)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 70, generator=generator).to(dtype)
+    base = torch.randn(9, 76, generator=generator).to(dtype)
+    row_slots = torch.tensor([3, -1, 0, 0, 1, -1, 2, 3, 3])
+    scales = torch.tensor([0.5, 2.0, 1.5, 0.25])
+    got = ops.lora_delta_add_triton(base.clone(), x, a, bt, row_slots, scales, bounds)
+    want = base.float() + lora_delta_reference(x, a, bt, row_slots, scales).float()
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert torch.equal(got[1], base[1]) and torch.equal(got[5], base[5])  # base rows untouched
+    alone = ops.lora_delta_add_triton(base[7:8].clone(), x[7:8], a, bt, row_slots[7:8], scales, bounds)
+    assert torch.equal(alone[0], got[7])  # a row's result does not depend on its batch
+
+
+@case
+def lora_delta_fp32():
+    _check_lora(torch.float32, 1e-4)
+
+
+@case
+def lora_delta_bf16():
+    _check_lora(torch.bfloat16, 3e-2)
+
+
 def main(names: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1: these checks run the kernels on CPU tensors", file=sys.stderr)
