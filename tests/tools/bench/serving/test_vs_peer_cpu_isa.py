@@ -4,6 +4,9 @@ option reaches every process the bench starts (pdserve's servers, its engine-ste
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -22,8 +25,20 @@ def test_avx2_caps_pdserve_kernels_and_both_peers_libraries():
     pdserve, peer = vs_peer.pdserve_env(args.cpu_isa), vs_peer.peer_env(args.cpu_isa)
     assert pdserve == {"PDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                        "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-    assert peer == AVX2_ONLY  # vLLM is capped alike, and gets no pdserve variable
+    assert {k: peer[k] for k in AVX2_ONLY} == AVX2_ONLY  # vLLM is capped alike, and gets no pdserve variable
     assert "PDSERVE_CPU_ISA" not in peer
+    # vLLM picks its kernels from torch's CPU probes: its processes start with them answering "no AVX-512".
+    assert peer["PYTHONPATH"].split(os.pathsep)[0] == str(vs_peer.PEER_WITHOUT_AVX512)
+
+
+def test_the_peer_sees_a_cpu_without_avx512_or_amx(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    env = {**os.environ, **vs_peer.peer_env("avx2")}
+    probes = subprocess.run([sys.executable, "-c", "import torch; print(torch.cpu._is_avx512_supported(), "
+                             "torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported())"],
+                            env=env, capture_output=True, text=True, check=True)
+    assert probes.stdout.split() == ["False", "False", "False"]
+    assert env["PYTHONPATH"].endswith(os.pathsep + "elsewhere")  # the caller's path is kept
 
 
 def test_without_the_option_nothing_is_capped():
