@@ -59,7 +59,7 @@ test-all: setup lint typecheck check-protos
 # The e2e tests of exactness again with n-gram speculative decoding on every worker they start:
 # greedy output must not change. Tests that forge control-plane calls by hand are left out (a forged
 # call carries no draft config, so the handshake refuses it first, rightly, for another reason).
-SPEC_E2E := test_pd_services test_migration test_prefix_cache_pd test_tp test_pp test_dp_attention \
+SPEC_E2E := test_pd_services test_migration test_prefix_cache_pd test_tp test_pp \
 	test_moe_mla_pd test_expert_parallel_pd test_vl_pd test_multi_node test_kv_checksum test_saved_checkpoints
 test-spec: setup
 	$(PY) -m pytest -q -ra -m e2e -k "not forged" --worker-flags="--speculative-algorithm NGRAM" \

@@ -15,8 +15,8 @@ from tools.models.tiny_model import write_tiny_model
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_flags(request) -> Iterator[tuple[str, ...]]:
-    """`--worker-flags`: added to every worker (not an encoder) the tests start through the launcher,
-    unless the test set that flag itself. Every module starts its processes through
+    """`--worker-flags`: added to every worker (not an encoder, not DP attention) the tests start
+    through the launcher, unless the test set that flag itself. Every module starts its processes through
     tools.launch.spawn, so one wrapper reaches them all (`pdserve up`'s children are its own)."""
     flags = tuple(shlex.split(request.config.getoption("--worker-flags")))
     if not flags:
@@ -27,7 +27,9 @@ def worker_flags(request) -> Iterator[tuple[str, ...]]:
 
     def spawn_with_flags(name, args, log_path, **kwargs):
         args = list(args)
-        if args[:1] == ["launch-server"] and "--encoder-only" not in args and not names & set(args):
+        # DP attention refuses speculative decoding at start (engine.config), so its workers run as given
+        untouched = {"--encoder-only", "--enable-dp-attention", *names}
+        if args[:1] == ["launch-server"] and not untouched & set(args):
             args += flags
         return plain_spawn(name, args, log_path, **kwargs)
 
