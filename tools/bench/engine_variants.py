@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from tools.bench.engine import PdserveSystem
+from tools.bench.engine_systems import PdserveSystem
 
 
 class OneDnnLinearsSystem(PdserveSystem):
