@@ -11,8 +11,8 @@ Protocol (parent -> child, one JSON object per line):
   {"stop": true}                                          -> {"stopped": true}, then exit
 Errors come back as {"error": "..."}.
 
-A round measures decode the way pdserve's rounds do (tools.bench.engine_systems.PdserveSystem): all prompts are
-added to vLLM's LLMEngine at once and its step() loop is driven here, stamping every token as it
+A round measures decode the way pdserve's rounds do (tools.bench.engine_systems.PdserveSystem): all
+prompts are added to vLLM's LLMEngine at once and its step() loop is driven here, stamping every token as it
 comes out; decode time runs from the moment every request has its first token to the last token,
 and counts the tokens emitted after that moment (all of them from pure decode steps). Prefix
 caching is off, so every round prefills again.
