@@ -152,7 +152,8 @@ def _check_peft_options(name: str, peft: dict) -> None:
     if peft.get("target_parameters"):
         # PEFT's way to adapt weights that are parameters, not Linear modules: a MoE model's fused
         # expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
-        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {peft['target_parameters']} (LoRA on "
+        targets = sorted(peft["target_parameters"])  # PEFT saves them in no fixed order
+        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {targets} (LoRA on "
                             "fused parameters such as routed experts' weights) is not supported; adapters "
                             "may target the attention projections and dense MLPs")
 
