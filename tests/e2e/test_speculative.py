@@ -1,7 +1,8 @@
 """Speculative decoding (NGRAM; NEXTN on a DeepSeek checkpoint) on real workers: greedy output
 identical to HF transformers (and so to speculation off) colocated and through PD, where decode drafts
-and verifies; the decode log line carries SGLang's `accept len`; every KV page is back after the
-requests.
+and verifies, and the drafted and accepted counters move; every KV page is back after the requests.
+(The "Decode batch" line's `accept len` is checked in tests/services/decode/test_log_line.py: a line
+is written every --decode-log-interval while busy, so whether a short run writes one depends on time.)
 
 Prompts: mixed lengths of random tokens (drafts mostly rejected), and prompts that repeat a short
 run (the tiny model's answers to those repeat too, so drafts are accepted), decoded in one batch.
@@ -56,8 +57,6 @@ def test_ngram_greedy_output_matches_hf(layout, cluster: Cluster, tiny_model):
     _check(got, prompts, tiny_model)
     accepted = decode.metric("pdserve:spec_accepted_tokens_total")
     assert 0 < accepted < decode.metric("pdserve:spec_drafted_tokens_total")
-    if layout != "colocated":
-        assert "accept len: " in decode.log()
     assert_pages_idle(*workers)
 
 
@@ -108,5 +107,4 @@ def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mt
         assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: NEXTN output differs from HF"
     # decode skips drafting on a request's first step (the prompt's last hidden state stays on prefill)
     assert _accept_rate(decode) > 0.5, _accept_rate(decode)
-    assert "accept len: " in decode.log()
     assert_pages_idle(prefill, decode)
