@@ -10,6 +10,7 @@ today's clear error event.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import httpx
 import openai
@@ -38,6 +39,12 @@ def stream(gateway: Proc, decodes: list[Proc] | None = None) -> tuple[str, str |
     chunks = client(gateway).chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    return read_stream(chunks, decodes)
+
+
+def read_stream(chunks, decodes: list[Proc] | None = None) -> tuple[str, str | None, Any]:
+    """(text, finish reason, usage) of a chat stream's chunks; with `decodes`, the one serving it is
+    killed after KILL_AFTER content chunks (it is removed from the list)."""
     text, finish, usage, received = "", None, None, 0
     for chunk in chunks:
         usage = chunk.usage or usage

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
-from tests.e2e.test_migration import KILL_AFTER, kill_serving
+from tests.e2e.test_migration import KILL_AFTER, read_stream
 from tests.e2e.test_pd_services import assert_pages_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -56,18 +56,8 @@ def stream(gateway: Proc, decodes: list[Proc] | None = None, **request) -> tuple
                            timeout=BOUND_S).chat.completions.create(
         model="tiny", messages=MESSAGES, temperature=0, stream=True, stream_options={"include_usage": True},
         **request)
-    text, finish, completion_tokens, received = "", None, 0, 0
-    for chunk in chunks:
-        if chunk.usage is not None:
-            completion_tokens = chunk.usage.completion_tokens
-        if not chunk.choices:
-            continue
-        text += chunk.choices[0].delta.content or ""
-        finish = chunk.choices[0].finish_reason or finish
-        received += 1
-        if decodes is not None and received == KILL_AFTER:
-            kill_serving(decodes)
-    return text, finish, completion_tokens
+    text, finish, usage = read_stream(chunks, decodes)
+    return text, finish, usage.completion_tokens if usage is not None else 0
 
 
 def test_a_migrated_answer_keeps_its_grammar_and_penalties(cluster: Cluster, tiny_model) -> None:
