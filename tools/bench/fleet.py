@@ -17,8 +17,10 @@ It prints, for the load window:
 - KV-event lag p50 / p99, from the gateways' `gateway_kv_event_lag_seconds` histograms (the
   workers' stamp of each batch's oldest event to the gateway applying it).
 
-- the workers' memory: private (USS) per worker, mean and max, and the PSS of all of them (shared
-  pages split among their sharers), so the machine's memory cost of the fleet reads off directly.
+- the workers' costs: private memory (USS) per worker, mean and max, and the PSS of all of them
+  (shared pages split among their sharers), so the fleet's memory reads off directly; and the cores
+  all workers used idle (5 s after the warm-up, before the load) and under the load, and their CPU
+  per output token.
 
 Workers are forked from one fork server that imported them (tools/worker_forks.py), so they share
 one import of torch and the rest: about 30 MB private each instead of about 290 MB started alone
@@ -48,6 +50,7 @@ from tools.metrics import scrape
 from tools.up import DEFAULT_MODEL, ensure_model
 from tools.worker_forks import ForkServer
 
+IDLE_WINDOW_S = 5.0  # how long the workers' idle CPU is measured, after the warm-up
 PROMPT = "Summarise the history of the printing press in a few paragraphs for a curious student."
 
 
@@ -181,10 +184,15 @@ def run(args: argparse.Namespace) -> dict:
 
         gateway_procs = [psutil.Process(g.pid) for g in gateways]
         registry_proc = psutil.Process(bootstrap.pid)
+        worker_procs = [psutil.Process(w.pid) for w in workers]
+        idle_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
+        time.sleep(IDLE_WINDOW_S)  # what the workers cost doing nothing: heartbeats, idle loops
+        idle_cores = (sum(_cpu_seconds(p) for p in worker_procs) - idle_cpu0) / IDLE_WINDOW_S
         before_routing = _merged(gateways)
         rows0, steps0 = _decode_rows(decodes)
         gateway_cpu0 = sum(_cpu_seconds(p) for p in gateway_procs)
         registry_cpu0 = _cpu_seconds(registry_proc)
+        worker_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
         psutil.cpu_percent()
         began = time.perf_counter()
         timings = asyncio.run(run_load(urls, body, args.requests, concurrency=args.requests, rate=args.rate))
@@ -192,12 +200,14 @@ def run(args: argparse.Namespace) -> dict:
         machine_busy = psutil.cpu_percent()
         gateway_cpu = sum(_cpu_seconds(p) for p in gateway_procs) - gateway_cpu0
         registry_cpu = _cpu_seconds(registry_proc) - registry_cpu0
+        worker_cpu = sum(_cpu_seconds(p) for p in worker_procs) - worker_cpu0
         rows1, steps1 = _decode_rows(decodes)
         after_routing = _merged(gateways)
-        memory = _worker_memory(workers)
+        costs = {**_worker_memory(workers), "idle_cores": round(idle_cores, 3),
+                 "load_cores": round(worker_cpu / wall, 3)}
     routing = {k: after_routing[k] - before_routing.get(k, 0.0) for k in after_routing}
     return _figures(args, timings, wall, gateway_cpu, registry_cpu, routing, rows1 - rows0,
-                    steps1 - steps0, machine_busy, memory)
+                    steps1 - steps0, machine_busy, costs)
 
 
 def _worker_memory(workers: list[Service]) -> dict:
@@ -218,7 +228,7 @@ def _worker_memory(workers: list[Service]) -> dict:
 
 def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float, gateway_cpu: float,
              registry_cpu: float, routing: dict[str, float], rows: float, steps: float,
-             machine_busy: float, memory: dict) -> dict:
+             machine_busy: float, worker_costs: dict) -> dict:
     ok = [t for t in timings if t.error is None]
     tokens = sum(t.tokens for t in ok)
     ttfts = [t.ttft for t in ok if t.ttft is not None]
@@ -243,7 +253,9 @@ def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float,
             "p50": _scaled(_histogram_quantile(routing, decision, 0.5), ms),
             "p99": _scaled(_histogram_quantile(routing, decision, 0.99), ms),
             "count": routing.get(decision + "_count", 0.0)},
-        "worker_memory": {**memory, "forked": args.fork_workers},
+        "worker_costs": {**worker_costs, "forked": args.fork_workers,
+                         "cpu_ms_per_token": round(ms * worker_costs["load_cores"] * wall / tokens, 4)
+                         if tokens else None},
         "registry": {"cpu_percent": round(100 * registry_cpu / wall, 2)},
         "kv_event_lag_ms": {"p50": _scaled(_histogram_quantile(routing, lag, 0.5), ms),
                             "p99": _scaled(_histogram_quantile(routing, lag, 0.99), ms),
