@@ -81,7 +81,7 @@ def _run_child(request: dict) -> None:
         from pdserve.cli import main
         code = main(list(request["args"])) or 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child must end here whatever happened
         import traceback
         traceback.print_exc()
@@ -99,8 +99,7 @@ def serve(model_path: str | None) -> int:
         return 1
     gc.collect()
     gc.freeze()
-    children: dict[int, str] = {}
-
+    children: dict[int, str] = {}  # pid -> log path
     early: dict[int, int] = {}  # reaped before the loop below recorded them (a child that died at once)
 
     def record(pid: int, code: int) -> None:

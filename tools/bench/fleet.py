@@ -19,8 +19,8 @@ It prints, for the load window:
 
 - the workers' costs: private memory (USS) per worker, mean and max, and the PSS of all of them
   (shared pages split among their sharers), so the fleet's memory reads off directly; and the cores
-  all workers used idle (5 s after the warm-up, before the load) and under the load, and their CPU
-  per output token.
+  all workers used idle (5 s after the warm-up, before the load) and under the load, the decode
+  workers' share of the latter, and their CPU per output token.
 
 Workers are forked from one fork server that imported them (tools/worker_forks.py), so they share
 one import of torch and the rest: about 30 MB private each instead of about 290 MB started alone
@@ -192,7 +192,9 @@ def run(args: argparse.Namespace) -> dict:
         rows0, steps0 = _decode_rows(decodes)
         gateway_cpu0 = sum(_cpu_seconds(p) for p in gateway_procs)
         registry_cpu0 = _cpu_seconds(registry_proc)
+        decode_procs = [psutil.Process(w.pid) for w in decodes]
         worker_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
+        decode_cpu0 = sum(_cpu_seconds(p) for p in decode_procs)
         psutil.cpu_percent()
         began = time.perf_counter()
         timings = asyncio.run(run_load(urls, body, args.requests, concurrency=args.requests, rate=args.rate))
@@ -201,10 +203,12 @@ def run(args: argparse.Namespace) -> dict:
         gateway_cpu = sum(_cpu_seconds(p) for p in gateway_procs) - gateway_cpu0
         registry_cpu = _cpu_seconds(registry_proc) - registry_cpu0
         worker_cpu = sum(_cpu_seconds(p) for p in worker_procs) - worker_cpu0
+        decode_cpu = sum(_cpu_seconds(p) for p in decode_procs) - decode_cpu0
         rows1, steps1 = _decode_rows(decodes)
         after_routing = _merged(gateways)
         costs = {**_worker_memory(workers), "idle_cores": round(idle_cores, 3),
-                 "load_cores": round(worker_cpu / wall, 3)}
+                 "load_cores": round(worker_cpu / wall, 3), "decode_share": round(decode_cpu / worker_cpu, 3)
+                 if worker_cpu else None}
     routing = {k: after_routing[k] - before_routing.get(k, 0.0) for k in after_routing}
     return _figures(args, timings, wall, gateway_cpu, registry_cpu, routing, rows1 - rows0,
                     steps1 - steps0, machine_busy, costs)
