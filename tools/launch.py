@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from pdserve import envs
 from tools.metrics import scrape, sum_samples
@@ -55,6 +56,22 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class ChildProcess(Protocol):
+    """What a Service needs of its process: subprocess.Popen, or a worker forked by another process
+    (tools.worker_forks.ForkedChild)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class NotReady(RuntimeError):
     """A service exited or did not log its ready line in time; the message carries its log tail."""
 
@@ -68,7 +85,7 @@ class Service:
 
     name: str
     args: list[str]
-    popen: subprocess.Popen
+    popen: ChildProcess
     log_path: Path
     wrapper: tuple[str, ...] = ()
     module: str = "pdserve"

@@ -17,10 +17,17 @@ It prints, for the load window:
 - KV-event lag p50 / p99, from the gateways' `gateway_kv_event_lag_seconds` histograms (the
   workers' stamp of each batch's oldest event to the gateway applying it).
 
-What this machine can run bounds the
-scale: each simulated worker is about 230 MB and its engine thread, gRPC and transfer cost CPU, so
-on a 2-core machine the workers' own CPU, not the modeled GPU time, caps the rate long before 32
-pairs at 4,500 tok/s each; the output says how busy the machine was.
+- the workers' costs: private memory (USS) per worker, mean and max, and the PSS of all of them
+  (shared pages split among their sharers), so the fleet's memory reads off directly; and the cores
+  all workers used idle (5 s after the warm-up, before the load) and under the load, the decode
+  workers' share of the latter, and their CPU per output token.
+
+Workers are forked from one fork server that imported them (tools/worker_forks.py), so they share
+one import of torch and the rest: about 30 MB private each instead of about 290 MB started alone
+(`--no-fork-workers` starts each as its own `pdserve launch-server` process). What this machine can
+run bounds the scale: the workers' engine threads, gRPC and transfers cost CPU, so on a 2-core
+machine the workers' own CPU, not the modeled GPU time, caps the rate long before 32 pairs at 4,500
+tok/s each; the output says how busy the machine was.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import asyncio
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -40,7 +48,9 @@ from tools.bench.sse_load import StreamTiming, chat_body, run_load
 from tools.launch import ProcessGroup, Service
 from tools.metrics import scrape
 from tools.up import DEFAULT_MODEL, ensure_model
+from tools.worker_forks import ForkServer
 
+IDLE_WINDOW_S = 5.0  # how long the workers' idle CPU is measured, after the warm-up
 PROMPT = "Summarise the history of the printing press in a few paragraphs for a curious student."
 
 
@@ -59,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "baseline, then with --stream-interval, and print both and their ratio")
     parser.add_argument("--transfer-backend", default="mooncake", help="KV transfer backend of the workers")
     parser.add_argument("--sim-profile", default=None, help="the workers' --sim-profile (default: built-in)")
+    parser.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=True,
+                        help="fork the workers from one process that imported them, sharing its pages "
+                             "(default); --no-fork-workers starts each as its own process")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-bench-fleet"), help="logs")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
@@ -145,14 +158,21 @@ def run(args: argparse.Namespace) -> dict:
                     "--decode-log-interval", "0"]
     if args.sim_profile:
         worker_extra += ["--sim-profile", args.sim_profile]
-    with ProcessGroup(args.workdir) as group:
+    forks = ForkServer(args.workdir, model) if args.fork_workers else nullcontext()
+    # The group is left first: its workers stop gracefully before the fork server goes.
+    with forks, ProcessGroup(args.workdir) as group:
         bootstrap = group.start("bootstrap", ["bootstrap", "--port", "0", "--metrics-port", "0"])
         specs = [(f"{role}{i}", ["launch-server", "--model-path", model, "--disaggregation-mode", role,
                                   "--port", "0", "--metrics-port", "0", "--bootstrap", bootstrap.address,
                                   *worker_extra])
                  for role, count in (("prefill", args.prefill), ("decode", args.decode))
                  for i in range(count)]
-        workers = group.start_many(specs, 600)
+        if isinstance(forks, ForkServer):
+            spawned = [forks.spawn(name, spec, args.workdir / f"{name}.log") for name, spec in specs]
+            group.procs += spawned
+            workers = [worker.wait_ready(600) for worker in spawned]
+        else:
+            workers = group.start_many(specs, 600)
         decodes = [w for w in workers if w.name.startswith("decode")]
         gateways = group.start_many([(f"gateway{i}", ["launch-router", "--model-path", model, "--port", "0",
                                                       "--bootstrap", bootstrap.address])
@@ -164,10 +184,17 @@ def run(args: argparse.Namespace) -> dict:
 
         gateway_procs = [psutil.Process(g.pid) for g in gateways]
         registry_proc = psutil.Process(bootstrap.pid)
+        worker_procs = [psutil.Process(w.pid) for w in workers]
+        idle_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
+        time.sleep(IDLE_WINDOW_S)  # what the workers cost doing nothing: heartbeats, idle loops
+        idle_cores = (sum(_cpu_seconds(p) for p in worker_procs) - idle_cpu0) / IDLE_WINDOW_S
         before_routing = _merged(gateways)
         rows0, steps0 = _decode_rows(decodes)
         gateway_cpu0 = sum(_cpu_seconds(p) for p in gateway_procs)
         registry_cpu0 = _cpu_seconds(registry_proc)
+        decode_procs = [psutil.Process(w.pid) for w in decodes]
+        worker_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
+        decode_cpu0 = sum(_cpu_seconds(p) for p in decode_procs)
         psutil.cpu_percent()
         began = time.perf_counter()
         timings = asyncio.run(run_load(urls, body, args.requests, concurrency=args.requests, rate=args.rate))
@@ -175,16 +202,37 @@ def run(args: argparse.Namespace) -> dict:
         machine_busy = psutil.cpu_percent()
         gateway_cpu = sum(_cpu_seconds(p) for p in gateway_procs) - gateway_cpu0
         registry_cpu = _cpu_seconds(registry_proc) - registry_cpu0
+        worker_cpu = sum(_cpu_seconds(p) for p in worker_procs) - worker_cpu0
+        decode_cpu = sum(_cpu_seconds(p) for p in decode_procs) - decode_cpu0
         rows1, steps1 = _decode_rows(decodes)
         after_routing = _merged(gateways)
+        costs = {**_worker_memory(workers), "idle_cores": round(idle_cores, 3),
+                 "load_cores": round(worker_cpu / wall, 3), "decode_share": round(decode_cpu / worker_cpu, 3)
+                 if worker_cpu else None}
     routing = {k: after_routing[k] - before_routing.get(k, 0.0) for k in after_routing}
     return _figures(args, timings, wall, gateway_cpu, registry_cpu, routing, rows1 - rows0,
-                    steps1 - steps0, machine_busy)
+                    steps1 - steps0, machine_busy, costs)
+
+
+def _worker_memory(workers: list[Service]) -> dict:
+    """The workers' private memory (USS) per worker and their PSS summed, in MiB."""
+    infos = []
+    for worker in workers:
+        try:
+            infos.append(psutil.Process(worker.pid).memory_full_info())
+        except psutil.Error:
+            continue
+    if not infos:
+        return {}
+    mib = 1 << 20
+    private = [info.uss / mib for info in infos]
+    return {"uss_mean_mib": round(statistics.fmean(private), 1), "uss_max_mib": round(max(private), 1),
+            "pss_total_mib": round(sum(info.pss for info in infos) / mib)}
 
 
 def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float, gateway_cpu: float,
              registry_cpu: float, routing: dict[str, float], rows: float, steps: float,
-             machine_busy: float) -> dict:
+             machine_busy: float, worker_costs: dict) -> dict:
     ok = [t for t in timings if t.error is None]
     tokens = sum(t.tokens for t in ok)
     ttfts = [t.ttft for t in ok if t.ttft is not None]
@@ -209,6 +257,9 @@ def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float,
             "p50": _scaled(_histogram_quantile(routing, decision, 0.5), ms),
             "p99": _scaled(_histogram_quantile(routing, decision, 0.99), ms),
             "count": routing.get(decision + "_count", 0.0)},
+        "worker_costs": {**worker_costs, "forked": args.fork_workers,
+                         "cpu_ms_per_token": round(ms * worker_costs["load_cores"] * wall / tokens, 4)
+                         if tokens else None},
         "registry": {"cpu_percent": round(100 * registry_cpu / wall, 2)},
         "kv_event_lag_ms": {"p50": _scaled(_histogram_quantile(routing, lag, 0.5), ms),
                             "p99": _scaled(_histogram_quantile(routing, lag, 0.99), ms),

@@ -36,6 +36,7 @@ def test_arguments_default_to_a_small_fleet():
     args = parser.parse_args([])
     assert (args.prefill, args.decode, args.gateways, args.stream_interval) == (2, 2, 1, 1)
     assert args.baseline_stream_interval is None
+    assert args.fork_workers and not parser.parse_args(["--no-fork-workers"]).fork_workers
 
 
 @pytest.mark.long
@@ -51,3 +52,7 @@ def test_small_fleet_runs_with_no_errors(tmp_path: Path, qwen3_ckpt: Path):
     assert figures["load"]["output_tokens"] == 24 * 32
     assert figures["gateway"]["cpu_ms_per_token"] > 0
     assert figures["routing_decision_ms"]["count"] == 24
+    # forked from the fork server (tools/worker_forks.py): far below a worker started alone (200-290 MB)
+    costs = figures["worker_costs"]
+    assert costs["forked"] and 0 < costs["uss_max_mib"] < 120
+    assert costs["load_cores"] > 0 and costs["cpu_ms_per_token"] > 0
