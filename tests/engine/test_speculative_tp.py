@@ -5,10 +5,14 @@ rejected, every page back."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.sampling import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from tests.engine.conftest import random_prompts, start_engine
 from tests.engine.test_speculative import _outputs
+from tools.models.agreeing_mtp import make_mtp_agree
+from tools.models.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True)
@@ -45,3 +49,23 @@ async def test_ngram_and_standalone_keep_greedy_output_at_tp2(qwen3_ckpt) -> Non
         name = spec.speculative_algorithm
         assert [got[i] for i in greedy] == [expected[i] for i in greedy], name
         assert 0 < stats.spec_accepted_tokens <= stats.spec_drafted_tokens, name
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """tiny-deepseek with its MTP layer made to nearly agree with the target (drafts mostly accepted)."""
+    return make_mtp_agree(write_tiny_model(tmp_path_factory.mktemp("ckpt") / "deepseek-mtp",
+                                           preset="tiny-deepseek", seed=0))
+
+
+async def test_nextn_keeps_greedy_output_at_tp2(mtp_ckpt) -> None:
+    """The MTP layer sharded as a decoder layer, its K/V in each rank's extra pool layer, rank 0 deciding
+    every draft length: output identical to TP 2 without drafts, its drafts mostly accepted (the
+    checkpoint's MTP layer nearly agrees with its target) but not all."""
+    prompts = random_prompts([21, 40, 9, 33], seed=5)
+    nextn = SpeculativeConfig(speculative_algorithm="NEXTN", speculative_num_draft_tokens=4)
+    expected, _ = await _run(mtp_ckpt, prompts, None)
+    got, stats = await _run(mtp_ckpt, prompts, nextn)
+    greedy = [i for i in range(len(prompts)) if i != 1]
+    assert [got[i] for i in greedy] == [expected[i] for i in greedy]
+    assert 0.5 * stats.spec_drafted_tokens < stats.spec_accepted_tokens < stats.spec_drafted_tokens
