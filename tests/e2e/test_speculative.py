@@ -108,3 +108,31 @@ def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mt
     # decode skips drafting on a request's first step (the prompt's last hidden state stays on prefill)
     assert _accept_rate(decode) > 0.5, _accept_rate(decode)
     assert_pages_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN"])
+def test_pd_tp1_to_tp2_with_drafts_matches_hf(algorithm, backend, cluster: Cluster, tiny_model, mtp_model):
+    """Prefill at TP 1, decode at TP 2 drafting (the KV re-sharded on the way; under NEXTN the MTP layer's
+    latent K/V of the prompt travels in the pages' extra layer to both decode ranks): greedy output
+    is HF's, and so speculation off's, and drafts are accepted."""
+    model, flags = (tiny_model, SPEC) if algorithm == "NGRAM" else (mtp_model, NEXTN)
+    prompts = _prompts() if algorithm == "NGRAM" else prompts_of([3, 17, 70, 130], seed=4)
+    bootstrap = cluster.bootstrap()
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap,
+                                extra=(*flags, "--tp-size", "1"))),
+        ("decode", worker_args(model, "decode", backend=backend, bootstrap=bootstrap,
+                               extra=(*flags, "--tp-size", "2"))),
+    ])
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
+        assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: {algorithm} PD 1 -> 2 differs"
+    if algorithm == "NEXTN":
+        assert _accept_rate(decode) > 0.5, _accept_rate(decode)  # the prompt's MTP K/V arrived
+    else:
+        assert 0 < decode.metric("pdserve:spec_accepted_tokens_total") < \
+            decode.metric("pdserve:spec_drafted_tokens_total")
+    assert_pages_idle(prefill, decode)
