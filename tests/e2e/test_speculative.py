@@ -111,13 +111,17 @@ def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mt
 
 
 @pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
-@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN", pytest.param("STANDALONE", marks=pytest.mark.long)])
 def test_pd_tp1_to_tp2_with_drafts_matches_hf(algorithm, backend, cluster: Cluster, tiny_model, mtp_model):
     """Prefill at TP 1, decode at TP 2 drafting (the KV re-sharded on the way; under NEXTN the MTP layer's
-    latent K/V of the prompt travels in the pages' extra layer to both decode ranks): greedy output
-    is HF's, and so speculation off's, and drafts are accepted."""
-    model, flags = (tiny_model, SPEC) if algorithm == "NGRAM" else (mtp_model, NEXTN)
-    prompts = _prompts() if algorithm == "NGRAM" else prompts_of([3, 17, 70, 130], seed=4)
+    latent K/V of the prompt travels in the pages' extra layer to both decode ranks; STANDALONE's draft,
+    the target itself, runs whole on decode's rank 0): greedy output is HF's, and so speculation off's,
+    and drafts are accepted."""
+    model, flags = (mtp_model, NEXTN) if algorithm == "NEXTN" else (tiny_model, SPEC)
+    if algorithm == "STANDALONE":
+        flags = (*SPEC[2:], "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                 str(tiny_model))
+    prompts = prompts_of([3, 17, 70, 130], seed=4) if algorithm == "NEXTN" else _prompts()
     bootstrap = cluster.bootstrap()
     prefill, decode = cluster.start_many([
         ("prefill", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap,
@@ -130,8 +134,8 @@ def test_pd_tp1_to_tp2_with_drafts_matches_hf(algorithm, backend, cluster: Clust
     for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
         assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
         assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: {algorithm} PD 1 -> 2 differs"
-    if algorithm == "NEXTN":
-        assert _accept_rate(decode) > 0.5, _accept_rate(decode)  # the prompt's MTP K/V arrived
+    if algorithm != "NGRAM":  # NEXTN: the prompt's MTP K/V arrived; STANDALONE: the draft is the target
+        assert _accept_rate(decode) > 0.5, _accept_rate(decode)
     else:
         assert 0 < decode.metric("pdserve:spec_accepted_tokens_total") < \
             decode.metric("pdserve:spec_drafted_tokens_total")
