@@ -83,13 +83,18 @@ def mtp_ckpt(tmp_path_factory):
 
 # tests/e2e/test_speculative.py's PD TP 1 -> 2 test decodes with NEXTN at TP 2 in `make test`
 @pytest.mark.long
-async def test_nextn_keeps_greedy_output_at_tp2(mtp_ckpt) -> None:
+@pytest.mark.parametrize("layout", ["plain", "retraction"])
+async def test_nextn_keeps_greedy_output_at_tp2(mtp_ckpt, layout) -> None:
     """The MTP layer sharded as a decoder layer, its K/V in each rank's extra pool layer, rank 0 deciding
     every draft length: output identical to TP 2 without drafts, its drafts mostly accepted (the
     checkpoint's MTP layer nearly agrees with its target) but not all."""
     prompts = random_prompts([21, 40, 9, 33], seed=5)
-    expected, _ = await _run(mtp_ckpt, prompts, None)
-    got, stats = await _run(mtp_ckpt, prompts, NEXTN)
+    # retraction: 4-token pages, fewer than the four requests need at once
+    overrides = dict(page_size=4, num_pages=40) if layout == "retraction" else {}
+    expected, _ = await _run(mtp_ckpt, prompts, None, **overrides)
+    got, stats = await _run(mtp_ckpt, prompts, NEXTN, **overrides)
     greedy = [i for i in range(len(prompts)) if i != 1]
     assert [got[i] for i in greedy] == [expected[i] for i in greedy]
     assert 0.5 * stats.spec_drafted_tokens < stats.spec_accepted_tokens < stats.spec_drafted_tokens
+    if layout == "retraction":
+        assert stats.total_retractions > 0
