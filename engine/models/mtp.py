@@ -12,6 +12,11 @@ final-normed hidden state h_i and the next token t_{i+1}, and predicts t_{i+2}:
 Chained drafting feeds shared_head.norm(h') back as the next position's h (the draft's estimate of
 the target's hidden state there), as SGLang's NEXTN does.
 
+Under tensor parallelism it is sharded as the target's decoder layers are (engine.tp.shard): its
+attention heads and MLP (or experts') columns split over the ranks, their partial outputs summed by
+the target's all-reduce; enorm, hnorm, eh_proj and the shared head are replicated, like the target's
+norms, embedding and LM head; its MLA latent K/V, the same on every rank, in each rank's pool.
+
 `forward` has DecoderModel's signature, so engine.model_runner.ModelRunner runs it over the KV pool
 (metadata, slots, pages) unchanged; the hidden states it reads are set in `hidden_in` before each
 call, one row per input token in the runner's flattened order.
@@ -30,6 +35,7 @@ from engine.models.decoder import DecoderModel, LayerWeights, _load_layer
 from engine.models.linear import Linear
 from engine.models.mla import MLARope
 from engine.models.weights import CheckpointReader, ShardedReader
+from engine.tp.shard import TPShard
 
 
 class MTPLayer:
@@ -52,8 +58,10 @@ class MTPLayer:
         self.last_hidden: torch.Tensor | None = None  # [T, hidden]: shared_head.norm(h') of each row
 
     @classmethod
-    def load(cls, model_dir: str, config: ModelConfig, target: DecoderModel) -> MTPLayer:
-        """ValueError naming why when the checkpoint has no MTP layer this engine can run."""
+    def load(cls, model_dir: str, config: ModelConfig, target: DecoderModel,
+             shard: TPShard | None = None) -> MTPLayer:
+        """ValueError naming why when the checkpoint has no MTP layer this engine can run. `shard`:
+        this tensor-parallel rank's part (the target's, loaded with the same)."""
         index = config.num_layers
         prefix = f"model.layers.{index}."
         if config.num_nextn_predict_layers < 1:
@@ -63,7 +71,7 @@ class MTPLayer:
         if config.mla is None:
             raise ValueError("--speculative-algorithm NEXTN runs DeepSeek-V3's MTP layer, which has latent "
                              "attention (MLA); this checkpoint has none")
-        weights = ShardedReader(CheckpointReader(model_dir), target.device, target.dtype)
+        weights = ShardedReader(CheckpointReader(model_dir), target.device, target.dtype, shard)
         try:
             if prefix + "eh_proj.weight" not in weights:
                 raise ValueError(f"--speculative-algorithm NEXTN: config.json says num_nextn_predict_layers "
@@ -107,11 +115,19 @@ class MTPLayer:
         assert layer.mla is not None
         x = ops.rms_norm(hidden, layer.input_norm, eps)
         attn_out = layer.mla(x, positions, max_position, kv_buffer, self.kv_layer, meta, ops.mla_attention)
+        all_reduce = self.target.all_reduce  # None on one rank: nothing to sum
+        if all_reduce is not None:
+            all_reduce(attn_out)
         x = ops.add_rms_norm(hidden, attn_out, layer.post_norm, eps)
         if layer.moe is not None:
-            hidden.add_(layer.moe(x))
+            mlp = layer.moe(x)
         elif layer.gate_up is not None and layer.down is not None:
-            hidden.add_(layer.down(ops.silu_and_mul(layer.gate_up(x))))
+            mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        else:
+            raise ValueError("the MTP layer has neither routed experts nor a dense MLP")
+        if all_reduce is not None:
+            all_reduce(mlp)
+        hidden.add_(mlp)
         normed = ops.rms_norm(hidden, self.head_norm, eps)
         self.last_hidden = normed
         rows = normed if logit_rows is None else normed.index_select(0, logit_rows)

@@ -7,7 +7,10 @@ from engine.models.mtp import MTPLayer
 from engine.scheduler import Scheduler
 from engine.speculative.draft_model import DraftModel, check_vocabulary
 from engine.speculative.nextn import NextNDrafter
+from engine.speculative.nextn_ranks import check_nextn_topology
 from engine.speculative.speculator import Speculator
+from engine.tp.runner import DriverRunner
+from engine.tp.shard import TPShard
 
 
 def build_speculator(loaded: LoadedModel, scheduler: Scheduler) -> Speculator | None:
@@ -29,9 +32,10 @@ def build_speculator(loaded: LoadedModel, scheduler: Scheduler) -> Speculator | 
             draft_model.loaded.runner.close()
             raise
     elif spec.speculative_algorithm == "NEXTN":
-        if loaded.config.world_size > 1:
-            raise ValueError("--speculative-algorithm NEXTN runs with one rank for now (--tp-size 1, "
-                             "--pp-size 1)")
-        mtp = MTPLayer.load(loaded.config.model_path, loaded.model_config, loaded.model)
-        nextn = NextNDrafter(loaded.model, mtp, loaded.pool, loaded.pages)
+        check_nextn_topology(loaded.config)
+        # tensor-parallel: rank 0's shard here, each follower loads its own (engine.speculative.nextn_ranks)
+        group = loaded.runner.group if isinstance(loaded.runner, DriverRunner) else None
+        shard = TPShard(group.tp_rank, group.tp_size) if group is not None else None
+        mtp = MTPLayer.load(loaded.config.model_path, loaded.model_config, loaded.model, shard)
+        nextn = NextNDrafter(loaded.model, mtp, loaded.pool, loaded.pages, group)
     return Speculator(spec, scheduler, loaded.pages, draft_model=draft_model, nextn=nextn)

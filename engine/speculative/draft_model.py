@@ -60,12 +60,14 @@ class DraftModel:
     def load(cls, config: EngineConfig, num_pages: int) -> DraftModel:
         spec = config.speculative
         assert spec.speculative_draft_model_path is not None
-        if config.world_size > 1:
-            raise ValueError("--speculative-algorithm STANDALONE runs with one rank for now (--tp-size 1, "
-                             "--pp-size 1)")
+        # On a tensor- or pipeline-parallel target the draft model runs whole, on rank 0 only: it is
+        # small, and only rank 0 drafts (the followers run the verify chunks rank 0's plan carries).
         draft_config = replace(config, model_path=spec.speculative_draft_model_path, num_pages=num_pages,
                                max_total_tokens=None, disable_radix_cache=True,
-                               enable_hierarchical_cache=False, speculative=SpeculativeConfig())
+                               enable_hierarchical_cache=False, speculative=SpeculativeConfig(),
+                               tp_size=1, pp_size=1, dp_size=1, ep_size=1, enable_dp_attention=False,
+                               moe_a2a_backend="none", elastic_ep_backend="none", nnodes=1, node_rank=0,
+                               dist_init_addr=None)
         return cls(load(draft_config))
 
     def propose(self, request: Request, max_drafts: int, params: SamplingParams,

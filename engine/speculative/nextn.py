@@ -31,6 +31,8 @@ from engine.models.decoder import DecoderModel
 from engine.models.mtp import MTPLayer
 from engine.page_manager import PageManager
 from engine.scheduler import Request, ScheduledChunk, SchedulerOutput
+from engine.speculative.nextn_ranks import MTPDriverRunner
+from engine.tp.group import TPGroup
 from libkv.pool import KVPool
 
 
@@ -47,14 +49,18 @@ class _Sequence:
 class NextNDrafter:
     """Runs the MTP layer for the engine thread (its only caller); see the module docstring."""
 
-    def __init__(self, target: DecoderModel, mtp: MTPLayer, pool: KVPool, pages: PageManager) -> None:
+    def __init__(self, target: DecoderModel, mtp: MTPLayer, pool: KVPool, pages: PageManager,
+                 group: TPGroup | None = None) -> None:
         if pool.layout.num_layers <= mtp.kv_layer:
             raise ValueError(f"NEXTN: the KV pool has {pool.layout.num_layers} layers, the MTP layer needs "
                              f"layer {mtp.kv_layer}")
         self.target = target
         self.mtp = mtp
         self.pages = pages
-        self.runner = ModelRunner(mtp, pool)  # type: ignore[arg-type]  # DecoderModel's forward signature
+        runner = ModelRunner(mtp, pool)  # type: ignore[arg-type]  # DecoderModel's forward signature
+        # tensor-parallel (`group`): each MTP forward runs on every rank's shard
+        self.runner: ModelRunner | MTPDriverRunner = \
+            runner if group is None else MTPDriverRunner(runner, mtp, group)
         target.keep_normed_hidden = True
         self._sequences: dict[str, _Sequence] = {}
         self._untracked: set[str] = set()  # requests that never draft (sampled, penalized, ...)

@@ -19,11 +19,14 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.speculative.nextn_ranks import follower_runner
 from engine.tp.control import connect_to_rank0, serve
 from engine.tp.group import TPGroup
 from engine.tp.load import load_rank
 from engine.tp.rendezvous import NODE_LOST_AFTER_S, HeartbeatWatch, RendezvousError, open_store
 from engine.tp.runner import follow
+from engine.tp.shard import TPShard
 from libkv.transfer import exit_process
 from libkv.transfer.tensor_parallel import RankTransfer
 
@@ -108,7 +111,9 @@ def main() -> int:
                                     bind_host=spec.get("transfer_host"))
         threading.Thread(target=_serve_then_exit, args=(control, transfer), name="pdserve-tp-control",
                          daemon=True).start()
-        follow(group, rank_engine.runner)
+        shard = TPShard(group.tp_rank, group.tp_size)
+        follow(group, follower_runner(config, ModelConfig.from_dir(config.model_path), rank_engine.model,
+                                      rank_engine.pool, rank_engine.runner, shard))  # type: ignore[arg-type]
     except RuntimeError as exc:  # a collective failed: rank 0 went away or broke the group
         log.error("stopping: %s", exc)
         return 1

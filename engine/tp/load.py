@@ -43,7 +43,10 @@ def rank_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dt
     `layers` its stage holds (default: all); under DP attention its share of its group's heads
     (num_kv_heads / attn_tp_size)."""
     layout = model_config.kv_layout(config.page_size, dtype, config.topology().attn_tp_size)
-    return layout if layers is None else replace(layout, num_layers=len(layers))
+    num_layers = layout.num_layers if layers is None else len(layers)
+    if config.speculative.speculative_algorithm == "NEXTN":  # the MTP layer's K/V (pipeline stages refused)
+        num_layers += 1
+    return replace(layout, num_layers=num_layers)
 
 
 def load_rank(config: EngineConfig, device: torch.device, group: TPGroup,

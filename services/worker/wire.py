@@ -199,10 +199,14 @@ def speculative_from_proto(message: worker_pb2.SpeculativeConfig) -> Speculative
     """The peer's config (ValueError for one that is invalid here too, e.g. an unknown algorithm)."""
     if not message.algorithm:
         return SpeculativeConfig()
+    # A STANDALONE peer's draft checkpoint is its own path, neither sent nor compared (each side
+    # loads its copy); a stand-in keeps the config valid, which needs one with STANDALONE.
+    draft_path = "(the peer's draft model)" if message.algorithm == "STANDALONE" else None
     return SpeculativeConfig(speculative_algorithm=message.algorithm,
                              speculative_num_draft_tokens=message.num_draft_tokens,
                              speculative_num_steps=message.num_steps or None,
-                             speculative_eagle_topk=message.eagle_topk)
+                             speculative_eagle_topk=message.eagle_topk,
+                             speculative_draft_model_path=draft_path)
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:

@@ -108,3 +108,41 @@ def test_nextn_greedy_output_through_pd_matches_hf(backend, cluster: Cluster, mt
     # decode skips drafting on a request's first step (the prompt's last hidden state stays on prefill)
     assert _accept_rate(decode) > 0.5, _accept_rate(decode)
     assert_pages_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("backend", ["mooncake", pytest.param("nixl", marks=pytest.mark.long)])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN", pytest.param("STANDALONE", marks=pytest.mark.long)])
+def test_pd_tp1_to_tp2_with_drafts_matches_hf(algorithm, backend, cluster: Cluster, tiny_model, mtp_model):
+    """Prefill at TP 1, decode at TP 2 drafting (the KV re-sharded on the way; under NEXTN the MTP layer's
+    latent K/V of the prompt travels in the pages' extra layer to both decode ranks; STANDALONE's draft,
+    the target itself, runs whole on decode's rank 0), a batch of mixed prompts then prefix-cache hits:
+    greedy output is HF's, and so speculation off's, and drafts are accepted."""
+    model, flags = (mtp_model, NEXTN) if algorithm == "NEXTN" else (tiny_model, SPEC)
+    if algorithm == "STANDALONE":
+        flags = (*SPEC[2:], "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                 str(tiny_model))
+    prompts = prompts_of([3, 17, 70, 130], seed=4) if algorithm == "NEXTN" else _prompts()
+    bootstrap = cluster.bootstrap()
+    prefill, decode = cluster.start_many([
+        ("prefill", worker_args(model, "prefill", backend=backend, bootstrap=bootstrap,
+                                extra=(*flags, "--tp-size", "1"))),
+        ("decode", worker_args(model, "decode", backend=backend, bootstrap=bootstrap,
+                               extra=(*flags, "--tp-size", "2"))),
+    ])
+    got = run_all(decode.address, prompts, [prefill.address] * len(prompts), max_new_tokens=NEW_TOKENS)
+    # then the two longest again: prefix-cache hits on both sides (under NEXTN the cached pages hold
+    # the MTP layer's K/V too)
+    again = sorted(prompts, key=len)[-2:]
+    got += run_all(decode.address, again, [prefill.address] * len(again), max_new_tokens=NEW_TOKENS)
+    prompts = prompts + again
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    for prompt, result, hf_tokens in zip(prompts, got, expected, strict=True):
+        assert result.code is None, f"prompt of {len(prompt)} tokens failed: {result.code} {result.details}"
+        assert result.tokens == hf_tokens, f"prompt of {len(prompt)} tokens: {algorithm} PD 1 -> 2 differs"
+    assert prefill.metric("pdserve:prefix_cache_hit_tokens_total") > 0
+    if algorithm != "NGRAM":  # NEXTN: the prompt's MTP K/V arrived; STANDALONE: the draft is the target
+        assert _accept_rate(decode) > 0.5, _accept_rate(decode)
+    else:
+        assert 0 < decode.metric("pdserve:spec_accepted_tokens_total") < \
+            decode.metric("pdserve:spec_drafted_tokens_total")
+    assert_pages_idle(prefill, decode)

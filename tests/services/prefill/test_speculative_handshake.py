@@ -69,3 +69,12 @@ async def test_prefill_refuses_a_decode_with_another_draft_config_naming_the_fie
     details = refused.value.details()
     assert "speculative decoding config mismatch (prefill vs decode)" in details and named in details, details
     assert engine.stats().used_pages == 0 and not backend.sent
+
+
+def test_a_standalone_decode_agrees_with_a_standalone_prefill_whatever_its_draft_path() -> None:
+    # the draft checkpoint's path is each side's own: it is neither sent nor compared
+    def standalone(path: str) -> SpeculativeConfig:
+        return SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+    decode = speculative_from_proto(speculative_to_proto(standalone("/decode/draft")))
+    assert standalone("/prefill/draft").differences(decode) == []
+    assert NGRAM.differences(decode) == ["speculative_algorithm: 'NGRAM' vs 'STANDALONE'"]
