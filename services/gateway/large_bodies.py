@@ -182,6 +182,15 @@ def parse_body_file(path: str, nonce: str) -> tuple[Any, dict[str, str | None]]:
 
 
 FOLDER_PREFIX = "pdserve-body-"
+POOL_NICENESS = 10  # CFS weight about 1/10 of the gateway's: on a busy core, its streams come first
+
+
+def _yield_to_the_gateway() -> None:
+    """A pool process's initializer: parsing a body is bulk work that can wait a few milliseconds, a
+    stream's next token cannot. Where the pool and the gateway share too few cores the parse would
+    otherwise take the gateway's CPU share and stall every stream it relays just the same."""
+    with contextlib.suppress(OSError):
+        os.nice(POOL_NICENESS)
 
 
 def remove_folder(folder: str) -> None:
@@ -240,7 +249,8 @@ class LargeBodies:
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:  # spawn: the gateway holds threads and gRPC channels a fork would copy
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_yield_to_the_gateway)
         return self._pool
 
     async def parse(self, body: bytes) -> tuple[Any, DecodedImages]:

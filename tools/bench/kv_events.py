@@ -162,7 +162,12 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) -> dict:
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
+                               publishers: list[psutil.Process]) -> dict:
     workload = Workload.of(args)
     pool = WorkerPool()
     holders: dict[int, set[str]] = {}
@@ -187,6 +192,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
     lags.clear()
     me = psutil.Process()
     rss0, cpu0 = me.memory_info().rss, me.cpu_times()
+    publishers_cpu0 = _cpu_s(publishers)
     decisions: list[float] = []
     decisions_cpu: list[float] = []  # the pick's own work: on a loaded machine the wall p99 is mostly waits
     load_before = os.getloadavg()[0]
@@ -210,6 +216,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
             largest_view = max(largest_view, max(len(w.kv_cache.hashes) for w in candidates))
     wall = time.monotonic() - began
     cpu1 = me.cpu_times()
+    publishers_cpu_s = _cpu_s(publishers) - publishers_cpu0
     views = [len(w.kv_cache.hashes) for w in candidates]
     largest_view = max(largest_view, *views)
     dropped = sum(w.kv_cache.hashes.dropped for w in candidates)
@@ -237,6 +244,9 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
                   "rss_growth_mb": round((me.memory_info().rss - rss0) / 1e6, 1),
                   "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1)},
         "subscriber_cpu_percent": round(100 * cpu_s / wall, 1),
+        # the workers' side, on this same machine here (a worker's own process in a deployment): when
+        # these and the subscriber share too few cores, the lag is theirs as much as the gateway's
+        "publishers_cpu_percent": round(100 * publishers_cpu_s / wall, 1),
         "machine_cpu_percent": psutil.cpu_percent(),
         "load_average_1m": {"before": round(load_before, 1), "after": round(os.getloadavg()[0], 1),
                             "cpus": os.cpu_count()},
@@ -254,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         ports = dict(ports_queue.get(timeout=120) for _ in range(args.workers))
         psutil.cpu_percent()
-        return asyncio.run(_subscribe_and_route(ports, args))
+        return asyncio.run(_subscribe_and_route(ports, args, [psutil.Process(p.pid) for p in publishers]))
     finally:
         stop.set()
         for process in publishers:

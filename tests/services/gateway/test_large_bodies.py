@@ -24,6 +24,7 @@ from services.gateway.large_bodies import (
     LARGE_BODY_BYTES,
     LARGE_STRING_CHARS,
     PLACEHOLDER_SCHEME,
+    POOL_NICENESS,
     SPOOL_DIR,
     DecodedImages,
     LargeBodies,
@@ -169,6 +170,9 @@ async def test_a_parse_cancelled_mid_way_leaves_no_files():
         assert not _folders(os.getpid())
         assert await bodies.parse(b"[1]") == ([1], DecodedImages())  # runs once the cancelled parse ended
         assert not _folders(os.getpid())
+        # (the same pool) its processes run at a lower priority than the gateway's streams
+        niceness = await asyncio.wrap_future(bodies._executor().submit(os.nice, 0))
+        assert niceness == min(19, os.nice(0) + POOL_NICENESS)
     finally:
         bodies.close()
 
