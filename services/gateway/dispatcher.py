@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from protos.v1 import common_pb2, worker_pb2
 from services.common.failed_peer import failed_peer
 from services.gateway.errors import GatewayError, status_for_grpc
+from services.gateway.image_wire import generate_call
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ContinuationText, Delivered, continuation_sampling
 from services.gateway.workers import NoWorkersError, Route, Router, WorkerHandle
@@ -262,12 +263,15 @@ class Dispatcher:
         """One attempt on `route`. Raises _Retryable for a failure before the first token. `carried`:
         the prompt's last tokens that a migrated generation delivered already (GenerateRequest)."""
         request = worker_pb2.GenerateRequest(room=room, prompt_token_ids=list(prompt_token_ids),
-                                             sampling=sampling, images=list(images), lora_adapter=lora or "",
+                                             sampling=sampling, lora_adapter=lora or "",
                                              carried_tokens=carried)
         if route.prefill is not None:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs
-        call = route.decode.worker_stub().Generate(request)
+        if images:  # written into the wire bytes as they are: building the message would copy them twice
+            call = generate_call(route.decode.channel, request, images)
+        else:
+            call = route.decode.worker_stub().Generate(request)
         route.decode.track(call)
         delivered = finished = client_gone = False
         blame: list[WorkerHandle] = []

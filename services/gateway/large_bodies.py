@@ -15,7 +15,11 @@ Bounds: at most `max_bodies` large bodies per gateway process are read or parsed
 semaphore taken before the body is read when its Content-Length says it is large, so a flood of big
 bodies waits on the socket instead of in memory); the pool's queue never holds more than that.
 Bodies and images travel to and from the pool as files in memory
-(/dev/shm), written and read with the GIL released; each is removed once read.
+(/dev/shm), written and read with the GIL released, in a folder of their own per request
+(`pdserve-body-<gateway pid>-<nonce>`) that the gateway removes when the parse ends, however it ends:
+a client that disconnects mid-parse cancels the gateway's wait, not the pool's work, and the pool's
+later writes into the removed folder fail (the pool removes what it wrote). A gateway that died
+mid-parse leaves its folders behind: LargeBodies sweeps the folders of pids no longer alive at start.
 A placeholder names this request's random nonce, so one written into a body by a client is never
 taken for an image (it is refused as an unknown URL scheme).
 
@@ -30,9 +34,11 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import secrets
+import shutil
 import tempfile
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
@@ -42,6 +48,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
+
+log = logging.getLogger("pdserve.gateway")
 
 LARGE_BODY_BYTES = 1 << 20  # smaller bodies parse on the loop in well under the pool's round trip
 LARGE_STRING_CHARS = 64 * 1024  # smaller base64 strings inside a large body stay as they are
@@ -151,7 +159,8 @@ def _read_file(path: str) -> bytes:
 
 def parse_body_file(path: str, nonce: str) -> tuple[Any, dict[str, str | None]]:
     """parse_body over the body in `path` (removed once read); each decoded image is written to a
-    file beside it, and its path (None: not valid base64) stands for it in the answer."""
+    file beside it, and its path (None: not valid base64) stands for it in the answer. The folder is
+    never created here: once the gateway removed it (the request was cancelled), writing fails."""
     body = _read_file(path)
     os.unlink(path)
     value, decoded = parse_body(body, nonce)
@@ -172,6 +181,61 @@ def parse_body_file(path: str, nonce: str) -> tuple[Any, dict[str, str | None]]:
     return value, paths
 
 
+FOLDER_PREFIX = "pdserve-body-"
+POOL_NICENESS = 10  # CFS weight about 1/10 of the gateway's: on a busy core, its streams come first
+
+
+def _yield_to_the_gateway() -> None:
+    """A pool process's initializer: parsing a body is bulk work that can wait a few milliseconds, a
+    stream's next token cannot. Where the pool and the gateway share too few cores the parse would
+    otherwise take the gateway's CPU share and stall every stream it relays just the same."""
+    with contextlib.suppress(OSError):
+        os.nice(POOL_NICENESS)
+
+
+def remove_folder(folder: str) -> None:
+    """Remove a request's folder and what is in it. A pool process may create a file in it between
+    rmtree's listing and its rmdir (ENOTEMPTY): try again; once the folder is gone nothing lands in it."""
+    for _ in range(100):
+        try:
+            shutil.rmtree(folder)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            continue
+    log.warning("could not remove %s", folder)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def sweep_dead_folders(spool_dir: str = SPOOL_DIR) -> list[str]:
+    """Remove the request folders of gateways no longer running (by the pid in the name); the
+    folders removed. Called when a gateway process starts its pool."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(spool_dir):
+            pid_text = name[len(FOLDER_PREFIX):].partition("-")[0]
+            if not name.startswith(FOLDER_PREFIX) or not pid_text.isdigit() or _pid_alive(int(pid_text)):
+                continue
+            folder = os.path.join(spool_dir, name)
+            if os.path.isdir(folder):
+                remove_folder(folder)
+            else:  # a file from before bodies had folders of their own
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(folder)
+            removed.append(folder)
+    return removed
+
+
 class LargeBodies:
     """The pool (`processes` processes, started on first use) and the semaphore over large bodies;
     one per gateway process (app.state.large_bodies), closed at shutdown."""
@@ -180,10 +244,13 @@ class LargeBodies:
         self.processes = processes
         self.slots = asyncio.Semaphore(max_bodies)
         self._pool: ProcessPoolExecutor | None = None
+        if processes > 0:
+            sweep_dead_folders()
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:  # spawn: the gateway holds threads and gRPC channels a fork would copy
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_yield_to_the_gateway)
         return self._pool
 
     async def parse(self, body: bytes) -> tuple[Any, DecodedImages]:
@@ -191,10 +258,11 @@ class LargeBodies:
         # threads: those release the GIL, where pickling the body for the pool (or unpickling the
         # images) would hold it for a copy of every byte.
         nonce = secrets.token_hex(8)
-        path = os.path.join(SPOOL_DIR, f"pdserve-body-{os.getpid()}-{nonce}")
+        folder = os.path.join(SPOOL_DIR, f"{FOLDER_PREFIX}{os.getpid()}-{nonce}")
+        os.mkdir(folder, 0o700)
         loop = asyncio.get_running_loop()
-        written: dict[str, str | None] = {}
         try:
+            path = os.path.join(folder, "body")
             await asyncio.to_thread(_write_file, path, body)
             value, written = await loop.run_in_executor(self._executor(), parse_body_file, path, nonce)
             decoded: dict[str, bytes | None] = {}
@@ -204,10 +272,8 @@ class LargeBodies:
                 else:
                     decoded[placeholder] = None
             return value, DecodedImages(decoded)
-        finally:
-            for leftover in [path, *(p for p in written.values() if p is not None)]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
+        finally:  # also when cancelled: the pool may still be writing into it
+            remove_folder(folder)
 
     def close(self) -> None:
         if self._pool is not None:

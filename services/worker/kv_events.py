@@ -10,10 +10,13 @@ The engine's PageManager calls a subscription's listener on every cache change (
 thread or a service thread, under its lock), so the listener only appends to a buffer and wakes
 the subscriber's event loop when the buffer was empty; the stream sends what piled up as one
 batch, stamped with the wall clock of its oldest event (`oldest_event_unix_s`: the subscriber's
-lag). A snapshot taken with the registration (PageManager.watch_cache) goes first, so the
-subscriber's view is exact from then on. A subscriber more than `max_pending` hashes behind is
-dropped with RESOURCE_EXHAUSTED: it resubscribes and gets a fresh snapshot, instead of the worker
-buffering without bound.
+lag). At most one batch goes out per `min_batch_interval_s` (MIN_BATCH_INTERVAL_S): at GPU rates a
+worker's cache changes every step (about 20 ms), and a subscriber pays a fixed cost per message (the
+gRPC read, the protobuf) that, over 64 workers, was most of a gateway's ingest; the events of the
+interval go out as one batch instead, for at most that much more lag. A snapshot taken with the
+registration (PageManager.watch_cache) goes first, so the subscriber's view is exact from then on.
+A subscriber more than `max_pending` hashes behind is dropped with RESOURCE_EXHAUSTED: it
+resubscribes and gets a fresh snapshot, instead of the worker buffering without bound.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from protos.v1 import worker_pb2, worker_pb2_grpc
 
 _KINDS = {"stored": worker_pb2.KV_EVENT_KIND_STORED, "removed": worker_pb2.KV_EVENT_KIND_REMOVED}
 DEVICE, STORE = worker_pb2.KV_MEDIUM_DEVICE, worker_pb2.KV_MEDIUM_STORE
+MIN_BATCH_INTERVAL_S = 0.05  # one batch per 50 ms at most: 1/20 of the gateway's 1 s lag budget
 
 
 class _Subscription:
@@ -86,9 +90,11 @@ class _Subscription:
 class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
     """Streams one worker's prefix-cache events to each subscriber (see the module docstring)."""
 
-    def __init__(self, engine: EngineAPI, max_pending: int = 1_000_000) -> None:
+    def __init__(self, engine: EngineAPI, max_pending: int = 1_000_000,
+                 min_batch_interval_s: float = MIN_BATCH_INTERVAL_S) -> None:
         self.engine = engine
         self.max_pending = max_pending
+        self.min_batch_interval_s = min_batch_interval_s
         self._subscriptions: set[_Subscription] = set()
 
     @property
@@ -126,6 +132,7 @@ class KvEventsServicer(worker_pb2_grpc.KvEventsServicer):
                                                   oldest_event_unix_s=oldest_at, events=[
                         worker_pb2.KvEvent(kind=_KINDS[kind], medium=medium, page_hashes=hashes)
                         for kind, medium, hashes in events])
+                    await asyncio.sleep(self.min_batch_interval_s)  # what changes meanwhile goes as one
         finally:
             pages.unwatch_cache(subscription)
             if tier is not None:

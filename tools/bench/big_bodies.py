@@ -5,8 +5,9 @@ images (a copy of the checkpoint's gateway files with a `vision_config`): one pa
 its event loop (`--body-parse-processes 0`, the baseline), the other parses large bodies in its pool
 (services/gateway/large_bodies.py). For each gateway in turn: `--streams` streamed chats of
 `--output-len` tokens at stream interval 1, first alone (idle), then while `--big-clients` clients
-each send one `--body-mb` MB body of two base64 PNG data URLs after another. It prints the p99 (and
-p50, max) of the gap between consecutive SSE events of the streams in each phase, the loaded p99 over
+(in a process of their own, as other machines would be) each send one `--body-mb` MB body of two
+base64 PNG data URLs after another. It prints the p99 (and p50, max) of the gap between consecutive
+SSE events of the streams in each phase, the loaded p99 over
 the idle p99 (the target: at most 2), and how the big-body requests ended. The simulated worker has
 no vision tower, so a big-body request ends in its 400 for images sent to a text-only model: by then
 the gateway has read, parsed and decoded the body and sent the images to the worker, which is the
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import base64
 import json
+import multiprocessing
 import os
 import shutil
 import time
@@ -89,26 +91,48 @@ async def _post(url: str, body: bytes) -> int:
         writer.close()
 
 
-async def _phase(url: str, stream: bytes, streams: int, big: bytes | None,
-                 big_clients: int) -> tuple[list[StreamTiming], dict[int, int]]:
-    """The streams, with `big_clients` clients sending `big` back to back until they end."""
-    done = asyncio.Event()
+def _send_big_bodies(url: str, big: bytes, clients: int, stop, answers) -> None:
+    """`clients` clients sending `big` back to back until `stop` is set; puts their status counts on
+    `answers`. Runs in a process of its own: writing a 40 MB body copies it into the transport's
+    buffer with the GIL held, which in the measuring process would stall its own reading of the
+    streams and show as the gateway's gaps."""
     statuses: dict[int, int] = {}
 
     async def sender() -> None:
-        while not done.is_set():
+        while not stop.is_set():
             try:
-                status = await _post(url, big)  # type: ignore[arg-type]
+                status = await _post(url, big)
             except OSError:
                 status = 0
             statuses[status] = statuses.get(status, 0) + 1
 
-    senders = [asyncio.create_task(sender()) for _ in range(big_clients if big else 0)]
-    if senders:
-        await asyncio.sleep(1.0)  # the bodies are in flight before the streams start
-    timings = await asyncio.gather(*(stream_one(url, stream) for _ in range(streams)))
-    done.set()
-    await asyncio.gather(*senders)
+    async def senders() -> None:
+        await asyncio.gather(*(sender() for _ in range(clients)))
+
+    asyncio.run(senders())
+    answers.put(statuses)
+
+
+async def _phase(url: str, stream: bytes, streams: int, big: bytes | None,
+                 big_clients: int) -> tuple[list[StreamTiming], dict[int, int]]:
+    """The streams, with `big_clients` clients (in another process) sending `big` back to back
+    until they end."""
+    context = multiprocessing.get_context("spawn")
+    stop, answers = context.Event(), context.Queue()
+    sending = None
+    if big and big_clients:
+        sending = context.Process(target=_send_big_bodies, args=(url, big, big_clients, stop, answers),
+                                  daemon=True)
+        sending.start()
+        await asyncio.sleep(3.0)  # the process started and the bodies are in flight before the streams
+    try:
+        timings = await asyncio.gather(*(stream_one(url, stream) for _ in range(streams)))
+    finally:
+        stop.set()
+    statuses: dict[int, int] = {}
+    if sending is not None:
+        statuses = await asyncio.to_thread(answers.get, True, 300)
+        sending.join(30)
     return list(timings), statuses
 
 

@@ -7,13 +7,15 @@ snapshot and kept, as LRU keeps hot prefixes) and, every `--step-ms` (a GPU step
 its prefill made in that step (`--prefill-tokens-per-s`, default 40k: one H100's prefill rate; unique
 prompt suffixes) and evicts the oldest beyond `--worker-pages` (its pool). The events go through the
 worker's own subscription buffer: a batch per step while the gateway keeps up, everything that piled
-up in one batch when it falls behind, stamped with the worker's clock at its oldest event.
+up in one batch when it falls behind, at most one per `--batch-interval-ms` (the worker's
+MIN_BATCH_INTERVAL_S), stamped with the worker's clock at its oldest event.
 
 Subscriber: this process stands in for one gateway: the gateway's own WorkerPool,
 KvEventSubscriptions (services/gateway/kv_events.py) and CacheAwarePolicy, on one event loop, each
 worker's view capped at `--view-max-pages` (services/gateway/kv_view.py). While the events flow it
 routes `--decisions-per-s` prompts (a hot document plus a unique suffix) over all workers and prints:
-routing decision p50 / p99 (the policy's pick, hashing the prompt included; target p99 < 1 ms),
+routing decision p50 / p99 (the policy's pick, hashing the prompt included; target p99 < 1 ms; wall
+time, and the thread's CPU time, which leaves out the waits a loaded machine adds), the load average,
 event lag p50 / p99 / max (target < 1 s), events applied per second, the largest view and the total
 pages held (the bound), the gateway process's memory growth, and how often the pick was a worker
 caching the prompt's document.
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import resource
 import time
@@ -40,7 +43,7 @@ from services.gateway.kv_events import KvEventSubscriptions
 from services.gateway.kv_view import MAX_VIEW_PAGES, KvCacheView
 from services.gateway.policies.cache_aware import CacheAwarePolicy
 from services.gateway.workers import WorkerPool
-from services.worker.kv_events import _KINDS, DEVICE, _Subscription
+from services.worker.kv_events import _KINDS, DEVICE, MIN_BATCH_INTERVAL_S, _Subscription
 
 PAGE = 16
 STORED, REMOVED = worker_pb2.KV_EVENT_KIND_STORED, worker_pb2.KV_EVENT_KIND_REMOVED
@@ -52,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens-per-s", type=float, default=40_000.0,
                         help="prompt tokens each worker caches per second (new pages stored)")
     parser.add_argument("--step-ms", type=float, default=20.0, help="one batch of events per step")
+    parser.add_argument("--batch-interval-ms", type=float, default=MIN_BATCH_INTERVAL_S * 1000,
+                        help="at most one batch per this interval from each worker (the worker's own)")
     parser.add_argument("--worker-pages", type=int, default=32_768,
                         help="pages each worker's cache holds before it evicts (its pool)")
     parser.add_argument("--view-max-pages", type=int, default=MAX_VIEW_PAGES,
@@ -93,6 +98,7 @@ class SimulatedEvents(worker_pb2_grpc.KvEventsServicer):
                          for h in page_hashes(workload.documents[d], PAGE)]
         self.pages_per_step = args.prefill_tokens_per_s * args.step_ms / 1000 / PAGE
         self.step_s = args.step_ms / 1000
+        self.batch_interval_s = args.batch_interval_ms / 1000
         self.capacity = max(0, args.worker_pages - len(self.snapshot))
 
     async def _steps(self, subscription: _Subscription) -> None:
@@ -125,6 +131,7 @@ class SimulatedEvents(worker_pb2_grpc.KvEventsServicer):
                     yield worker_pb2.KvEventBatch(page_size=PAGE, oldest_event_unix_s=oldest_at, events=[
                         worker_pb2.KvEvent(kind=_KINDS[kind], medium=medium, page_hashes=hashes)
                         for kind, medium, hashes in events])
+                    await asyncio.sleep(self.batch_interval_s)
         finally:
             steps.cancel()
 
@@ -155,7 +162,12 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) -> dict:
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
+                               publishers: list[psutil.Process]) -> dict:
     workload = Workload.of(args)
     pool = WorkerPool()
     holders: dict[int, set[str]] = {}
@@ -180,7 +192,10 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
     lags.clear()
     me = psutil.Process()
     rss0, cpu0 = me.memory_info().rss, me.cpu_times()
+    publishers_cpu0 = _cpu_s(publishers)
     decisions: list[float] = []
+    decisions_cpu: list[float] = []  # the pick's own work: on a loaded machine the wall p99 is mostly waits
+    load_before = os.getloadavg()[0]
     hits = 0
     began = time.monotonic()
     largest_view = 0
@@ -192,14 +207,16 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
         document = rng.choice(held)  # a prefix some worker caches
         suffix = [rng.randrange(1, 30_000) for _ in range(workload.suffix_tokens)]
         prompt = workload.documents[document] + suffix
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         chosen = policy.choose(candidates, prompt)
         decisions.append(time.perf_counter() - start)
+        decisions_cpu.append(time.thread_time() - start_cpu)
         hits += chosen.address in holders.get(document, ())
         if len(decisions) % 200 == 0:
             largest_view = max(largest_view, max(len(w.kv_cache.hashes) for w in candidates))
     wall = time.monotonic() - began
     cpu1 = me.cpu_times()
+    publishers_cpu_s = _cpu_s(publishers) - publishers_cpu0
     views = [len(w.kv_cache.hashes) for w in candidates]
     largest_view = max(largest_view, *views)
     dropped = sum(w.kv_cache.hashes.dropped for w in candidates)
@@ -216,6 +233,8 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
         "routing_decision_ms": {"p50": round(ms * (_quantile(decisions, 0.5) or 0), 4),
                                 "p99": round(ms * (_quantile(decisions, 0.99) or 0), 4),
                                 "max": round(ms * max(decisions), 3), "count": len(decisions),
+                                "cpu_p50": round(ms * (_quantile(decisions_cpu, 0.5) or 0), 4),
+                                "cpu_p99": round(ms * (_quantile(decisions_cpu, 0.99) or 0), 4),
                                 "picked_a_worker_caching_the_prefix": round(hit_share, 3)},
         "event_lag_ms": {"p50": round(ms * (_quantile(lags, 0.5) or 0), 2),
                          "p99": round(ms * (_quantile(lags, 0.99) or 0), 2),
@@ -225,7 +244,12 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace) 
                   "rss_growth_mb": round((me.memory_info().rss - rss0) / 1e6, 1),
                   "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1)},
         "subscriber_cpu_percent": round(100 * cpu_s / wall, 1),
+        # the workers' side, on this same machine here (a worker's own process in a deployment): when
+        # these and the subscriber share too few cores, the lag is theirs as much as the gateway's
+        "publishers_cpu_percent": round(100 * publishers_cpu_s / wall, 1),
         "machine_cpu_percent": psutil.cpu_percent(),
+        "load_average_1m": {"before": round(load_before, 1), "after": round(os.getloadavg()[0], 1),
+                            "cpus": os.cpu_count()},
     }
 
 
@@ -240,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         ports = dict(ports_queue.get(timeout=120) for _ in range(args.workers))
         psutil.cpu_percent()
-        return asyncio.run(_subscribe_and_route(ports, args))
+        return asyncio.run(_subscribe_and_route(ports, args, [psutil.Process(p.pid) for p in publishers]))
     finally:
         stop.set()
         for process in publishers:

@@ -95,7 +95,8 @@ class CacheAwarePolicy(Policy):
                     hashes_by_key[size, adapter_key] = page_hashes(prompt_token_ids, size,
                                                                    salts=with_adapter([], adapter_key))
                 hashes = hashes_by_key[size, adapter_key]
-                local = view.cached_pages(hashes)
+                # most of 64 workers miss on the first page: no calls for those
+                local = view.cached_pages(hashes) if hashes and hashes[0] in view.hashes else 0
                 fetchable = leading_run(hashes, stores[view.store], local) if view.store else 0
                 matched[worker.key] = (local + self.store_weight * fetchable) * size
         best_len = max(matched.get(worker.key, 0) for worker in candidates)

@@ -10,6 +10,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,10 +24,13 @@ from services.gateway.large_bodies import (
     LARGE_BODY_BYTES,
     LARGE_STRING_CHARS,
     PLACEHOLDER_SCHEME,
+    POOL_NICENESS,
     SPOOL_DIR,
+    DecodedImages,
     LargeBodies,
     LargeBodyRequest,
     parse_body,
+    sweep_dead_folders,
 )
 from services.gateway.state import build_state
 
@@ -137,3 +142,53 @@ async def test_large_image_bodies_through_the_gateway(client: httpx.AsyncClient)
     response = await client.post(path, content=malformed, headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"], response.text
     assert not glob.glob(f"{SPOOL_DIR}/pdserve-body-{os.getpid()}-*")  # every body and image file removed
+
+
+def _folders(pid: int) -> list[str]:
+    return glob.glob(f"{SPOOL_DIR}/pdserve-body-{pid}-*")
+
+
+async def test_a_parse_cancelled_mid_way_leaves_no_files():
+    """A client that disconnects while its body is in the pool cancels the gateway's wait, not the
+    pool's work: the pool's image files, written after the cancel, must not stay in /dev/shm."""
+    bodies = LargeBodies(processes=1)
+    try:
+        await bodies.parse(b"{}")  # the pool process started, so the big body's parse is the slow part
+        body = json.dumps(chat(*[data_url(os.urandom(4 * LARGE_BODY_BYTES)) for _ in range(2)])).encode()
+        parse = asyncio.create_task(bodies.parse(body))
+        seen = False
+        for _ in range(2000):  # until the pool took the body (read and removed it): it is parsing now
+            waiting = [p for p in glob.glob(f"{SPOOL_DIR}/pdserve-body-{os.getpid()}-*")
+                       if os.path.isfile(p) or os.path.isfile(f"{p}/body")]
+            if seen and not waiting:
+                break
+            seen = seen or bool(waiting)
+            await asyncio.sleep(0.002)
+        parse.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await parse
+        assert not _folders(os.getpid())
+        assert await bodies.parse(b"[1]") == ([1], DecodedImages())  # runs once the cancelled parse ended
+        assert not _folders(os.getpid())
+        # (the same pool) its processes run at a lower priority than the gateway's streams
+        niceness = await asyncio.wrap_future(bodies._executor().submit(os.nice, 0))
+        assert niceness == min(19, os.nice(0) + POOL_NICENESS)
+    finally:
+        bodies.close()
+
+
+def test_folders_of_dead_gateways_are_swept(tmp_path: Path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    left = tmp_path / f"pdserve-body-{dead_pid}-00ff"
+    left.mkdir()
+    (left / "body.0").write_bytes(b"image")
+    (tmp_path / f"pdserve-body-{dead_pid}-11ee").write_bytes(b"an old-style body file")
+    mine = tmp_path / f"pdserve-body-{os.getpid()}-22dd"
+    mine.mkdir()
+    other = tmp_path / "pdserve-bodyguard"
+    other.write_bytes(b"not ours")
+    swept = sweep_dead_folders(str(tmp_path))
+    assert sorted(swept) == sorted([str(left), str(tmp_path / f"pdserve-body-{dead_pid}-11ee")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
