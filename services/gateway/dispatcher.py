@@ -34,8 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import grpc
@@ -81,11 +80,11 @@ class GenerationChunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # the tokens' text, joined once: the response side reads it several times per chunk
+    text: str = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def text(self) -> str:
-        """Joined once: the response side reads it several times per chunk."""
-        return "".join([token.text for token in self.tokens])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", "".join([token.text for token in self.tokens]))
 
 
 class GenerationFailed(GatewayError):
