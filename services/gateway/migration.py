@@ -60,7 +60,7 @@ class Delivered:
     token_ids: list[int]
 
     def add(self, chunk: GenerationChunk) -> None:
-        self.token_ids.extend(token.token_id for token in chunk.tokens)
+        self.token_ids.extend([token.token_id for token in chunk.tokens])
 
 
 class ContinuationText:
@@ -85,7 +85,7 @@ class ContinuationText:
         for position, token in enumerate(chunk.tokens):
             reason = chunk.finish_reason if position == len(chunk.tokens) - 1 else None
             text, reason, _ = self._text.apply(token.token_id, reason)
-            tokens.append(replace(token, text=text))
+            tokens.append(token._replace(text=text))
             if self._text.stopped:
                 return replace(chunk, tokens=tuple(tokens), finish_reason="stop")
         return replace(chunk, tokens=tuple(tokens))

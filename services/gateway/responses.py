@@ -42,6 +42,7 @@ from protos.v1 import common_pb2
 from services.gateway.chat_output import ToolCall, ToolCallDelta
 from services.gateway.dispatcher import Dispatcher, GeneratedToken, GenerationChunk
 from services.gateway.errors import GatewayError, error_body
+from services.gateway.histogram_counts import observe_times
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ModelFiles
 
@@ -66,9 +67,7 @@ class RequestTimer:
             self.metrics.ttft.observe(now - self.arrival)
             count -= 1
         elif count > 0:
-            gap = (now - self._last) / count
-            for _ in range(count):
-                self.metrics.itl.observe(gap)
+            observe_times(self.metrics.itl, (now - self._last) / count, count)
         self._last = now
 
     def done(self) -> None:
@@ -297,8 +296,23 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
     """(job index, chunk) from all jobs as they arrive. The first failing job's exception is
     raised (the others are cancelled). Each job's timer sees its tokens."""
     if len(jobs) == 1:  # most requests: no merging, so no task and queue hop per streamed chunk
-        async for chunk in _one_choice(dispatcher, jobs[0], timers[0]):
-            yield 0, chunk
+        job, timer = jobs[0], timers[0]
+        # iterated here, not through a generator of its own: every async generator between the gRPC
+        # read and the HTTP write is resumed once per relayed message
+        stream = dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling, job.images,
+                                     lora=job.lora)
+        finished = False
+        try:
+            async for chunk in stream:
+                timer.tokens(len(chunk.tokens))
+                yield 0, chunk
+            finished = True
+        finally:
+            if not finished:
+                # the generation's own cleanup (cancel its call, Worker.Abort) runs as a task of its
+                # own, as the merged path's cancelled pumps do: the caller may be inside a cancelled scope
+                asyncio.ensure_future(stream.aclose()).add_done_callback(_consume_result)
+        timer.done()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -333,24 +347,6 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
         # awaiting here: the caller may be inside a cancelled scope
         for task in tasks:
             task.add_done_callback(_consume_result)
-
-
-async def _one_choice(dispatcher: Dispatcher, job: ChoiceJob,
-                      timer: RequestTimer) -> AsyncGenerator[GenerationChunk, None]:
-    stream = dispatcher.generate(job.room, job.model, job.prompt_token_ids, job.sampling, job.images,
-                                 lora=job.lora)
-    finished = False
-    try:
-        async for chunk in stream:
-            timer.tokens(len(chunk.tokens))
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            # the generation's own cleanup (cancel its call, Worker.Abort) runs as a task of its own,
-            # as the merged path's cancelled pumps do: the caller may be inside a cancelled scope
-            asyncio.ensure_future(stream.aclose()).add_done_callback(_consume_result)
-    timer.done()
 
 
 def _consume_result(task: asyncio.Task) -> None:
@@ -444,16 +440,22 @@ async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequen
         return Response(status_code=CLIENT_CLOSED)
     results = [ChoiceResult(index=job.index) for job in jobs]
 
+    def relayed(position: int, chunk: GenerationChunk) -> str | None:
+        results[position].add(chunk)
+        return token_event(position, chunk, results[position])
+
     async def body() -> AsyncIterator[str]:
         try:
             for line in first_events():
                 yield line
-            pending = [] if isinstance(first_item, _Ended) else [first_item]
-            async for position, chunk in _chain(pending, stream):
-                results[position].add(chunk)
-                token_line = token_event(position, chunk, results[position])
+            if not isinstance(first_item, _Ended):
+                token_line = relayed(*first_item)
                 if token_line is not None:
                     yield token_line
+                async for position, chunk in stream:
+                    token_line = relayed(position, chunk)
+                    if token_line is not None:
+                        yield token_line
             if usage_event is not None:
                 yield usage_event(results)
         except GatewayError as exc:
@@ -466,10 +468,3 @@ async def stream_response(request: Request, dispatcher: Dispatcher, jobs: Sequen
         yield DONE
 
     return sse_response(body())
-
-
-async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
