@@ -13,12 +13,13 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine.lora.expert_adapter import EXPERT_KEY, EXPERT_PARAMETERS, ExpertLoraWeights, split_experts
 from engine.models.config import ModelConfig
 
 # PEFT's module names, in the order the fused projections concatenate them (engine.models.decoder:
@@ -31,7 +32,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|ml
                   r"\.lora_([AB])\.weight$")
 
 
-# A MoE layer's routed or shared experts (per-expert modules, or PEFT's fused-parameter wrappers).
+# A MoE layer's shared experts or per-expert modules (routed experts' fused parameters are EXPERT_KEY).
 _EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.((?:shared_)?experts?)\b")
 
 
@@ -59,6 +60,8 @@ class LoraAdapter:
     target_modules: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     digest: str = ""  # of its files: names its K/V in page hashes (a reloaded name may be other weights)
+    # (routed layer, "gate_up_proj" or "down_proj") -> every expert's A and B (engine.lora.expert_adapter)
+    experts: dict[tuple[int, str], ExpertLoraWeights] = field(default_factory=dict)
 
     @property
     def cache_key(self) -> str:
@@ -119,12 +122,18 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         raise LoraLoadError(f"LoRA adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
     _check_patterns(name, peft, weights_file)
-    weights = _read_weights(name, weights_file, config, rank)
-    targets = frozenset(module for _, module in weights)
+    weights, experts = _read_weights(name, weights_file, config, rank, peft)
+    for (layer, parameter), pair in sorted(experts.items()):
+        if pair.a.shape[1] > max_rank:
+            raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} mlp.experts.{parameter} has rank "
+                                f"{pair.a.shape[1]}, over --max-lora-rank {max_rank}")
+    targets = frozenset(module for _, module in weights).union(
+        *(EXPERT_PARAMETERS[parameter] for _, parameter in experts))
     for module in sorted(targets - allowed_modules):
         raise LoraLoadError(f"LoRA adapter {name!r} targets {module}, which --lora-target-modules "
                             f"({', '.join(sorted(allowed_modules))}) leaves out")
-    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file))
+    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file),
+                       experts)
 
 
 def _digest(*files: Path) -> str:
@@ -149,13 +158,14 @@ def _check_peft_options(name: str, peft: dict) -> None:
                             "weights, which a shared base cannot do")
     if peft.get("fan_in_fan_out"):
         raise LoraLoadError(f"LoRA adapter {name!r}: fan_in_fan_out (Conv1D bases) is not supported")
-    if peft.get("target_parameters"):
-        # PEFT's way to adapt weights that are parameters, not Linear modules: a MoE model's fused
-        # expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
-        targets = sorted(peft["target_parameters"])  # PEFT saves them in no fixed order
-        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {targets} (LoRA on "
-                            "fused parameters such as routed experts' weights) is not supported; adapters "
-                            "may target the attention projections and dense MLPs")
+    # PEFT's way to adapt weights that are parameters, not Linear modules: served for a MoE model's
+    # fused expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
+    targets = sorted(peft.get("target_parameters") or [])  # PEFT saves them in no fixed order
+    others = [t for t in targets if t.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS
+              or t.rsplit(".", 1)[0] not in ("", t, "experts", "mlp.experts")]
+    if others:
+        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {others} (LoRA on fused parameters "
+                            "other than routed experts' gate_up_proj and down_proj) is not supported")
 
 
 def _check_patterns(name: str, peft: dict, file: Path) -> None:
@@ -179,16 +189,23 @@ def _check_patterns(name: str, peft: dict, file: Path) -> None:
                                 f"rank or alpha for {hit}; per-module ranks and alphas are not supported")
 
 
-def _read_weights(name: str, file: Path, config: ModelConfig,
-                  rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _read_weights(name: str, file: Path, config: ModelConfig, rank: int, peft: dict) -> tuple[
+        dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dict[tuple[int, str], ExpertLoraWeights]]:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    expert_halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, wrapper depth)
     dense_mlp = dense_mlp_layers(config)
     with safe_open(str(file), framework="pt") as tensors:
         for key in tensors.keys():
+            routed = EXPERT_KEY.match(key)
+            if routed is not None:
+                wrapper = expert_halves.setdefault((int(routed[1]), routed[2]), {})
+                wrapper[routed[3]] = tensors.get_tensor(key).float()
+                continue
             expert = _EXPERT_KEY.match(key)
             if expert is not None:
                 raise LoraLoadError(f"LoRA adapter {name!r} targets mlp.{expert[2]} of layer {expert[1]} "
-                                    f"(weight {key}): LoRA on MoE experts is not supported")
+                                    f"(weight {key}): LoRA on shared experts or per-expert modules is not "
+                                    "supported (routed experts' fused parameters are)")
             match = _KEY.match(key)
             if match is None:
                 raise LoraLoadError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A/B matrix of a "
@@ -218,9 +235,16 @@ def _read_weights(name: str, file: Path, config: ModelConfig,
                 f"this model needs A ({rank}, {in_features}) and B ({out_features}, {rank}) "
                 "(an adapter of another base model?)")
         weights[(layer, module)] = (a, b)
-    if not weights:
+    experts: dict[tuple[int, str], ExpertLoraWeights] = {}
+    for (layer, _), pair_halves in sorted(expert_halves.items()):
+        parameter, expert_weights = split_experts(name, layer, pair_halves, config, peft, LoraLoadError)
+        if (layer, parameter) in experts:
+            raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} mlp.experts.{parameter} is adapted "
+                                "twice")
+        experts[(layer, parameter)] = expert_weights
+    if not weights and not experts:
         raise LoraLoadError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
-    return weights
+    return weights, experts
 
 
 def parse_lora_paths(values: tuple[str, ...]) -> dict[str, str]:

@@ -1,9 +1,11 @@
-"""A decoder projection with LoRA: the base `Linear`'s output plus each row's adapter delta."""
+"""A decoder projection with LoRA: the base `Linear`'s output plus each row's adapter delta (and
+the routed experts' hook, engine.lora.experts)."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.lora.experts import wrap_experts
 from engine.lora.slots import LoraSlots, ProjectionLora
 from engine.models.decoder import DecoderModel
 from engine.models.linear import Linear
@@ -37,3 +39,5 @@ def wrap_model(model: DecoderModel, slots: LoraSlots) -> None:
             base = getattr(layer, name)
             if lora is not None and base is not None:
                 setattr(layer, name, LoraLinear(base, slots, lora))
+        if layer.moe is not None and any((index, name) in slots.expert_pools for name in ("gate_up", "down")):
+            wrap_experts(layer.moe, slots, index)

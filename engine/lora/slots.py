@@ -32,6 +32,7 @@ from engine.lora.adapter import (
     load_adapter,
     module_shape,
 )
+from engine.lora.experts import EXPERT_PROJECTIONS, ExpertProjectionLora, allocate_expert_pools
 from engine.lora.ops import lora_delta, slot_mask
 from engine.models.config import ModelConfig
 from engine.tp.shard import TPShard
@@ -113,6 +114,9 @@ class LoraSlots:
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(num_slots, dtype=torch.long, device=device)  # 0: an empty slot
         self.projections: dict[tuple[int, str], ProjectionLora] = self._allocate()
+        # routed experts (engine.lora.experts): on one rank only for now
+        self.expert_pools: dict[tuple[int, str], ExpertProjectionLora] = (
+            allocate_expert_pools(self) if shard is None or shard.size == 1 else {})
         self.row_slots: torch.Tensor | None = None  # this step's, None when no row has an adapter
         self._masks: dict[int, torch.Tensor] = {}
         self.lock = threading.Lock()
@@ -139,6 +143,9 @@ class LoraSlots:
 
     # ---- registry (serving threads) -------------------------------------------------------------
     def register(self, adapter: LoraAdapter) -> None:
+        if adapter.experts and not self.expert_pools:
+            raise LoraLoadError(f"LoRA adapter {adapter.name!r} adapts routed experts, which this worker "
+                                "serves with --tp-size 1 only")
         with self.lock:
             if adapter.name in self.adapters:
                 raise LoraLoadError(f"a LoRA adapter named {adapter.name!r} is already loaded")
@@ -206,6 +213,8 @@ class LoraSlots:
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         for (layer, _), projection in self.projections.items():
             projection.fill(slot, adapter, layer, self.max_rank, self.shard)
+        for (layer, name), experts in self.expert_pools.items():
+            experts.fill(slot, adapter, layer, EXPERT_PROJECTIONS[name], self.max_rank)
         self.scales[slot] = adapter.scaling
         self.ranks[slot] = adapter.rank
         self.slot_names[slot] = adapter.name
