@@ -26,7 +26,11 @@ from engine.models.config import ModelConfig
 # q/k/v into one matrix, gate/up into another).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+# DeepSeek's multi-head latent attention: q_proj, or q_a_proj -> norm -> q_b_proj; kv_a_proj_with_mqa
+# (the latent and rope key); o_proj. kv_b_proj is absorbed into per-head query and value maps
+# (engine.models.mla), which a per-row adapter delta does not reach: refused, naming that.
+MLA_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + MLA_MODULES[1:4]
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])\.weight$")
@@ -72,16 +76,35 @@ class LoraAdapter:
 # Under tensor parallelism (engine.tp.shard) these split their output features (B's rows) across
 # ranks, the others (o_proj, down_proj) their input features (A's columns; the base layer's all-reduce
 # then sums the partial deltas with the partial outputs).
-COLUMN_PARALLEL_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+COLUMN_PARALLEL_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj"))
+# MLA's down-projections, whole on every rank (engine.models.mla).
+REPLICATED_MODULES = frozenset(("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+def attention_modules(config: ModelConfig) -> tuple[str, ...]:
+    """The PEFT names of the model's attention projections that adapters may target."""
+    if config.mla is None:
+        return ATTENTION_MODULES
+    if config.mla.q_lora_rank is None:
+        return ("q_proj", "kv_a_proj_with_mqa", "o_proj")
+    return ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 def module_shape(config: ModelConfig, module: str, tp_size: int = 1) -> tuple[int, int]:
     """(out_features, in_features) of a projection of the base model, on one of `tp_size` ranks."""
     hidden, width = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    out_features, in_features = {
-        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-        "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}[module]
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+              "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    if config.mla is not None:
+        mla = config.mla
+        q_rows, q_rank = config.num_heads * mla.qk_head_dim, mla.q_lora_rank or 0
+        shapes.update(q_proj=(q_rows, hidden), q_a_proj=(q_rank, hidden), q_b_proj=(q_rows, q_rank),
+                      kv_a_proj_with_mqa=(mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
+                      o_proj=(hidden, config.num_heads * mla.v_head_dim))
+    out_features, in_features = shapes[module]
+    if module in REPLICATED_MODULES:
+        return out_features, in_features
     if module in COLUMN_PARALLEL_MODULES:
         return out_features // tp_size, in_features
     return out_features, in_features // tp_size
@@ -95,9 +118,6 @@ def dense_mlp_layers(config: ModelConfig) -> set[int]:
 
 def check_servable(config: ModelConfig) -> None:
     """Refuse --enable-lora on a model whose projections the LoRA wrappers do not cover."""
-    if config.mla is not None:
-        raise LoraLoadError(f"LoRA is not supported on {config.architecture}: its multi-head latent "
-                            "attention has no q/k/v/o projections to adapt")
     if config.is_multimodal:
         raise LoraLoadError(f"LoRA is not supported on vision-language models ({config.architecture}) yet")
 
@@ -194,6 +214,7 @@ def _read_weights(name: str, file: Path, config: ModelConfig, rank: int, peft: d
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     expert_halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, wrapper depth)
     dense_mlp = dense_mlp_layers(config)
+    attention = attention_modules(config)
     with safe_open(str(file), framework="pt") as tensors:
         for key in tensors.keys():
             routed = EXPERT_KEY.match(key)
@@ -211,7 +232,12 @@ def _read_weights(name: str, file: Path, config: ModelConfig, rank: int, peft: d
                 raise LoraLoadError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A/B matrix of a "
                                     f"decoder layer's projection ({', '.join(SUPPORTED_MODULES)})")
             layer, block, module, half = int(match[1]), match[2], match[3], match[4]
-            if module not in SUPPORTED_MODULES or (block == "self_attn") != (module in ATTENTION_MODULES):
+            if block == "self_attn" and module == "kv_b_proj" and config.mla is not None:
+                raise LoraLoadError(f"LoRA adapter {name!r} targets self_attn.kv_b_proj (weight {key}): "
+                                    "multi-head latent attention absorbs it into per-head query and value "
+                                    "maps, which per-row adapters do not reach; adapt q_a/q_b_proj, "
+                                    "kv_a_proj_with_mqa or o_proj")
+            if module not in (attention if block == "self_attn" else MLP_MODULES):
                 raise LoraLoadError(f"LoRA adapter {name!r} targets {block}.{module}, which "
                                     f"{config.architecture} does not have (weight {key})")
             if layer >= config.num_layers:

@@ -26,6 +26,7 @@ import torch
 
 from engine.lora.adapter import (
     COLUMN_PARALLEL_MODULES,
+    REPLICATED_MODULES,
     LoraAdapter,
     LoraLoadError,
     dense_mlp_layers,
@@ -41,6 +42,16 @@ from kernels import cpu_kernels, ops
 # Each of the decoder's projections and the PEFT modules fused in it, in the order of its rows.
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# An MLA layer's attention projections (attributes of engine.models.mla.MLAAttention) instead of qkv/o_proj.
+MLA_PROJECTIONS = {"q_proj": ("q_proj",), "q_a_proj": ("q_a_proj",), "q_b_proj": ("q_b_proj",),
+                   "kv_a_proj": ("kv_a_proj_with_mqa",), "o_proj": ("o_proj",)}
+
+
+def projections_of(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The wrapped projections of a layer of `config` and the PEFT modules fused in each."""
+    if config.mla is None:
+        return PROJECTIONS
+    return {**MLA_PROJECTIONS, "gate_up": PROJECTIONS["gate_up"], "down": PROJECTIONS["down"]}
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class ProjectionLora:
             if pair is None:
                 continue
             a, b = pair
-            if shard is not None:
+            if shard is not None and module not in REPLICATED_MODULES:
                 a, b = (a, shard.rows(b)) if module in COLUMN_PARALLEL_MODULES else (shard.columns(a), b)
             first = slot * self.width + index * max_rank
             self.a[first:first + a.shape[0]] = a.to(self.a.dtype)
@@ -126,9 +137,12 @@ class LoraSlots:
         dense_mlp = dense_mlp_layers(self.config)
         tp_size = self.shard.size if self.shard is not None else 1
         for layer in range(self.config.num_layers):
-            for name, modules in PROJECTIONS.items():
+            for name, modules in projections_of(self.config).items():
                 if not self.target_modules.intersection(modules):
                     continue
+                if self.config.mla is not None and name in MLA_PROJECTIONS and (
+                        (name == "q_proj") != (self.config.mla.q_lora_rank is None)):
+                    continue  # q_proj alone, or q_a_proj and q_b_proj
                 if modules[0] in ("gate_proj", "down_proj") and layer not in dense_mlp:
                     continue
                 shapes = [module_shape(self.config, m, tp_size) for m in modules]
