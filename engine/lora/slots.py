@@ -131,6 +131,7 @@ class LoraSlots:
         self.row_slots: torch.Tensor | None = None  # this step's, None when no row has an adapter
         self._masks: dict[int, torch.Tensor] = {}
         self.lock = threading.Lock()
+        self.resolver_dir = ""  # --lora-resolver-dir: where adapters are loaded from on demand
 
     def _allocate(self) -> dict[tuple[int, str], ProjectionLora]:
         pools = {}
