@@ -181,8 +181,9 @@ def _check_peft_options(name: str, peft: dict) -> None:
     # PEFT's way to adapt weights that are parameters, not Linear modules: served for a MoE model's
     # fused expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
     targets = sorted(peft.get("target_parameters") or [])  # PEFT saves them in no fixed order
+    # `gate_up_proj`, or a dotted name whose module is a layer's `experts`
     others = [t for t in targets if t.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS
-              or t.rsplit(".", 1)[0] not in ("", t, "experts", "mlp.experts")]
+              or "." in t and t.rsplit(".", 2)[-2] != "experts"]
     if others:
         raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {others} (LoRA on fused parameters "
                             "other than routed experts' gate_up_proj and down_proj) is not supported")

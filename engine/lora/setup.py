@@ -29,8 +29,10 @@ def target_modules(config: EngineConfig) -> frozenset[str]:
 
 def check_lora_flags(config: EngineConfig) -> None:
     if not config.enable_lora:
-        if config.lora_paths or config.lora_resolver_dir:
-            raise ValueError("--lora-paths and --lora-resolver-dir need --enable-lora")
+        flags = (("--lora-paths", config.lora_paths), ("--lora-resolver-dir", config.lora_resolver_dir))
+        for flag, value in flags:
+            if value:
+                raise ValueError(f"{flag} needs --enable-lora")
         return
     if config.lora_resolver_dir and not Path(config.lora_resolver_dir).is_dir():
         raise ValueError(f"--lora-resolver-dir {config.lora_resolver_dir}: not a directory")
