@@ -46,4 +46,7 @@ def wrap_model(model: DecoderModel, slots: LoraSlots) -> None:
                 if lora is not None and base is not None:
                     setattr(layer.mla, name, LoraLinear(base, slots, lora))
         if layer.moe is not None and any((index, name) in slots.expert_pools for name in ("gate_up", "down")):
-            wrap_experts(layer.moe, slots, index)
+            if layer.moe.ep is not None:  # expert parallelism: no expert adapters (register refuses them)
+                slots.expert_pools.clear()
+            else:
+                wrap_experts(layer.moe, slots, index)

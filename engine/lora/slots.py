@@ -160,7 +160,7 @@ class LoraSlots:
     def register(self, adapter: LoraAdapter) -> None:
         if adapter.experts and not self.expert_pools:
             raise LoraLoadError(f"LoRA adapter {adapter.name!r} adapts routed experts, which this worker "
-                                "serves with --tp-size 1 only")
+                                "serves only without tensor or expert parallelism (--tp-size 1, --ep-size 1)")
         with self.lock:
             if adapter.name in self.adapters:
                 raise LoraLoadError(f"a LoRA adapter named {adapter.name!r} is already loaded")
