@@ -149,7 +149,10 @@ class EngineConfig:
     max_lora_rank: int = field(default=16, metadata=_help("the largest LoRA rank an adapter may have"))
     lora_target_modules: tuple[str, ...] = field(default=(), metadata=_help(
         "the projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; "
-        "default all of them): fewer cost less per step"))
+        "MLA models: q_a_proj q_b_proj kv_a_proj_with_mqa; default all of them): fewer cost less per step"))
+    lora_resolver_dir: str = field(default="", metadata=_help(
+        "a directory of PEFT adapter folders: an adapter no worker holds is loaded from the folder of its "
+        "name when a request asks for it (vLLM's filesystem LoRA resolver); unset: never"))
     profile_prefill: bool = field(default_factory=envs.PROFILE_PREFILL.get, metadata=_help(
         "record a torch profiler trace of the first --profile-steps prefill steps (a step with any prompt "
         "chunk) into --profile-dir, for https://ui.perfetto.dev (SGLang's flag)"))

@@ -13,25 +13,30 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine.lora.expert_adapter import EXPERT_KEY, EXPERT_PARAMETERS, ExpertLoraWeights, split_experts
 from engine.models.config import ModelConfig
 
 # PEFT's module names, in the order the fused projections concatenate them (engine.models.decoder:
 # q/k/v into one matrix, gate/up into another).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+# DeepSeek's multi-head latent attention: q_proj, or q_a_proj -> norm -> q_b_proj; kv_a_proj_with_mqa
+# (the latent and rope key); o_proj. kv_b_proj is absorbed into per-head query and value maps
+# (engine.models.mla), which a per-row adapter delta does not reach: refused, naming that.
+MLA_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + MLA_MODULES[1:4]
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])\.weight$")
 
 
-# A MoE layer's routed or shared experts (per-expert modules, or PEFT's fused-parameter wrappers).
+# A MoE layer's shared experts or per-expert modules (routed experts' fused parameters are EXPERT_KEY).
 _EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.((?:shared_)?experts?)\b")
 
 
@@ -59,6 +64,8 @@ class LoraAdapter:
     target_modules: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     digest: str = ""  # of its files: names its K/V in page hashes (a reloaded name may be other weights)
+    # (routed layer, "gate_up_proj" or "down_proj") -> every expert's A and B (engine.lora.expert_adapter)
+    experts: dict[tuple[int, str], ExpertLoraWeights] = field(default_factory=dict)
 
     @property
     def cache_key(self) -> str:
@@ -69,16 +76,35 @@ class LoraAdapter:
 # Under tensor parallelism (engine.tp.shard) these split their output features (B's rows) across
 # ranks, the others (o_proj, down_proj) their input features (A's columns; the base layer's all-reduce
 # then sums the partial deltas with the partial outputs).
-COLUMN_PARALLEL_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+COLUMN_PARALLEL_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj"))
+# MLA's down-projections, whole on every rank (engine.models.mla).
+REPLICATED_MODULES = frozenset(("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+def attention_modules(config: ModelConfig) -> tuple[str, ...]:
+    """The PEFT names of the model's attention projections that adapters may target."""
+    if config.mla is None:
+        return ATTENTION_MODULES
+    if config.mla.q_lora_rank is None:
+        return ("q_proj", "kv_a_proj_with_mqa", "o_proj")
+    return ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 def module_shape(config: ModelConfig, module: str, tp_size: int = 1) -> tuple[int, int]:
     """(out_features, in_features) of a projection of the base model, on one of `tp_size` ranks."""
     hidden, width = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    out_features, in_features = {
-        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-        "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}[module]
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+              "gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    if config.mla is not None:
+        mla = config.mla
+        q_rows, q_rank = config.num_heads * mla.qk_head_dim, mla.q_lora_rank or 0
+        shapes.update(q_proj=(q_rows, hidden), q_a_proj=(q_rank, hidden), q_b_proj=(q_rows, q_rank),
+                      kv_a_proj_with_mqa=(mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
+                      o_proj=(hidden, config.num_heads * mla.v_head_dim))
+    out_features, in_features = shapes[module]
+    if module in REPLICATED_MODULES:
+        return out_features, in_features
     if module in COLUMN_PARALLEL_MODULES:
         return out_features // tp_size, in_features
     return out_features, in_features // tp_size
@@ -92,9 +118,6 @@ def dense_mlp_layers(config: ModelConfig) -> set[int]:
 
 def check_servable(config: ModelConfig) -> None:
     """Refuse --enable-lora on a model whose projections the LoRA wrappers do not cover."""
-    if config.mla is not None:
-        raise LoraLoadError(f"LoRA is not supported on {config.architecture}: its multi-head latent "
-                            "attention has no q/k/v/o projections to adapt")
     if config.is_multimodal:
         raise LoraLoadError(f"LoRA is not supported on vision-language models ({config.architecture}) yet")
 
@@ -119,12 +142,18 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         raise LoraLoadError(f"LoRA adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
     _check_patterns(name, peft, weights_file)
-    weights = _read_weights(name, weights_file, config, rank)
-    targets = frozenset(module for _, module in weights)
+    weights, experts = _read_weights(name, weights_file, config, rank, peft)
+    for (layer, parameter), pair in sorted(experts.items()):
+        if pair.a.shape[1] > max_rank:
+            raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} mlp.experts.{parameter} has rank "
+                                f"{pair.a.shape[1]}, over --max-lora-rank {max_rank}")
+    targets = frozenset(module for _, module in weights).union(
+        *(EXPERT_PARAMETERS[parameter] for _, parameter in experts))
     for module in sorted(targets - allowed_modules):
         raise LoraLoadError(f"LoRA adapter {name!r} targets {module}, which --lora-target-modules "
                             f"({', '.join(sorted(allowed_modules))}) leaves out")
-    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file))
+    return LoraAdapter(name, str(folder), rank, scaling, targets, weights, _digest(config_file, weights_file),
+                       experts)
 
 
 def _digest(*files: Path) -> str:
@@ -149,13 +178,15 @@ def _check_peft_options(name: str, peft: dict) -> None:
                             "weights, which a shared base cannot do")
     if peft.get("fan_in_fan_out"):
         raise LoraLoadError(f"LoRA adapter {name!r}: fan_in_fan_out (Conv1D bases) is not supported")
-    if peft.get("target_parameters"):
-        # PEFT's way to adapt weights that are parameters, not Linear modules: a MoE model's fused
-        # expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
-        targets = sorted(peft["target_parameters"])  # PEFT saves them in no fixed order
-        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {targets} (LoRA on "
-                            "fused parameters such as routed experts' weights) is not supported; adapters "
-                            "may target the attention projections and dense MLPs")
+    # PEFT's way to adapt weights that are parameters, not Linear modules: served for a MoE model's
+    # fused expert tensors (mlp.experts.gate_up_proj, ...), one rank block per expert
+    targets = sorted(peft.get("target_parameters") or [])  # PEFT saves them in no fixed order
+    # `gate_up_proj`, or a dotted name whose module is a layer's `experts`
+    others = [t for t in targets if t.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS
+              or "." in t and t.rsplit(".", 2)[-2] != "experts"]
+    if others:
+        raise LoraLoadError(f"LoRA adapter {name!r}: target_parameters {others} (LoRA on fused parameters "
+                            "other than routed experts' gate_up_proj and down_proj) is not supported")
 
 
 def _check_patterns(name: str, peft: dict, file: Path) -> None:
@@ -179,22 +210,35 @@ def _check_patterns(name: str, peft: dict, file: Path) -> None:
                                 f"rank or alpha for {hit}; per-module ranks and alphas are not supported")
 
 
-def _read_weights(name: str, file: Path, config: ModelConfig,
-                  rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _read_weights(name: str, file: Path, config: ModelConfig, rank: int, peft: dict) -> tuple[
+        dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dict[tuple[int, str], ExpertLoraWeights]]:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    expert_halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, wrapper depth)
     dense_mlp = dense_mlp_layers(config)
+    attention = attention_modules(config)
     with safe_open(str(file), framework="pt") as tensors:
         for key in tensors.keys():
+            routed = EXPERT_KEY.match(key)
+            if routed is not None:
+                wrapper = expert_halves.setdefault((int(routed[1]), routed[2]), {})
+                wrapper[routed[3]] = tensors.get_tensor(key).float()
+                continue
             expert = _EXPERT_KEY.match(key)
             if expert is not None:
                 raise LoraLoadError(f"LoRA adapter {name!r} targets mlp.{expert[2]} of layer {expert[1]} "
-                                    f"(weight {key}): LoRA on MoE experts is not supported")
+                                    f"(weight {key}): LoRA on shared experts or per-expert modules is not "
+                                    "supported (routed experts' fused parameters are)")
             match = _KEY.match(key)
             if match is None:
                 raise LoraLoadError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A/B matrix of a "
                                     f"decoder layer's projection ({', '.join(SUPPORTED_MODULES)})")
             layer, block, module, half = int(match[1]), match[2], match[3], match[4]
-            if module not in SUPPORTED_MODULES or (block == "self_attn") != (module in ATTENTION_MODULES):
+            if block == "self_attn" and module == "kv_b_proj" and config.mla is not None:
+                raise LoraLoadError(f"LoRA adapter {name!r} targets self_attn.kv_b_proj (weight {key}): "
+                                    "multi-head latent attention absorbs it into per-head query and value "
+                                    "maps, which per-row adapters do not reach; adapt q_a/q_b_proj, "
+                                    "kv_a_proj_with_mqa or o_proj")
+            if module not in (attention if block == "self_attn" else MLP_MODULES):
                 raise LoraLoadError(f"LoRA adapter {name!r} targets {block}.{module}, which "
                                     f"{config.architecture} does not have (weight {key})")
             if layer >= config.num_layers:
@@ -218,9 +262,16 @@ def _read_weights(name: str, file: Path, config: ModelConfig,
                 f"this model needs A ({rank}, {in_features}) and B ({out_features}, {rank}) "
                 "(an adapter of another base model?)")
         weights[(layer, module)] = (a, b)
-    if not weights:
+    experts: dict[tuple[int, str], ExpertLoraWeights] = {}
+    for (layer, _), pair_halves in sorted(expert_halves.items()):
+        parameter, expert_weights = split_experts(name, layer, pair_halves, config, peft, LoraLoadError)
+        if (layer, parameter) in experts:
+            raise LoraLoadError(f"LoRA adapter {name!r}: layer {layer} mlp.experts.{parameter} is adapted "
+                                "twice")
+        experts[(layer, parameter)] = expert_weights
+    if not weights and not experts:
         raise LoraLoadError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
-    return weights
+    return weights, experts
 
 
 def parse_lora_paths(values: tuple[str, ...]) -> dict[str, str]:

@@ -1,10 +1,12 @@
-"""A decoder projection with LoRA: the base `Linear`'s output plus each row's adapter delta."""
+"""A decoder projection with LoRA: the base `Linear`'s output plus each row's adapter delta (and
+the routed experts' hook, engine.lora.experts)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.lora.slots import LoraSlots, ProjectionLora
+from engine.lora.experts import wrap_experts
+from engine.lora.slots import MLA_PROJECTIONS, LoraSlots, ProjectionLora
 from engine.models.decoder import DecoderModel
 from engine.models.linear import Linear
 
@@ -37,3 +39,14 @@ def wrap_model(model: DecoderModel, slots: LoraSlots) -> None:
             base = getattr(layer, name)
             if lora is not None and base is not None:
                 setattr(layer, name, LoraLinear(base, slots, lora))
+        if layer.mla is not None:
+            for name in MLA_PROJECTIONS:
+                lora = slots.projections.get((index, name))
+                base = getattr(layer.mla, name)
+                if lora is not None and base is not None:
+                    setattr(layer.mla, name, LoraLinear(base, slots, lora))
+        if layer.moe is not None and any((index, name) in slots.expert_pools for name in ("gate_up", "down")):
+            if layer.moe.ep is not None:  # expert parallelism: no expert adapters (register refuses them)
+                slots.expert_pools.clear()
+            else:
+                wrap_experts(layer.moe, slots, index)

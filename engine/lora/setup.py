@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engine.config import EngineConfig
@@ -27,9 +29,13 @@ def target_modules(config: EngineConfig) -> frozenset[str]:
 
 def check_lora_flags(config: EngineConfig) -> None:
     if not config.enable_lora:
-        if config.lora_paths:
-            raise ValueError("--lora-paths needs --enable-lora")
+        flags = (("--lora-paths", config.lora_paths), ("--lora-resolver-dir", config.lora_resolver_dir))
+        for flag, value in flags:
+            if value:
+                raise ValueError(f"{flag} needs --enable-lora")
         return
+    if config.lora_resolver_dir and not Path(config.lora_resolver_dir).is_dir():
+        raise ValueError(f"--lora-resolver-dir {config.lora_resolver_dir}: not a directory")
     if config.pp_size > 1 or config.enable_dp_attention:
         raise ValueError("--enable-lora runs on one pipeline stage without DP attention for now "
                          "(--pp-size 1; --tp-size N shards the adapters like their base layers)")
@@ -47,6 +53,7 @@ def attach_lora(config: EngineConfig, model_config: ModelConfig, model: DecoderM
     check_servable(model_config)
     slots = LoraSlots(model_config, config.max_loras_per_batch, config.max_lora_rank, target_modules(config),
                       dtype, device, cpu_kernel=config.cpu_kernels != "off", shard=shard)
+    slots.resolver_dir = config.lora_resolver_dir
     for name, path in parse_lora_paths(config.lora_paths).items():
         slots.register(load_adapter(name, path, model_config, config.max_lora_rank, slots.target_modules))
     wrap_model(model, slots)

@@ -26,12 +26,14 @@ import torch
 
 from engine.lora.adapter import (
     COLUMN_PARALLEL_MODULES,
+    REPLICATED_MODULES,
     LoraAdapter,
     LoraLoadError,
     dense_mlp_layers,
     load_adapter,
     module_shape,
 )
+from engine.lora.experts import EXPERT_PROJECTIONS, ExpertProjectionLora, allocate_expert_pools
 from engine.lora.ops import lora_delta, slot_mask
 from engine.models.config import ModelConfig
 from engine.tp.shard import TPShard
@@ -40,6 +42,16 @@ from kernels import cpu_kernels, ops
 # Each of the decoder's projections and the PEFT modules fused in it, in the order of its rows.
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# An MLA layer's attention projections (attributes of engine.models.mla.MLAAttention) instead of qkv/o_proj.
+MLA_PROJECTIONS = {"q_proj": ("q_proj",), "q_a_proj": ("q_a_proj",), "q_b_proj": ("q_b_proj",),
+                   "kv_a_proj": ("kv_a_proj_with_mqa",), "o_proj": ("o_proj",)}
+
+
+def projections_of(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The wrapped projections of a layer of `config` and the PEFT modules fused in each."""
+    if config.mla is None:
+        return PROJECTIONS
+    return {**MLA_PROJECTIONS, "gate_up": PROJECTIONS["gate_up"], "down": PROJECTIONS["down"]}
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class ProjectionLora:
             if pair is None:
                 continue
             a, b = pair
-            if shard is not None:
+            if shard is not None and module not in REPLICATED_MODULES:
                 a, b = (a, shard.rows(b)) if module in COLUMN_PARALLEL_MODULES else (shard.columns(a), b)
             first = slot * self.width + index * max_rank
             self.a[first:first + a.shape[0]] = a.to(self.a.dtype)
@@ -113,18 +125,25 @@ class LoraSlots:
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(num_slots, dtype=torch.long, device=device)  # 0: an empty slot
         self.projections: dict[tuple[int, str], ProjectionLora] = self._allocate()
+        # routed experts (engine.lora.experts): on one rank only for now
+        self.expert_pools: dict[tuple[int, str], ExpertProjectionLora] = (
+            allocate_expert_pools(self) if shard is None or shard.size == 1 else {})
         self.row_slots: torch.Tensor | None = None  # this step's, None when no row has an adapter
         self._masks: dict[int, torch.Tensor] = {}
         self.lock = threading.Lock()
+        self.resolver_dir = ""  # --lora-resolver-dir: where adapters are loaded from on demand
 
     def _allocate(self) -> dict[tuple[int, str], ProjectionLora]:
         pools = {}
         dense_mlp = dense_mlp_layers(self.config)
         tp_size = self.shard.size if self.shard is not None else 1
         for layer in range(self.config.num_layers):
-            for name, modules in PROJECTIONS.items():
+            for name, modules in projections_of(self.config).items():
                 if not self.target_modules.intersection(modules):
                     continue
+                if self.config.mla is not None and name in MLA_PROJECTIONS and (
+                        (name == "q_proj") != (self.config.mla.q_lora_rank is None)):
+                    continue  # q_proj alone, or q_a_proj and q_b_proj
                 if modules[0] in ("gate_proj", "down_proj") and layer not in dense_mlp:
                     continue
                 shapes = [module_shape(self.config, m, tp_size) for m in modules]
@@ -139,6 +158,9 @@ class LoraSlots:
 
     # ---- registry (serving threads) -------------------------------------------------------------
     def register(self, adapter: LoraAdapter) -> None:
+        if adapter.experts and not self.expert_pools:
+            raise LoraLoadError(f"LoRA adapter {adapter.name!r} adapts routed experts, which this worker "
+                                "serves only without tensor or expert parallelism (--tp-size 1, --ep-size 1)")
         with self.lock:
             if adapter.name in self.adapters:
                 raise LoraLoadError(f"a LoRA adapter named {adapter.name!r} is already loaded")
@@ -206,6 +228,8 @@ class LoraSlots:
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         for (layer, _), projection in self.projections.items():
             projection.fill(slot, adapter, layer, self.max_rank, self.shard)
+        for (layer, name), experts in self.expert_pools.items():
+            experts.fill(slot, adapter, layer, EXPERT_PROJECTIONS[name], self.max_rank)
         self.scales[slot] = adapter.scaling
         self.ranks[slot] = adapter.rank
         self.slot_names[slot] = adapter.name

@@ -44,13 +44,19 @@ counts stay whole on rank 0), then sends the pairs of its slice of the rows to t
 and sums what comes back; the result is this rank's partial output like any other, zero outside
 its slice, and the decoder's all-reduce completes it. Shared experts stay column-split over TP.
 
+LoRA (engine.lora.experts): a block may carry `adapters`, which add each row's adapter delta to
+every expert's gate_up and down outputs; with adapter rows in the step the experts run on the torch
+path above, the adapter's rows grouped with their expert's like any other.
+
 Expert load: each block counts its (token, expert) pairs per expert with one `bincount` on the
 ids it computes anyway; `expert_load` sums them over layers for the worker's metrics.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +154,20 @@ class ExpertLoad:
     a2a_received_bytes: int = 0
 
 
+# Adds LoRA deltas in place: (expert, "gate_up" or "down", first row of the expert's run among the
+# pairs, the projection's input rows, its output rows).
+ExpertDelta = Callable[[int, str, int, torch.Tensor, torch.Tensor], None]
+
+
+class ExpertAdapters(Protocol):
+    """Per-row LoRA on a block's routed experts (engine.lora.experts.ExpertLoraHook)."""
+
+    def bind(self, pair_rows: torch.Tensor) -> ExpertDelta | None:
+        """The delta for this step's (token, expert) pairs, `pair_rows` [P] the token row of each pair
+        in expert-sorted order; None when no row of the step has an adapter."""
+        ...
+
+
 class MoEBlock:
     """One layer's mixture-of-experts MLP; __call__ returns this rank's partial output [T, hidden]."""
 
@@ -166,6 +186,7 @@ class MoEBlock:
             raise ValueError("MoEBlock needs either per-expert Linears or stacked expert weights")
         self.shared = shared
         self.ep = ep
+        self.adapters: ExpertAdapters | None = None  # LoRA on the routed experts (per-expert Linears only)
         self.routed_tokens = torch.zeros(config.num_experts, dtype=torch.int64)  # since load
         self.last_routed = torch.zeros(config.num_experts, dtype=torch.int64)  # in the last call
 
@@ -221,7 +242,7 @@ class MoEBlock:
         elif self.stacked is not None:
             out = cpu_kernels.moe_experts(x.contiguous(), ids, weights, *self.stacked)
         else:
-            out = routed_experts_torch(x, ids, weights, self._expert_linears(), counts)
+            out = routed_experts_torch(x, ids, weights, self._expert_linears(), counts, self.adapters)
         if self.shared is not None:
             gate_up, down = self.shared
             out += down(_silu_mul(gate_up(x)))
@@ -245,14 +266,17 @@ class MoEBlock:
 
 
 def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                         experts: list[tuple[Linear, Linear]], counts: torch.Tensor) -> torch.Tensor:
+                         experts: list[tuple[Linear, Linear]], counts: torch.Tensor,
+                         adapters: ExpertAdapters | None = None) -> torch.Tensor:
     """The routed experts' summed output [T, hidden] in torch ops (the reference of the C++ op);
     `counts` [E] is the bincount of `ids`."""
     top_k = ids.shape[1]
     order = torch.argsort(ids.reshape(-1), stable=True)  # (token, expert) pairs grouped by expert
     rows_of_pairs = order // top_k
     inputs = x[rows_of_pairs]  # one gather; each expert's rows are a slice of it
-    weighted = (run_grouped_experts(experts, inputs, counts) * weights.reshape(-1, 1)[order]).to(x.dtype)
+    delta = adapters.bind(rows_of_pairs) if adapters is not None else None
+    grouped = run_grouped_experts(experts, inputs, counts, delta)
+    weighted = (grouped * weights.reshape(-1, 1)[order]).to(x.dtype)
     # One index_add_ adds a token's pairs in their (expert-sorted) order: in fp32 bit for bit what
     # transformers' loop of one index_add_ per expert gives (in bf16 equal to rounding), and
     # at 16 decode tokens 1.7x faster than that loop (small-moe, one layer: 1.46 against 2.45 ms).
@@ -260,14 +284,24 @@ def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
 
 def run_grouped_experts(experts: list[tuple[Linear, Linear]], rows: torch.Tensor,
-                        counts: torch.Tensor) -> torch.Tensor:
+                        counts: torch.Tensor, delta: ExpertDelta | None = None) -> torch.Tensor:
     """Each expert once on its run of `rows` (grouped by expert: `counts[e]` rows for expert e, in
-    order), unweighted outputs in the same row order (a Python loop over experts, never tokens)."""
+    order), unweighted outputs in the same row order (a Python loop over experts, never tokens);
+    `delta` adds the rows' LoRA deltas to each projection."""
     outputs, start = [], 0
     for expert, n in enumerate(counts.tolist()):
         if n:
             gate_up, down = experts[expert]
-            outputs.append(down(_silu_mul(gate_up(rows[start:start + n]))))
+            if delta is None:
+                outputs.append(down(_silu_mul(gate_up(rows[start:start + n]))))
+            else:
+                run = rows[start:start + n]
+                projected = gate_up(run)
+                delta(expert, "gate_up", start, run, projected)
+                hidden = _silu_mul(projected)
+                out = down(hidden)
+                delta(expert, "down", start, hidden, out)
+                outputs.append(out)
             start += n
     return torch.cat(outputs) if outputs else rows.new_empty(rows.shape)
 

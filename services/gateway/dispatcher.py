@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -46,7 +46,7 @@ from services.gateway.errors import GatewayError, status_for_grpc
 from services.gateway.image_wire import generate_call
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ContinuationText, Delivered, continuation_sampling
-from services.gateway.workers import NoWorkersError, Route, Router, WorkerHandle
+from services.gateway.workers import NoWorkersError, Route, Router, UnknownAdapterError, WorkerHandle
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -151,6 +151,8 @@ class Dispatcher:
         self.synced = synced  # set once the registry view is complete; None without a registry
         self.tokenizer = tokenizer  # makes a migrated continuation's text (migration.py)
         self._background: set[asyncio.Task] = set()
+        # Loads an adapter no route holds (lora_on_demand.py), True once routes hold it; None: never.
+        self.adapter_loader: Callable[[str], Awaitable[bool]] | None = None
 
     async def generate(self, room: str, model: str, prompt_token_ids: Sequence[int],
                        sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),
@@ -226,7 +228,7 @@ class Dispatcher:
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
                 began = time.perf_counter()
-                route = self.router.pick(model, prompt_token_ids, exclude, lora)
+                route = await self._pick(model, prompt_token_ids, exclude, lora)
                 self.metrics.routing_decision.observe(time.perf_counter() - began)
             except NoWorkersError as exc:
                 if last_failure is None:
@@ -260,6 +262,16 @@ class Dispatcher:
                 self.metrics.retries.labels(reason=failure.reason).inc()
                 await asyncio.sleep(backoff_s)
                 backoff_s *= 2
+
+    async def _pick(self, model: str, prompt_token_ids: Sequence[int], exclude: set[str],
+                    lora: str | None) -> Route:
+        """Router.pick, loading the adapter on demand when no route holds it (then 404 as before)."""
+        try:
+            return self.router.pick(model, prompt_token_ids, exclude, lora)
+        except UnknownAdapterError:
+            if lora is None or self.adapter_loader is None or not await self.adapter_loader(lora):
+                raise
+            return self.router.pick(model, prompt_token_ids, exclude, lora)
 
     async def _attempt(self, room: str, route: Route, prompt_token_ids: Sequence[int],
                        sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (),

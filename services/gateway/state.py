@@ -11,6 +11,7 @@ from services.gateway.config import GatewayConfig, StaticWorker
 from services.gateway.discovery import HealthProber, RegistryDiscovery, WorkerCheck, add_static_workers
 from services.gateway.dispatcher import Dispatcher, DispatchSettings
 from services.gateway.kv_events import KvEventSubscriptions
+from services.gateway.lora_on_demand import OnDemandAdapters
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.policies import make_policy
 from services.gateway.prompts import ModelFiles
@@ -94,6 +95,8 @@ def build_state(config: GatewayConfig, static_workers: Sequence[StaticWorker] = 
         first_token_timeout_s=config.first_token_timeout, abort_timeout_s=config.abort_timeout,
         migration_limit=config.migration_limit),
         synced=discovery.synced if discovery is not None else None, tokenizer=model_files.tokenizer)
+    if config.enable_lora:
+        dispatcher.adapter_loader = OnDemandAdapters(pool, model_name).load
     prober = HealthProber(pool, interval_s=max(0.05, min(1.0, config.breaker_cooldown)))
     # Only cache_aware reads the workers' KV events: other policies need no subscription.
     cache_aware = "cache_aware" in (config.prefill_policy_name, config.decode_policy_name)

@@ -11,6 +11,7 @@ import grpc
 
 from engine.api import EngineAPI
 from engine.lora.adapter import LoraLoadError, load_adapter
+from engine.lora.resolver import AdapterNotFound, resolve_adapter_folder
 from engine.lora.slots import LoraSlots
 from protos.v1 import common_pb2, worker_pb2
 from services.worker.wire import Refused
@@ -39,14 +40,24 @@ def served(engine: EngineAPI) -> worker_pb2.LoraAdapters:
 
 
 async def load(engine: EngineAPI, request: worker_pb2.LoadLoraAdapterRequest) -> worker_pb2.LoraAdapters:
-    """Read, check and register the adapter (reading runs off the event loop)."""
+    """Read, check and register the adapter (reading runs off the event loop). Without a path, the
+    adapter's folder in --lora-resolver-dir (the gateway's on-demand load: NOT_FOUND when it has none)."""
     slots = _slots(engine)
-    if not request.lora_name or not request.lora_path:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required")
+    if not request.lora_name:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "lora_name is required")
     if slots.has(request.lora_name):
         raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
+    path = request.lora_path
+    if not path:
+        if not slots.resolver_dir:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "lora_path is required (this worker has no --lora-resolver-dir)")
+        try:
+            path = str(resolve_adapter_folder(slots.resolver_dir, request.lora_name))
+        except AdapterNotFound as exc:
+            raise Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
     try:
-        adapter = await asyncio.to_thread(load_adapter, request.lora_name, request.lora_path,
+        adapter = await asyncio.to_thread(load_adapter, request.lora_name, path,
                                           engine.model_config, slots.max_rank, slots.target_modules)
         slots.register(adapter)
     except LoraLoadError as exc:

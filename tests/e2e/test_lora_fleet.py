@@ -11,6 +11,8 @@ every check:
   mlp16 request succeeds, none reaches it), answers 404 in vLLM's words when no route holds it (an
   adapter only decode-a holds included), lists what the fleet serves in /v1/models, and loads and
   unloads an adapter on every worker, routing to it as soon as the load answers;
+- a request for an adapter no worker holds makes the workers load it from their --lora-resolver-dir
+  (concurrent requests for it all served, one load), and a name outside that directory stays a 404;
 - a request whose decode is killed mid-stream continues on the other decode, with its adapter's
   weights: the text equals a fault-free run's.
 Afterwards every surviving worker's pages are idle."""
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import signal
 
 import grpc
@@ -59,15 +62,18 @@ def admin(worker: Proc, method: str, message) -> None:
 
 def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, tmp_path):
     adapters = {spec.name: write_adapter(tiny_model, tmp_path / spec.name, spec) for spec in SPECS}
+    resolver = tmp_path / "resolver"  # on demand: `ondemand` (qv4's files); qv4's own folder is outside
+    shutil.copytree(adapters["qv4"], resolver / "ondemand")
+    on_demand = ("--lora-resolver-dir", str(resolver))
     every = lora_flags(adapters, adapters)
     bootstrap = cluster.bootstrap()
     prefill, decode_a, decode_b, colocated = cluster.start_many([
         ("prefill", worker_args(tiny_model, "prefill", backend=BACKEND, bootstrap=bootstrap,
-                                extra=(*POOL, *every))),
+                                extra=(*POOL, *every, *on_demand))),
         ("decode-a", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap,
-                                 extra=(*POOL, *every))),
+                                 extra=(*POOL, *every, *on_demand))),
         ("decode-b", worker_args(tiny_model, "decode", backend=BACKEND, bootstrap=bootstrap,
-                                 extra=(*POOL, *lora_flags(adapters, ("qv4", "all8"))))),
+                                 extra=(*POOL, *lora_flags(adapters, ("qv4", "all8")), *on_demand))),
         ("colocated", worker_args(tiny_model, "null", extra=(*POOL, *every))),  # unregistered: not routed to
     ])
     gateway = cluster.start("gateway", ["launch-router", "--model-path", str(tiny_model), "--port", "0",
@@ -95,6 +101,7 @@ def test_adapters_across_a_registered_nixl_fleet(cluster: Cluster, tiny_model, t
         check_refusals(client, url, prefill, decode_a, decode_b, adapters, prompts[0])
         check_routing(client, url, decode_b, prompts, expected)
         check_load_and_unload(client, url, adapters["qv4"], prompts[0], expected[2])
+        check_on_demand(url, prompts[0], expected[2])
         check_migration(client, url, [decode_a, decode_b])
     assert_pages_idle(*(proc for proc in (prefill, decode_a, decode_b, colocated) if proc.alive()))
 
@@ -166,6 +173,25 @@ def check_load_and_unload(client: httpx.Client, url: str, qv4_path, prompt: list
     assert taken.status_code == 400 and taken.text.count("already loaded") == 3, taken.text  # names each
     assert client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
     assert client.post(f"{url}/generate", json=body).status_code == 404
+
+
+def check_on_demand(url: str, prompt: list[int], qv4_tokens: list[int]):
+    """Three requests at once for `ondemand`, which no worker holds: the gateway has every worker
+    load it from its --lora-resolver-dir and all three get qv4's tokens; `../qv4` (a real adapter
+    folder, outside the directory) is not found, in vLLM's words."""
+    body = {"input_ids": prompt, "lora_path": "ondemand",
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/generate", json=body) for _ in range(3)))
+
+    for answer in asyncio.run(together()):
+        assert answer.status_code == 200 and answer.json()["output_ids"] == qv4_tokens, answer.text
+    with httpx.Client(timeout=60) as client:
+        assert "ondemand" in [m["id"] for m in client.get(f"{url}/v1/models").json()["data"]]
+        assert_unknown(client, url, "../qv4")
+        assert client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ondemand"}).status_code == 200
 
 
 def check_migration(client: httpx.Client, url: str, decodes: list[Proc]):

@@ -19,6 +19,7 @@ class AdapterSpec:
     alpha: float
     seed: int
     rslora: bool = False
+    parameters: tuple[str, ...] = ()  # PEFT's target_parameters (a MoE layer's fused expert tensors)
 
 
 # Three adapters of different ranks, targets and scalings (rsLoRA on one).
@@ -33,7 +34,8 @@ SPECS = (
 def _peft_model(base_dir: Path, spec: AdapterSpec):
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
-                        use_rslora=spec.rslora, lora_dropout=0.0)
+                        use_rslora=spec.rslora, lora_dropout=0.0,
+                        target_parameters=list(spec.parameters) or None)
     peft_model = get_peft_model(model, config)
     # PEFT starts B at zero (a no-op adapter): random A and B so the adapter changes the answers
     generator = torch.Generator().manual_seed(spec.seed)
