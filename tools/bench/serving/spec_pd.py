@@ -123,10 +123,11 @@ def spec_counters(deployment: deployments.Deployment) -> dict[str, float]:
     return {name: sum_samples(samples, name) or 0.0 for name in _SPEC_COUNTERS}
 
 
-def row_of(system: str, concurrency: int, payload: dict, drafted: dict[str, float]) -> dict:
+def row_of(system: str, concurrency: int, payload: dict, drafted: dict[str, float], run: int = 0) -> dict:
+    """`run`: the index in --concurrencies (a concurrency may be given twice, to see the noise)."""
     verifies = drafted["pdserve:spec_verify_rows_total"]
     accepted = drafted["pdserve:spec_accepted_tokens_total"]
-    return {"system": system, "concurrency": concurrency, "completed": payload["completed"],
+    return {"system": system, "run": run, "concurrency": concurrency, "completed": payload["completed"],
             "failed": payload["failed"], **{key: payload.get(key, 0.0) for key, _ in FIGURES},
             "drafted_tokens": int(drafted["pdserve:spec_drafted_tokens_total"]),
             "accepted_tokens": int(accepted),
@@ -134,14 +135,14 @@ def row_of(system: str, concurrency: int, payload: dict, drafted: dict[str, floa
 
 
 def ratio_rows(rows: list[dict]) -> list[dict]:
-    """Each system's figures over the baseline's at the same concurrency (None where the baseline is 0)."""
-    base = {r["concurrency"]: r for r in rows if r["system"] == BASELINE}
+    """Each system's figures over the baseline's in the same run (None where the baseline's is 0)."""
+    base = {r["run"]: r for r in rows if r["system"] == BASELINE}
     out = []
     for row in rows:
-        ref = base.get(row["concurrency"])
+        ref = base.get(row["run"])
         if row["system"] == BASELINE or ref is None:
             continue
-        out.append({"system": row["system"], "concurrency": row["concurrency"],
+        out.append({"system": row["system"], "run": row["run"], "concurrency": row["concurrency"],
                     **{key: row[key] / ref[key] if ref[key] else None for key, _ in FIGURES}})
     return out
 
@@ -151,7 +152,7 @@ def table(rows: list[dict], ratios: list[dict]) -> str:
     heads = [head for _, head in FIGURES]
     lines = ["| system | conc. | " + " | ".join(heads) + " | drafted | accepted | accept len |",
              "|---|---|" + "---|" * (len(heads) + 3)]
-    for r in sorted(rows, key=lambda r: (r["concurrency"], r["system"] != BASELINE, r["system"])):
+    for r in sorted(rows, key=lambda r: (r["run"], r["system"] != BASELINE, r["system"])):
         cells = [f"{r[key]:.1f}" for key, _ in FIGURES]
         accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
         lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(cells)
@@ -179,7 +180,7 @@ def _check(args: argparse.Namespace) -> tuple[list[System], list[int], list[int]
 
 def run_one(system: System, deployment: deployments.Deployment, concurrency: int,
             batch: tuple[RequestClass, list[datasets.Prompt]], warmup: list[datasets.Prompt],
-            args: argparse.Namespace) -> dict:
+            args: argparse.Namespace, run: int) -> dict:
     """One measured closed-loop run against `deployment`; its row (figures and the run's drafts)."""
     print(f"\n### {system.name} ({' '.join(system.worker_flags) or 'no speculation'}), "
           f"concurrency {concurrency}")
@@ -188,10 +189,10 @@ def run_one(system: System, deployment: deployments.Deployment, concurrency: int
                                   seed=args.seed, progress=not args.disable_tqdm)
     before = spec_counters(deployment)
     payload = benchmark([batch], settings, metrics.Slo(), output_dir=args.output_dir,
-                        tag=f"{system.name}-c{concurrency}", backend=f"pdserve pd {system.name}",
+                        tag=f"{system.name}-run{run}-c{concurrency}", backend=f"pdserve pd {system.name}",
                         request_rate=float("inf"), warmup=warmup)
     after = spec_counters(deployment)
-    return row_of(system.name, concurrency, payload, {k: after[k] - before[k] for k in _SPEC_COUNTERS})
+    return row_of(system.name, concurrency, payload, {k: after[k] - before[k] for k in _SPEC_COUNTERS}, run)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -222,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
                 warmup = warmup_prompts(prompts, concurrency, tokenizer, seed, as_text=False)
                 for system in systems if index % 2 == 0 else systems[::-1]:
                     rows.append(run_one(system, started[system.name], concurrency, (request_class, prompts),
-                                        warmup, args))
+                                        warmup, args, index))
     except NotReady as exc:
         print(f"pdserve bench serving-spec: a service did not start: {exc}\nlogs: {log_dir}", file=sys.stderr)
         return 1

@@ -58,13 +58,16 @@ def test_ratios_are_each_system_over_the_baseline_at_the_same_concurrency() -> N
             "pdserve:spec_verify_rows_total": 0.0}
     drafts = {"pdserve:spec_drafted_tokens_total": 40.0, "pdserve:spec_accepted_tokens_total": 30.0,
               "pdserve:spec_verify_rows_total": 10.0}
-    rows = [spec_pd.row_of(system, concurrency, _payload(scale), drafts if system == "ngram" else none)
-            for system, concurrency, scale in ((BASELINE, 1, 1.0), ("ngram", 1, 0.5), (BASELINE, 8, 2.0),
-                                               ("ngram", 8, 3.0))]
+    # runs 1 and 2 share a concurrency (--concurrencies 1,8,8): each pairs with its own baseline
+    rows = [spec_pd.row_of(system, concurrency, _payload(scale), drafts if system == "ngram" else none, run)
+            for run, system, concurrency, scale in ((0, BASELINE, 1, 1.0), (0, "ngram", 1, 0.5),
+                                                    (1, BASELINE, 8, 2.0), (1, "ngram", 8, 3.0),
+                                                    (2, "ngram", 8, 2.0), (2, BASELINE, 8, 4.0))]
     ratios = spec_pd.ratio_rows(rows)
-    assert [(r["system"], r["concurrency"]) for r in ratios] == [("ngram", 1), ("ngram", 8)]
-    assert all(r[key] == pytest.approx(0.5) for key, _ in FIGURES for r in ratios[:1])
-    assert all(r[key] == pytest.approx(1.5) for key, _ in FIGURES for r in ratios[1:])
+    assert [(r["system"], r["run"], r["concurrency"]) for r in ratios] == [("ngram", 0, 1), ("ngram", 1, 8),
+                                                                         ("ngram", 2, 8)]
+    for ratio, expected in zip(ratios, (0.5, 1.5, 0.5), strict=True):
+        assert all(ratio[key] == pytest.approx(expected) for key, _ in FIGURES)
     assert rows[1]["accept_len"] == pytest.approx(4.0) and rows[0]["accept_len"] is None
     text = spec_pd.table(rows, ratios)
     assert "| ngram | 1 | 0.50 |" in text and "| ngram | 8 | 1.50 |" in text
