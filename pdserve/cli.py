@@ -57,6 +57,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench prefix-cache": ("tools.bench.serving.prefix_cache",
                            "multi-turn chat with a shared system prompt: TTFT, prefill tokens, KV bytes, "
                            "cache off/on"),
+    "bench serving-spec": ("tools.bench.serving.spec_pd",
+                           "1 prefill + 1 decode with speculative decoding on and off: TPOT, ITL, tok/s"),
 }
 
 

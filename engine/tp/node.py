@@ -84,8 +84,10 @@ def run_node(config: EngineConfig, host: str) -> int:
         outcome.setdefault("result", (code, why))
         done.set()
 
+    # Rank 0 beats once the group has joined, which it gives --dist-timeout.
     heartbeat = HeartbeatWatch(beat_store, f"node {topology.node_rank}", ["tp rank 0"], NODE_LOST_AFTER_S,
-                               lambda why: finish(1, f"node 0 is lost: {why}"))
+                               lambda why: finish(1, f"node 0 is lost: {why}"),
+                               first_beat_timeout_s=config.dist_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: finish(0, f"got {signal.Signals(received).name}"))
     log.info("node %d of %d: ranks %d..%d of %s started, joining --dist-init-addr %s:%d, transfer engines "

@@ -149,9 +149,12 @@ class HeartbeatWatch:
     """
 
     def __init__(self, store: dist.Store, me: str, watched: list[str], timeout_s: float,
-                 on_lost: Callable[[str], None]) -> None:
+                 on_lost: Callable[[str], None], first_beat_timeout_s: float | None = None) -> None:
         self.store, self.me, self.watched = store, me, watched
         self.timeout_s, self.on_lost = timeout_s, on_lost
+        # A watched process that has never beaten may still be starting: rank 0 beats only once the
+        # group has joined, which on a loaded machine can take longer than `timeout_s`.
+        self.first_beat_timeout_s = max(timeout_s, first_beat_timeout_s or timeout_s)
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="pdserve-heartbeat", daemon=True).start()
 
@@ -168,10 +171,11 @@ class HeartbeatWatch:
             now = time.monotonic()
             for name, count in counts.items():
                 last, since = seen[name]
+                limit = self.timeout_s if count > 0 else self.first_beat_timeout_s
                 if count != last:
                     seen[name] = (count, now)
-                elif now - since > self.timeout_s and not self._stop.is_set():
-                    self.on_lost(f"{name} sent no heartbeat for {self.timeout_s:.0f}s")
+                elif now - since > limit and not self._stop.is_set():
+                    self.on_lost(f"{name} sent no heartbeat for {limit:.0f}s")
                     return
 
     def stop(self) -> None:

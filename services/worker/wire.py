@@ -195,18 +195,22 @@ def speculative_to_proto(config: SpeculativeConfig) -> worker_pb2.SpeculativeCon
         num_steps=config.speculative_num_steps or 0, eagle_topk=config.speculative_eagle_topk)
 
 
+# The draft model's folder is a path on the peer's host: it does not cross the wire (the handshake
+# compares SpeculativeConfig.agreed(), which leaves it out), yet a STANDALONE config needs one to be valid.
+PEER_DRAFT_MODEL = "(the peer's draft model)"
+
+
 def speculative_from_proto(message: worker_pb2.SpeculativeConfig) -> SpeculativeConfig:
-    """The peer's config (ValueError for one that is invalid here too, e.g. an unknown algorithm)."""
+    """The peer's config (ValueError for one that is invalid here too, e.g. an unknown algorithm);
+    a STANDALONE peer's draft model path is PEER_DRAFT_MODEL."""
     if not message.algorithm:
         return SpeculativeConfig()
-    # A STANDALONE peer's draft checkpoint is its own path, neither sent nor compared (each side
-    # loads its copy); a stand-in keeps the config valid, which needs one with STANDALONE.
-    draft_path = "(the peer's draft model)" if message.algorithm == "STANDALONE" else None
     return SpeculativeConfig(speculative_algorithm=message.algorithm,
                              speculative_num_draft_tokens=message.num_draft_tokens,
                              speculative_num_steps=message.num_steps or None,
                              speculative_eagle_topk=message.eagle_topk,
-                             speculative_draft_model_path=draft_path)
+                             speculative_draft_model_path=PEER_DRAFT_MODEL
+                             if message.algorithm == "STANDALONE" else None)
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:

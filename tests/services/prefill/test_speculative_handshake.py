@@ -27,6 +27,12 @@ CASES = {
     "prefill-only": (NGRAM, SpeculativeConfig(), "speculative_algorithm: 'NGRAM' vs None"),
     "draft-tokens": (NGRAM, SpeculativeConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3),
                      "speculative_num_draft_tokens: 5 vs 3"),
+    # a draft model's path is its host's own: not compared, yet the peer's STANDALONE config must parse
+    "standalone-draft-tokens": (
+        SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="/p/draft"),
+        SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d/draft",
+                          speculative_num_draft_tokens=3),
+        "speculative_num_draft_tokens: 5 vs 3"),
 }
 
 
@@ -41,6 +47,15 @@ def test_config_round_trips_through_the_wire() -> None:
     for config in (SpeculativeConfig(), NGRAM,
                    SpeculativeConfig(speculative_algorithm="NGRAM", speculative_num_steps=2)):
         assert speculative_from_proto(speculative_to_proto(config)) == config
+
+
+def test_a_standalone_peer_agrees_whatever_its_draft_models_path() -> None:
+    # Each side names its draft model by a path on its own host; only the agreed settings cross the wire.
+    mine, theirs = (SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+                    for path in ("/prefill/draft", "/decode/draft"))
+    assert mine.differences(speculative_from_proto(speculative_to_proto(theirs))) == []
+    assert NGRAM.differences(speculative_from_proto(speculative_to_proto(theirs))) == [
+        "speculative_algorithm: 'NGRAM' vs 'STANDALONE'"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -69,12 +84,3 @@ async def test_prefill_refuses_a_decode_with_another_draft_config_naming_the_fie
     details = refused.value.details()
     assert "speculative decoding config mismatch (prefill vs decode)" in details and named in details, details
     assert engine.stats().used_pages == 0 and not backend.sent
-
-
-def test_a_standalone_decode_agrees_with_a_standalone_prefill_whatever_its_draft_path() -> None:
-    # the draft checkpoint's path is each side's own: it is neither sent nor compared
-    def standalone(path: str) -> SpeculativeConfig:
-        return SpeculativeConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
-    decode = speculative_from_proto(speculative_to_proto(standalone("/decode/draft")))
-    assert standalone("/prefill/draft").differences(decode) == []
-    assert NGRAM.differences(decode) == ["speculative_algorithm: 'NGRAM' vs 'STANDALONE'"]

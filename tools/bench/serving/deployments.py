@@ -36,6 +36,9 @@ class WorkerSettings:
     chunked_prefill_size: int = EngineConfig.chunked_prefill_size  # the worker defaults
     local_prefill_max_tokens: int = LocalPrefillRule.max_tokens
     ready_timeout_s: float = 300.0
+    # Added to every worker's launch-server line, e.g. the speculative flags (prefill and decode must
+    # agree on them: the handshake refuses a pair whose draft configs differ).
+    worker_flags: tuple[str, ...] = ()
 
 
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
@@ -77,7 +80,7 @@ def _worker_args(settings: WorkerSettings, mode: str, threads: int, extra: tuple
             "--metrics-port", "0", "--num-threads", str(threads), "--dtype", settings.dtype,
             "--num-pages", str(settings.num_pages),
             "--chunked-prefill-size", str(settings.chunked_prefill_size),
-            "--decode-log-interval", "0", *extra]
+            "--decode-log-interval", "0", *extra, *settings.worker_flags]
 
 
 def _gateway_args(settings: WorkerSettings, workers: list[str]) -> list[str]:
