@@ -2,7 +2,8 @@
 
 Client mistakes are 4xx, never 500: FastAPI's 422 for a body that fails validation becomes 400,
 malformed JSON is 400, an unknown route 404. Worker-side gRPC statuses map through
-`status_for_grpc`: INVALID_ARGUMENT (the worker rejected the request) is the client's 400.
+`status_for_grpc`: INVALID_ARGUMENT (the worker rejected the request) is the client's 400; a prefill
+and a decode that refuse each other (FAILED_PRECONDITION) a named 503; only an unknown status is a 500.
 
 Error bodies are encoded so that nothing a client sent can break them (a lone surrogate in a
 message becomes "?"). A gateway bug answers 500 without dropping the keep-alive connection
@@ -87,6 +88,9 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "worker_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (503, "cancelled"),
+    # A prefill and a decode that disagree (KV layout, transfer backend, draft config, adapter files):
+    # the deployment's fault, not the client's, and the details name the field.
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "workers_disagree"),
 }
 
 
