@@ -25,7 +25,7 @@ class SpeculativeConfig:
         "greedy requests speculate, sampled ones decode a token per step), STANDALONE (a draft model, "
         "--speculative-draft-model-path; sampled requests too, by rejection sampling) or NEXTN "
         "(DeepSeek-V3's MTP layer, stored in the checkpoint after its last layer, run once per draft; "
-        "greedy requests speculate); unset = off"))
+        "sampled requests too, by rejection sampling); unset = off"))
     speculative_draft_model_path: str | None = field(default=None, metadata=_help(
         "STANDALONE: the draft model's HF checkpoint folder (the target's vocabulary; its own KV pages)"))
     speculative_num_steps: int | None = field(default=None, metadata=_help(

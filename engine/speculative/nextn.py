@@ -10,9 +10,15 @@ t_{i+1}, so it runs one step behind the target:
    A verify chunk's rows past what it accepted are dropped by `trim` (Speculator.settle).
 2. `propose` (before the next forward) runs, for the requests that draft, one catch-up forward of
    the MTP layer over those positions (their tokens are the next ones, all known by then); its last
-   row's argmax is the first draft, and each further draft is one MTP step on the previous draft
-   with the MTP's own output as the hidden state. The drafts' K/V at positions past the target's
-   is overwritten by the next catch-up.
+   row gives the first draft, and each further draft is one MTP step on the previous draft with
+   the MTP's own output as the hidden state. The drafts' K/V at positions past the target's is
+   overwritten by the next catch-up. A greedy request's drafts are the argmax; a sampled one's are
+   drawn from the MTP's distribution under the request's sampling params, which come back with them
+   for rejection sampling (engine.speculative.rejection).
+
+While the engine does not draft (a drafter it found poor: engine.speculative.adaptive), a request
+keeps only its newest `max_held` hidden states: the positions it drops keep stale MTP K/V (as after
+a prefix-cache hit, below), so a probe's catch-up stays short instead of covering every step since.
 
 A request whose pages came with K/V this drafter did not write (a prefix-cache hit, a PD transfer)
 starts at the first position the target computes for it; the MTP K/V of the earlier positions is
@@ -30,10 +36,23 @@ from engine.model_runner import ModelRunner
 from engine.models.decoder import DecoderModel
 from engine.models.mtp import MTPLayer
 from engine.page_manager import PageManager
+from engine.sampling import SamplingParams, sampling_probs
 from engine.scheduler import Request, ScheduledChunk, SchedulerOutput
+from engine.speculative.draft_model import Drafts
 from engine.speculative.nextn_ranks import MTPDriverRunner
 from engine.tp.group import TPGroup
 from libkv.pool import KVPool
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A decoding request that may draft up to `most` tokens, drawn under `params` (argmax when
+    greedy) with `generator` (a seeded request's draft stream)."""
+
+    request: Request
+    most: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -63,7 +82,8 @@ class NextNDrafter:
             runner if group is None else MTPDriverRunner(runner, mtp, group)
         target.keep_normed_hidden = True
         self._sequences: dict[str, _Sequence] = {}
-        self._untracked: set[str] = set()  # requests that never draft (sampled, penalized, ...)
+        self._untracked: set[str] = set()  # requests that never draft (penalized, logprobs, ...)
+        self.max_held: int | None = None  # hidden states kept per request (None: all; see above)
 
     def observe(self, batch: SchedulerOutput) -> None:
         """After the target's forward over `batch` (before the scheduler advances it): keep each
@@ -86,6 +106,10 @@ class NextNDrafter:
             else:
                 kept = sequence.hidden[:start - sequence.done]
                 sequence.hidden = torch.cat([kept, rows])
+            sequence = self._sequences[chunk.room]
+            if self.max_held is not None and sequence.hidden.shape[0] > self.max_held:
+                dropped = sequence.hidden.shape[0] - self.max_held
+                sequence.done, sequence.hidden = sequence.done + dropped, sequence.hidden[dropped:]
 
     def trim(self, request: Request) -> None:
         """Forget hidden states past the request's computed positions (a verify's rejected drafts)."""
@@ -124,46 +148,65 @@ class NextNDrafter:
             self.mtp.hidden_in = torch.cat(hidden)
             self.runner.step(SchedulerOutput(extends=chunks))
 
-    def propose(self, wanted: list[tuple[Request, int]], keep_free: int) -> dict[str, list[int]]:
-        """Drafts for each (decoding request, most drafts): `most` argmax drafts, or none where the
-        request holds no new hidden state or its pages cannot grow for the verify."""
-        ready: list[tuple[Request, int, _Sequence]] = []
-        for request, most in wanted:
+    def propose(self, wanted: list[DraftRequest], keep_free: int) -> dict[str, Drafts]:
+        """Drafts for each decoding request (up to its `most`), or none where the request holds no new
+        hidden state or its pages cannot grow for the verify."""
+        ready: list[tuple[DraftRequest, _Sequence]] = []
+        for item in wanted:
+            request, most = item.request, item.most
             sequence = self._sequences.get(request.room)
             if most <= 0 or sequence is None or sequence.hidden.shape[0] == 0 or \
                     sequence.held_until != request.num_computed:
                 continue
             # the verify's pages (the drafts' MTP K/V lies within them)
             if self.pages.grow(request.page_ids, request.num_tokens + most, keep_free=keep_free):
-                ready.append((request, most, sequence))
+                ready.append((item, sequence))
         if not ready:
             return {}
         # catch-up: each request's MTP K/V up to its newest token; its last row gives the first draft
         catch_up = SchedulerOutput(extends=[ScheduledChunk(
-            room=r.room, token_ids=r.token_ids[s.done + 1:r.num_computed + 1], start_pos=s.done,
-            page_ids=r.page_ids, sample=True) for r, _, s in ready])
-        self.mtp.hidden_in = torch.cat([s.hidden for _, _, s in ready])
+            room=d.request.room, token_ids=d.request.token_ids[s.done + 1:d.request.num_computed + 1],
+            start_pos=s.done, page_ids=d.request.page_ids, sample=True) for d, s in ready])
+        self.mtp.hidden_in = torch.cat([s.hidden for _, s in ready])
         logits = self.runner.forward(catch_up)
         ends = torch.tensor([len(c.token_ids) for c in catch_up.extends]).cumsum(0) - 1
         assert self.mtp.last_hidden is not None
         previous = self.mtp.last_hidden.index_select(0, ends.to(self.mtp.last_hidden.device))
-        drafts: dict[str, list[int]] = {}
-        for (request, _, sequence), token in zip(ready, logits.argmax(dim=-1).tolist(), strict=True):
-            sequence.done, sequence.hidden = request.num_computed, sequence.hidden[:0]
-            drafts[request.room] = [token]
+        tokens: dict[str, list[int]] = {d.request.room: [] for d, _ in ready}
+        probs: dict[str, list[torch.Tensor]] = {d.request.room: [] for d, _ in ready}
+        self._pick(logits, [d for d, _ in ready], tokens, probs)
+        for item, sequence in ready:
+            sequence.done, sequence.hidden = item.request.num_computed, sequence.hidden[:0]
         # further drafts: one MTP step per draft on the previous one, its own output as h
-        active = list(range(len(ready)))
-        for step in range(1, max(most for _, most, _ in ready)):
-            keep = [j for j, i in enumerate(active) if ready[i][1] > step]
+        active = [d for d, _ in ready]
+        for step in range(1, max(d.most for d in active)):
+            keep = [j for j, d in enumerate(active) if d.most > step]
             active, previous = [active[j] for j in keep], previous[keep]
             batch = SchedulerOutput(decodes=[ScheduledChunk(
-                room=ready[i][0].room, token_ids=[drafts[ready[i][0].room][-1]],
-                start_pos=ready[i][0].num_computed + step - 1, page_ids=ready[i][0].page_ids, sample=True)
-                for i in active])
+                room=d.request.room, token_ids=[tokens[d.request.room][-1]],
+                start_pos=d.request.num_computed + step - 1, page_ids=d.request.page_ids, sample=True)
+                for d in active])
             self.mtp.hidden_in = previous
             logits = self.runner.forward(batch)
             assert self.mtp.last_hidden is not None
             previous = self.mtp.last_hidden
-            for chunk, token in zip(batch.decodes, logits.argmax(dim=-1).tolist(), strict=True):
-                drafts[chunk.room].append(token)
-        return drafts
+            self._pick(logits, active, tokens, probs)
+        return {room: Drafts(drafted, torch.stack(probs[room]) if probs[room] else None)
+                for room, drafted in tokens.items()}
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, rows: list[DraftRequest], tokens: dict[str, list[int]],
+              probs: dict[str, list[torch.Tensor]]) -> None:
+        """Append each row's next draft: the argmax for a greedy request, else a draw from the MTP's
+        distribution under its params (kept in `probs` for the verify's rejection sampling)."""
+        argmax = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, d in enumerate(rows) if not d.params.greedy]
+        distributions = sampling_probs(logits[sampled].float(), [rows[i].params for i in sampled]) \
+            if sampled else None
+        for i, item in enumerate(rows):
+            tokens[item.request.room].append(argmax[i])
+        for j, i in enumerate(sampled):
+            assert distributions is not None
+            room = rows[i].request.room
+            tokens[room][-1] = int(torch.multinomial(distributions[j], 1, generator=rows[i].generator))
+            probs[room].append(distributions[j])

@@ -2,8 +2,9 @@
 
 Protocol, on the engine thread (engine/engine_thread.py), each step:
 1. `propose(batch, policy)` after the scheduler built the batch: each decode row whose request may
-   draft (`policy(request).most` > 0: tokens left to generate, and greedy unless a draft model can
-   give the drafts' distribution for rejection sampling) and whose drafter proposes
+   draft (`policy(request).most` > 0: tokens left to generate, and greedy unless the drafter gives
+   the drafts' distribution for rejection sampling: a draft model, NEXTN), whose budget allows it
+   (engine.speculative.adaptive: its own acceptance and the engine's) and whose drafter proposes
    something becomes a verify chunk in `batch.extends`: its last token and its drafts from position
    num_computed, `num_drafts` set, pages grown to hold them (no drafts when that needs pages that
    are not free: a draft never forces a retraction). Other rows stay plain decodes, so one batch
@@ -32,15 +33,18 @@ import torch
 from engine.page_manager import PageManager
 from engine.sampling import SamplingParams
 from engine.scheduler import Request, ScheduledChunk, Scheduler, SchedulerOutput
-from engine.speculative.adaptive import DraftBudget
+from engine.speculative.adaptive import DRAFT_COST, DraftBudget, EngineAcceptance, Gate
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_model import DraftModel
-from engine.speculative.nextn import NextNDrafter
+from engine.speculative.draft_model import DraftModel, Drafts
+from engine.speculative.nextn import DraftRequest, NextNDrafter
 from engine.speculative.ngram import NgramIndex
 from engine.speculative.rejection import rejection_sample
 
 # proposes up to n drafts for a request's tokens
 Drafter = Callable[[Request, int], list[int]]
+
+# NEXTN: target hidden states a request keeps while the engine does not draft (engine.speculative.nextn)
+HELD_WHILE_NOT_DRAFTING = 8
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,9 @@ class SpeculativeStats:
 
 
 class _RequestDrafts:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, start: int | None) -> None:
         self.index = NgramIndex(config.speculative_ngram_min_match, config.speculative_ngram_max_match)
-        self.budget = DraftBudget(config.max_drafts)
+        self.budget = DraftBudget(config.max_drafts, start)
 
 
 class Speculator:
@@ -77,8 +81,12 @@ class Speculator:
         self.config = config
         self.draft_model = draft_model
         self.nextn = nextn  # NEXTN: drafts of every decode row come from one batched MTP pass
-        # with a draft model, sampled requests speculate too (its drafts come with their distribution)
-        self.samples = draft_model is not None
+        # with a draft model or the MTP layer, sampled requests speculate too (their drafts come with
+        # the distribution they were drawn from, for rejection sampling)
+        self.samples = draft_model is not None or nextn is not None
+        assert config.speculative_algorithm is not None
+        self.acceptance = EngineAcceptance(DRAFT_COST[config.speculative_algorithm], config.max_drafts)
+        self._gate = Gate.OPEN
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.scheduler = scheduler
         self.pages = pages
@@ -86,10 +94,13 @@ class Speculator:
         self._requests: dict[str, _RequestDrafts] = {}
         self._drafter = drafter or self._ngram
 
-    def _state(self, room: str) -> _RequestDrafts:
+    def _state(self, room: str, seeded: bool = False) -> _RequestDrafts:
         state = self._requests.get(room)
         if state is None:
-            state = self._requests[room] = _RequestDrafts(self.config)
+            # a seeded sampled request drafts by its own history only: its draft lengths, and so its
+            # draws, must not depend on what other requests did before it (it stays reproducible)
+            state = self._requests[room] = _RequestDrafts(
+                self.config, None if seeded else self.acceptance.start_length())
         return state
 
     def _ngram(self, request: Request, max_drafts: int) -> list[int]:
@@ -97,12 +108,21 @@ class Speculator:
 
     def propose(self, batch: SchedulerOutput, policy: Callable[[Request], DraftPolicy]) -> None:
         """Turn the batch's decode rows that draft into verify chunks (step 1 of the protocol)."""
+        if not batch.decodes:
+            return
+        self._gate = self.acceptance.gate()
+        if self.nextn is not None:
+            # while the engine does not draft, the MTP catch-up of a later probe stays short
+            self.nextn.max_held = None if self._gate is Gate.OPEN else HELD_WHILE_NOT_DRAFTING
         kept: list[ScheduledChunk] = []
         nextn_drafts = self._nextn_drafts(batch, policy) if self.nextn is not None else {}
         for chunk in batch.decodes:
             request = self.scheduler.requests[chunk.room]
             if self.nextn is not None:
-                drafts = nextn_drafts.get(chunk.room, [])
+                proposed = nextn_drafts.get(chunk.room)
+                drafts = proposed.tokens if proposed is not None else []
+                if proposed is not None and proposed.probs is not None:
+                    self._draft_probs[chunk.room] = proposed.probs
             else:
                 drafts = self._drafts(request, policy(request)) if chunk.multimodal is None else []
             if drafts and self.pages.grow(request.page_ids, request.num_tokens + len(drafts),
@@ -115,24 +135,31 @@ class Speculator:
         batch.decodes = kept
 
     def _nextn_drafts(self, batch: SchedulerOutput, policy: Callable[[Request], DraftPolicy]
-                      ) -> dict[str, list[int]]:
+                      ) -> dict[str, Drafts]:
         assert self.nextn is not None
-        wanted: list[tuple[Request, int]] = []
+        wanted: list[DraftRequest] = []
         for chunk in batch.decodes:
             request = self.scheduler.requests[chunk.room]
             request_policy = policy(request)
-            if request_policy.most <= 0:  # never drafts again (sampled, penalized, or at its end)
+            if request_policy.most <= 0:  # never drafts again (penalized, logprobs, or at its end)
                 self.nextn.stop_tracking(chunk.room)
                 continue
-            wanted.append((request, self._allowed(request, request_policy)))
+            wanted.append(DraftRequest(request, self._allowed(request, request_policy), request_policy.params,
+                                       request_policy.generator))
         return self.nextn.propose(wanted, keep_free=len(self.scheduler.running))
 
     def _allowed(self, request: Request, policy: DraftPolicy) -> int:
-        """Drafts the request may verify this step (its budget counts the step when it may draft)."""
+        """Drafts the request may verify this step (its budget counts the step when it may draft):
+        by its budget when the engine's acceptance makes drafting worth it, when its own last verify
+        accepted something, or when it is seeded (reproducible); else one on a probe step, or none."""
         most = min(policy.most, self.config.max_drafts)
         if most <= 0:
             return 0
-        return min(most, self._state(request.room).budget.next())
+        seeded = policy.params.seed is not None and not policy.params.greedy
+        budget = self._state(request.room, seeded).budget
+        if self._gate is Gate.OPEN or budget.accepting or seeded:
+            return min(most, budget.next())
+        return 1 if self._gate is Gate.PROBE else 0
 
     def _drafts(self, request: Request, policy: DraftPolicy) -> list[int]:
         allowed = self._allowed(request, policy)
@@ -154,8 +181,7 @@ class Speculator:
             accepted += 1
         self.stats.drafted_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
-        self.stats.verify_rows += 1
-        self._state(chunk.room).budget.record(len(drafts), accepted)
+        self._record(chunk.room, len(drafts), accepted)
         return row_tokens[:accepted + 1]
 
     def accept_sampled(self, chunk: ScheduledChunk, target_probs: torch.Tensor,
@@ -167,9 +193,13 @@ class Speculator:
         accepted = len(tokens) - 1
         self.stats.drafted_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
-        self.stats.verify_rows += 1
-        self._state(chunk.room).budget.record(len(drafts), accepted)
+        self._record(chunk.room, len(drafts), accepted)
         return tokens
+
+    def _record(self, room: str, drafted: int, accepted: int) -> None:
+        self.stats.verify_rows += 1
+        self._state(room).budget.record(drafted, accepted)
+        self.acceptance.record(drafted, accepted)
 
     def settle(self, request: Request) -> None:
         """After a still-running request's accepted tokens were appended: its K/V is that of every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -14,6 +15,7 @@ from engine.engine import Engine
 from engine.outputs import FirstToken, RequestAborted, TokenOutput
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
+from tools.models.agreeing_mtp import make_mtp_agree
 from tools.models.tiny_model import write_tiny_model
 
 # A Llama checkpoint unlike the Qwen3 preset on every switch the decoder has: head_dim 48 with
@@ -36,6 +38,21 @@ def qwen3_ckpt(tmp_path_factory) -> Path:
 def llama_ckpt(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "llama", preset="tiny", seed=1, arch="llama",
                             **LLAMA_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def deepseek_ckpt(tmp_path_factory) -> Path:
+    """tiny-deepseek with its MTP layer (random: NEXTN's drafts practically never accepted)."""
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "deepseek", preset="tiny-deepseek", seed=0)
+
+
+@pytest.fixture(scope="session")
+def agreeing_ckpt(deepseek_ckpt, tmp_path_factory) -> Path:
+    """deepseek_ckpt with its MTP layer made to nearly agree with the target (tools.models.agreeing_mtp):
+    NEXTN's verifies both accept and reject drafts."""
+    out = tmp_path_factory.mktemp("ckpt") / "agreeing"
+    shutil.copytree(deepseek_ckpt, out)
+    return make_mtp_agree(out)
 
 
 def start_engine(model_dir: Path, **overrides) -> Engine:

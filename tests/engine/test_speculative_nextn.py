@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,24 +21,11 @@ from pdserve.config_flags import add_config_arguments, config_from_args
 from tests.engine.conftest import random_prompts, start_engine
 from tests.engine.test_pd_hooks import colocated, disaggregated
 from tests.engine.test_speculative import _outputs
-from tools.models.agreeing_mtp import make_mtp_agree
 from tools.models.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=30, ignore_eos=True)
 NEXTN = SpeculativeConfig(speculative_algorithm="NEXTN", speculative_num_draft_tokens=4)
-
-
-@pytest.fixture(scope="module")
-def deepseek_ckpt(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "deepseek", preset="tiny-deepseek", seed=0)
-
-
-@pytest.fixture(scope="module")
-def agreeing_ckpt(deepseek_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "agreeing"
-    shutil.copytree(deepseek_ckpt, out)
-    return make_mtp_agree(out)
 
 
 async def _run(ckpt: Path, prompts, params_list, spec: bool, **overrides):
@@ -67,12 +53,14 @@ def test_the_deepseek_preset_stores_the_mtp_layer_after_the_last(deepseek_ckpt) 
 @pytest.mark.parametrize("layout", ["plain", "retraction"])
 async def test_nextn_keeps_greedy_output_in_mixed_batches(agreeing_ckpt, layout) -> None:
     prompts = random_prompts([21, 40, 9, 33], seed=5)
-    params_list = [GREEDY, SEEDED, GREEDY, GREEDY]  # the seeded one decodes plainly beside verifies
+    params_list = [GREEDY, SEEDED, GREEDY, GREEDY]  # the seeded one samples its drafts beside greedy verifies
     # retraction: 4-token pages, fewer than the four requests need at once
     overrides = dict(page_size=4, num_pages=40, chunked_prefill_size=32) if layout == "retraction" else {}
     expected, _ = await _run(agreeing_ckpt, prompts, params_list, spec=False, **overrides)
     got, stats = await _run(agreeing_ckpt, prompts, params_list, spec=True, **overrides)
-    assert got == expected
+    greedy = [0, 2, 3]
+    assert [got[i] for i in greedy] == [expected[i] for i in greedy]
+    assert len(got[1]) == SEEDED.max_new_tokens
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     if layout == "retraction":
         assert stats.total_retractions > 0
