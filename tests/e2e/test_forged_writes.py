@@ -77,8 +77,10 @@ async def forge(registry_address: str, prefill_address: str, security: GrpcSecur
 DP_DECODE = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
 
 
+# The plain mooncake decode is the DP decode's case with one group: `make test-all` only.
 @pytest.mark.parametrize(("backend", "decode_layout"),
-                         [("mooncake", ()), ("nixl", ()), ("mooncake", DP_DECODE)],
+                         [pytest.param("mooncake", (), marks=pytest.mark.long), ("nixl", ()),
+                          ("mooncake", DP_DECODE)],
                          ids=["mooncake", "nixl", "mooncake-dp-decode"])
 def test_forged_prefill_calls_cannot_touch_other_rooms(cluster: Cluster, tiny_model, tmp_path, backend,
                                                        decode_layout):

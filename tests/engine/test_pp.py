@@ -21,7 +21,9 @@ from tests.engine.test_parity import NEW_TOKENS, hf_reference
 from tests.engine.test_tp import LENGTHS, check_equal, run
 from tools.models.tiny_model import write_tiny_model
 
-PRESETS = ["tiny", "tiny-moe", "tiny-deepseek"]  # 4 layers each: 2 per stage
+# 4 layers each: 2 per stage. The dense preset's PP is also served end to end against PP 1 in
+# tests/e2e/test_pp.py, so here it runs in `make test-all` only.
+PRESETS = [pytest.param("tiny", marks=pytest.mark.long), "tiny-moe", "tiny-deepseek"]
 HIDDEN = 256  # every preset's hidden size
 FP32 = 4
 
