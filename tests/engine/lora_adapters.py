@@ -67,3 +67,32 @@ def merged_reference(base_dir: Path, spec: AdapterSpec | None, prompts: list[lis
                                  pad_token_id=0)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+async def check_one_batch_matches_merged(base_dir: Path, specs: tuple[AdapterSpec, ...], work_dir: Path,
+                                         prompt_seed: int, new_tokens: int, **engine_overrides) -> None:
+    """The base and every adapter of `specs`, their requests in one batch, each give HF's greedy tokens
+    on PEFT's merged weights (and each adapter changes the answers, so the check can fail)."""
+    import asyncio
+
+    from engine.sampling import SamplingParams
+    from tests.engine.conftest import generate, random_prompts, start_engine
+
+    paths = tuple(f"{spec.name}={write_adapter(base_dir, work_dir / spec.name, spec)}" for spec in specs)
+    prompts = random_prompts([5, 40], seed=prompt_seed)
+    want = {name: merged_reference(base_dir, spec, prompts, new_tokens)
+            for name, spec in [(None, None)] + [(spec.name, spec) for spec in specs]}
+    assert len({str(answers) for answers in want.values()}) == len(want)
+    engine = start_engine(base_dir, enable_lora=True, lora_paths=paths, **engine_overrides)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    async def run(name: str | None, index: int) -> list[int]:
+        return [o.token_id async for o in generate(engine, prompts[index], params, f"lora-{name}-{index}",
+                                                   lora=name)]
+
+    try:
+        names = list(want)
+        got = await asyncio.gather(*(run(name, i) for name in names for i in range(len(prompts))))
+        assert got == [want[name][i] for name in names for i in range(len(prompts))]
+    finally:
+        engine.shutdown()

@@ -5,17 +5,12 @@ give HF's greedy tokens on PEFT's merged weights, beside the base model in one b
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from safetensors.torch import load_file, save_file
 
 from engine.lora.adapter import LoraLoadError, load_adapter
 from engine.models.config import ModelConfig
-from engine.sampling import SamplingParams
-from tests.engine.conftest import generate, random_prompts, start_engine
-from tests.engine.lora_adapters import AdapterSpec, merged_reference, write_adapter
-from tools.models.tiny_model import write_tiny_model
+from tests.engine.lora_adapters import AdapterSpec, check_one_batch_matches_merged, write_adapter
 
 NEW_TOKENS = 8
 MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
@@ -26,31 +21,11 @@ SPECS = (
 )
 
 
-@pytest.fixture(scope="module")
-def deepseek_ckpt(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "deepseek", preset="tiny-deepseek", seed=0)
-
-
+# deepseek_ckpt: tests/engine/conftest.py's session checkpoint (tiny-deepseek, seed 0)
 async def test_mla_and_expert_adapters_in_one_batch_match_merged_peft(deepseek_ckpt, tmp_path):
-    paths = tuple(f"{spec.name}={write_adapter(deepseek_ckpt, tmp_path / spec.name, spec)}" for spec in SPECS)
-    prompts = random_prompts([5, 40], seed=13)
-    want = {name: merged_reference(deepseek_ckpt, spec, prompts, NEW_TOKENS)
-            for name, spec in [(None, None)] + [(spec.name, spec) for spec in SPECS]}
-    assert len({str(answers) for answers in want.values()}) == len(want)  # each adapter changes the answers
-    engine = start_engine(deepseek_ckpt, enable_lora=True, max_loras_per_batch=2, max_lora_rank=8,
-                          lora_paths=paths)
-    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-
-    async def run(name: str | None, index: int) -> list[int]:
-        return [o.token_id async for o in generate(engine, prompts[index], params, f"mla-{name}-{index}",
-                                                   lora=name)]
-
-    try:
-        names = list(want)
-        got = await asyncio.gather(*(run(name, i) for name in names for i in range(len(prompts))))
-        assert got == [want[name][i] for name in names for i in range(len(prompts))]
-    finally:
-        engine.shutdown()
+    await check_one_batch_matches_merged(deepseek_ckpt, SPECS, tmp_path, prompt_seed=13,
+                                         new_tokens=NEW_TOKENS,
+                                         max_loras_per_batch=2, max_lora_rank=8)
 
 
 def test_unservable_mla_targets_are_refused_naming_why(deepseek_ckpt, tmp_path):

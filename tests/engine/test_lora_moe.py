@@ -7,8 +7,6 @@ parameters, another base's expert count) is refused at load, naming it."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -17,9 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.lora.adapter import LoraLoadError, load_adapter
 from engine.models.config import ModelConfig
-from engine.sampling import SamplingParams
-from tests.engine.conftest import generate, random_prompts, start_engine
-from tests.engine.lora_adapters import AdapterSpec, merged_reference, write_adapter
+from tests.engine.lora_adapters import AdapterSpec, check_one_batch_matches_merged, write_adapter
 from tools.models.tiny_model import write_tiny_model
 
 NEW_TOKENS = 8
@@ -38,25 +34,8 @@ def moe_ckpt(tmp_path_factory):
 
 
 async def test_attention_and_expert_adapters_in_one_batch_match_merged_peft(moe_ckpt, tmp_path):
-    paths = tuple(f"{spec.name}={write_adapter(moe_ckpt, tmp_path / spec.name, spec)}" for spec in SPECS)
-    prompts = random_prompts([5, 40], seed=9)
-    want = {name: merged_reference(moe_ckpt, spec, prompts, NEW_TOKENS)
-            for name, spec in [(None, None)] + [(spec.name, spec) for spec in SPECS]}
-    assert len({str(answers) for answers in want.values()}) == len(want)  # each adapter changes the answers
-    engine = start_engine(moe_ckpt, enable_lora=True, max_loras_per_batch=3, max_lora_rank=8,
-                          lora_paths=paths)
-    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-
-    async def run(name: str | None, index: int) -> list[int]:
-        return [o.token_id async for o in generate(engine, prompts[index], params, f"moe-{name}-{index}",
-                                                   lora=name)]
-
-    try:
-        names = list(want)
-        got = await asyncio.gather(*(run(name, i) for name in names for i in range(len(prompts))))
-        assert got == [want[name][i] for name in names for i in range(len(prompts))]
-    finally:
-        engine.shutdown()
+    await check_one_batch_matches_merged(moe_ckpt, SPECS, tmp_path, prompt_seed=9, new_tokens=NEW_TOKENS,
+                                         max_loras_per_batch=3, max_lora_rank=8)
 
 
 def test_expert_adapters_are_read_per_expert(moe_ckpt, tmp_path):
