@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "registry CPU, time for a killed worker to leave every view"),
     "bench fleet": ("tools.bench.fleet", "simulated prefill/decode workers and gateways at a target rate: "
                     "gateway CPU per token, routing decision, registry CPU, TTFT/TPOT vs the timing model"),
+    "bench gateway-relay": ("tools.bench.gateway_relay", "one gateway process pinned to one core relaying "
+                            "streams from fixed-schedule token sources: tokens/s, CPU per token, TPOT"),
     "bench big-bodies": ("tools.bench.big_bodies", "other streams' inter-token gap p99 idle and while "
                          "clients send 40 MB image bodies, bodies parsed on the event loop vs in the pool"),
     "bench kv-events": ("tools.bench.kv_events", "cache-aware routing fed by 64 workers' KV events at GPU "

@@ -124,6 +124,10 @@ CPU_ISA = EnvVar(
     "Instruction set of the C++ CPU kernels a process loads: auto (the best this CPU runs), avx512, avx2 or "
     "portable. A set the CPU lacks is refused; each is built once by `make setup`.")
 
+GC_GEN0_THRESHOLD = EnvVar(
+    "PDSERVE_GC_GEN0_THRESHOLD", 50_000,
+    "Gateway and workers: the garbage collector's first threshold once the service is up (net new "
+    "container objects between young collections; Python's default is 700). 0 keeps Python's default.")
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 
 

@@ -25,59 +25,59 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\xd7\x01\n\x0fGenerateRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x0fprefill_address\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12\x16\n\x0e\x63\x61rried_tokens\x18\x07 \x01(\x05\x42\x12\n\x10_prefill_address\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x8f\x01\n\x10GenerateResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenOutput\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x1c\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\"G\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x16\n\x0epage_checksums\x18\x02 \x03(\x06\x12\x0f\n\x07tp_size\x18\x03 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\x97\x03\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\x05\x12)\n\x03\x64st\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05grant\x18\x08 \x01(\x0c\x12\x16\n\x0epage_checksums\x18\t \x01(\x08\x12\x12\n\nskip_pages\x18\n \x01(\x05\x12\x0e\n\x06images\x18\x0b \x03(\x0c\x12\x32\n\x0bspeculative\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.SpeculativeConfig\x12\x14\n\x0clora_adapter\x18\r \x01(\t\x12\x16\n\x0e\x63\x61rried_tokens\x18\x0e \x01(\x05\x12\x18\n\x10lora_adapter_key\x18\x0f \x01(\t\"g\n\x11SpeculativeConfig\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x12\n\neagle_topk\x18\x04 \x01(\x05\"\xd3\x01\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.TokenOutput\x12\x19\n\x11num_pages_written\x18\x02 \x01(\x05\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x16\n\x0epage_checksums\x18\x05 \x03(\x06\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x19\n\x11num_pages_skipped\x18\x07 \x01(\x05\"\x11\n\x0fKvEventsRequest\"k\n\x07KvEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.KvEventKind\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x06\x12$\n\x06medium\x18\x03 \x01(\x0e\x32\x14.pdserve.v1.KvMedium\"\x84\x01\n\x0cKvEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\r\n\x05store\x18\x04 \x01(\t\x12\x1b\n\x13oldest_event_unix_s\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"*\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\xae\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.ModelFile\x12\x14\n\x0c\x66iles_sha256\x18\x04 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x05 \x01(\t\x12\x18\n\x10reasoning_parser\x18\x06 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x19\n\x17ListLoraAdaptersRequest\"K\n\x0cLoraAdapters\x12\r\n\x05names\x18\x01 \x03(\t\x12,\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.LoraAdapterRef*a\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02*P\n\x08KvMedium\x12\x19\n\x15KV_MEDIUM_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_MEDIUM_DEVICE\x10\x01\x12\x13\n\x0fKV_MEDIUM_STORE\x10\x02\x32\x8f\x04\n\x06Worker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12O\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12S\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12Q\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x18.pdserve.v1.LoraAdapters2\xcc\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12O\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12S\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12Q\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x18.pdserve.v1.LoraAdapters2P\n\x08KvEvents\x12\x44\n\tSubscribe\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\xd7\x01\n\x0fGenerateRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x0fprefill_address\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12\x16\n\x0e\x63\x61rried_tokens\x18\x07 \x01(\x05\x42\x12\n\x10_prefill_address\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb7\x01\n\x10GenerateResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenOutput\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x13\n\x0btoken_texts\x18\x05 \x03(\t\"\x1c\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\"G\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x16\n\x0epage_checksums\x18\x02 \x03(\x06\x12\x0f\n\x07tp_size\x18\x03 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\x97\x03\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\x05\x12)\n\x03\x64st\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05grant\x18\x08 \x01(\x0c\x12\x16\n\x0epage_checksums\x18\t \x01(\x08\x12\x12\n\nskip_pages\x18\n \x01(\x05\x12\x0e\n\x06images\x18\x0b \x03(\x0c\x12\x32\n\x0bspeculative\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.SpeculativeConfig\x12\x14\n\x0clora_adapter\x18\r \x01(\t\x12\x16\n\x0e\x63\x61rried_tokens\x18\x0e \x01(\x05\x12\x18\n\x10lora_adapter_key\x18\x0f \x01(\t\"g\n\x11SpeculativeConfig\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x12\n\neagle_topk\x18\x04 \x01(\x05\"\xd3\x01\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.TokenOutput\x12\x19\n\x11num_pages_written\x18\x02 \x01(\x05\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x16\n\x0epage_checksums\x18\x05 \x03(\x06\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x19\n\x11num_pages_skipped\x18\x07 \x01(\x05\"\x11\n\x0fKvEventsRequest\"k\n\x07KvEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.KvEventKind\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x06\x12$\n\x06medium\x18\x03 \x01(\x0e\x32\x14.pdserve.v1.KvMedium\"\x84\x01\n\x0cKvEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\r\n\x05store\x18\x04 \x01(\t\x12\x1b\n\x13oldest_event_unix_s\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"*\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\xae\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.ModelFile\x12\x14\n\x0c\x66iles_sha256\x18\x04 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x05 \x01(\t\x12\x18\n\x10reasoning_parser\x18\x06 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x19\n\x17ListLoraAdaptersRequest\"K\n\x0cLoraAdapters\x12\r\n\x05names\x18\x01 \x03(\t\x12,\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.LoraAdapterRef*a\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02*P\n\x08KvMedium\x12\x19\n\x15KV_MEDIUM_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_MEDIUM_DEVICE\x10\x01\x12\x13\n\x0fKV_MEDIUM_STORE\x10\x02\x32\x8f\x04\n\x06Worker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12O\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12S\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12Q\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x18.pdserve.v1.LoraAdapters2\xcc\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12O\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12S\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x18.pdserve.v1.LoraAdapters\x12Q\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x18.pdserve.v1.LoraAdapters2P\n\x08KvEvents\x12\x44\n\tSubscribe\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=2057
-  _globals['_KVEVENTKIND']._serialized_end=2154
-  _globals['_KVMEDIUM']._serialized_start=2156
-  _globals['_KVMEDIUM']._serialized_end=2236
+  _globals['_KVEVENTKIND']._serialized_start=2097
+  _globals['_KVEVENTKIND']._serialized_end=2194
+  _globals['_KVMEDIUM']._serialized_start=2196
+  _globals['_KVMEDIUM']._serialized_end=2276
   _globals['_GENERATEREQUEST']._serialized_start=63
   _globals['_GENERATEREQUEST']._serialized_end=278
   _globals['_USAGE']._serialized_start=280
   _globals['_USAGE']._serialized_end=337
   _globals['_GENERATERESPONSE']._serialized_start=340
-  _globals['_GENERATERESPONSE']._serialized_end=483
-  _globals['_ABORTREQUEST']._serialized_start=485
-  _globals['_ABORTREQUEST']._serialized_end=513
-  _globals['_ABORTRESPONSE']._serialized_start=515
-  _globals['_ABORTRESPONSE']._serialized_end=586
-  _globals['_GETLOADREQUEST']._serialized_start=588
-  _globals['_GETLOADREQUEST']._serialized_end=604
-  _globals['_PREFILLREQUEST']._serialized_start=607
-  _globals['_PREFILLREQUEST']._serialized_end=1014
-  _globals['_SPECULATIVECONFIG']._serialized_start=1016
-  _globals['_SPECULATIVECONFIG']._serialized_end=1119
-  _globals['_PREFILLRESPONSE']._serialized_start=1122
-  _globals['_PREFILLRESPONSE']._serialized_end=1333
-  _globals['_KVEVENTSREQUEST']._serialized_start=1335
-  _globals['_KVEVENTSREQUEST']._serialized_end=1352
-  _globals['_KVEVENT']._serialized_start=1354
-  _globals['_KVEVENT']._serialized_end=1461
-  _globals['_KVEVENTBATCH']._serialized_start=1464
-  _globals['_KVEVENTBATCH']._serialized_end=1596
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1598
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1619
-  _globals['_MODELFILE']._serialized_start=1621
-  _globals['_MODELFILE']._serialized_end=1663
-  _globals['_MODELINFO']._serialized_start=1666
-  _globals['_MODELINFO']._serialized_end=1840
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1842
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1904
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1906
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1951
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=1953
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=1978
-  _globals['_LORAADAPTERS']._serialized_start=1980
-  _globals['_LORAADAPTERS']._serialized_end=2055
-  _globals['_WORKER']._serialized_start=2239
-  _globals['_WORKER']._serialized_end=2766
-  _globals['_PREFILL']._serialized_start=2769
-  _globals['_PREFILL']._serialized_end=3229
-  _globals['_KVEVENTS']._serialized_start=3231
-  _globals['_KVEVENTS']._serialized_end=3311
+  _globals['_GENERATERESPONSE']._serialized_end=523
+  _globals['_ABORTREQUEST']._serialized_start=525
+  _globals['_ABORTREQUEST']._serialized_end=553
+  _globals['_ABORTRESPONSE']._serialized_start=555
+  _globals['_ABORTRESPONSE']._serialized_end=626
+  _globals['_GETLOADREQUEST']._serialized_start=628
+  _globals['_GETLOADREQUEST']._serialized_end=644
+  _globals['_PREFILLREQUEST']._serialized_start=647
+  _globals['_PREFILLREQUEST']._serialized_end=1054
+  _globals['_SPECULATIVECONFIG']._serialized_start=1056
+  _globals['_SPECULATIVECONFIG']._serialized_end=1159
+  _globals['_PREFILLRESPONSE']._serialized_start=1162
+  _globals['_PREFILLRESPONSE']._serialized_end=1373
+  _globals['_KVEVENTSREQUEST']._serialized_start=1375
+  _globals['_KVEVENTSREQUEST']._serialized_end=1392
+  _globals['_KVEVENT']._serialized_start=1394
+  _globals['_KVEVENT']._serialized_end=1501
+  _globals['_KVEVENTBATCH']._serialized_start=1504
+  _globals['_KVEVENTBATCH']._serialized_end=1636
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1638
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1659
+  _globals['_MODELFILE']._serialized_start=1661
+  _globals['_MODELFILE']._serialized_end=1703
+  _globals['_MODELINFO']._serialized_start=1706
+  _globals['_MODELINFO']._serialized_end=1880
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1882
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1944
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1946
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1991
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=1993
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2018
+  _globals['_LORAADAPTERS']._serialized_start=2020
+  _globals['_LORAADAPTERS']._serialized_end=2095
+  _globals['_WORKER']._serialized_start=2279
+  _globals['_WORKER']._serialized_end=2806
+  _globals['_PREFILL']._serialized_start=2809
+  _globals['_PREFILL']._serialized_end=3269
+  _globals['_KVEVENTS']._serialized_start=3271
+  _globals['_KVEVENTS']._serialized_end=3351
 # @@protoc_insertion_point(module_scope)

@@ -53,14 +53,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("outputs", "finish_reason", "usage")
+    __slots__ = ("outputs", "finish_reason", "usage", "token_ids", "token_texts")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenOutput]
     finish_reason: _common_pb2.FinishReason
     usage: Usage
-    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("room",)

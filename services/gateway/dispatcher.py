@@ -34,8 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import grpc
 from tokenizers import Tokenizer
@@ -43,6 +42,7 @@ from tokenizers import Tokenizer
 from protos.v1 import common_pb2, worker_pb2
 from services.common.failed_peer import failed_peer
 from services.gateway.errors import GatewayError, status_for_grpc
+from services.gateway.generation_chunk import GeneratedToken, GenerationChunk
 from services.gateway.image_wire import generate_call
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ContinuationText, Delivered, continuation_sampling
@@ -60,32 +60,6 @@ _NOT_A_HEALTH_SIGNAL = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
 # After the first token: the worker's failure, so the request migrates (not the client's request,
 # which another worker would refuse the same way, nor a cancellation of the gateway's own).
 _MIGRATABLE = (*_RETRYABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED)
-
-
-class GeneratedToken(NamedTuple):
-    """One sampled token as the worker sent it: id, the text it completed, logprobs if asked. A named
-    tuple, not a frozen dataclass: one is made per relayed token, and a tuple is made at about half
-    the cost."""
-
-    token_id: int
-    text: str
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """Tokens of one worker message; the last chunk has `finish_reason` and the usage counts."""
-
-    tokens: tuple[GeneratedToken, ...]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    # the tokens' text, joined once: the response side reads it several times per chunk
-    text: str = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "text", "".join([token.text for token in self.tokens]))
 
 
 class GenerationFailed(GatewayError):
@@ -129,15 +103,22 @@ class _Retryable(Exception):
 
 
 def chunk_from_proto(response: worker_pb2.GenerateResponse, want_logprobs: bool) -> GenerationChunk:
-    if want_logprobs:
-        tokens = tuple([GeneratedToken(out.token_id, out.text, out.logprob,
-                                       tuple([(t.token_id, t.logprob) for t in out.top_logprobs]))
-                        for out in response.outputs])
-    else:  # the relay's usual case, once per streamed message: no logprobs to copy
-        tokens = tuple([GeneratedToken(out.token_id, out.text) for out in response.outputs])
     finish = _FINISH_REASONS.get(response.finish_reason)
-    return GenerationChunk(tokens=tokens, finish_reason=finish, prompt_tokens=response.usage.prompt_tokens,
-                           completion_tokens=response.usage.completion_tokens)
+    usage = response.usage
+    if response.outputs:  # the tokens carry logprobs (or a worker that sends only this form)
+        if want_logprobs:
+            tokens = [GeneratedToken(out.token_id, out.text, out.logprob,
+                                     tuple([(t.token_id, t.logprob) for t in out.top_logprobs]))
+                      for out in response.outputs]
+        else:
+            tokens = [GeneratedToken(out.token_id, out.text) for out in response.outputs]
+        return GenerationChunk(tokens, finish, usage.prompt_tokens, usage.completion_tokens)
+    # the relay's usual case, once per streamed message: two columns, no message object per token
+    token_ids, texts = tuple(response.token_ids), tuple(response.token_texts)
+    if len(token_ids) != len(texts):
+        raise ValueError(f"a chunk of {len(token_ids)} token ids and {len(texts)} texts")
+    return GenerationChunk(None, finish, usage.prompt_tokens, usage.completion_tokens,
+                           token_ids=token_ids, texts=texts)
 
 
 class Dispatcher:
@@ -300,12 +281,16 @@ class Dispatcher:
                 if response is grpc.aio.EOF:
                     break
                 route.decode.reachable = True
-                chunk = chunk_from_proto(response, want_logprobs)
+                try:
+                    chunk = chunk_from_proto(response, want_logprobs)
+                except ValueError as exc:  # a worker bug or a forged peer: its stream cannot be trusted
+                    raise GenerationFailed(502, f"{route.decode.address} sent a malformed chunk: {exc}",
+                                           "worker_error", after_first_token=delivered) from None
                 if chunk.finish_reason == "abort" and not delivered:
                     # the worker gave up on it before producing anything (draining, shutting down)
                     raise _Retryable("worker_abort", f"{route.decode.address} aborted room {room}", None,
                                      (503, "worker_unavailable"))
-                if chunk.tokens or chunk.finish_reason is not None:
+                if chunk.token_ids or chunk.finish_reason is not None:
                     delivered = True
                     finished = chunk.finish_reason is not None
                     yield chunk
@@ -411,6 +396,6 @@ def _continued(chunk: GenerationChunk, text: ContinuationText | None, prompt_tok
     if chunk.prompt_tokens:  # the worker's usage: its completion tokens are the continuation's
         completion = carried + chunk.completion_tokens
     else:  # the gateway ended it at a stop string
-        completion = len(delivered.token_ids) + len(chunk.tokens)
-    return replace(chunk, prompt_tokens=prompt_tokens, completion_tokens=completion)
+        completion = len(delivered.token_ids) + len(chunk.token_ids)
+    return chunk.with_usage(prompt_tokens, completion)
 

@@ -24,6 +24,7 @@ import uvloop
 
 from pdserve import envs
 from pdserve.config_flags import add_config_arguments, config_from_args
+from services.common.gc_policy import settle_after_startup
 from services.common.grpc_server import ShutdownSignals
 from services.common.logging import setup_logging
 from services.gateway.app import create_app
@@ -164,6 +165,7 @@ async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.
     while not server.started and not server_task.done():
         await asyncio.sleep(0.02)
     if server.started:
+        settle_after_startup()
         host, port = sock.getsockname()[:2]
         sources = [f"{len(workers)} static worker(s)"]
         sources += [f"registry {config.bootstrap}"] if config.bootstrap else []

@@ -25,15 +25,12 @@ makes the continuation's prompt disagree with its images: the worker refuses it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from pdserve.sampling_params import DEFAULT_MAX_NEW_TOKENS
 from pdserve.text import Decoder, TextStream
 from protos.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from services.gateway.dispatcher import GenerationChunk
+from services.gateway.generation_chunk import GenerationChunk
 
 
 def continuation_sampling(sampling: common_pb2.SamplingParams,
@@ -60,7 +57,7 @@ class Delivered:
     token_ids: list[int]
 
     def add(self, chunk: GenerationChunk) -> None:
-        self.token_ids.extend([token.token_id for token in chunk.tokens])
+        self.token_ids.extend(chunk.token_ids)
 
 
 class ContinuationText:
@@ -87,5 +84,5 @@ class ContinuationText:
             text, reason, _ = self._text.apply(token.token_id, reason)
             tokens.append(token._replace(text=text))
             if self._text.stopped:
-                return replace(chunk, tokens=tuple(tokens), finish_reason="stop")
-        return replace(chunk, tokens=tuple(tokens))
+                return GenerationChunk(tokens, "stop", chunk.prompt_tokens, chunk.completion_tokens)
+        return GenerationChunk(tokens, chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens)

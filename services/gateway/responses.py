@@ -40,8 +40,9 @@ from starlette.responses import Response, StreamingResponse
 
 from protos.v1 import common_pb2
 from services.gateway.chat_output import ToolCall, ToolCallDelta
-from services.gateway.dispatcher import Dispatcher, GeneratedToken, GenerationChunk
+from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import GatewayError, error_body
+from services.gateway.generation_chunk import GeneratedToken, GenerationChunk
 from services.gateway.histogram_counts import observe_times
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ModelFiles
@@ -270,18 +271,23 @@ class ChoiceJob:
 
 @dataclass
 class ChoiceResult:
-    """A finished choice, accumulated from its chunks."""
+    """A finished choice, accumulated from its chunks (their tokens are listed only when asked
+    for: a streamed choice without logprobs never needs them)."""
 
     index: int
     text: str = ""
-    tokens: list[GeneratedToken] = field(default_factory=list)
+    chunks: list[GenerationChunk] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    @property
+    def tokens(self) -> list[GeneratedToken]:
+        return [token for chunk in self.chunks for token in chunk.tokens]
+
     def add(self, chunk: GenerationChunk) -> None:
         self.text += chunk.text
-        self.tokens.extend(chunk.tokens)
+        self.chunks.append(chunk)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens = chunk.prompt_tokens
@@ -304,7 +310,7 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
         finished = False
         try:
             async for chunk in stream:
-                timer.tokens(len(chunk.tokens))
+                timer.tokens(len(chunk.token_ids))
                 yield 0, chunk
             finished = True
         finally:
@@ -338,7 +344,7 @@ async def stream_choices(dispatcher: Dispatcher, jobs: Sequence[ChoiceJob],
                 continue
             if isinstance(item, BaseException):
                 raise item
-            timers[position].tokens(len(item.tokens))
+            timers[position].tokens(len(item.token_ids))
             yield position, item
     finally:
         for task in tasks:

@@ -27,8 +27,8 @@ from starlette.responses import Response
 
 from services.gateway.chat_output import ChoiceParser, StreamedChoice, chat_parsing, message
 from services.gateway.chunk_templates import ContentChunks
-from services.gateway.dispatcher import GenerationChunk
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.generation_chunk import GenerationChunk
 from services.gateway.images import image_loader, image_urls
 from services.gateway.large_bodies import LargeBodyRoute, decoded_images
 from services.gateway.lora_routes import served_adapters

@@ -140,6 +140,7 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
     observed as 0. `lora`: the request's adapter, counted per adapter at its end."""
     last = None
     response = worker_pb2.GenerateResponse()
+    held: list[TokenOutput] = []  # the tokens of the next message, written into it when it goes
     async for batch in batches:
         now = time.perf_counter()
         first_token = last is None
@@ -151,7 +152,7 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
                     metrics.itl.observe(now - last)
                 last = now
                 metrics.generation_tokens.inc()
-                response.outputs.append(token_to_proto(out.token_id, out.text, out.logprob, out.top_logprobs))
+                held.append(out)
             if out.finish_reason is not None:
                 response.finish_reason = finish_reason_to_proto(out.finish_reason)
                 response.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=out.prompt_tokens,
@@ -161,12 +162,25 @@ async def relay(batches: AsyncIterator[list[TokenOutput]], metrics: WorkerMetric
                 metrics.e2e.observe(now - arrival)
                 if lora is not None:
                     metrics.lora.finished(lora, out.prompt_tokens, out.completion_tokens)
-        if response.finish_reason or len(response.outputs) >= stream_interval or \
-                (first_token and response.outputs):
-            yield response
+        if response.finish_reason or len(held) >= stream_interval or (first_token and held):
+            yield with_tokens(response, held)
             response = worker_pb2.GenerateResponse()
-    if response.outputs:  # the engine's stream ended without a finish reason: send what is held
-        yield response
+            held = []
+    if held:  # the engine's stream ended without a finish reason: send what is held
+        yield with_tokens(response, held)
+
+
+def with_tokens(response: worker_pb2.GenerateResponse,
+                tokens: list[TokenOutput]) -> worker_pb2.GenerateResponse:
+    """`response` with `tokens`: in the two columns when none carries logprobs (the usual
+    request), else as TokenOutput messages (GenerateResponse's comment says why)."""
+    if all(out.logprob is None and not out.top_logprobs for out in tokens):
+        response.token_ids.extend([out.token_id for out in tokens])
+        response.token_texts.extend([out.text for out in tokens])
+    else:
+        response.outputs.extend([token_to_proto(out.token_id, out.text, out.logprob, out.top_logprobs)
+                                 for out in tokens])
+    return response
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:

@@ -26,6 +26,7 @@ import httpx
 import uvloop
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.generate_response import response_token_ids
 from services.gateway.prompts import ModelFiles
 from tools.launch import NotReady, ProcessGroup
 from tools.up import ensure_model
@@ -74,7 +75,7 @@ class Ways:
                                              sampling=sampling)
         tokens = 0
         async for response in self.stub.Generate(request, timeout=120):
-            tokens += len(response.outputs)
+            tokens += len(response_token_ids(response))
         return tokens
 
     async def gateway(self, index: int) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.generate_response import response_token_ids
 from tools.launch import ProcessGroup
 from tools.up import ensure_model
 
@@ -63,7 +64,7 @@ async def stream_messages(address: str, prompt_ids: list[list[int]], max_tokens:
             async with limit:
                 async for response in stub.Generate(request, timeout=300):
                     messages += 1
-                    tokens += len(response.outputs)
+                    tokens += len(response_token_ids(response))
             return messages, tokens
 
         return list(await asyncio.gather(*(one(i) for i in range(len(prompt_ids)))))

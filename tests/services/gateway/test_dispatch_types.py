@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from protos.v1 import common_pb2, worker_pb2
 from services.gateway.dispatcher import GeneratedToken, chunk_from_proto
 from services.gateway.protocol import ChatCompletionRequest, NativeGenerateRequest, NativeSamplingParams
@@ -52,3 +54,21 @@ def test_chunk_from_proto() -> None:
         worker_pb2.GenerateResponse(outputs=[common_pb2.TokenOutput(token_id=1, text="x")]),
         want_logprobs=False)
     assert middle.finish_reason is None and middle.tokens[0].logprob is None
+
+
+def test_chunk_from_the_token_columns() -> None:
+    """A message without logprobs carries its tokens as two columns; the chunk reads them without a
+    message object per token, and builds its GeneratedTokens only when asked."""
+    response = worker_pb2.GenerateResponse(token_ids=[5, 6, 7], token_texts=["he", "llo", ""],
+                                           finish_reason=common_pb2.FINISH_REASON_STOP,
+                                           usage=worker_pb2.Usage(prompt_tokens=4, completion_tokens=3))
+    chunk = chunk_from_proto(response, want_logprobs=False)
+    assert (tuple(chunk.token_ids), chunk.text, chunk.finish_reason, len(chunk)) == \
+        ((5, 6, 7), "hello", "stop", 3)
+    assert chunk.tokens == (GeneratedToken(5, "he"), GeneratedToken(6, "llo"), GeneratedToken(7, ""))
+
+
+def test_columns_of_different_lengths_are_refused() -> None:
+    """A worker (or a forged peer) whose columns disagree: no guessing which text belongs to which id."""
+    with pytest.raises(ValueError, match="3 token ids and 2 texts"):
+        chunk_from_proto(worker_pb2.GenerateResponse(token_ids=[1, 2, 3], token_texts=["a", "b"]), False)

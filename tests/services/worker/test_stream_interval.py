@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.outputs import TokenOutput
+from services.common.generate_response import response_token_ids
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.wire import relay
@@ -24,7 +25,7 @@ def messages(batches: list[list[TokenOutput]], interval: int) -> list[list[int]]
         async def engine():
             for batch in batches:
                 yield batch
-        return [[o.token_id for o in response.outputs]
+        return [response_token_ids(response)
                 async for response in relay(engine(), WorkerMetrics("colocated", "m"), 0.0, interval)]
     return asyncio.run(run())
 
@@ -49,3 +50,21 @@ def test_interval_must_be_positive(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="--stream-interval must be at least 1"):
         WorkerConfig(engine=EngineConfig(model_path=str(tmp_path)), stream_interval=0)
+
+
+def test_tokens_without_logprobs_travel_as_columns_and_with_logprobs_as_messages():
+    async def run(batches):
+        async def engine():
+            for batch in batches:
+                yield batch
+        return [response async for response in relay(engine(), WorkerMetrics("colocated", "m"), 0.0, 4)]
+
+    plain = asyncio.run(run([[out(1)], [out(2), out(3, "length")]]))
+    assert [(list(r.token_ids), list(r.token_texts), len(r.outputs)) for r in plain] == \
+        [([1], ["<1>"], 0), ([2, 3], ["<2>", "<3>"], 0)]
+    scored = TokenOutput(token_id=4, text="<4>", logprob=-0.25, top_logprobs=[(4, -0.25)],
+                         finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+    (message,) = asyncio.run(run([[scored]]))
+    assert not message.token_ids and not message.token_texts
+    assert [(o.token_id, o.text, o.logprob) for o in message.outputs] == [(4, "<4>", -0.25)]
+    assert [(t.token_id, t.logprob) for t in message.outputs[0].top_logprobs] == [(4, -0.25)]

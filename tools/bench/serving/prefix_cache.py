@@ -37,6 +37,7 @@ import grpc
 from engine.config import EngineConfig
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
+from services.common.generate_response import response_token_ids
 from services.common.security import GrpcSecurity
 from tools.bench.serving import mooncake_master, report
 from tools.bench.serving.deployments import available_cores, split_cores
@@ -148,9 +149,10 @@ async def generate_greedy(stub, prompt: list[int], max_new_tokens: int, prefill:
     sent = time.perf_counter()
     ttft, tokens = None, []
     async for response in stub.Generate(request, timeout=600):
-        if ttft is None and response.outputs:
+        ids = response_token_ids(response)
+        if ttft is None and ids:
             ttft = time.perf_counter() - sent
-        tokens.extend(o.token_id for o in response.outputs)
+        tokens.extend(ids)
     return ttft or 0.0, tokens
 
 
