@@ -17,6 +17,7 @@ import pytest
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
+from services.common.generate_response import response_token_ids
 from services.common.security import GrpcSecurity
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle, prompts_of
@@ -69,7 +70,7 @@ async def _drain(call) -> tuple[int, int] | grpc.aio.AioRpcError:
     tokens, reason = 0, common_pb2.FINISH_REASON_UNSPECIFIED
     try:
         async for response in call:
-            tokens += len(response.outputs)
+            tokens += len(response_token_ids(response))
             reason = response.finish_reason or reason
     except grpc.aio.AioRpcError as exc:
         return exc

@@ -46,6 +46,7 @@ async def generate(stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], *, p
             for output in response.outputs:
                 result.tokens.append(output.token_id)
                 result.logprobs.append(output.logprob)
+            result.tokens.extend(response.token_ids)  # the form of tokens without logprobs
             if response.finish_reason:
                 result.finish_reason = response.finish_reason
     except grpc.aio.AioRpcError as exc:

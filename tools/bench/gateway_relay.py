@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> dict:
         if pinned:  # threads started since (gRPC, the tokenizer pool)
             _pin(gateway_proc, cpus[:1])
         cpu0 = {name: _cpu_seconds(p) for name, p in (("gateway", gateway_proc), ("sources", source_proc))}
+        processes = gateway_proc.children() if args.processes > 1 else [gateway_proc]
+        process_cpu0 = [_cpu_seconds(p) for p in processes]
         client0 = me.cpu_times()
         began = time.perf_counter()
         timings = asyncio.run(run_load([url], body, args.requests, concurrency=args.requests, rate=args.rate))
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         client1 = me.cpu_times()
         used = {name: _cpu_seconds(p) - cpu0[name] for name, p in (("gateway", gateway_proc),
                                                                   ("sources", source_proc))}
+        per_process = [_cpu_seconds(p) - before for p, before in zip(processes, process_cpu0, strict=True)]
     client_cpu = (client1.user + client1.system) - (client0.user + client0.system)
     ok = [t for t in timings if t.error is None]
     tokens = sum(t.tokens for t in ok)
@@ -140,7 +143,8 @@ def run(args: argparse.Namespace) -> dict:
                  "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall)},
         "gateway": {"cpu_ms_per_token": round(ms * used["gateway"] / tokens, 4) if tokens else None,
                     "cores_used": round(used["gateway"] / wall, 3),
-                    "tokens_per_s_per_core": round(tokens / used["gateway"]) if used["gateway"] else None},
+                    "tokens_per_s_per_core": round(tokens / used["gateway"]) if used["gateway"] else None,
+                    "cores_used_per_process": [round(cpu / wall, 3) for cpu in per_process]},
         "client_ms": {"tpot_p50": _ms(_percentile(tpots, 0.5)), "tpot_mean": _ms(tpot_mean),
                       "tpot_p99": _ms(_percentile(tpots, 0.99)),
                       "tpot_mean_over_sources":

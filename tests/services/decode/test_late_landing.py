@@ -24,6 +24,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.generate_response import response_token_ids
 from services.common.grpc_server import ServiceBinding, service_name, start_grpc_server
 from services.decode.servicer import DecodeServicer
 from services.prefill.servicer import PrefillServicer
@@ -101,7 +102,7 @@ def _generate(served: Served, room: str):
 
 
 async def _tokens(call) -> list[int]:
-    return [output.token_id async for response in call for output in response.outputs]
+    return [token_id async for response in call for token_id in response_token_ids(response)]
 
 
 async def _until(condition, what: str, timeout_s: float = 30.0) -> None:
