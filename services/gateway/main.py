@@ -40,6 +40,7 @@ from services.gateway.config import (
 from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
 from services.gateway.parser_source import ParserLearner
 from services.gateway.prompts import ModelFiles
+from services.gateway.sse import with_server_send
 from services.gateway.state import GatewayState, build_state
 
 log = logging.getLogger("pdserve.gateway")
@@ -157,7 +158,7 @@ async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.
     # uvicorn annotates timeout_graceful_shutdown as an int; it is asyncio.wait_for's timeout, where a
     # float is fine
     uvicorn_config = uvicorn.Config(
-        create_app(state), log_level="warning", access_log=False, lifespan="on",
+        with_server_send(create_app(state)), log_level="warning", access_log=False, lifespan="on",
         timeout_graceful_shutdown=config.graceful_shutdown,  # type: ignore[arg-type]
         loop="none")
     server = _Server(uvicorn_config)

@@ -36,7 +36,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from protos.v1 import common_pb2
 from services.gateway.chat_output import ToolCall, ToolCallDelta
@@ -46,6 +46,7 @@ from services.gateway.generation_chunk import GeneratedToken, GenerationChunk
 from services.gateway.histogram_counts import observe_times
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ModelFiles
+from services.gateway.sse import SSEResponse
 
 T = TypeVar("T")
 log = logging.getLogger("pdserve.gateway")
@@ -416,8 +417,8 @@ def error_event(exc: GatewayError) -> str:
     return event(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
 
 
-def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(body: AsyncIterator[str]) -> SSEResponse:
+    return SSEResponse(body, headers=SSE_HEADERS)
 
 
 class _Ended:
