@@ -251,7 +251,6 @@ class BodySpool:
         self.nonce = secrets.token_hex(8)
         self.folder = os.path.join(SPOOL_DIR, f"{FOLDER_PREFIX}{os.getpid()}-{self.nonce}")
         self.path = os.path.join(self.folder, "body")
-        self.size = 0
         os.mkdir(self.folder, 0o700)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
@@ -263,7 +262,6 @@ class BodySpool:
         view = memoryview(chunk)
         while view:
             view = view[os.write(self._fd, view):]
-        self.size += len(chunk)
 
     def finish(self) -> None:
         if self._fd is not None:
