@@ -118,8 +118,7 @@ class CacheAwarePolicy(Policy):
                 matched.update(self._matched_with_store(candidates, workers, prompt_token_ids, size, salts))
                 continue
             pages = iter_page_hashes(prompt_token_ids, size, salts=salts, memo=self.page_hash_memo)
-            runs = leading_runs(pages,
-                                [worker.kv_cache.hashes for worker in workers])
+            runs = leading_runs(pages, [worker.kv_cache.hashes for worker in workers])
             matched.update((worker.key, run * size) for worker, run in zip(workers, runs, strict=True))
         return matched
 
