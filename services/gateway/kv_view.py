@@ -106,3 +106,28 @@ def leading_run(prompt_hashes: Sequence[int], held: Sequence[Container[int]], st
             break
         count += 1
     return count
+
+
+
+def leading_runs(prompt_hashes: Iterable[int], held: Sequence[Container[int]]) -> list[int]:
+    """For each set in `held`, how many of the prompt's leading hashes it holds (as leading_run).
+    `prompt_hashes` is read lazily, no further than the longest run needs plus one page: most of a
+    64-worker fleet misses on the first page, and every worker on the first page of a prompt's unique
+    suffix, so a lazy hasher (page_hash.iter_page_hashes) hashes no page past that."""
+    pages = iter(prompt_hashes)  # (a list would start over for each set)
+    hashes: list[int] = []
+    runs = [0] * len(held)
+    for index, only in enumerate(held):
+        count = 0
+        for digest in hashes:  # the pages hashed so far
+            if digest not in only:
+                break
+            count += 1
+        else:  # it holds every page hashed so far: hash on
+            for digest in pages:
+                hashes.append(digest)
+                if digest not in only:
+                    break
+                count += 1
+        runs[index] = count
+    return runs

@@ -7,9 +7,13 @@ pydantic's checks of the two 20 MB strings 50 ms, stripping whitespace 45 ms, ea
 is sent to a pool process instead, which parses the JSON, decodes every base64 image it finds (chat
 `image_url` data: URLs, /generate's `image_data` data: URLs and plain base64) and puts a short
 placeholder in each one's place. The event loop then validates a small body and ImageLoader takes
-the decoded bytes from the request's DecodedImages. What stays on the loop: reading the body
-(starlette joins its chunks with the GIL released) and, later, copying the images into the worker's
-protobuf message.
+the decoded bytes from the request's DecodedImages.
+
+A JSON body of a declared length of LARGE_BODY_BYTES or more is never whole in the gateway's memory:
+each chunk the server hands over is appended to the request's body file as it arrives (BodySpool),
+and the pool reads the file. Starlette's own body() keeps a list of chunks and joins them at the end,
+which held the event loop for the whole body at once (30-60 ms for 40 MB, measured). A chunked body
+(no length) is known to be large only once read: it is read whole and written out in a thread.
 
 Bounds: at most `max_bodies` large bodies per gateway process are read or parsed at once (a
 semaphore taken before the body is read when its Content-Length says it is large, so a flood of big
@@ -24,7 +28,9 @@ A placeholder names this request's random nonce, so one written into a body by a
 taken for an image (it is refused as an unknown URL scheme).
 
 Who calls: routes.router's route class (LargeBodyRoute) wraps each request in LargeBodyRequest;
-FastAPI calls its body() then json(); ImageLoader.load takes `decoded_images(request)`.
+FastAPI calls its body() then json(); ImageLoader.load takes `decoded_images(request)`. Whatever
+way the request ends (answered, refused mid-body with 413 or 408 by middleware.BodyLimit, or the
+client gone), LargeBodyRoute releases its slot and removes its folder.
 """
 
 from __future__ import annotations
@@ -236,6 +242,53 @@ def sweep_dead_folders(spool_dir: str = SPOOL_DIR) -> list[str]:
     return removed
 
 
+class BodySpool:
+    """One large request body in a folder of its own under SPOOL_DIR (`pdserve-body-<pid>-<nonce>`):
+    the body file, then the images the pool decodes beside it. Made by the gateway; `remove()` (any
+    number of times) closes and removes all of it."""
+
+    def __init__(self) -> None:
+        self.nonce = secrets.token_hex(8)
+        self.folder = os.path.join(SPOOL_DIR, f"{FOLDER_PREFIX}{os.getpid()}-{self.nonce}")
+        self.path = os.path.join(self.folder, "body")
+        os.mkdir(self.folder, 0o700)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def write(self, chunk: bytes) -> None:
+        """Append one chunk as the server hands it over (tens to hundreds of KB: a memory copy into
+        tmpfs, cheaper than a thread hop). Joining a body's chunks at the end instead holds the event
+        loop for the whole body at once (about 30 ms for 40 MB, most of it faulting in new pages)."""
+        assert self._fd is not None, "written after finish()"
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def finish(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def remove(self) -> None:
+        self.finish()
+        remove_folder(self.folder)
+
+
+class SpooledBody(bytes):
+    """What LargeBodyRequest.body() returns for a body written to a BodySpool: empty bytes that are
+    true. FastAPI only checks that a JSON body is not empty before it calls json(), which parses the
+    file (nothing reads these bytes: bodies of other content types are never spooled)."""
+
+    spool: BodySpool
+
+    def __new__(cls, spool: BodySpool) -> SpooledBody:
+        body = super().__new__(cls, b"")
+        body.spool = spool
+        return body
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class LargeBodies:
     """The pool (`processes` processes, started on first use) and the semaphore over large bodies;
     one per gateway process (app.state.large_bodies), closed at shutdown."""
@@ -254,26 +307,34 @@ class LargeBodies:
         return self._pool
 
     async def parse(self, body: bytes) -> tuple[Any, DecodedImages]:
-        # The bytes travel through files in memory (tmpfs), written and read with os.write/os.read in
-        # threads: those release the GIL, where pickling the body for the pool (or unpickling the
-        # images) would hold it for a copy of every byte.
-        nonce = secrets.token_hex(8)
-        folder = os.path.join(SPOOL_DIR, f"{FOLDER_PREFIX}{os.getpid()}-{nonce}")
-        os.mkdir(folder, 0o700)
+        """parse_spooled for a body already in memory (one whose length was not declared)."""
+        spool = BodySpool()
+        try:
+            # written with os.write in a thread: it releases the GIL, where pickling the body for the
+            # pool would hold it for a copy of every byte
+            await asyncio.to_thread(spool.write, body)
+            return await self.parse_spooled(spool)
+        finally:
+            spool.remove()
+
+    async def parse_spooled(self, spool: BodySpool) -> tuple[Any, DecodedImages]:
+        """The JSON value of the body in `spool` and the images the pool decoded out of it; the
+        spool is removed when this ends, however it ends (also when cancelled: the pool may still be
+        writing into it)."""
+        spool.finish()
         loop = asyncio.get_running_loop()
         try:
-            path = os.path.join(folder, "body")
-            await asyncio.to_thread(_write_file, path, body)
-            value, written = await loop.run_in_executor(self._executor(), parse_body_file, path, nonce)
+            value, written = await loop.run_in_executor(self._executor(), parse_body_file, spool.path,
+                                                        spool.nonce)
             decoded: dict[str, bytes | None] = {}
             for placeholder, blob_path in written.items():
-                if blob_path is not None:
+                if blob_path is not None:  # read with the GIL released (unpickling would hold it)
                     decoded[placeholder] = await asyncio.to_thread(_read_file, blob_path)
                 else:
                     decoded[placeholder] = None
             return value, DecodedImages(decoded)
-        finally:  # also when cancelled: the pool may still be writing into it
-            remove_folder(folder)
+        finally:
+            spool.remove()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -290,12 +351,14 @@ def _declared_length(request: Request) -> int | None:
 
 class LargeBodyRequest(Request):
     """A request whose JSON body is parsed in the pool when it is large (see the module docstring).
-    `release()` gives back its slot; LargeBodyRoute calls it when the request ends."""
+    `release()` gives back its slot and removes its spool; LargeBodyRoute calls it when the request
+    ends, however it ends (a disconnect or a 413/408 mid-body included)."""
 
     def __init__(self, request: Request, bodies: LargeBodies) -> None:
         super().__init__(request.scope, request.receive)
         self._bodies = bodies
         self._slot_held = False
+        self._spool: BodySpool | None = None
 
     async def _take_slot(self) -> None:
         if not self._slot_held:
@@ -303,6 +366,9 @@ class LargeBodyRequest(Request):
             self._slot_held = True
 
     def release(self) -> None:
+        if self._spool is not None:
+            self._spool.remove()
+            self._spool = None
         if self._slot_held:
             self._slot_held = False
             self._bodies.slots.release()
@@ -312,20 +378,41 @@ class LargeBodyRequest(Request):
             declared = _declared_length(self)
             if declared is not None and declared >= LARGE_BODY_BYTES:
                 await self._take_slot()  # before reading: the bytes wait on the socket, not here
+                if _is_json(self.headers.get("content-type", "")):
+                    self._body = await self._spool_body()
         return await super().body()
+
+    async def _spool_body(self) -> SpooledBody:
+        """The body written chunk by chunk to a BodySpool as it arrives: never whole in memory."""
+        self._spool = spool = BodySpool()
+        async for chunk in self.stream():
+            spool.write(chunk)
+        spool.finish()
+        return SpooledBody(spool)
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            if len(body) < LARGE_BODY_BYTES:
-                self._json = json.loads(body)
-            else:
-                await self._take_slot()  # a chunked body: known to be large only once read
-                try:
+            try:
+                if isinstance(body, SpooledBody):
+                    self._spool = None  # parse_spooled removes it
+                    self._json, self.state.decoded_images = await self._bodies.parse_spooled(body.spool)
+                elif len(body) < LARGE_BODY_BYTES:
+                    self._json = json.loads(body)
+                else:
+                    await self._take_slot()  # a chunked body: known to be large only once read
                     self._json, self.state.decoded_images = await self._bodies.parse(body)
-                finally:
+            finally:
+                if isinstance(body, SpooledBody) or len(body) >= LARGE_BODY_BYTES:
                     self.release()
         return self._json
+
+
+def _is_json(content_type: str) -> bool:
+    """FastAPI's test for a JSON body (application/json or application/*+json)."""
+    mime = content_type.partition(";")[0].strip().lower()
+    major, _, minor = mime.partition("/")
+    return major == "application" and (minor == "json" or minor.endswith("+json"))
 
 
 def decoded_images(request: Request) -> DecodedImages | None:

@@ -37,6 +37,7 @@ from services.gateway.config import (
     take_list_forms,
     with_env_api_key,
 )
+from services.gateway.loop_watch import watch_event_loop
 from services.gateway.model_source import ModelUnknown, RegistryWorkerCheck, StaticWorkerCheck, learn_model
 from services.gateway.parser_source import ParserLearner
 from services.gateway.prompts import ModelFiles
@@ -163,6 +164,7 @@ async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.
         loop="none")
     server = _Server(uvicorn_config)
     server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    loop_watch = asyncio.create_task(watch_event_loop(state.metrics.loop_busy))
     while not server.started and not server_task.done():
         await asyncio.sleep(0.02)
     if server.started:
@@ -179,3 +181,4 @@ async def _serve(config: GatewayConfig, signal_task: asyncio.Task, sock: socket.
         log.info("gateway got %s: shutting down", signal_task.result().name)
         server.should_exit = True
     await server_task
+    loop_watch.cancel()

@@ -27,6 +27,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 # what fleet-scale routing must stay under)
 _KV_LAG_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+# the event loop's stretches of CPU time without a turn at a 5 ms timer (loop_watch.py)
+_LOOP_BUSY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.5, 5.0)
 # Exported at 0 from the start (see GatewayMetrics.start_at_zero): the dispatcher's retry and
@@ -113,6 +115,10 @@ class GatewayMetrics:
         self.kv_event_lag = Histogram(metric_name("gateway_kv_event_lag_seconds"),
                                       "From a worker's KV event to this gateway applying it (clocks synced)",
                                       buckets=_KV_LAG_BUCKETS, registry=self.registry)
+        self.loop_busy = Histogram(metric_name("gateway_event_loop_busy_seconds"),
+                                   "CPU time the event loop ran between two turns at a 5 ms timer, where "
+                                   "over 5 ms: every stream relayed waits that long",
+                                   buckets=_LOOP_BUSY_BUCKETS, registry=self.registry)
         self.routed = Counter(metric_name("gateway_worker_requests"),
                               "Attempts routed to each worker (a retried request counts once per attempt)",
                               ["worker", "role"], registry=self.registry)

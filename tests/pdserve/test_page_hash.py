@@ -7,7 +7,7 @@ import hashlib
 import random
 import struct
 
-from pdserve.page_hash import ROOT_HASH, page_hash, page_hashes
+from pdserve.page_hash import ROOT_HASH, PageHashMemo, iter_page_hashes, page_hash, page_hashes
 
 
 def chained(tokens: list[int], page_size: int, salts: list[int]) -> list[int]:
@@ -36,3 +36,24 @@ def test_page_hashes_match_the_chain_page_by_page():
         assert page_hashes(tuple(tokens), page_size, salts=salts) == expected
         known = rng.randrange(0, len(expected) + 1)
         assert page_hashes(tokens, page_size, expected[:known], salts) == expected  # extended, not redone
+
+
+def test_hashes_through_a_memo_are_the_chain_and_the_memo_stays_bounded():
+    rng = random.Random(6)
+    memo = PageHashMemo(max_pages=50)
+    shared = [rng.randrange(0, 1 << 31) for _ in range(64)]  # a hot prefix, met again and again
+    for _ in range(100):
+        page_size = rng.choice([4, 16])
+        tokens = shared + [rng.randrange(0, 1 << 31) for _ in range(rng.randrange(0, 100))]
+        salts = [rng.choice([0, rng.getrandbits(64)]) for _ in range(rng.randrange(0, 3))]
+        expected = chained(tokens, page_size, salts)
+        assert list(iter_page_hashes(tokens, page_size, salts=salts, memo=memo)) == expected
+        assert list(iter_page_hashes(tokens, page_size, salts=salts, memo=memo)) == expected  # from the memo
+        assert len(memo) <= 50
+
+
+def test_lazy_hashes_are_made_only_as_far_as_they_are_taken():
+    tokens = list(range(64))
+    pages = iter_page_hashes(tokens, 16)
+    assert next(pages) == page_hash(ROOT_HASH, tokens[:16])
+    assert list(pages) == page_hashes(tokens, 16)[1:]

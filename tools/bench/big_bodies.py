@@ -7,9 +7,11 @@ its event loop (`--body-parse-processes 0`, the baseline), the other parses larg
 `--output-len` tokens at stream interval 1, first alone (idle), then while `--big-clients` clients
 (in a process of their own, as other machines would be) each send one `--body-mb` MB body of two
 base64 PNG data URLs after another. It prints the p99 (and p50, max) of the gap between consecutive
-SSE events of the streams in each phase, the loaded p99 over
-the idle p99 (the target: at most 2), and how the big-body requests ended. The simulated worker has
-no vision tower, so a big-body request ends in its 400 for images sent to a text-only model: by then
+SSE events of the streams in each phase, the loaded p99 over the idle p99 (the target: at most 2),
+how the big-body requests ended, and the gateway's event-loop stalls over 20 ms and 50 ms per big
+body (its gateway_event_loop_busy_seconds: CPU time on the loop, which a busy machine barely
+changes, where the gaps are wall-clock and noisy when others run). The simulated worker has no
+vision tower, so a big-body request ends in its 400 for images sent to a text-only model: by then
 the gateway has read, parsed and decoded the body and sent the images to the worker, which is the
 work measured here.
 """
@@ -147,14 +149,47 @@ def _gap_figures(timings: list[StreamTiming]) -> dict:
             "stream_errors": len(errors), "first_error": errors[0] if errors else None}
 
 
+_LOOP_BUSY = "pdserve:gateway_event_loop_busy_seconds_bucket"
+
+
+def _loop_stalls(url: str) -> dict[str, float]:
+    """The gateway's event-loop stretches so far (services/gateway/loop_watch.py), as counts by the
+    least CPU time they held the loop: {"10": stretches of 10 ms or more, "20": ..., ...}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    below: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(_LOOP_BUSY + "{"):
+            bound = line.partition('le="')[2].partition('"')[0]
+            below[float(bound)] = float(line.rpartition(" ")[2])
+    total = below.pop(float("inf"), 0.0)
+    return {f"{1000 * bound:g}": total - count for bound, count in sorted(below.items())}
+
+
+def _stall_figures(before: dict[str, float], after: dict[str, float], bodies: int) -> dict:
+    """Stretches the loop ran without a turn for other streams during a phase, over 20 ms and over
+    50 ms, in all and per big body answered (CPU time on the loop: a loaded machine barely changes
+    it, where it changes the gaps)."""
+    over = {ms: after.get(ms, 0.0) - before.get(ms, 0.0) for ms in ("20", "50")}
+    figures: dict = {f"loop_stalls_over_{ms}ms": int(count) for ms, count in over.items()}
+    if bodies:
+        figures.update({f"loop_stalls_over_{ms}ms_per_big_body": round(count / bodies, 2)
+                        for ms, count in over.items()})
+    return figures
+
+
 def _measure(gateway: Service, model: str, args: argparse.Namespace, big: bytes) -> dict:
     url = f"http://{gateway.address}"
     stream = chat_body(model, PROMPT, args.output_len)
     asyncio.run(_phase(url, stream, 4, None, 0))  # warm-up
+    at_start = _loop_stalls(url)
     idle, _ = asyncio.run(_phase(url, stream, args.streams, None, 0))
+    after_idle = _loop_stalls(url)
     began = time.perf_counter()
     loaded, statuses = asyncio.run(_phase(url, stream, args.streams, big, args.big_clients))
-    figures = {"idle": _gap_figures(idle), "big_bodies": _gap_figures(loaded),
+    after_loaded = _loop_stalls(url)
+    figures = {"idle": {**_gap_figures(idle), **_stall_figures(at_start, after_idle, 0)},
+               "big_bodies": {**_gap_figures(loaded),
+                              **_stall_figures(after_idle, after_loaded, sum(statuses.values()))},
                "big_body_answers": {str(k): v for k, v in sorted(statuses.items())},
                "loaded_seconds": round(time.perf_counter() - began, 1)}
     idle_p99, loaded_p99 = figures["idle"]["gap_ms_p99"], figures["big_bodies"]["gap_ms_p99"]
@@ -201,8 +236,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"== bodies parsed {where}")
             for phase in ("idle", "big_bodies"):
                 print(f"  {phase}: " + ", ".join(f"{k}={v}" for k, v in figures[phase].items()))
+            stalls = figures["big_bodies"].get("loop_stalls_over_20ms_per_big_body")
             print(f"  big-body answers: {figures['big_body_answers']}; "
-                  f"p99 gap under big bodies / idle: {figures['p99_loaded_over_idle']}")
+                  f"p99 gap under big bodies / idle: {figures['p99_loaded_over_idle']}; "
+                  f"event-loop stalls over 20 ms per big body: {stalls}")
     errors = sum(report[name][phase]["stream_errors"] for name in ("on_loop", "pool")
                  for phase in ("idle", "big_bodies"))
     return 0 if errors == 0 else 1

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.page_hash import adapter_salt, page_hashes, with_adapter
-from services.gateway.kv_view import PageSet, leading_run
+from pdserve.page_hash import PageHashMemo, adapter_salt, iter_page_hashes, page_hashes, with_adapter
+from services.gateway.kv_view import PageSet, leading_run, leading_runs
 from services.gateway.policies.base import Policy
 from services.gateway.policies.prefix_tree import PrefixTree
 from services.gateway.workers import WorkerHandle
@@ -54,6 +54,7 @@ class CacheAwarePolicy(Policy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.tree = PrefixTree(max_tree_tokens)
+        self.page_hash_memo = PageHashMemo()  # hot prefixes are hashed once, not per request
 
     def imbalanced(self, candidates: Sequence[WorkerHandle]) -> bool:
         loads = [worker.inflight for worker in candidates]
@@ -72,39 +73,72 @@ class CacheAwarePolicy(Policy):
         view = worker.kv_cache
         return len(view.hashes) * view.page_size if view.synced else self.tree.size(worker.key)
 
+    def _least_loaded(self, candidates: Sequence[WorkerHandle]) -> WorkerHandle:
+        return min(candidates, key=lambda worker: (worker.load, self._cache_size(worker)))
+
     def _pick(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
               lora: str | None) -> WorkerHandle:
-        least_loaded = min(candidates, key=lambda worker: (worker.load, self._cache_size(worker)))
         if len(candidates) == 1 or self.imbalanced(candidates):
-            return least_loaded
+            return self._least_loaded(candidates)
         guessed = self.tree.match(_tree_tokens(prompt_token_ids, lora))
         # (an adapter's leading token is no token of the prompt)
         matched: dict[str, float] = {worker: max(length - (lora is not None), 0)
                                      for worker, length in guessed.items()}
-        hashes_by_key: dict[tuple[int, str | None], list[int]] = {}
-        stores: dict[str, list[PageSet]] = {}  # store -> what each synced candidate on it reports in it
-        for worker in candidates:
-            view = worker.kv_cache
-            if view.synced and view.store:
-                stores.setdefault(view.store, []).append(view.store_hashes)
-        for worker in candidates:
-            view = worker.kv_cache
-            if _knows_cache(worker, lora) and view.page_size > 0:
-                size, adapter_key = view.page_size, worker.lora_cache_key(lora)
-                if (size, adapter_key) not in hashes_by_key:
-                    hashes_by_key[size, adapter_key] = page_hashes(prompt_token_ids, size,
-                                                                   salts=with_adapter([], adapter_key))
-                hashes = hashes_by_key[size, adapter_key]
-                # most of 64 workers miss on the first page: no calls for those
-                local = view.cached_pages(hashes) if hashes and hashes[0] in view.hashes else 0
-                fetchable = leading_run(hashes, stores[view.store], local) if view.store else 0
-                matched[worker.key] = (local + self.store_weight * fetchable) * size
+        matched.update(self._matched_by_events(candidates, prompt_token_ids, lora))
         best_len = max(matched.get(worker.key, 0) for worker in candidates)
         if best_len > 0 and best_len >= self.cache_threshold * len(prompt_token_ids):
             # Ties (a prefix only in the store scores the same on every worker on it) go as load does.
             return min((worker for worker in candidates if matched.get(worker.key, 0) == best_len),
                        key=lambda worker: (worker.load, self._cache_size(worker)))
-        return least_loaded
+        return self._least_loaded(candidates)
+
+    def _matched_by_events(self, candidates: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+                           lora: str | None) -> dict[str, float]:
+        """Tokens of the prompt each worker whose KV events tell caches (local pages in full, store
+        pages after them at store_weight). Workers that hash alike (page size, adapter key) are
+        matched together: the prompt is hashed once for them, page by page, only as far as one of
+        them still holds every page so far (leading_runs)."""
+        groups: dict[tuple[int, str | None], list[WorkerHandle]] = {}
+        for worker in candidates:  # (a loop over every candidate: kept to attribute reads)
+            view = worker.kv_cache
+            if not view.synced or view.page_size <= 0:
+                continue
+            adapter_key = None if lora is None else worker.lora_cache_key(lora)
+            if lora is not None and adapter_key is None:
+                continue  # its pages of this adapter are hashed under a key not known here
+            group = groups.get((view.page_size, adapter_key))
+            if group is None:
+                groups[view.page_size, adapter_key] = [worker]
+            else:
+                group.append(worker)
+        matched: dict[str, float] = {}
+        for (size, adapter_key), workers in groups.items():
+            salts = with_adapter([], adapter_key)
+            if any(worker.kv_cache.store for worker in workers):
+                matched.update(self._matched_with_store(candidates, workers, prompt_token_ids, size, salts))
+                continue
+            pages = iter_page_hashes(prompt_token_ids, size, salts=salts, memo=self.page_hash_memo)
+            runs = leading_runs(pages, [worker.kv_cache.hashes for worker in workers])
+            matched.update((worker.key, run * size) for worker, run in zip(workers, runs, strict=True))
+        return matched
+
+    def _matched_with_store(self, candidates: Sequence[WorkerHandle], workers: Sequence[WorkerHandle],
+                            prompt_token_ids: Sequence[int], size: int, salts: list[int]) -> dict[str, float]:
+        """_matched_by_events for workers of which some share a cluster-wide store: every page hashed,
+        since a page may be fetchable from the store past the end of every local run."""
+        stores: dict[str, list[PageSet]] = {}  # store -> what each synced candidate on it reports in it
+        for worker in candidates:
+            view = worker.kv_cache
+            if view.synced and view.store:
+                stores.setdefault(view.store, []).append(view.store_hashes)
+        hashes = page_hashes(prompt_token_ids, size, salts=salts)
+        matched: dict[str, float] = {}
+        for worker in workers:
+            view = worker.kv_cache
+            local = view.cached_pages(hashes) if hashes and hashes[0] in view.hashes else 0
+            fetchable = leading_run(hashes, stores[view.store], local) if view.store else 0
+            matched[worker.key] = (local + self.store_weight * fetchable) * size
+        return matched
 
     def forget(self, worker: WorkerHandle) -> None:
         self.tree.remove_worker(worker.key)

@@ -3,9 +3,11 @@ the message built with them, and a worker's Generate receives them so over gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
+import pytest
 
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.image_wire import encode_generate_request, generate_call
@@ -51,3 +53,30 @@ async def test_a_worker_receives_the_images_over_grpc():
     expected.images.extend(images)
     assert servicer.received == [expected]
     assert [r.finish_reason for r in responses] == [common_pb2.FINISH_REASON_LENGTH]
+
+
+async def test_a_call_cancelled_before_or_while_its_bytes_are_made_reaches_no_worker():
+    servicer = _Echo()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    images = [os.urandom(8 << 20)]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            before = generate_call(channel, request(), images)
+            assert before.cancel() and before.cancelled()
+            with pytest.raises(asyncio.CancelledError):
+                await before.read()
+            during = generate_call(channel, request(), images)
+            reading = asyncio.ensure_future(during.read())
+            await asyncio.sleep(0)  # the read started making the wire bytes in a thread
+            during.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            # a call read to its end still works beside them
+            assert [r.finish_reason async for r in generate_call(channel, request(), [b"x"])] == [
+                common_pb2.FINISH_REASON_LENGTH]
+    finally:
+        await server.stop(0)
+    assert [list(r.images) for r in servicer.received] == [[b"x"]]

@@ -4,9 +4,10 @@ event batches carry the worker's stamp of their oldest event (services/worker/kv
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
-from services.gateway.kv_view import KvCacheView, PageSet
+from services.gateway.kv_view import KvCacheView, PageSet, leading_run, leading_runs
 from services.worker.kv_events import _Subscription
 
 
@@ -44,3 +45,22 @@ async def test_a_batch_is_stamped_with_its_oldest_event():
     assert before <= oldest <= after_first
     subscription.add("stored", 1, [3])  # the next batch starts its own clock
     assert subscription.take()[1] >= after_first
+
+
+def test_leading_runs_count_as_leading_run_and_read_no_page_past_the_longest_run():
+    rng = random.Random(3)
+    for _ in range(200):
+        prompt = [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+        held = [set(h for h in prompt[:rng.randrange(0, len(prompt) + 1)] if rng.random() < 0.9)
+                | {rng.getrandbits(64)} for _ in range(rng.randrange(0, 6))]
+        taken: list[int] = []
+
+        def lazily(taken=taken, prompt=prompt):
+            for digest in prompt:
+                taken.append(digest)
+                yield digest
+
+        runs = leading_runs(lazily(), held)
+        assert runs == [leading_run(prompt, [only]) for only in held]
+        assert len(taken) == min(len(prompt), max(runs, default=0) + 1) or not held
+        assert leading_runs(prompt, held) == runs  # a list works too

@@ -192,3 +192,56 @@ def test_folders_of_dead_gateways_are_swept(tmp_path: Path):
     swept = sweep_dead_folders(str(tmp_path))
     assert sorted(swept) == sorted([str(left), str(tmp_path / f"pdserve-body-{dead_pid}-11ee")])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
+
+
+async def _post_in_chunks(app, body: bytes, then: dict | None, chunk: int = 256 * 1024) -> list[dict]:
+    """POST `body` to the app over ASGI in chunks with its Content-Length, and after the chunks `then`
+    (None: the rest of the body never comes); the messages the app sent back."""
+    chunks = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+    messages = [{"type": "http.request", "body": part, "more_body": True} for part in chunks]
+    messages.append(then or {})
+    folders_seen = []
+
+    async def receive() -> dict:
+        folders_seen.append(bool(_folders(os.getpid())))
+        message = messages.pop(0) if messages else {}
+        if not message:
+            await asyncio.sleep(3600)  # a client that stopped sending
+        return message
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    path = "/v1/chat/completions"
+    scope = {"type": "http", "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "server": ("gateway", 80), "client": ("127.0.0.1", 1), "app": app,
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body) + 10).encode())]}
+    await app(scope, receive, send)
+    assert any(folders_seen[2:])  # the body was being written to its folder while it arrived
+    return sent
+
+
+async def test_a_body_cut_short_leaves_no_files(tiny_vl: Path):
+    """A declared-length body is written to its request's folder as it arrives; a client that
+    disconnects mid-body, or stops sending until the read deadline (408), leaves no folder and frees
+    its large-body slot."""
+    state = build_state(GatewayConfig(model_path=str(tiny_vl), max_image_bytes=3 * LARGE_BODY_BYTES // 2,
+                                      body_read_timeout=1.0))
+    app = create_app(state)
+    body = json.dumps(chat(data_url(BIG))).encode()
+    try:
+        async with app.router.lifespan_context(app):
+            await _post_in_chunks(app, body, {"type": "http.disconnect"})
+            assert not _folders(os.getpid())
+            sent = await _post_in_chunks(app, body, None)
+            assert sent[0]["status"] == 408, sent
+            assert not _folders(os.getpid())
+            bodies: LargeBodies = app.state.large_bodies
+            assert bodies.slots._value == 4  # every slot given back
+    finally:
+        app.state.large_bodies.close()
+        state.pool.close()

@@ -198,6 +198,35 @@ def test_cache_aware_hashes_with_each_workers_page_size() -> None:
     assert policy.choose([a, b], prompt) is a  # 64 tokens on a beat 16 on b and b's lighter load
 
 
+def test_cache_aware_over_a_fleet_picks_the_longest_run_as_counted_page_by_page() -> None:
+    """64 workers of two page sizes, each holding a random part of the prompt's pages (holes
+    included): the pick is the worker whose leading run, counted on every page of its own hashes,
+    is longest (ties to the least loaded), request after request (the page-hash memo warm)."""
+    import random
+
+    from pdserve.page_hash import page_hashes
+
+    rng = random.Random(9)
+    fleet = workers(*[rng.randrange(0, 3) for _ in range(64)])
+    policy = CacheAwarePolicy(cache_threshold=0.0, balance_abs_threshold=1000)
+    documents = [[rng.randrange(1, 1000) for _ in range(256)] for _ in range(4)]
+    for worker in fleet:
+        size = rng.choice([16, 32])
+        worker.kv_cache.page_size = size
+        document = rng.choice(documents)
+        pages = page_hashes(document, size)[:rng.randrange(0, 256 // size + 1)]
+        worker.kv_cache.apply(True, stored=[h for h in pages if rng.random() < 0.97])
+        worker.kv_cache.synced = True
+    for _ in range(20):
+        prompt = rng.choice(documents) + [rng.randrange(1, 1000) for _ in range(40)]
+        cached = {w.key: w.kv_cache.cached_pages(page_hashes(prompt, w.kv_cache.page_size))
+                  * w.kv_cache.page_size for w in fleet}
+        best = max(cached.values())
+        expected = min((w for w in fleet if cached[w.key] == best),
+                       key=lambda w: (w.load, len(w.kv_cache.hashes) * w.kv_cache.page_size))
+        assert best > 0 and policy.choose(fleet, prompt) is expected
+
+
 def test_kv_event_batches_apply_snapshot_then_deltas() -> None:
     from protos.v1 import worker_pb2
     from services.gateway.kv_events import apply_batch
