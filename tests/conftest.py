@@ -19,6 +19,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="flags added to every `launch-server` an e2e test starts through the launcher, "
                           "e.g. --worker-flags='--speculative-algorithm NGRAM': the same exactness tests "
                           "under another engine setting (make test-spec)")
+    parser.addoption("--fresh-workers", action="store_true", default=False,
+                     help="start every e2e worker as its own interpreter, not forked from one that imported "
+                          "pdserve once (tests/e2e/forked_launch.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

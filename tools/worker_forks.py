@@ -16,6 +16,9 @@ no transfer engine (Mooncake starts threads on import): each worker imports its 
 Protocol on the server's stdin and stdout, one JSON object per line:
     -> {"args": [...pdserve arguments...], "log": "/path/to/log", "env": {"NAME": "value"}}
     <- {"pid": 1234}
+`env` is added to the server's environment; with `"whole_env": true` it is the child's whole
+environment instead (what a `subprocess.Popen(env=...)` child would get), and an optional `"cwd"`
+is the directory the child runs in.
 A child runs `pdserve ARGS` with output to its log, in its own session, and is killed when the
 server goes (PR_SET_PDEATHSIG); the server itself goes when its stdin closes or on SIGTERM, after
 stopping its children. It reaps each child and writes its exit status (a negative signal number
@@ -77,7 +80,11 @@ def _run_child(request: dict) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+        if request.get("whole_env"):
+            os.environ.clear()
         os.environ.update(request.get("env", {}))
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
         from pdserve.cli import main
         code = main(list(request["args"])) or 0
     except SystemExit as exc:
@@ -220,12 +227,17 @@ class ForkServer:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def spawn(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Service:
-        """Fork `pdserve ARGS` without waiting for it to be ready (Service.wait_ready does)."""
+    def spawn(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None, *,
+              whole_env: bool = False, cwd: str | None = None) -> Service:
+        """Fork `pdserve ARGS` without waiting for it to be ready (Service.wait_ready does). `env` is
+        added to the server's environment, or with `whole_env` replaces it; `cwd`: the child's
+        directory (the server's when None)."""
         assert self.popen.stdin is not None and self.popen.stdout is not None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         Path(_exit_path(str(log_path))).unlink(missing_ok=True)
-        request = {"args": list(args), "log": str(log_path), "env": {**self.env, **(env or {})}}
+        child_vars = dict(env or {}) if whole_env else {**self.env, **(env or {})}
+        request = {"args": list(args), "log": str(log_path), "env": child_vars, "whole_env": whole_env,
+                   "cwd": cwd}
         try:
             self.popen.stdin.write(json.dumps(request) + "\n")
             self.popen.stdin.flush()

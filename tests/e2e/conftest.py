@@ -10,11 +10,39 @@ import pytest
 
 import tools.launch
 from tests.e2e.cluster import Cluster
+from tests.e2e.forked_launch import ForkedLaunches
 from tools.models.tiny_model import write_tiny_model
+
+_launches: ForkedLaunches | None = None  # this pytest process's, while the session runs
 
 
 @pytest.fixture(scope="session", autouse=True)
-def worker_flags(request) -> Iterator[tuple[str, ...]]:
+def forked_workers(request, tmp_path_factory) -> Iterator[ForkedLaunches | None]:
+    """Workers forked from one fork server of this pytest process (tests/e2e/forked_launch.py), unless
+    --fresh-workers; a test marked `fresh_workers` starts every process fresh."""
+    global _launches
+    if request.config.getoption("--fresh-workers"):
+        yield None
+        return
+    _launches = ForkedLaunches(tmp_path_factory.mktemp("fork-server"))
+    tools.launch.spawn = _launches.spawn
+    try:
+        yield _launches
+    finally:
+        tools.launch.spawn = _launches.plain_spawn
+        _launches.close()
+        _launches = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before the test's fixtures are set up, so a module's shared deployment follows its marker too.
+    if _launches is not None:
+        _launches.enabled = item.get_closest_marker("fresh_workers") is None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_flags(request, forked_workers) -> Iterator[tuple[str, ...]]:
     """`--worker-flags`: added to every worker (not an encoder, not DP attention) the tests start
     through the launcher, unless the test set that flag itself. Every module starts its processes through
     tools.launch.spawn, so one wrapper reaches them all (`pdserve up`'s children are its own)."""

@@ -209,10 +209,12 @@ def test_node_started_with_other_sizes_is_refused(cluster: Cluster, deepseek):
     common = ["launch-server", "--model-path", str(deepseek), "--port", "0", "--metrics-port", "0",
               "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "8",
               "--num-threads", "1", "--num-pages", "32"]
+    # Both through the launcher, so both start alike (forked, or both fresh): node 0 waits only
+    # --dist-timeout for node 1, which must not still be importing torch when that runs out.
     node0 = cluster.spawn("node0", [*common, "--node-rank", "0", "--tp-size", "2"])
-    node1 = _pdserve(*common, "--node-rank", "1", "--tp-size", "4")
-    assert node1.returncode == 2
-    assert "node 1 was started with --tp-size 4 but node 0 with --tp-size 2" in node1.stdout + node1.stderr
+    node1 = cluster.spawn("node1", [*common, "--node-rank", "1", "--tp-size", "4"])
+    assert node1.popen.wait(timeout=120) == 2, node1.log()[-3000:]
+    assert "node 1 was started with --tp-size 4 but node 0 with --tp-size 2" in node1.log()
     # Node 0 waits --dist-timeout for the node that never joined, then says who was missing.
     assert node0.popen.wait(timeout=120) != 0
     assert "ranks 1..1 on nodes 1..1 join at --dist-init-addr" in node0.log(), node0.log()[-3000:]
