@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from tools.bench.cpu_pinning import pin
 from tools.bench.sse_load import chat_body, run_load
 from tools.launch import ProcessGroup, Service
 from tools.up import DEFAULT_MODEL, ensure_model
@@ -63,15 +64,6 @@ def _cpu_seconds(process: psutil.Process) -> float:
         except psutil.NoSuchProcess:
             continue
     return total
-
-
-def _pin(process: psutil.Process, cpus: list[int]) -> None:
-    for proc in [process, *process.children(recursive=True)]:
-        try:
-            for thread in proc.threads():  # every thread: affinity is per thread on Linux
-                os.sched_setaffinity(thread.id, cpus)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            continue
 
 
 def _source_addresses(source: Service) -> list[str]:
@@ -108,14 +100,14 @@ def run(args: argparse.Namespace) -> dict:
         gateway_proc, source_proc = psutil.Process(gateway.pid), psutil.Process(source.pid)
         me = psutil.Process()
         if pinned:
-            _pin(gateway_proc, cpus[:1])
-            _pin(source_proc, cpus[1:])
+            pin(gateway_proc, cpus[:1])
+            pin(source_proc, cpus[1:])
             os.sched_setaffinity(0, cpus[1:])
         url = f"http://{gateway.address}"
         body = chat_body(args.model_path.name, PROMPT, args.output_len)
         asyncio.run(run_load([url], body, 32, concurrency=32))  # warm-up
         if pinned:  # threads started since (gRPC, the tokenizer pool)
-            _pin(gateway_proc, cpus[:1])
+            pin(gateway_proc, cpus[:1])
         cpu0 = {name: _cpu_seconds(p) for name, p in (("gateway", gateway_proc), ("sources", source_proc))}
         processes = gateway_proc.children() if args.processes > 1 else [gateway_proc]
         process_cpu0 = [_cpu_seconds(p) for p in processes]
