@@ -10,9 +10,10 @@ one connection per request). With one process the gateway is pinned to the first
 sources and clients to the others, so the gateway has one core to itself and what it relays is what
 one core can relay. At rate R and output length L the offered load is R x L tokens/s.
 
-It prints, for the load window: the tokens/s the clients received; the gateway's CPU per token
-(user + system time of its processes over the tokens received) and the cores it used, so
-tokens/s per core = 1 / CPU per token; the clients' TPOT p50 / mean against the sources' own
+It prints, for the load window: the tokens/s the clients received (over the whole run, and while
+the load was steady: after the first requests' whole length until the last request started); the
+gateway's CPU per token (user + system time of its processes over the tokens received) and the
+cores it used, so tokens/s per core = 1 / CPU per token; the clients' TPOT p50 / mean against the sources' own
 (--tpot-ms: what TPOT would be with nothing but the schedule in the way) and their ratio; TTFT;
 errors; and the CPU the sources and the clients (this process) used, to show what else ran.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from tools.bench.cpu_pinning import pin
-from tools.bench.sse_load import chat_body, run_load
+from tools.bench.sse_load import StreamTiming, chat_body, run_load
 from tools.launch import ProcessGroup, Service
 from tools.up import DEFAULT_MODEL, ensure_model
 
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> dict:
                   "offered_tokens_per_s": round(args.rate * args.output_len)},
         "load": {"requests": len(timings), "errors": len(timings) - len(ok),
                  "first_errors": [t.error for t in timings if t.error][:3], "output_tokens": tokens,
-                 "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall)},
+                 "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall),
+                 "steady_tokens_per_s": _steady_rate(ok, began, args)},
         "gateway": {"cpu_ms_per_token": round(ms * used["gateway"] / tokens, 4) if tokens else None,
                     "cores_used": round(used["gateway"] / wall, 3),
                     "tokens_per_s_per_core": round(tokens / used["gateway"]) if used["gateway"] else None,
@@ -144,6 +146,25 @@ def run(args: argparse.Namespace) -> dict:
                       "ttft_p50": _ms(_percentile(ttfts, 0.5)), "ttft_p99": _ms(_percentile(ttfts, 0.99))},
         "others_cores": {"sources": round(used["sources"] / wall, 3), "clients": round(client_cpu / wall, 3)},
     }
+
+
+def _steady_rate(timings: list[StreamTiming], began: float, args: argparse.Namespace) -> int | None:
+    """Tokens per second received while the load was steady: after the first requests' whole
+    length (output_len x tpot) and until the last request started, each stream's tokens counted as
+    arriving evenly between its first and last event (the whole run's figure also holds the start,
+    when streams are still joining, and the end, when they are leaving)."""
+    start = began + args.output_len * args.tpot_ms / 1000.0
+    end = began + args.requests / args.rate
+    if end <= start:
+        return None
+    received = 0.0
+    for timing in timings:
+        if timing.first is None or timing.end is None or timing.end <= timing.first:
+            continue
+        overlap = max(0.0, min(end, timing.end) - max(start, timing.first))
+        received += (timing.tokens - 1) * overlap / (timing.end - timing.first)
+        received += 1 if start <= timing.first < end else 0
+    return round(received / (end - start))
 
 
 def _ms(seconds: float | None) -> float | None:
