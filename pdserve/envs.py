@@ -126,8 +126,8 @@ CPU_ISA = EnvVar(
 
 GC_GEN0_THRESHOLD = EnvVar(
     "PDSERVE_GC_GEN0_THRESHOLD", 50_000,
-    "Gateway and workers: the garbage collector's first threshold once the service is up (net new "
-    "container objects between young collections; Python's default is 700). 0 keeps Python's default.")
+    "Gateway: the garbage collector's first threshold once it is up (net new container objects "
+    "between young collections; Python's default is 700). 0 keeps Python's default.")
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 
 
