@@ -44,6 +44,7 @@ import httpx
 import psutil
 
 from engine.sim.profile import SimProfile
+from tools.bench.measures import cpu_seconds, percentile
 from tools.bench.sse_load import StreamTiming, chat_body, run_load
 from tools.launch import ProcessGroup, Service
 from tools.metrics import scrape
@@ -74,17 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default); --no-fork-workers starts each as its own process")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-bench-fleet"), help="logs")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-
-
-def _cpu_seconds(process: psutil.Process) -> float:
-    total = 0.0
-    for proc in [process, *process.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
 
 
 def _histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
@@ -124,13 +114,6 @@ def _decode_rows(decodes: list[Service]) -> tuple[float, float]:
     steps = sum(d.metric("pdserve:engine_steps_total", kind=kind)
                 for d in decodes for kind in ("decode", "mixed"))
     return rows, steps
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _wait_for_workers(gateways: list[Service], prefill: int, decode: int, timeout_s: float = 300) -> None:
@@ -185,25 +168,25 @@ def run(args: argparse.Namespace) -> dict:
         gateway_procs = [psutil.Process(g.pid) for g in gateways]
         registry_proc = psutil.Process(bootstrap.pid)
         worker_procs = [psutil.Process(w.pid) for w in workers]
-        idle_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
+        idle_cpu0 = sum(cpu_seconds(p) for p in worker_procs)
         time.sleep(IDLE_WINDOW_S)  # what the workers cost doing nothing: heartbeats, idle loops
-        idle_cores = (sum(_cpu_seconds(p) for p in worker_procs) - idle_cpu0) / IDLE_WINDOW_S
+        idle_cores = (sum(cpu_seconds(p) for p in worker_procs) - idle_cpu0) / IDLE_WINDOW_S
         before_routing = _merged(gateways)
         rows0, steps0 = _decode_rows(decodes)
-        gateway_cpu0 = sum(_cpu_seconds(p) for p in gateway_procs)
-        registry_cpu0 = _cpu_seconds(registry_proc)
+        gateway_cpu0 = sum(cpu_seconds(p) for p in gateway_procs)
+        registry_cpu0 = cpu_seconds(registry_proc)
         decode_procs = [psutil.Process(w.pid) for w in decodes]
-        worker_cpu0 = sum(_cpu_seconds(p) for p in worker_procs)
-        decode_cpu0 = sum(_cpu_seconds(p) for p in decode_procs)
+        worker_cpu0 = sum(cpu_seconds(p) for p in worker_procs)
+        decode_cpu0 = sum(cpu_seconds(p) for p in decode_procs)
         psutil.cpu_percent()
         began = time.perf_counter()
         timings = asyncio.run(run_load(urls, body, args.requests, concurrency=args.requests, rate=args.rate))
         wall = time.perf_counter() - began
         machine_busy = psutil.cpu_percent()
-        gateway_cpu = sum(_cpu_seconds(p) for p in gateway_procs) - gateway_cpu0
-        registry_cpu = _cpu_seconds(registry_proc) - registry_cpu0
-        worker_cpu = sum(_cpu_seconds(p) for p in worker_procs) - worker_cpu0
-        decode_cpu = sum(_cpu_seconds(p) for p in decode_procs) - decode_cpu0
+        gateway_cpu = sum(cpu_seconds(p) for p in gateway_procs) - gateway_cpu0
+        registry_cpu = cpu_seconds(registry_proc) - registry_cpu0
+        worker_cpu = sum(cpu_seconds(p) for p in worker_procs) - worker_cpu0
+        decode_cpu = sum(cpu_seconds(p) for p in decode_procs) - decode_cpu0
         rows1, steps1 = _decode_rows(decodes)
         after_routing = _merged(gateways)
         costs = {**_worker_memory(workers), "idle_cores": round(idle_cores, 3),
@@ -264,10 +247,10 @@ def _figures(args: argparse.Namespace, timings: list[StreamTiming], wall: float,
         "kv_event_lag_ms": {"p50": _scaled(_histogram_quantile(routing, lag, 0.5), ms),
                             "p99": _scaled(_histogram_quantile(routing, lag, 0.99), ms),
                             "batches": routing.get(lag + "_count", 0.0)},
-        "client_ms": {"ttft_p50": _scaled(_percentile(ttfts, 0.5), ms),
-                      "ttft_p99": _scaled(_percentile(ttfts, 0.99), ms),
-                      "tpot_p50": _scaled(_percentile(tpots, 0.5), ms),
-                      "tpot_p99": _scaled(_percentile(tpots, 0.99), ms),
+        "client_ms": {"ttft_p50": _scaled(percentile(ttfts, 0.5), ms),
+                      "ttft_p99": _scaled(percentile(ttfts, 0.99), ms),
+                      "tpot_p50": _scaled(percentile(tpots, 0.5), ms),
+                      "tpot_p99": _scaled(percentile(tpots, 0.99), ms),
                       "tpot_mean": _scaled(statistics.fmean(tpots) if tpots else None, ms)},
         "timing_model": {"mean_decode_batch": round(mean_batch, 2),
                          "tpot_ms": round(ms * modeled_tpot, 3)},

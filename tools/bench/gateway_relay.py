@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from tools.bench.cpu_pinning import pin
+from tools.bench.measures import cpu_seconds, percentile
 from tools.bench.sse_load import StreamTiming, chat_body, run_load
 from tools.launch import ProcessGroup, Service
 from tools.up import DEFAULT_MODEL, ensure_model
@@ -56,27 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
-def _cpu_seconds(process: psutil.Process) -> float:
-    total = 0.0
-    for proc in [process, *process.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 def _source_addresses(source: Service) -> list[str]:
     text = source.log_path.read_text(errors="replace")
     return [source.address, *_SOURCE_LINE.findall(text)]
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -109,17 +92,17 @@ def run(args: argparse.Namespace) -> dict:
         asyncio.run(run_load([url], body, 32, concurrency=32))  # warm-up
         if pinned:  # threads started since (gRPC, the tokenizer pool)
             pin(gateway_proc, cpus[:1])
-        cpu0 = {name: _cpu_seconds(p) for name, p in (("gateway", gateway_proc), ("sources", source_proc))}
+        cpu0 = {name: cpu_seconds(p) for name, p in (("gateway", gateway_proc), ("sources", source_proc))}
         processes = gateway_proc.children() if args.processes > 1 else [gateway_proc]
-        process_cpu0 = [_cpu_seconds(p) for p in processes]
+        process_cpu0 = [cpu_seconds(p) for p in processes]
         client0 = me.cpu_times()
         began = time.perf_counter()
         timings = asyncio.run(run_load([url], body, args.requests, concurrency=args.requests, rate=args.rate))
         wall = time.perf_counter() - began
         client1 = me.cpu_times()
-        used = {name: _cpu_seconds(p) - cpu0[name] for name, p in (("gateway", gateway_proc),
+        used = {name: cpu_seconds(p) - cpu0[name] for name, p in (("gateway", gateway_proc),
                                                                   ("sources", source_proc))}
-        per_process = [_cpu_seconds(p) - before for p, before in zip(processes, process_cpu0, strict=True)]
+        per_process = [cpu_seconds(p) - before for p, before in zip(processes, process_cpu0, strict=True)]
     client_cpu = (client1.user + client1.system) - (client0.user + client0.system)
     ok = [t for t in timings if t.error is None]
     tokens = sum(t.tokens for t in ok)
@@ -139,11 +122,11 @@ def run(args: argparse.Namespace) -> dict:
                     "cores_used": round(used["gateway"] / wall, 3),
                     "tokens_per_s_per_core": round(tokens / used["gateway"]) if used["gateway"] else None,
                     "cores_used_per_process": [round(cpu / wall, 3) for cpu in per_process]},
-        "client_ms": {"tpot_p50": _ms(_percentile(tpots, 0.5)), "tpot_mean": _ms(tpot_mean),
-                      "tpot_p99": _ms(_percentile(tpots, 0.99)),
+        "client_ms": {"tpot_p50": _ms(percentile(tpots, 0.5)), "tpot_mean": _ms(tpot_mean),
+                      "tpot_p99": _ms(percentile(tpots, 0.99)),
                       "tpot_mean_over_sources":
                           round(ms * tpot_mean / args.tpot_ms, 3) if tpot_mean else None,
-                      "ttft_p50": _ms(_percentile(ttfts, 0.5)), "ttft_p99": _ms(_percentile(ttfts, 0.99))},
+                      "ttft_p50": _ms(percentile(ttfts, 0.5)), "ttft_p99": _ms(percentile(ttfts, 0.99))},
         "others_cores": {"sources": round(used["sources"] / wall, 3), "clients": round(client_cpu / wall, 3)},
     }
 

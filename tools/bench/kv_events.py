@@ -44,6 +44,7 @@ from services.gateway.kv_view import MAX_VIEW_PAGES, KvCacheView
 from services.gateway.policies.cache_aware import CacheAwarePolicy
 from services.gateway.workers import WorkerPool
 from services.worker.kv_events import _KINDS, DEVICE, MIN_BATCH_INTERVAL_S, _Subscription
+from tools.bench.measures import cpu_seconds, percentile
 
 PAGE = 16
 STORED, REMOVED = worker_pb2.KV_EVENT_KIND_STORED, worker_pb2.KV_EVENT_KIND_REMOVED
@@ -155,17 +156,6 @@ def _publish(workers: list[int], args: argparse.Namespace, ports, stop) -> None:
     asyncio.run(serve())
 
 
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _cpu_s(processes: list[psutil.Process]) -> float:
-    return sum(sum(p.cpu_times()[:2]) for p in processes)
-
-
 async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
                                publishers: list[psutil.Process]) -> dict:
     workload = Workload.of(args)
@@ -192,7 +182,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
     lags.clear()
     me = psutil.Process()
     rss0, cpu0 = me.memory_info().rss, me.cpu_times()
-    publishers_cpu0 = _cpu_s(publishers)
+    publishers_cpu0 = sum(cpu_seconds(p) for p in publishers)
     decisions: list[float] = []
     decisions_cpu: list[float] = []  # the pick's own work: on a loaded machine the wall p99 is mostly waits
     load_before = os.getloadavg()[0]
@@ -216,7 +206,7 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
             largest_view = max(largest_view, max(len(w.kv_cache.hashes) for w in candidates))
     wall = time.monotonic() - began
     cpu1 = me.cpu_times()
-    publishers_cpu_s = _cpu_s(publishers) - publishers_cpu0
+    publishers_cpu_s = sum(cpu_seconds(p) for p in publishers) - publishers_cpu0
     views = [len(w.kv_cache.hashes) for w in candidates]
     largest_view = max(largest_view, *views)
     dropped = sum(w.kv_cache.hashes.dropped for w in candidates)
@@ -230,14 +220,14 @@ async def _subscribe_and_route(ports: dict[int, int], args: argparse.Namespace,
         "workers": len(candidates), "seconds": round(wall, 1),
         "events_per_s": {"batches": round(len(lags) / wall), "stored_pages_per_worker":
                          round(args.prefill_tokens_per_s / PAGE)},
-        "routing_decision_ms": {"p50": round(ms * (_quantile(decisions, 0.5) or 0), 4),
-                                "p99": round(ms * (_quantile(decisions, 0.99) or 0), 4),
+        "routing_decision_ms": {"p50": round(ms * (percentile(decisions, 0.5) or 0), 4),
+                                "p99": round(ms * (percentile(decisions, 0.99) or 0), 4),
                                 "max": round(ms * max(decisions), 3), "count": len(decisions),
-                                "cpu_p50": round(ms * (_quantile(decisions_cpu, 0.5) or 0), 4),
-                                "cpu_p99": round(ms * (_quantile(decisions_cpu, 0.99) or 0), 4),
+                                "cpu_p50": round(ms * (percentile(decisions_cpu, 0.5) or 0), 4),
+                                "cpu_p99": round(ms * (percentile(decisions_cpu, 0.99) or 0), 4),
                                 "picked_a_worker_caching_the_prefix": round(hit_share, 3)},
-        "event_lag_ms": {"p50": round(ms * (_quantile(lags, 0.5) or 0), 2),
-                         "p99": round(ms * (_quantile(lags, 0.99) or 0), 2),
+        "event_lag_ms": {"p50": round(ms * (percentile(lags, 0.5) or 0), 2),
+                         "p99": round(ms * (percentile(lags, 0.99) or 0), 2),
                          "max": round(ms * max(lags, default=0), 2)},
         "views": {"cap_pages_per_worker": args.view_max_pages, "largest_pages": largest_view,
                   "total_pages": sum(views), "dropped_by_cap": dropped,
