@@ -58,9 +58,8 @@ class GenerationChunk:
         return len(self.token_ids)
 
     def with_usage(self, prompt_tokens: int, completion_tokens: int) -> GenerationChunk:
-        chunk = GenerationChunk(self._tokens, self.finish_reason, prompt_tokens, completion_tokens,
-                                token_ids=self.token_ids, texts=self.texts)
-        return chunk
+        return GenerationChunk(self._tokens, self.finish_reason, prompt_tokens, completion_tokens,
+                               token_ids=self.token_ids, texts=self.texts)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GenerationChunk):

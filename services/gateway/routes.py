@@ -342,12 +342,13 @@ def _finish_reason(result: ChoiceResult) -> dict | None:
 
 def _native_response(result: ChoiceResult, room: str, prompt_tokens: int,
                      return_logprob: bool) -> NativeGenerateResponse:
-    logprobs = ([[token.logprob, token.token_id, None] for token in result.tokens]
+    tokens = result.tokens  # listed once: ChoiceResult builds the list on each read
+    logprobs = ([[token.logprob, token.token_id, None] for token in tokens]
                 if return_logprob else None)
     return NativeGenerateResponse(
-        text=result.text, output_ids=[token.token_id for token in result.tokens],
+        text=result.text, output_ids=[token.token_id for token in tokens],
         meta_info=NativeMetaInfo(id=room, prompt_tokens=result.prompt_tokens or prompt_tokens,
-                                 completion_tokens=result.completion_tokens or len(result.tokens),
+                                 completion_tokens=result.completion_tokens or len(tokens),
                                  finish_reason=_finish_reason(result), output_token_logprobs=logprobs))
 
 
