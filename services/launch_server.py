@@ -18,6 +18,7 @@ from pdserve.config_flags import add_config_arguments, config_from_args
 from protos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import ServiceBinding, ShutdownSignals, service_name, start_grpc_server
 from services.common.logging import setup_logging
+from services.worker import images_apart
 from services.worker.config import WorkerConfig
 from services.worker.hooks import WorkerHooks
 from services.worker.kv_events import KvEventsServicer
@@ -71,15 +72,14 @@ def _binding(runtime: WorkerRuntime, hooks: WorkerHooks) -> ServiceBinding:
     if runtime.config.role == "prefill":
         from services.prefill.servicer import PrefillServicer
         return ServiceBinding(service_name(worker_pb2, "Prefill"), PrefillServicer(runtime),
-                              worker_pb2_grpc.add_PrefillServicer_to_server)
+                              images_apart.adder("Prefill"))
     if runtime.config.role == "decode":
         from services.decode.servicer import DecodeServicer
         servicer: worker_pb2_grpc.WorkerServicer = DecodeServicer(runtime, hooks)
     else:
         from services.worker.colocated import ColocatedServicer
         servicer = ColocatedServicer(runtime)
-    return ServiceBinding(service_name(worker_pb2, "Worker"), servicer,
-                          worker_pb2_grpc.add_WorkerServicer_to_server)
+    return ServiceBinding(service_name(worker_pb2, "Worker"), servicer, images_apart.adder("Worker"))
 
 
 def _background(runtime: WorkerRuntime, servicer: object) -> list[asyncio.Task]:

@@ -37,7 +37,7 @@ def processor_config(model_dir: str) -> ImageProcessorConfig | ClipProcessorConf
     return ImageProcessorConfig.from_dir(model_dir) if path.exists() else ImageProcessorConfig()
 
 
-def decode_image(data: bytes, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def decode_image(data: bytes | memoryview, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """The decoded RGB image; ValueError saying why not (not an image, a format other than
     PNG/JPEG/WebP, too many pixels, truncated or corrupt). The pixel count is read from the
     header and checked before anything is decoded."""
@@ -71,7 +71,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def prepare(model_dir: str, model: ModelConfig, prompt_ids: Sequence[int],
-            blobs: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+            blobs: Sequence[bytes | memoryview]) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt with each image placeholder expanded to its image's tokens, and the images
     preprocessed; ValueError for a text-only model or any image refused."""
     if not model.is_multimodal or model.image_token_id is None:

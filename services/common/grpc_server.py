@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -41,6 +43,38 @@ class ServiceBinding:
     name: str  # full name, e.g. "pdserve.v1.Bootstrap"
     servicer: object
     add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+_HANDLER_KINDS = {  # (client streams, server streams) -> the handler gRPC makes for such a method
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def adder_with_deserializers(service: ServiceDescriptor, deserializers: Mapping[str, Callable[[bytes], Any]]
+                             ) -> Callable[[Any, grpc.aio.Server], None]:
+    """An `add_*_to_server` for `service` that registers what the generated one does, except that
+    the methods named in `deserializers` read their requests with the function given (the generated
+    one always parses with the request type's FromString)."""
+    unknown = set(deserializers) - {method.name for method in service.methods}
+    if unknown:
+        raise ValueError(f"{service.full_name} has no method {sorted(unknown)}")
+
+    def add(servicer: Any, server: grpc.aio.Server) -> None:
+        handlers = {}
+        for method in service.methods:
+            request_type = message_factory.GetMessageClass(method.input_type)
+            response_type = message_factory.GetMessageClass(method.output_type)
+            make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+            deserializer = deserializers.get(method.name, request_type.FromString)
+            handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=deserializer,
+                                         response_serializer=response_type.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+    return add
 
 
 def service_name(pb2_module: ModuleType, short_name: str) -> str:

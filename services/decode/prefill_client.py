@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -13,6 +14,7 @@ import grpc
 from engine.outputs import FirstToken
 from engine.sampling import SamplingParams
 from protos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.bytes_field_wire import append_bytes_field
 from services.common.channels import open_channel
 from services.common.security import GrpcSecurity
 from services.worker.metrics import HANDSHAKE
@@ -29,6 +31,11 @@ _RETIRED_GRACE_S = 600.0
 # gRPC shares connections (subchannels) between the channels of a process by default, so a new channel
 # would inherit the old one's reconnect backoff; each channel here owns its connections.
 _OWN_SUBCHANNELS = (("grpc.use_local_subchannel_pool", 1),)
+_PREFILL = "/pdserve.v1.Prefill/Prefill"
+
+
+def _as_is(wire: bytes) -> bytes:
+    return wire
 
 
 class PrefillFailed(RuntimeError):
@@ -106,10 +113,20 @@ class PrefillClients:
         task.add_done_callback(lambda done: self._retiring.pop(done, None))
 
     async def prefill(self, address: str, request: worker_pb2.PrefillRequest, params: SamplingParams,
-                      timeout_s: float) -> PrefillReply:
+                      timeout_s: float, images: Sequence[bytes | memoryview] = ()) -> PrefillReply:
+        """Prefill.Prefill(`request` with `images` as its images field: written into the wire bytes
+        in a thread, services/common/bytes_field_wire.py, so the images are copied once and never by
+        protobuf on the loop)."""
         stub, channel = self._stub(address)
         try:
-            response = await stub.Prefill(request, timeout=timeout_s)
+            if images:
+                wire = await asyncio.to_thread(append_bytes_field, request.SerializeToString(),
+                                               worker_pb2.PrefillRequest.IMAGES_FIELD_NUMBER, images)
+                call = channel.unary_unary(_PREFILL, request_serializer=_as_is,
+                                           response_deserializer=worker_pb2.PrefillResponse.FromString)
+                response = await call(wire, timeout=timeout_s)
+            else:
+                response = await stub.Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNAVAILABLE:

@@ -176,7 +176,7 @@ class RemotePrefill:
         self.backend.expect(room.id, pages, grant=grant)
         prefill_request = worker_pb2.PrefillRequest(  # the sampling message as the client sent it
             room=room.id, prompt_token_ids=wire.prompt_token_ids if wire.images else request.prompt_ids,
-            images=wire.images, sampling=wire.sampling, dst_page_ids=pages, dst=self._endpoint_for(room.id),
+            sampling=wire.sampling, dst_page_ids=pages, dst=self._endpoint_for(room.id),
             decode_worker_id=self.runtime.registry.worker_id if self.runtime.registry else "",
             model=self.config.model_name, grant=grant, page_checksums=self.checksums,
             skip_pages=reservation.cached_pages,
@@ -188,7 +188,8 @@ class RemotePrefill:
         room.prefill_id = self.prefill_ids.get(prefill_address, "")
         call = room.call = asyncio.ensure_future(self.prefills.prefill(
             prefill_address, prefill_request, request.params,
-            timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout))
+            timeout_s=self.config.bootstrap_timeout + self.config.waiting_timeout,
+            images=wire.images))  # views into the bytes decode received (worker/images_apart.py)
         try:
             # not `await call`: a watcher cancelling the call is a failure, not ours
             await asyncio.wait({call})

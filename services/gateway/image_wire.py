@@ -24,27 +24,16 @@ from typing import Any
 import grpc
 
 from protos.v1 import worker_pb2
+from services.common.bytes_field_wire import append_bytes_field
 
 _GENERATE = "/pdserve.v1.Worker/Generate"
-_IMAGES_TAG = bytes([(worker_pb2.GenerateRequest.IMAGES_FIELD_NUMBER << 3) | 2])  # length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def encode_generate_request(request: worker_pb2.GenerateRequest, images: Sequence[bytes]) -> bytes:
     """The wire bytes of `request` with `images` as its images field (the request's own images
     field must be empty)."""
-    parts = [request.SerializeToString()]
-    for image in images:
-        parts += (_IMAGES_TAG, _varint(len(image)), image)
-    return b"".join(parts)
+    return append_bytes_field(request.SerializeToString(), worker_pb2.GenerateRequest.IMAGES_FIELD_NUMBER,
+                              images)
 
 
 def _as_is(wire: bytes) -> bytes:

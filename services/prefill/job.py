@@ -49,7 +49,7 @@ from services.worker.wire import BadRequest, Refused, endpoint_from_proto
 log = logging.getLogger("pdserve.prefill")
 
 # Fetches a --language-only worker's image embeddings (RoleServicer.with_embeddings).
-Embed = Callable[[EngineRequest, list[bytes]], Awaitable[EngineRequest]]
+Embed = Callable[[EngineRequest, list[bytes | memoryview]], Awaitable[EngineRequest]]
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class EncoderClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls = itertools.count()
 
-    async def embeddings(self, room: str, blobs: Sequence[bytes], images: Sequence[ImageInput],
+    async def embeddings(self, room: str, blobs: Sequence[bytes | memoryview], images: Sequence[ImageInput],
                          merge_size: int) -> torch.Tensor:
         """The rows of every image of a request, [sum of their tokens, hidden], in order."""
         rows: list[torch.Tensor | None] = [self.cache.get(image.digest) for image in images]
@@ -96,7 +96,7 @@ class EncoderClient:
                     for image, found in zip(images, rows, strict=True)]
         return torch.cat(rows)  # type: ignore[arg-type]
 
-    async def _fetch(self, room: str, blobs: list[bytes], counts: list[int]) -> torch.Tensor:
+    async def _fetch(self, room: str, blobs: list[bytes | memoryview], counts: list[int]) -> torch.Tensor:
         tried: list[str] = []
         failures: list[str] = []
         for _ in range(2):  # one retry, on another encoder
@@ -141,7 +141,8 @@ class EncoderClient:
             self._channels[address] = open_channel(address, self.security)
         return encoder_pb2_grpc.EncoderStub(self._channels[address])
 
-    async def _call(self, address: str, room: str, blobs: list[bytes], counts: list[int]) -> torch.Tensor:
+    async def _call(self, address: str, room: str, blobs: list[bytes | memoryview],
+                    counts: list[int]) -> torch.Tensor:
         num_rows = sum(counts)
         try:
             pages = self.pages.allocate(self.pool.pages_for(num_rows))
@@ -154,7 +155,9 @@ class EncoderClient:
             self.pool.poison(pages)  # so a page matches its checksum only once this call's write landed
             self.backend.expect(key, pages, grant)
             request = encoder_pb2.EncodeRequest(
-                room=key, model=self.model_name, images=blobs, image_rows=counts,
+                # protobuf takes bytes only: a request's images are views into what it received
+                # (services/worker/images_apart.py), copied here once
+                room=key, model=self.model_name, images=[bytes(blob) for blob in blobs], image_rows=counts,
                 dst_endpoint=endpoint_to_proto(self.backend.endpoint()), dst_page_ids=pages, grant=grant)
             try:
                 response = await self._stub(address).Encode(request, timeout=self.epd.encoder_timeout)

@@ -75,7 +75,7 @@ every worker's gRPC services share."""
                                context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
         return lora_admin.served(self.engine)
 
-    async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes]) -> EngineRequest:
+    async def with_embeddings(self, parsed: EngineRequest, blobs: list[bytes | memoryview]) -> EngineRequest:
         """A --language-only worker's request with its images' embeddings from an encoder service
         (services/worker/encoders.py); the request unchanged without images or on a worker with
         its own vision tower. Refused with UNAVAILABLE (no encoder could make them: retryable

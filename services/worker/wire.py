@@ -65,7 +65,7 @@ async def abort_with(context: grpc.aio.ServicerContext, refused: Refused) -> NoR
 
 
 async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
-                sampling: common_pb2.SamplingParams, images: Sequence[bytes] = (), *,
+                sampling: common_pb2.SamplingParams, images: Sequence[bytes | memoryview] = (), *,
                 prefill_only: bool = False, lora: str = "", carried_tokens: int = 0) -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
@@ -88,7 +88,7 @@ async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
 
 def parse_request(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                   sampling: common_pb2.SamplingParams, *, prefill_only: bool = False,
-                  images: Sequence[bytes] = (), lora: str = "") -> EngineRequest:
+                  images: Sequence[bytes | memoryview] = (), lora: str = "") -> EngineRequest:
     """The request as `engine` will run it, checked against its model and KV pool (`Engine.check`:
     the one check of a request in this process); BadRequest names what is wrong. A missing room
     gets a fresh id. `prefill_only` (prefill) checks that the prompt fits, not the whole request.

@@ -31,7 +31,7 @@ from engine.multimodal.image_processor import ImageProcessorConfig, smart_resize
 from protos.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.cluster import Cluster, Proc, wait_until, worker_args
 from tests.e2e.test_pd_services import assert_pages_idle
-from tests.e2e.test_vl_chat import NEW, data_url, hf_reference, image
+from tests.e2e.test_vl_chat import NEW, data_url, hf_reference, image, with_private_chunk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -133,6 +133,19 @@ def test_output_matches_transformers(pd: Deployment, expected, case):
     assert prompt_tokens == expanded_length(pd, parts, pictures)
     short = pd.backend == "mooncake" and prompt_tokens <= LOCAL_MAX_TOKENS
     assert ran_locally == (1 if short else 0), (prompt_tokens, ran_locally)
+
+
+def test_a_large_image_reaches_prefill_as_its_pixels(pd: Deployment, expected):
+    """A Generate call over 1 MB reaches decode with its images as views into the bytes received, and
+    decode writes them into its Prefill call's bytes (services/worker/images_apart.py): the prefill
+    gets the same image (a PNG carrying a 2 MB private chunk: the same pixels), so the same answer."""
+    parts, pictures = CASES["text+2 images"]
+    urls = [data_url(image(*p)) for p in pictures]
+    png = base64.b64decode(urls[0].split(",", 1)[1])
+    urls[0] = "data:image/png;base64," + base64.b64encode(with_private_chunk(png, 2_000_000)).decode()
+    local_before = pd.decode.metric("pdserve:local_prefill_requests_total")
+    assert pd.chat(parts, urls).choices[0].message.content == expected["text+2 images"]
+    assert pd.decode.metric("pdserve:local_prefill_requests_total") == local_before  # prefill ran it
 
 
 def test_conditional_disaggregation_ran_some_locally(pd: Deployment):

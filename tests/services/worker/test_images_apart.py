@@ -1,0 +1,95 @@
+"""A worker's Generate and a prefill's Prefill get a large request's images as views into the bytes
+gRPC received (services/worker/images_apart.py), equal to what was sent, over real gRPC servers; a
+small request arrives as the plain message."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from engine.sampling import SamplingParams
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.decode.prefill_client import PrefillClients
+from services.gateway.image_wire import generate_call
+from services.worker.images_apart import APART_FROM_BYTES, ImagesApart, adder
+
+
+class _Worker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.received: list = []
+
+    async def Generate(self, request, context):
+        self.received.append(request)
+        yield worker_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+class _Prefill(worker_pb2_grpc.PrefillServicer):
+    def __init__(self) -> None:
+        self.received: list = []
+
+    async def Prefill(self, request, context):
+        self.received.append(request)
+        return worker_pb2.PrefillResponse(first_token=common_pb2.TokenOutput(token_id=7), tp_size=1)
+
+
+async def _serving(servicer, service: str) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    adder(service)(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _generate_request() -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(room="r1", prompt_token_ids=[5, 6, 7], lora_adapter="a",
+                                      sampling=common_pb2.SamplingParams(max_new_tokens=3),
+                                      prefill_address="127.0.0.1:1")
+
+
+async def test_a_large_generate_request_arrives_with_its_images_apart_and_a_small_one_whole():
+    servicer = _Worker()
+    server, address = await _serving(servicer, "Worker")
+    big = [os.urandom(APART_FROM_BYTES), b"\x89PNG"]
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            for images in (big, [b"small"]):
+                call = generate_call(channel, _generate_request(), images)
+                assert [r.finish_reason async for r in call] == [common_pb2.FINISH_REASON_LENGTH]
+    finally:
+        await server.stop(0)
+    large, small = servicer.received
+    assert isinstance(large, ImagesApart) and [bytes(image) for image in large.images] == big
+    assert all(isinstance(image, memoryview) for image in large.images)
+    # every other field reads as the message's
+    assert (large.room, list(large.prompt_token_ids), large.lora_adapter, large.sampling.max_new_tokens) == (
+        "r1", [5, 6, 7], "a", 3)
+    assert large.HasField("prefill_address") and large.message == _generate_request()
+    assert isinstance(small, worker_pb2.GenerateRequest) and list(small.images) == [b"small"]
+
+
+async def test_decode_forwards_views_to_a_prefill_which_gets_them_apart():
+    servicer = _Prefill()
+    server, address = await _serving(servicer, "Prefill")
+    image = os.urandom(APART_FROM_BYTES + 5)
+    forwarded = memoryview(b"head" + image + b"tail")[4:-4]  # as decode holds them: views
+    client = PrefillClients(abort_timeout_s=1.0)
+    request = worker_pb2.PrefillRequest(room="r2", prompt_token_ids=[1, 2], model="m", grant=b"g" * 16)
+    try:
+        reply = await client.prefill(address, request, SamplingParams(), timeout_s=10,
+                                     images=[forwarded, b"x"])
+        small = await client.prefill(address, request, SamplingParams(), timeout_s=10)
+    finally:
+        await client.close()
+        await server.stop(0)
+    assert reply.first.token_id == 7 and small.first.token_id == 7
+    received, plain = servicer.received
+    assert isinstance(received, ImagesApart) and [bytes(i) for i in received.images] == [image, b"x"]
+    assert received.message == request and received.grant == b"g" * 16
+    assert plain == request
+
+
+def test_only_the_image_carrying_services_have_an_adder():
+    with pytest.raises(ValueError, match="no images travel"):
+        adder("KvEvents")
