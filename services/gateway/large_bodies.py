@@ -188,15 +188,21 @@ def parse_body_file(path: str, nonce: str) -> tuple[Any, dict[str, str | None]]:
 
 
 FOLDER_PREFIX = "pdserve-body-"
-POOL_NICENESS = 10  # CFS weight about 1/10 of the gateway's: on a busy core, its streams come first
+POOL_NICENESS = 10  # where SCHED_IDLE is refused: CFS weight about 1/10 of the gateway's
 
 
 def _yield_to_the_gateway() -> None:
     """A pool process's initializer: parsing a body is bulk work that can wait a few milliseconds, a
-    stream's next token cannot. Where the pool and the gateway share too few cores the parse would
-    otherwise take the gateway's CPU share and stall every stream it relays just the same."""
-    with contextlib.suppress(OSError):
-        os.nice(POOL_NICENESS)
+    stream's next token cannot. So the pool runs under SCHED_IDLE: a core running only it counts as
+    idle when the gateway (or a worker beside it) wakes, which then runs there at once. A lower
+    niceness alone was not enough on two cores (`pdserve bench big-bodies`, docs/fleet.md): the
+    scheduler left the parse alone on one core and queued the woken gateway behind other work on
+    the other. The price: while every core is busy with other work, a large body waits."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # not Linux, or a sandbox that refuses it
+        with contextlib.suppress(OSError):
+            os.nice(POOL_NICENESS)
 
 
 def remove_folder(folder: str) -> None:

@@ -24,7 +24,6 @@ from services.gateway.large_bodies import (
     LARGE_BODY_BYTES,
     LARGE_STRING_CHARS,
     PLACEHOLDER_SCHEME,
-    POOL_NICENESS,
     SPOOL_DIR,
     DecodedImages,
     LargeBodies,
@@ -170,9 +169,9 @@ async def test_a_parse_cancelled_mid_way_leaves_no_files():
         assert not _folders(os.getpid())
         assert await bodies.parse(b"[1]") == ([1], DecodedImages())  # runs once the cancelled parse ended
         assert not _folders(os.getpid())
-        # (the same pool) its processes run at a lower priority than the gateway's streams
-        niceness = await asyncio.wrap_future(bodies._executor().submit(os.nice, 0))
-        assert niceness == min(19, os.nice(0) + POOL_NICENESS)
+        # (the same pool) its processes run only where the gateway's streams leave a core idle
+        policy = await asyncio.wrap_future(bodies._executor().submit(os.sched_getscheduler, 0))
+        assert policy == os.SCHED_IDLE
     finally:
         bodies.close()
 
