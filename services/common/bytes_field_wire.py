@@ -14,6 +14,11 @@ gateway it is the event loop's. So:
 - `split_bytes_field` walks a message's top-level fields and returns the field's values as views
   into the received bytes (no copy) and the rest of the message, to be parsed as usual (small).
 
+Bounds: the walk is a Python loop, so it reads at most `max_fields` top-level fields (a proto3
+message of ours has a few dozen; a forged one of millions of two-byte fields would hold the loop for
+seconds, and would make a memoryview per value); past that the message is returned whole, for the
+runtime's parser (C) and the usual checks.
+
 Wire format: each field is a varint key (field number << 3 | wire type) then its value: a varint
 (type 0), 8 bytes (1), a varint length and that many bytes (2), or 4 bytes (5). Groups (3, 4) are
 not used by proto3 messages; a message holding one, or one that is malformed, is returned whole
@@ -65,16 +70,24 @@ def _varint(wire: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def split_bytes_field(wire: bytes, field_number: int) -> tuple[bytes, list[memoryview]]:
+MAX_FIELDS = 4096
+
+
+def split_bytes_field(wire: bytes, field_number: int,
+                      max_fields: int = MAX_FIELDS) -> tuple[bytes, list[memoryview]]:
     """(the message's wire bytes without repeated bytes field `field_number`, that field's values in
     order as views into `wire`). `wire` unchanged and no values when the field is absent, or when
-    the message is not one this walk reads (malformed, or holding a group)."""
+    the message is not one this walk reads (malformed, holding a group, or of more than
+    `max_fields` top-level fields)."""
     view = memoryview(wire)
     values: list[memoryview] = []
     kept: list[memoryview] = []
-    kept_from = pos = 0
+    kept_from = pos = fields = 0
     try:
         while pos < len(wire):
+            fields += 1
+            if fields > max_fields:
+                raise _Malformed
             start = pos
             key, pos = _varint(wire, pos)
             wire_type = key & 7

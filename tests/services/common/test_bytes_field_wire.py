@@ -82,3 +82,11 @@ def test_the_field_number_with_another_wire_type_stays_for_protobuf_to_judge():
     assert rest is wire and values == []
     # protobuf keeps it as an unknown field: no images, as before the walk existed
     assert list(worker_pb2.GenerateRequest.FromString(rest).images) == []
+
+
+def test_a_message_of_more_fields_than_the_walk_reads_is_left_whole():
+    # a forged request of many tiny values: split, it would be a memoryview each (and a long loop)
+    wire = append_bytes_field(b"", IMAGES, [b""] * 10)
+    assert split_bytes_field(wire, IMAGES, max_fields=9) == (wire, [])
+    rest, values = split_bytes_field(wire, IMAGES, max_fields=10)
+    assert rest == b"" and [bytes(v) for v in values] == [b""] * 10

@@ -93,3 +93,22 @@ async def test_decode_forwards_views_to_a_prefill_which_gets_them_apart():
 def test_only_the_image_carrying_services_have_an_adder():
     with pytest.raises(ValueError, match="no images travel"):
         adder("KvEvents")
+
+
+async def test_a_forged_large_request_is_an_error_and_the_server_serves_on():
+    servicer = _Worker()
+    server, address = await _serving(servicer, "Worker")
+    forged = b"\x2a\xff\xff\xff\x0f" + os.urandom(APART_FROM_BYTES)  # images: a length past the end
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            raw = channel.unary_stream("/pdserve.v1.Worker/Generate", request_serializer=lambda b: b,
+                                       response_deserializer=worker_pb2.GenerateResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in raw(forged, timeout=10)]
+            call = generate_call(channel, _generate_request(), [b"x" * APART_FROM_BYTES])
+            assert [r.finish_reason async for r in call] == [common_pb2.FINISH_REASON_LENGTH]
+    finally:
+        await server.stop(0)
+    # (gRPC's own answer to a request its deserializer refuses, as for every method: UNKNOWN)
+    assert "GenerateRequest" in refused.value.details() and "corrupt" in refused.value.details()
+    assert len(servicer.received) == 1 and isinstance(servicer.received[0], ImagesApart)
