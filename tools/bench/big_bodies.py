@@ -8,12 +8,13 @@ its event loop (`--body-parse-processes 0`, the baseline), the other parses larg
 (in a process of their own, as other machines would be) each send one `--body-mb` MB body of two
 base64 PNG data URLs after another. It prints the p99 (and p50, max) of the gap between consecutive
 SSE events of the streams in each phase, the loaded p99 over the idle p99 (the target: at most 2),
-how the big-body requests ended, and the gateway's event-loop stalls over 20 ms and 50 ms per big
-body (its gateway_event_loop_busy_seconds: CPU time on the loop, which a busy machine barely
-changes, where the gaps are wall-clock and noisy when others run). The simulated worker has no
-vision tower, so a big-body request ends in its 400 for images sent to a text-only model: by then
-the gateway has read, parsed and decoded the body and sent the images to the worker, which is the
-work measured here.
+how the big-body requests ended, the worker's own gaps over 40 and 80 ms (its inter-token latency
+histogram: a stall that began in the worker, not the gateway), and the gateway's event-loop stalls
+over 20 ms and 50 ms per big body (its gateway_event_loop_busy_seconds: CPU time on the loop,
+which a busy machine barely changes, where the gaps are wall-clock and noisy when others run). The
+simulated worker has no vision tower, so a big-body request ends in its 400 for images sent to a
+text-only model: by then the gateway has read, parsed and decoded the body and sent the images to
+the worker, which is the work measured here.
 """
 
 from __future__ import annotations
@@ -177,19 +178,44 @@ def _stall_figures(before: dict[str, float], after: dict[str, float], bodies: in
     return figures
 
 
-def _measure(gateway: Service, model: str, args: argparse.Namespace, big: bytes) -> dict:
+_WORKER_ITL = "pdserve:inter_token_latency_seconds_bucket"
+
+
+def _worker_itl(worker: Service) -> dict[str, float]:
+    """The worker's inter-token latency histogram so far (services/worker/metrics.py: the gaps as
+    its gRPC handlers relay them, before any gateway), as cumulative counts by bucket bound."""
+    counts: dict[str, float] = {}
+    for key, value in worker.metrics().items():
+        if key.startswith(_WORKER_ITL + "{"):
+            bound = key.partition('le="')[2].partition('"')[0]
+            counts[bound] = counts.get(bound, 0.0) + value
+    return counts
+
+
+def worker_gap_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The worker's own gaps in a phase, and how many were over 40 and 80 ms: which side of the
+    gateway a stall the clients see began on."""
+    total = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
+    return {"worker_gaps": int(total),
+            **{f"worker_gaps_over_{ms}ms": int(total - (after.get(bound, 0.0) - before.get(bound, 0.0)))
+               for ms, bound in (("40", "0.04"), ("80", "0.08"))}}
+
+
+def _measure(gateway: Service, worker: Service, model: str, args: argparse.Namespace, big: bytes) -> dict:
     url = f"http://{gateway.address}"
     stream = chat_body(model, PROMPT, args.output_len)
     asyncio.run(_phase(url, stream, 4, None, 0))  # warm-up
-    at_start = _loop_stalls(url)
+    at_start, itl_at_start = _loop_stalls(url), _worker_itl(worker)
     idle, _ = asyncio.run(_phase(url, stream, args.streams, None, 0))
-    after_idle = _loop_stalls(url)
+    after_idle, itl_after_idle = _loop_stalls(url), _worker_itl(worker)
     began = time.perf_counter()
     loaded, statuses = asyncio.run(_phase(url, stream, args.streams, big, args.big_clients))
-    after_loaded = _loop_stalls(url)
-    figures = {"idle": {**_gap_figures(idle), **_stall_figures(at_start, after_idle, 0)},
+    after_loaded, itl_after_loaded = _loop_stalls(url), _worker_itl(worker)
+    figures = {"idle": {**_gap_figures(idle), **_stall_figures(at_start, after_idle, 0),
+                        **worker_gap_figures(itl_at_start, itl_after_idle)},
                "big_bodies": {**_gap_figures(loaded),
-                              **_stall_figures(after_idle, after_loaded, sum(statuses.values()))},
+                              **_stall_figures(after_idle, after_loaded, sum(statuses.values())),
+                              **worker_gap_figures(itl_after_idle, itl_after_loaded)},
                "big_body_answers": {str(k): v for k, v in sorted(statuses.items())},
                "loaded_seconds": round(time.perf_counter() - began, 1)}
     idle_p99, loaded_p99 = figures["idle"]["gap_ms_p99"], figures["big_bodies"]["gap_ms_p99"]
@@ -225,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
                     raise SystemExit(f"bench big-bodies: {gateway.name} did not become ready")
                 time.sleep(0.5)
         return {"body_mb": round(len(big) / 1e6, 1), "streams": args.streams, "big_clients": args.big_clients,
-                **{name: _measure(gateway, model, args, big) for name, gateway in gateways.items()}}
+                **{name: _measure(gateway, worker, model, args, big) for name, gateway in gateways.items()}}
 
 
 def main(args: argparse.Namespace) -> int:
