@@ -187,6 +187,10 @@ def _bound_requests(schemas: dict[str, Any], state: GatewayState, max_generation
                                                            {"type": "array",
                                                             "items": {"type": "integer"}}]}}}]},
     ]
+    structures = ("json_schema", "regex", "ebnf")  # at most one of them (null counts as absent)
+    schemas["NativeSamplingParams"]["not"] = {"anyOf": [
+        {"required": [a, b], "properties": {a: {"not": {"type": "null"}}, b: {"not": {"type": "null"}}}}
+        for i, a in enumerate(structures) for b in structures[i + 1:]]}
     sampling = schemas["NativeSamplingParams"]["properties"]
     _set_in_members(sampling["max_new_tokens"], "maximum", max_new)
     _bound_stop_token_ids(sampling["stop_token_ids"], vocab_max)

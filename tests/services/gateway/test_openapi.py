@@ -50,6 +50,18 @@ def test_bounds_come_from_the_model_and_the_protobuf_fields(document: dict) -> N
     assert completion["echo"]["enum"] == [False]
 
 
+def test_native_sampling_params_say_at_most_one_structure(document: dict) -> None:
+    """The server refuses two of json_schema, regex and ebnf (constraints.NativeConstraints); the
+    document says so, or a schema-driven client (schemathesis found one) sends them as valid."""
+    schema = document["components"]["schemas"]["NativeSamplingParams"]
+    validator = jsonschema_rs.validator_for(schema)
+    for body in ({}, {"regex": "a+"}, {"ebnf": "root ::= x", "regex": None}, {"json_schema": "{}"}):
+        assert validator.is_valid(body), body
+    for body in ({"regex": "a+", "ebnf": "root ::= x"}, {"json_schema": "{}", "regex": "a"},
+                 {"json_schema": "{}", "ebnf": "e", "regex": None}):
+        assert not validator.is_valid(body), body
+
+
 @pytest.mark.parametrize("limit, max_n", [(256, 128), (100, 100), (7, 7), (1000, 128)])
 def test_fanout_bands_accept_exactly_the_bodies_within_the_limit(limit: int, max_n: int) -> None:
     validator = jsonschema_rs.validator_for({"anyOf": _fanout_bands(limit, max_n)})
