@@ -39,12 +39,12 @@ def stream(gateway: Proc, decodes: list[Proc] | None = None) -> tuple[str, str |
     chunks = client(gateway).chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    return read_stream(chunks, decodes)
+    return read_stream(chunks, gateway, decodes)
 
 
-def read_stream(chunks, decodes: list[Proc] | None = None) -> tuple[str, str | None, Any]:
-    """(text, finish reason, usage) of a chat stream's chunks; with `decodes`, the one serving it is
-    killed after KILL_AFTER content chunks (it is removed from the list)."""
+def read_stream(chunks, gateway: Proc, decodes: list[Proc] | None = None) -> tuple[str, str | None, Any]:
+    """(text, finish reason, usage) of a chat stream's chunks through `gateway`; with `decodes`, the
+    one serving it is killed after KILL_AFTER content chunks (it is removed from the list)."""
     text, finish, usage, received = "", None, None, 0
     for chunk in chunks:
         usage = chunk.usage or usage
@@ -54,15 +54,26 @@ def read_stream(chunks, decodes: list[Proc] | None = None) -> tuple[str, str | N
         finish = chunk.choices[0].finish_reason or finish
         received += 1
         if decodes is not None and received == KILL_AFTER:
-            kill_serving(decodes)
+            kill_serving(gateway, decodes)
     return text, finish, usage
 
 
-def kill_serving(decodes: list[Proc]) -> None:
-    serving = [d for d in decodes if d.metric("pdserve:num_running_reqs") > 0]
-    assert len(serving) == 1, [(d.name, d.metric("pdserve:num_running_reqs")) for d in decodes]
-    serving[0].kill(signal.SIGKILL)
-    decodes.remove(serving[0])
+def kill_serving(gateway: Proc, decodes: list[Proc]) -> None:
+    """SIGKILL the decode that `gateway` has the stream open on. Every decode is frozen while the
+    gateway is asked which one that is: a loaded machine can leave this client far behind the
+    decode, and a decode left running could finish the answer before it is killed."""
+    for decode in decodes:
+        decode.send(signal.SIGSTOP)
+    try:
+        open_on = {d.name: gateway.metric("pdserve:gateway_worker_inflight_requests", worker=d.address,
+                                          role="decode") for d in decodes}
+        serving = [d for d in decodes if open_on[d.name] > 0]
+        assert len(serving) == 1, open_on
+        serving[0].kill(signal.SIGKILL)
+        decodes.remove(serving[0])
+    finally:
+        for decode in decodes:
+            decode.send(signal.SIGCONT)
 
 
 def test_a_killed_decode_is_invisible_with_migration(cluster: Cluster, tiny_model):

@@ -36,10 +36,10 @@ class Chapter(BaseModel):
     lines: Annotated[list[Line], Field(min_length=4, max_length=4)]
 
 
-class Story(BaseModel):  # long enough (15 strings of 10 or more characters) to be killed mid-answer
+class Story(BaseModel):  # long enough (20 strings of 10 or more characters) to be killed mid-answer
     model_config = ConfigDict(extra="forbid")
 
-    chapters: Annotated[list[Chapter], Field(min_length=3, max_length=3)]
+    chapters: Annotated[list[Chapter], Field(min_length=4, max_length=4)]
 
 
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "Story", "strict": True,
@@ -56,7 +56,7 @@ def stream(gateway: Proc, decodes: list[Proc] | None = None, **request) -> tuple
                            timeout=BOUND_S).chat.completions.create(
         model="tiny", messages=MESSAGES, temperature=0, stream=True, stream_options={"include_usage": True},
         **request)
-    text, finish, usage = read_stream(chunks, decodes)
+    text, finish, usage = read_stream(chunks, gateway, decodes)
     return text, finish, usage.completion_tokens if usage is not None else 0
 
 
@@ -79,11 +79,11 @@ def test_a_migrated_answer_keeps_its_grammar_and_penalties(cluster: Cluster, tin
     assert migrated == expected
     assert gateway.metric("pdserve:gateway_migrations_total") == 1
 
-    penalized = {"max_tokens": 120, "extra_body": {"ignore_eos": True}, **PENALTIES}
+    penalized = {"max_tokens": 240, "extra_body": {"ignore_eos": True}, **PENALTIES}
     expected = stream(gateway, **penalized)
-    unpenalized = stream(gateway, max_tokens=120, extra_body={"ignore_eos": True}, logit_bias={"100": 14})
+    unpenalized = stream(gateway, max_tokens=240, extra_body={"ignore_eos": True}, logit_bias={"100": 14})
     assert expected[0] != unpenalized[0]  # the penalties change this answer: the check below can fail
-    assert stream(gateway, decodes, **penalized) == expected == (expected[0], "length", 120)
+    assert stream(gateway, decodes, **penalized) == expected == (expected[0], "length", 240)
     assert gateway.metric("pdserve:gateway_migrations_total") == 2
     assert "migrating off" in gateway.log()
     assert_pages_idle(prefill, *decodes, timeout_s=BOUND_S)
