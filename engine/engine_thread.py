@@ -321,6 +321,10 @@ class EngineThread:
         (rejection sampling), and without logprobs (a replaced draft's would not be the emitted one's)."""
         assert self.speculator is not None
         params = self._io[request.room].params
+        if request.prefill_only:
+            # Its last prompt token runs as a decode when a chunk stopped one short of the end; the
+            # prefill side of PD gives exactly the one token after the prompt, never a verify's run.
+            return DraftPolicy(0, params)
         left = min(params.max_new_tokens - request.num_generated,
                    self.scheduler.config.max_seq_len - request.num_tokens)
         if not params.greedy and (not self.speculator.samples or params.logprobs):

@@ -140,6 +140,8 @@ class Speculator:
         wanted: list[DraftRequest] = []
         for chunk in batch.decodes:
             request = self.scheduler.requests[chunk.room]
+            if request.prefill_only:  # its last prompt token as a decode: its MTP K/V is still written
+                continue
             request_policy = policy(request)
             if request_policy.most <= 0:  # never drafts again (penalized, logprobs, or at its end)
                 self.nextn.stop_tracking(chunk.room)

@@ -181,3 +181,21 @@ async def test_standalone_with_the_target_as_draft_accepts_every_draft_and_keeps
     assert runs[0][1] == runs[1][1] and len(runs[0][1]) == SEEDED.max_new_tokens  # seeded: reproducible
     # the draft is the target: every greedy draft is accepted (the sampled request's mostly too)
     assert stats.spec_accepted_tokens > 0.8 * stats.spec_drafted_tokens
+
+
+async def test_a_prefill_whose_chunk_stops_one_token_short_samples_one_first_token(qwen3_ckpt) -> None:
+    # A chunk that ends one token before the prompt's end leaves the request decode-ready (its last
+    # prompt token is fed as a decode). On the prefill side of PD that decode must not verify n-gram
+    # drafts: the prefill-only request has exactly one token to give, the one after its prompt.
+    run = random_prompts([4], seed=21)[0]
+    prompt = (run * 10)[:33]  # a repeated run: the n-gram drafter proposes its continuation
+    engine = start_engine(qwen3_ckpt, speculative=NGRAM, chunked_prefill_size=32)
+    try:
+        outputs = [o async for o in generate(engine, prompt, GREEDY, "prefill", prefill_only=True)]
+        engine.release("prefill")
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    expected, _, _ = await _run(qwen3_ckpt, [prompt], [GREEDY], spec=False)
+    assert [o.token_id for o in outputs] == expected[0][:1]
+    assert stats.used_pages == 0

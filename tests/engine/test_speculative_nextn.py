@@ -127,12 +127,13 @@ def test_vllm_speculative_config_maps_onto_the_flags_and_refuses_naming_the_key(
 async def test_nextn_decode_drafts_from_the_prompt_kv_prefill_sent(agreeing_ckpt) -> None:
     """Prefill writes the MTP layer's prompt K/V into the pages it reports (copied here as the transfer
     would): decode's output equals colocated, and its drafts are accepted about as often (without the
-    prompt's MTP K/V about a tenth are)."""
+    prompt's MTP K/V about a tenth are). The 33-token prompt's first chunk stops one token short, so
+    its last prompt token runs as a decode on the prefill side, which must still give one token."""
     engines = [start_engine(agreeing_ckpt, chunked_prefill_size=32, num_pages=128, speculative=NEXTN)
                for _ in range(2)]
     prefill, decode = engines
     try:
-        for i, prompt in enumerate(random_prompts([17, 70, 130], seed=11)):
+        for i, prompt in enumerate(random_prompts([17, 70, 130, 33], seed=11)):
             got = await disaggregated(prefill, decode, prompt, GREEDY, f"pd{i}")
             expected = await colocated(prefill, prompt, GREEDY, f"co{i}")
             assert got == expected, f"prompt of {len(prompt)} tokens"
