@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from tools.bench.big_bodies import worker_gap_figures
 
 
@@ -16,3 +19,11 @@ def test_a_phase_counts_only_its_own_gaps_by_bucket():
 def test_a_worker_not_yet_exposing_the_histogram_counts_nothing():
     assert worker_gap_figures({}, {}) == {"worker_gaps": 0, "worker_gaps_over_40ms": 0,
                                           "worker_gaps_over_80ms": 0}
+
+
+def test_the_big_body_clients_run_only_when_nothing_else_wants_the_cpu():
+    # in a process of its own, as the bench's client process is: the policy is per process
+    code = ("import os; from tools.bench.big_bodies import as_other_machines; as_other_machines(); "
+            "print(os.sched_getscheduler(0) == os.SCHED_IDLE or os.nice(0) == 19)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stderr
