@@ -79,7 +79,8 @@ def _binding(runtime: WorkerRuntime, hooks: WorkerHooks) -> ServiceBinding:
     else:
         from services.worker.colocated import ColocatedServicer
         servicer = ColocatedServicer(runtime)
-    return ServiceBinding(service_name(worker_pb2, "Worker"), servicer, images_apart.adder("Worker"))
+    return ServiceBinding(service_name(worker_pb2, "Worker"), servicer,
+                          images_apart.adder("Worker", runtime.open_image_drop()))
 
 
 def _background(runtime: WorkerRuntime, servicer: object) -> list[asyncio.Task]:

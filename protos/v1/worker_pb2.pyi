@@ -26,8 +26,18 @@ KV_MEDIUM_UNSPECIFIED: KvMedium
 KV_MEDIUM_DEVICE: KvMedium
 KV_MEDIUM_STORE: KvMedium
 
+class GetImageDropRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImageDropInfo(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images", "lora_adapter", "carried_tokens")
+    __slots__ = ("room", "prompt_token_ids", "sampling", "prefill_address", "images", "lora_adapter", "carried_tokens", "image_ticket")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +45,7 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CARRIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TICKET_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -42,7 +53,8 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedScalarFieldContainer[bytes]
     lora_adapter: str
     carried_tokens: int
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., lora_adapter: _Optional[str] = ..., carried_tokens: _Optional[int] = ...) -> None: ...
+    image_ticket: bytes
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., lora_adapter: _Optional[str] = ..., carried_tokens: _Optional[int] = ..., image_ticket: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -70,6 +70,11 @@ class WorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
                 _registered_method=True)
+        self.GetImageDrop = channel.unary_unary(
+                '/pdserve.v1.Worker/GetImageDrop',
+                request_serializer=protos_dot_v1_dot_worker__pb2.GetImageDropRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.ImageDropInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -124,6 +129,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetImageDrop(self, request, context):
+        """Where this worker takes large requests' images beside gRPC (services/common/image_drop.py):
+        port 0 when it does not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +174,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapters.SerializeToString,
+            ),
+            'GetImageDrop': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetImageDrop,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetImageDropRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.ImageDropInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +370,33 @@ class Worker:
             '/pdserve.v1.Worker/ListLoraAdapters',
             protos_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
             protos_dot_v1_dot_worker__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetImageDrop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/GetImageDrop',
+            protos_dot_v1_dot_worker__pb2.GetImageDropRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.ImageDropInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,15 @@ REFUSED = 1
 _READ_AT_ONCE = 4 << 20  # bytes per recv_into: each call releases the GIL for its copy
 
 
+@dataclass(frozen=True)
+class DropTarget:
+    """A worker's image drop as a gateway reaches it."""
+
+    host: str
+    port: int
+    secret: bytes = field(default=b"", repr=False)
+
+
 class DropRefused(Exception):
     """The drop refused an upload (the reason says why), or it could not be reached or answer."""
 

@@ -11,6 +11,11 @@ fields in any order and a repeated field's elements in the order they come, so t
 exactly the message it would have got. What stays on the loop is gRPC's own copy of the message into
 its buffers.
 
+Images of 1 MB or more go beside the call instead, when the worker has an image drop
+(services/common/image_drop.py): uploaded from a thread (the socket's sends release the GIL), then
+the call names them by ticket. On the worker that keeps gRPC from copying them with the GIL held,
+which stalled its other streams.
+
 Who calls: dispatcher's one attempt on a route (`generate_call`), with the images ImageLoader made;
 it reads the call and may cancel it (as WorkerHandle.cut does), as it would a grpc.aio call.
 """
@@ -18,15 +23,27 @@ it reads the call and may cancel it (as WorkerHandle.cut does), as it would a gr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
 from protos.v1 import worker_pb2
 from services.common.bytes_field_wire import append_bytes_field
+from services.common.image_drop import DropRefused, DropTarget, new_ticket, upload
 
 _GENERATE = "/pdserve.v1.Worker/Generate"
+DROP_FROM_BYTES = 1 << 20  # smaller images go in the call: a worker reads those in a moment
+UPLOAD_TIMEOUT_S = 10.0  # per read or write of the upload: a frozen worker is given up on
+# Uploads wait on peers: threads of their own, so a frozen worker holds these and not the loop's
+# default executor, which the wire bytes and other work use.
+_UPLOADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="image-upload")
+FindDrop = Callable[[], Awaitable[DropTarget | None]]
+
+log = logging.getLogger("pdserve.gateway")
 
 
 def encode_generate_request(request: worker_pb2.GenerateRequest, images: Sequence[bytes]) -> bytes:
@@ -47,10 +64,11 @@ class ImageGenerateCall:
     (read raises CancelledError, as a cancelled grpc.aio call's does) and never starts the call."""
 
     def __init__(self, channel: grpc.aio.Channel, request: worker_pb2.GenerateRequest,
-                 images: Sequence[bytes]) -> None:
+                 images: Sequence[bytes], drop: FindDrop | None = None) -> None:
         self._channel = channel
         self._request = request
         self._images = images
+        self._drop = drop
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._encoding: asyncio.Future[bytes] | None = None
         self._cancelled = False
@@ -60,8 +78,7 @@ class ImageGenerateCall:
             if self._cancelled:
                 raise asyncio.CancelledError
             if self._encoding is None:
-                self._encoding = asyncio.ensure_future(
-                    asyncio.to_thread(encode_generate_request, self._request, self._images))
+                self._encoding = asyncio.ensure_future(self._wire_bytes())
             wire = await asyncio.shield(self._encoding)  # a second reader waits for the same bytes
             if self._call is None:
                 if self._cancelled:
@@ -71,6 +88,27 @@ class ImageGenerateCall:
                                                   response_deserializer=worker_pb2.GenerateResponse.FromString)
                 self._call = call(wire)
         return self._call
+
+    async def _wire_bytes(self) -> bytes:
+        """The call's request: naming the images uploaded to the worker's drop when they are large
+        and it has one, else holding them (also when the upload failed: the call then meets what
+        the upload met, with the dispatcher's timeouts)."""
+        size = sum(len(memoryview(image)) for image in self._images)
+        if self._drop is not None and size >= DROP_FROM_BYTES:
+            target = await self._drop()
+            if target is not None:
+                ticket = new_ticket()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(_UPLOADS, functools.partial(
+                        upload, target.host, target.port, ticket, self._images, secret=target.secret,
+                        timeout_s=UPLOAD_TIMEOUT_S))
+                except DropRefused as exc:
+                    log.warning("room %s: image upload refused (%s); sending the images in the call",
+                                self._request.room, exc)
+                else:
+                    self._request.image_ticket = ticket
+                    return self._request.SerializeToString()
+        return await asyncio.to_thread(encode_generate_request, self._request, self._images)
 
     async def read(self) -> Any:
         return await (await self._started()).read()
@@ -97,6 +135,7 @@ class ImageGenerateCall:
 
 
 def generate_call(channel: grpc.aio.Channel, request: worker_pb2.GenerateRequest,
-                  images: Sequence[bytes]) -> ImageGenerateCall:
-    """Worker.Generate(request with `images`) on `channel`."""
-    return ImageGenerateCall(channel, request, images)
+                  images: Sequence[bytes], drop: FindDrop | None = None) -> ImageGenerateCall:
+    """Worker.Generate(request with `images`) on `channel`; large images go to the worker's image
+    drop, found by `drop` (WorkerHandle.image_drop), when it has one."""
+    return ImageGenerateCall(channel, request, images, drop)

@@ -38,14 +38,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from protos.v1 import common_pb2, worker_pb2_grpc
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.channels import open_channel
+from services.common.image_drop import DropTarget
 from services.common.security import GrpcSecurity
 from services.gateway.errors import GatewayError
 from services.gateway.kv_view import KvCacheView
 
 if TYPE_CHECKING:  # the policies choose among WorkerHandles: a runtime import would be circular
     from services.gateway.policies.base import Policy
+
+DROP_QUERY_TIMEOUT_S = 5.0
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -179,6 +182,7 @@ class WorkerHandle:
     _retired: bool = field(default=False, repr=False)
     _calls: set = field(default_factory=set, repr=False)
     _cut: dict = field(default_factory=dict, repr=False)  # call -> why it was cut
+    _image_drop_port: int | None = field(default=None, repr=False)  # None: not asked yet
 
     @property
     def key(self) -> str:
@@ -224,6 +228,26 @@ class WorkerHandle:
 
     def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self.channel)
+
+    async def image_drop(self) -> DropTarget | None:
+        """Where this worker takes large images beside gRPC (services/common/image_drop.py), asked
+        once (GetImageDrop) and remembered; None where it has none, under TLS, or it did not say
+        (asked again next time)."""
+        if self.security.tls:
+            return None  # the drop is plain TCP: images stay inside the encrypted call
+        if self._image_drop_port is None:
+            try:
+                info = await self.worker_stub().GetImageDrop(worker_pb2.GetImageDropRequest(),
+                                                             timeout=DROP_QUERY_TIMEOUT_S)
+                self._image_drop_port = info.port
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older worker never will
+                    return None
+                self._image_drop_port = 0
+        if not self._image_drop_port:
+            return None
+        host = self.address.rpartition(":")[0].strip("[]")
+        return DropTarget(host, self._image_drop_port, self.security.secret)
 
     def begin(self) -> None:
         self.inflight += 1

@@ -131,6 +131,10 @@ class WorkerConfig:
         "tokens per streamed message after the first one (SGLang's flag): N > 1 sends N tokens per gRPC "
         "message and so per SSE chunk of the gateway, cutting their per-token cost; 1 = each step's tokens "
         "as soon as they are made"))
+    image_drop_port: int = field(default=0, metadata=_help(
+        "port of the image drop, where gateways upload a large request's images beside gRPC so the "
+        "worker reads them without holding the GIL (services/common/image_drop.py); 0 = any free port, "
+        "-1 = none (images travel inside Generate). Off under TLS: the images then travel in gRPC"))
     decode_log_interval: float = field(default=5.0, metadata=_help(
         "seconds between 'Decode batch' log lines while the worker is busy (0 = off)"))
     security: GrpcSecurity = field(default_factory=GrpcSecurity)

@@ -10,6 +10,10 @@ which answers every attribute as the message does except `images`, a tuple of me
 bytes gRPC received. Consumers take any buffer (engine.multimodal.decode reads them through BytesIO);
 a decode worker forwards them to its prefill in the wire bytes it sends (decode/prefill_client.py).
 
+A Generate naming an `image_ticket` gets the images the gateway uploaded to the worker's image drop
+(services/common/image_drop.py) the same way, as views; a ticket the drop does not hold gives a
+TicketNotHeld, which the request's parse refuses.
+
 Who calls: launch_server binds Worker.Generate and Prefill.Prefill with `adder()`'s deserializers.
 """
 
@@ -24,6 +28,7 @@ from google.protobuf.message import Message
 from protos.v1 import worker_pb2
 from services.common.bytes_field_wire import split_bytes_field
 from services.common.grpc_server import adder_with_deserializers
+from services.common.image_drop import ImageDrop
 
 APART_FROM_BYTES = 1 << 20  # a smaller request parses as usual: its copies are short
 
@@ -45,27 +50,41 @@ class ImagesApart:
         return f"ImagesApart({type(self.message).__name__}, {len(self.images)} images)"
 
 
-def images_apart(message_type: type[Message], field_number: int) -> Callable[[bytes], Any]:
+class TicketNotHeld(tuple):
+    """The `images` of a request naming an image-drop ticket this worker does not hold (never
+    uploaded here, taken already, expired, or no drop): its parse refuses it (services/worker/wire.py)."""
+
+
+def images_apart(message_type: type[Message], field_number: int,
+                 drop: ImageDrop | None = None) -> Callable[[bytes], Any]:
     """A request deserializer: `message_type` parsed, as an ImagesApart when it is large and holds
-    images (repeated bytes field `field_number`)."""
+    images (repeated bytes field `field_number`), or when it names images uploaded to `drop`
+    (its `image_ticket`, taken here, once)."""
+    takes_tickets = "image_ticket" in message_type.DESCRIPTOR.fields_by_name
 
     def deserialize(wire: bytes) -> Any:
         if len(wire) < APART_FROM_BYTES:
-            return message_type.FromString(wire)
-        rest, images = split_bytes_field(wire, field_number)
-        message = message_type.FromString(rest)
-        return ImagesApart(message, tuple(images)) if images else message
+            message = message_type.FromString(wire)
+        else:
+            rest, images = split_bytes_field(wire, field_number)
+            message = message_type.FromString(rest)
+            if images:
+                return ImagesApart(message, tuple(images))
+        if not takes_tickets or not message.image_ticket:
+            return message
+        taken = drop.take(message.image_ticket) if drop is not None else None
+        return ImagesApart(message, taken if taken is not None else TicketNotHeld())
 
     return deserialize
 
 
-def adder(service: str) -> Callable[[Any, grpc.aio.Server], None]:
+def adder(service: str, drop: ImageDrop | None = None) -> Callable[[Any, grpc.aio.Server], None]:
     """`add_*_to_server` for the Worker or Prefill service with its image-carrying method's requests
-    read by `images_apart`."""
+    read by `images_apart` (Worker.Generate's tickets taken from `drop`)."""
     descriptor = worker_pb2.DESCRIPTOR.services_by_name[service]
     if service == "Worker":
         deserializers = {"Generate": images_apart(worker_pb2.GenerateRequest,
-                                                  worker_pb2.GenerateRequest.IMAGES_FIELD_NUMBER)}
+                                                  worker_pb2.GenerateRequest.IMAGES_FIELD_NUMBER, drop)}
     elif service == "Prefill":
         deserializers = {"Prefill": images_apart(worker_pb2.PrefillRequest,
                                                  worker_pb2.PrefillRequest.IMAGES_FIELD_NUMBER)}

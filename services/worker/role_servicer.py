@@ -53,6 +53,11 @@ every worker's gRPC services share."""
             await abort_with(context, Refused(grpc.StatusCode.INTERNAL,
                                               f"cannot read the model's tokenizer files: {exc}"))
 
+    async def GetImageDrop(self, request: worker_pb2.GetImageDropRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.ImageDropInfo:
+        drop = self.runtime.image_drop
+        return worker_pb2.ImageDropInfo(port=drop.port if drop is not None else 0)
+
     async def LoadLoraAdapter(self, request: worker_pb2.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapters:
         try:

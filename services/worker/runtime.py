@@ -26,6 +26,8 @@ from libkv.transfer.head_map import whole_model
 from libkv.transfer.tensor_parallel import TensorParallelBackend
 from pdserve import envs
 from protos.v1 import bootstrap_pb2, common_pb2
+from services.common.image_drop import ImageDrop
+from services.common.keepalive import MAX_MESSAGE_BYTES
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.registry_client import RegistryClient
 from services.worker import lora_admin
@@ -169,9 +171,25 @@ class WorkerRuntime:
     metrics_server: MetricsServer | None = None
     registry: RegistryClient | None = None
     encoders: EncoderClient | None = None  # --language-only: where image embeddings come from (EPD)
+    image_drop: ImageDrop | None = None  # where gateways upload large images (open_image_drop)
 
     def __post_init__(self) -> None:
         self.rooms = RoomTable(self.config.role, Room)  # empty until the servicer brings its own
+
+    def open_image_drop(self) -> ImageDrop | None:
+        """Start the image drop on the gRPC host (Worker service roles, --image-drop-port not -1, no
+        TLS: the drop speaks plain TCP, so under TLS the images stay inside the encrypted call)."""
+        config = self.config
+        if config.role == "prefill" or config.image_drop_port < 0 or config.security.tls:
+            return None
+        drop = self.image_drop = ImageDrop(config.server.host, config.image_drop_port,
+                                           secret=config.security.secret,
+                                           max_upload_bytes=MAX_MESSAGE_BYTES).start()
+        self.metrics.gauge("image_drop_uploads", "Image uploads the image drop stored since start",
+                           lambda: drop.stats.stored)
+        self.metrics.gauge("image_drop_pending_bytes", "Image bytes the image drop holds or is receiving",
+                           lambda: drop.pending_bytes)
+        return drop
 
     @classmethod
     def create(cls, config: WorkerConfig) -> WorkerRuntime:
@@ -308,6 +326,8 @@ class WorkerRuntime:
         hold the process for ever)."""
         if self.registry is not None:
             await self.registry.close()
+        if self.image_drop is not None:
+            self.image_drop.close()
         self.engine.shutdown(exiting=exiting)
         if self.backend is not None and len(self.backend.rank_bytes()) > 1:
             log.info("KV bytes written per tp rank: %s", ", ".join(

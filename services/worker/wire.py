@@ -35,6 +35,7 @@ from libkv.transfer import TransferEndpoint
 from pdserve.sampling_params import StructuredOutput
 from protos.v1 import common_pb2, worker_pb2
 from services.common.failed_peer import failed_peer_metadata
+from services.worker.images_apart import TicketNotHeld
 from services.worker.metrics import WorkerMetrics
 
 
@@ -69,6 +70,10 @@ async def parse(engine: EngineAPI, room: str, prompt_token_ids: Sequence[int],
                 prefill_only: bool = False, lora: str = "", carried_tokens: int = 0) -> EngineRequest:
     """`parse_request` for a handler on the event loop: in a thread when the request carries images
     (decoding and resizing them is CPU work the loop must not wait on)."""
+    if isinstance(images, TicketNotHeld):
+        raise BadRequest("image_ticket names no images this worker holds (never uploaded to its image "
+                         "drop, taken by an earlier call, or expired): upload them again, or send them "
+                         "in `images`")
     if images:
         request = await asyncio.to_thread(parse_request, engine, room, prompt_token_ids, sampling,
                                           prefill_only=prefill_only, images=list(images), lora=lora)

@@ -190,11 +190,15 @@ def test_a_large_image_body_and_a_concurrent_stream(servers):
                                                     extra_body={"ignore_eos": True}):
             streamed.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
 
+    uploads = servers.vl_worker.metric("pdserve:image_drop_uploads")
     streaming = threading.Thread(target=stream)
     streaming.start()
     answer = chat(servers, servers.vl, ["what is it?", None], [large])  # an 8 MB body, while the stream runs
     streaming.join(120)
     assert not streaming.is_alive()
+    # its 6 MB image went beside the Generate call, through the worker's image drop (image_drop.py)
+    assert servers.vl_worker.metric("pdserve:image_drop_uploads") == uploads + 1
+    assert servers.vl_worker.metric("pdserve:image_drop_pending_bytes") == 0
     assert answer.choices[0].message.content == chat(servers, servers.vl, ["what is it?", None],
                                                      [small]).choices[0].message.content
     alone = client.chat.completions.create(model=gateway_model(servers.vl), messages=messages, max_tokens=48,

@@ -136,16 +136,19 @@ def test_output_matches_transformers(pd: Deployment, expected, case):
 
 
 def test_a_large_image_reaches_prefill_as_its_pixels(pd: Deployment, expected):
-    """A Generate call over 1 MB reaches decode with its images as views into the bytes received, and
-    decode writes them into its Prefill call's bytes (services/worker/images_apart.py): the prefill
-    gets the same image (a PNG carrying a 2 MB private chunk: the same pixels), so the same answer."""
+    """An image over 1 MB reaches decode through its image drop (services/common/image_drop.py) as
+    views into the bytes received, and decode writes them into its Prefill call's bytes
+    (services/worker/images_apart.py): the prefill gets the same image (a PNG carrying a 2 MB private
+    chunk: the same pixels), so the same answer."""
     parts, pictures = CASES["text+2 images"]
     urls = [data_url(image(*p)) for p in pictures]
     png = base64.b64decode(urls[0].split(",", 1)[1])
     urls[0] = "data:image/png;base64," + base64.b64encode(with_private_chunk(png, 2_000_000)).decode()
     local_before = pd.decode.metric("pdserve:local_prefill_requests_total")
+    uploads = pd.decode.metric("pdserve:image_drop_uploads")
     assert pd.chat(parts, urls).choices[0].message.content == expected["text+2 images"]
     assert pd.decode.metric("pdserve:local_prefill_requests_total") == local_before  # prefill ran it
+    assert pd.decode.metric("pdserve:image_drop_uploads") == uploads + 1
 
 
 def test_conditional_disaggregation_ran_some_locally(pd: Deployment):

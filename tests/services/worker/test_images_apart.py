@@ -11,9 +11,11 @@ import pytest
 
 from engine.sampling import SamplingParams
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.image_drop import DropTarget, ImageDrop
 from services.decode.prefill_client import PrefillClients
 from services.gateway.image_wire import generate_call
-from services.worker.images_apart import APART_FROM_BYTES, ImagesApart, adder
+from services.worker.images_apart import APART_FROM_BYTES, ImagesApart, TicketNotHeld, adder
+from services.worker.wire import BadRequest, parse
 
 
 class _Worker(worker_pb2_grpc.WorkerServicer):
@@ -34,9 +36,9 @@ class _Prefill(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.PrefillResponse(first_token=common_pb2.TokenOutput(token_id=7), tp_size=1)
 
 
-async def _serving(servicer, service: str) -> tuple[grpc.aio.Server, str]:
+async def _serving(servicer, service: str, drop: ImageDrop | None = None) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    adder(service)(servicer, server)
+    adder(service, drop)(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -112,3 +114,33 @@ async def test_a_forged_large_request_is_an_error_and_the_server_serves_on():
     # (gRPC's own answer to a request its deserializer refuses, as for every method: UNKNOWN)
     assert "GenerateRequest" in refused.value.details() and "corrupt" in refused.value.details()
     assert len(servicer.received) == 1 and isinstance(servicer.received[0], ImagesApart)
+
+
+async def test_large_images_go_through_the_image_drop_and_arrive_as_the_same_views():
+    drop = ImageDrop("127.0.0.1", secret=b"k").start()
+    servicer = _Worker()
+    server, address = await _serving(servicer, "Worker", drop)
+    big = [os.urandom(APART_FROM_BYTES), b"\x89PNG"]
+
+    async def find_drop() -> DropTarget:
+        return DropTarget("127.0.0.1", drop.port, b"k")
+
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            for images in (big, [b"small"]):  # a small one goes in the call
+                call = generate_call(channel, _generate_request(), images, find_drop)
+                assert [r.finish_reason async for r in call] == [common_pb2.FINISH_REASON_LENGTH]
+            forged = _generate_request()
+            forged.image_ticket = b"t" * 16  # never uploaded
+            assert [r async for r in worker_pb2_grpc.WorkerStub(channel).Generate(forged)]
+    finally:
+        await server.stop(0)
+        drop.close()
+    dropped, small, forged_received = servicer.received
+    assert isinstance(dropped, ImagesApart) and [bytes(image) for image in dropped.images] == big
+    assert len(dropped.message.image_ticket) == 16 and not dropped.message.images
+    assert isinstance(small, worker_pb2.GenerateRequest) and list(small.images) == [b"small"]
+    assert drop.stats.stored == drop.stats.taken == 1 and drop.pending_bytes == 0
+    assert isinstance(forged_received.images, TicketNotHeld)
+    with pytest.raises(BadRequest, match="image_ticket names no images"):
+        await parse(None, "r", [1], common_pb2.SamplingParams(), forged_received.images)  # type: ignore[arg-type]
