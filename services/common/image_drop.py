@@ -46,6 +46,9 @@ MAX_IMAGES = 64
 GO_ON = STORED = 0
 REFUSED = 1
 _READ_AT_ONCE = 4 << 20  # bytes per recv_into: each call releases the GIL for its copy
+# A sender slower than this is dropped, however often it sends a byte: one that trickles would
+# otherwise hold a connection slot and its reserved bytes for ever.
+MIN_BYTES_PER_S = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class ImageDrop:
     most `max_connections` at once), and the uploads stored until taken or expired."""
 
     def __init__(self, host: str, port: int = 0, *, secret: bytes = b"", max_upload_bytes: int = 256 << 20,
-                 max_pending_bytes: int = 1 << 30, max_connections: int = 8, io_timeout_s: float = 10.0,
+                 max_pending_bytes: int = 512 << 20, max_connections: int = 8, io_timeout_s: float = 10.0,
                  keep_s: float = 60.0) -> None:
         self.secret = secret
         self.max_upload_bytes = max_upload_bytes
@@ -172,7 +175,7 @@ class ImageDrop:
                     ticket, sizes = self._read_head(conn)
                     reserved = self._reserve(ticket, sum(sizes))
                     _answer(conn, GO_ON, "")
-                    images = _receive(conn, sizes)
+                    images = _receive(conn, sizes, self.io_timeout_s)
                 except _Refusal as exc:
                     self.stats.refuse(exc.kind)
                     _answer(conn, REFUSED, str(exc))
@@ -249,14 +252,20 @@ def _read_exact(conn: socket.socket, nbytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive(conn: socket.socket, sizes: Sequence[int]) -> tuple[memoryview, ...]:
+def _receive(conn: socket.socket, sizes: Sequence[int], io_timeout_s: float) -> tuple[memoryview, ...]:
     """The images' bytes, read into one anonymous mapping (pages zero-filled by the kernel as the
-    copy reaches them, not up front) and cut into a view per image."""
+    copy reaches them, not up front) and cut into a view per image; TimeoutError past
+    `io_timeout_s` plus a second per MIN_BYTES_PER_S."""
     total = sum(sizes)
     buffer = mmap.mmap(-1, max(total, 1))
     whole = memoryview(buffer)[:total]
+    deadline = time.monotonic() + io_timeout_s + total / MIN_BYTES_PER_S
     done = 0
     while done < total:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError(f"{done} of {total} bytes by the deadline")
+        conn.settimeout(min(io_timeout_s, left_s))
         got = conn.recv_into(whole[done:], min(total - done, _READ_AT_ONCE))
         if not got:
             raise ConnectionError("the sender closed the connection mid-image")

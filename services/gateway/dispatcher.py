@@ -266,7 +266,7 @@ class Dispatcher:
             request.prefill_address = route.prefill.address
         want_logprobs = sampling.logprobs
         if images:  # written into the wire bytes as they are: building the message would copy them twice
-            call = generate_call(route.decode.channel, request, images, route.decode.image_drop)
+            call = generate_call(route.decode.channel, request, images, route.decode)
         else:
             call = route.decode.worker_stub().Generate(request)
         route.decode.track(call)

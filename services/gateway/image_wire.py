@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -41,7 +41,6 @@ UPLOAD_TIMEOUT_S = 10.0  # per read or write of the upload: a frozen worker is g
 # Uploads wait on peers: threads of their own, so a frozen worker holds these and not the loop's
 # default executor, which the wire bytes and other work use.
 _UPLOADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="image-upload")
-FindDrop = Callable[[], Awaitable[DropTarget | None]]
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -57,6 +56,14 @@ def _as_is(wire: bytes) -> bytes:
     return wire
 
 
+class DropFinder(Protocol):
+    """Where a worker's image drop is (services/gateway/workers.py WorkerHandle)."""
+
+    async def image_drop(self) -> DropTarget | None: ...
+
+    def forget_image_drop(self) -> None: ...
+
+
 class ImageGenerateCall:
     """Worker.Generate with images, used as the dispatcher uses a grpc.aio unary-stream call: `read()`
     (grpc.aio.EOF at the end), `cancel()`, async iteration. The wire bytes are made in a thread at
@@ -64,7 +71,7 @@ class ImageGenerateCall:
     (read raises CancelledError, as a cancelled grpc.aio call's does) and never starts the call."""
 
     def __init__(self, channel: grpc.aio.Channel, request: worker_pb2.GenerateRequest,
-                 images: Sequence[bytes], drop: FindDrop | None = None) -> None:
+                 images: Sequence[bytes], drop: DropFinder | None = None) -> None:
         self._channel = channel
         self._request = request
         self._images = images
@@ -95,7 +102,7 @@ class ImageGenerateCall:
         the upload met, with the dispatcher's timeouts)."""
         size = sum(len(memoryview(image)) for image in self._images)
         if self._drop is not None and size >= DROP_FROM_BYTES:
-            target = await self._drop()
+            target = await self._drop.image_drop()
             if target is not None:
                 ticket = new_ticket()
                 try:
@@ -103,6 +110,7 @@ class ImageGenerateCall:
                         upload, target.host, target.port, ticket, self._images, secret=target.secret,
                         timeout_s=UPLOAD_TIMEOUT_S))
                 except DropRefused as exc:
+                    self._drop.forget_image_drop()  # it may have restarted on another port: ask again
                     log.warning("room %s: image upload refused (%s); sending the images in the call",
                                 self._request.room, exc)
                 else:
@@ -135,7 +143,7 @@ class ImageGenerateCall:
 
 
 def generate_call(channel: grpc.aio.Channel, request: worker_pb2.GenerateRequest,
-                  images: Sequence[bytes], drop: FindDrop | None = None) -> ImageGenerateCall:
+                  images: Sequence[bytes], drop: DropFinder | None = None) -> ImageGenerateCall:
     """Worker.Generate(request with `images`) on `channel`; large images go to the worker's image
-    drop, found by `drop` (WorkerHandle.image_drop), when it has one."""
+    drop, found by `drop` (the WorkerHandle), when it has one."""
     return ImageGenerateCall(channel, request, images, drop)

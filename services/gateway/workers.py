@@ -249,6 +249,10 @@ class WorkerHandle:
         host = self.address.rpartition(":")[0].strip("[]")
         return DropTarget(host, self._image_drop_port, self.security.secret)
 
+    def forget_image_drop(self) -> None:
+        """An upload failed: ask again before the next (a restarted worker has another port)."""
+        self._image_drop_port = None
+
     def begin(self) -> None:
         self.inflight += 1
 

@@ -129,3 +129,23 @@ def test_more_senders_than_slots_are_told_so(drop: ImageDrop) -> None:
                 upload("127.0.0.1", server.port, new_ticket(), [b"x"])
     finally:
         server.close()
+
+
+def test_a_sender_that_trickles_is_dropped_at_its_deadline(drop: ImageDrop) -> None:
+    # 1 MB at the least rate the drop accepts (1 MB/s) plus its 0.5 s timeout: dropped after 1.5 s,
+    # though a byte arrives well within every read's timeout
+    ticket = new_ticket()
+    head = struct.pack("<10s16s32sIQ", MAGIC, ticket, ticket_mac(SECRET, ticket), 1, 1 << 20)
+    began = time.monotonic()
+    with socket.create_connection(("127.0.0.1", drop.port), timeout=5) as trickling:
+        trickling.sendall(head)
+        assert trickling.recv(1) == b"\x00"
+        while drop.stats.refused.get("connection", 0) == 0:
+            assert time.monotonic() - began < 5, "never dropped"
+            try:
+                trickling.sendall(b"x")
+            except OSError:
+                break  # dropped
+            time.sleep(0.1)
+    wait_for(lambda: drop.stats.refused.get("connection") == 1)
+    assert drop.pending_bytes == 0 and drop.take(ticket) is None

@@ -122,13 +122,17 @@ async def test_large_images_go_through_the_image_drop_and_arrive_as_the_same_vie
     server, address = await _serving(servicer, "Worker", drop)
     big = [os.urandom(APART_FROM_BYTES), b"\x89PNG"]
 
-    async def find_drop() -> DropTarget:
-        return DropTarget("127.0.0.1", drop.port, b"k")
+    class FindDrop:
+        async def image_drop(self) -> DropTarget:
+            return DropTarget("127.0.0.1", drop.port, b"k")
+
+        def forget_image_drop(self) -> None:
+            raise AssertionError("the upload failed")
 
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             for images in (big, [b"small"]):  # a small one goes in the call
-                call = generate_call(channel, _generate_request(), images, find_drop)
+                call = generate_call(channel, _generate_request(), images, FindDrop())
                 assert [r.finish_reason async for r in call] == [common_pb2.FINISH_REASON_LENGTH]
             forged = _generate_request()
             forged.image_ticket = b"t" * 16  # never uploaded
