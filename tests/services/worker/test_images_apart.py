@@ -5,6 +5,7 @@ small request arrives as the plain message."""
 from __future__ import annotations
 
 import os
+import socket
 
 import grpc
 import pytest
@@ -148,3 +149,30 @@ async def test_large_images_go_through_the_image_drop_and_arrive_as_the_same_vie
     assert isinstance(forged_received.images, TicketNotHeld)
     with pytest.raises(BadRequest, match="image_ticket names no images"):
         await parse(None, "r", [1], common_pb2.SamplingParams(), forged_received.images)  # type: ignore[arg-type]
+
+
+async def test_an_unreachable_drop_falls_back_to_the_images_in_the_call_and_is_asked_again():
+    servicer = _Worker()
+    server, address = await _serving(servicer, "Worker")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens here once it is closed
+    forgotten: list[bool] = []
+
+    class StaleDrop:  # as a gateway holds a restarted worker's old port
+        async def image_drop(self) -> DropTarget:
+            return DropTarget("127.0.0.1", port)
+
+        def forget_image_drop(self) -> None:
+            forgotten.append(True)
+
+    big = [os.urandom(APART_FROM_BYTES)]
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = generate_call(channel, _generate_request(), big, StaleDrop())
+            assert [r.finish_reason async for r in call] == [common_pb2.FINISH_REASON_LENGTH]
+    finally:
+        await server.stop(0)
+    (received,) = servicer.received
+    assert isinstance(received, ImagesApart) and [bytes(i) for i in received.images] == big
+    assert not received.message.image_ticket and forgotten == [True]
