@@ -10,7 +10,8 @@ MB body of two base64 PNG data URLs after another. The gateway measured has the 
 as in `bench gateway-relay`; the worker and the clients run on the others (`--no-pin`: anywhere).
 It prints the p99 (and p50, max) of the gap between consecutive
 SSE events of the streams in each phase, the loaded p99 over the idle p99 (the target: at most 2),
-how the big-body requests ended, the worker's own gaps over 40 and 80 ms (its inter-token latency
+how the big-body requests ended and how many of their images went through the worker's image drop
+(services/common/image_drop.py), the worker's own gaps over 40 and 80 ms (its inter-token latency
 histogram: a stall that began in the worker, not the gateway), and the gateway's event-loop stalls
 over 20 ms and 50 ms per big body (its gateway_event_loop_busy_seconds: CPU time on the loop,
 which a busy machine barely changes, where the gaps are wall-clock and noisy when others run). The
@@ -230,14 +231,18 @@ def _measure(gateway: Service, worker: Service, model: str, args: argparse.Names
     idle, _ = asyncio.run(_phase(url, stream, args.streams, None, 0))
     after_idle, itl_after_idle = _loop_stalls(url), _worker_itl(worker)
     began = time.perf_counter()
+    uploads = worker.metric("pdserve:image_drop_uploads")
     loaded, statuses = asyncio.run(_phase(url, stream, args.streams, big, args.big_clients))
     after_loaded, itl_after_loaded = _loop_stalls(url), _worker_itl(worker)
+    uploads = worker.metric("pdserve:image_drop_uploads") - uploads
     figures = {"idle": {**_gap_figures(idle), **_stall_figures(at_start, after_idle, 0),
                         **worker_gap_figures(itl_at_start, itl_after_idle)},
                "big_bodies": {**_gap_figures(loaded),
                               **_stall_figures(after_idle, after_loaded, sum(statuses.values())),
                               **worker_gap_figures(itl_after_idle, itl_after_loaded)},
                "big_body_answers": {str(k): v for k, v in sorted(statuses.items())},
+               # bodies whose images reached the worker beside the call (services/common/image_drop.py)
+               "image_drop_uploads": int(uploads),
                "loaded_seconds": round(time.perf_counter() - began, 1)}
     idle_p99, loaded_p99 = figures["idle"]["gap_ms_p99"], figures["big_bodies"]["gap_ms_p99"]
     figures["p99_loaded_over_idle"] = round(loaded_p99 / idle_p99, 2) if idle_p99 and loaded_p99 else None
@@ -300,7 +305,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"  big-body answers: {figures['big_body_answers']}; "
                   f"p99 gap under big bodies / idle: {figures['p99_loaded_over_idle']} "
                   f"({figures.get('loaded_gaps_over_twice_idle_p99')} gaps over twice the idle p99); "
-                  f"event-loop stalls over 20 ms per big body: {stalls}")
+                  f"event-loop stalls over 20 ms per big body: {stalls}; "
+                  f"through the worker's image drop: {figures['image_drop_uploads']}")
     errors = sum(report[name][phase]["stream_errors"] for name in ("on_loop", "pool")
                  for phase in ("idle", "big_bodies"))
     return 0 if errors == 0 else 1
