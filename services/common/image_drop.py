@@ -126,9 +126,11 @@ class ImageDrop:
         return self
 
     def close(self) -> None:
+        """Stop taking uploads and drop what is held. The accept thread notices within half a
+        second (not waited for: a worker on its way out should not); an upload in flight is refused
+        when it ends."""
         self._closed.set()
         self._listener.close()
-        self._thread.join(timeout=2)
         with self._lock:
             self._uploads.clear()
             self._pending_bytes = 0
@@ -220,9 +222,10 @@ class ImageDrop:
         return nbytes
 
     def _store(self, ticket: bytes, images: tuple[memoryview, ...], nbytes: int) -> bool:
-        """Keep the upload under `ticket`; False if the same ticket raced in first (that one stays)."""
+        """Keep the upload under `ticket`; False if the same ticket raced in first (that one stays) or
+        the drop is closed."""
         with self._lock:
-            if ticket in self._uploads:
+            if ticket in self._uploads or self._closed.is_set():
                 return False
             self._uploads[ticket] = _Upload(images, nbytes, time.monotonic() + self.keep_s)
             self.stats.stored += 1
